@@ -1,0 +1,93 @@
+#include "memory/host_allocator.h"
+
+#include <atomic>
+#include <mutex>
+
+#include <ATen/core/CachingHostAllocator.h>
+
+#include "memory/pinned_pool.h"
+#include "memory/placement.h"
+
+namespace pinxfer {
+
+namespace {
+
+class PoolHostAllocator final : public at::HostAllocator {
+ public:
+  c10::DataPtr allocate(size_t n) override {
+    return pool_for_node(numa_node_for_current_device()).allocate(n);
+  }
+
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
+
+  // Called by copy_(non_blocking=True) for every host tensor it copies, ours
+  // or not: an unknown ctx answers false, as torch's own allocator does.
+  bool record_event(void* ptr, void* ctx, c10::Stream stream) override {
+    PinnedPool* pool = PinnedPool::owner_of(ctx);
+    return pool != nullptr && pool->record_stream(ctx, stream);
+  }
+
+  void empty_cache() override {
+    for (PinnedPool* pool : all_pools()) pool->release_cached();
+  }
+
+  at::HostStats get_stats() override {
+    at::HostStats out;
+    for (PinnedPool* pool : all_pools()) {
+      for (const auto& [name, value] : pool->stats().items) {
+        if (name == "active_blocks.current") out.active_requests.current += value;
+        if (name == "active_blocks.peak") out.active_requests.peak += value;
+        if (name == "allocated_bytes.current") out.active_bytes.current += value;
+        if (name == "allocated_bytes.peak") out.active_bytes.peak += value;
+        if (name == "segments.current") out.allocations.current += value;
+        if (name == "segments.peak") out.allocations.peak += value;
+        if (name == "reserved_bytes.current") out.allocated_bytes.current += value;
+        if (name == "reserved_bytes.peak") out.allocated_bytes.peak += value;
+        if (name == "num_segment_maps") out.num_host_alloc += value;
+        if (name == "num_segment_unmaps") out.num_host_free += value;
+      }
+    }
+    return out;
+  }
+
+  void reset_accumulated_stats() override {
+    for (PinnedPool* pool : all_pools()) pool->reset_accumulated_stats();
+  }
+
+  void reset_peak_stats() override {
+    for (PinnedPool* pool : all_pools()) pool->reset_peak_stats();
+  }
+};
+
+// Above torch's own registration (priority 0); setHostAllocator replaces
+// when the new priority is >= the current one, so we restore torch's at ours.
+constexpr uint8_t kPriority = 64;
+std::mutex g_install_mutex;
+at::HostAllocator* g_torch_allocator = nullptr;  // LOCK: g_install_mutex
+std::atomic<bool> g_installed{false};
+
+}  // namespace
+
+bool install_host_allocator(bool enable) {
+#if PINXFER_WITH_CUDA
+  static PoolHostAllocator* ours = new PoolHostAllocator();  // leaked: lives past exit
+  std::lock_guard<std::mutex> lock(g_install_mutex);
+  if (enable == g_installed.load()) return true;
+  if (enable) {
+    g_torch_allocator = at::getHostAllocator(at::kCUDA);
+    at::setHostAllocator(at::kCUDA, ours, kPriority);
+  } else {
+    at::setHostAllocator(at::kCUDA, g_torch_allocator, kPriority);
+  }
+  g_installed.store(enable);
+  return true;
+#else
+  return false;
+#endif
+}
+
+bool host_allocator_installed() { return g_installed.load(); }
+
+}  // namespace pinxfer

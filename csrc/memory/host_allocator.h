@@ -1,0 +1,17 @@
+// pinxfer's pool behind torch's at::HostAllocator interface, so that
+// Tensor.pin_memory(), torch.empty(pin_memory=True), the DataLoader's pin
+// thread and copy_(non_blocking=True)'s record_event all reach it once
+// installed (at::setHostAllocator(kCUDA, ..., priority)).
+//
+// Opt-in: install_host_allocator(true) takes over; (false) gives torch's own
+// allocator back. Blocks keep their own deleters, so tensors allocated by
+// either allocator stay valid across install/uninstall. Thread-safe.
+#pragma once
+
+namespace pinxfer {
+
+// Returns true if the swap happened (false in CPU-only builds).
+bool install_host_allocator(bool enable);
+bool host_allocator_installed();
+
+}  // namespace pinxfer

@@ -1,0 +1,527 @@
+#include "memory/pinned_pool.h"
+
+#include <pthread.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cctype>
+#include <cstdlib>
+#include <map>
+
+#include <c10/util/Exception.h>
+
+#include "runtime/thread_pool.h"
+
+namespace pinxfer {
+
+namespace {
+
+constexpr size_t kSmallMax = size_t{1} << 20;      // requests up to 1 MiB use the small pool
+constexpr size_t kSmallSegment = size_t{2} << 20;  // small pool maps 2 MiB segments
+constexpr size_t kSmallGranule = 512;
+constexpr size_t kLargeGranule = size_t{64} << 10;
+
+size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
+
+size_t rounded_size(size_t size) {
+  return size <= kSmallMax ? round_up(size, kSmallGranule) : round_up(size, kLargeGranule);
+}
+
+std::atomic<int64_t> g_reserved_total{0};
+std::atomic<int64_t> g_limit{-1};  // -1: not read from the environment yet
+
+int64_t limit_now() {
+  int64_t limit = g_limit.load();
+  if (limit >= 0) return limit;
+  const char* env = std::getenv("PINXFER_MAX_PINNED_BYTES");
+  limit = (env && *env) ? parse_byte_size(env) : 0;
+  int64_t expected = -1;
+  g_limit.compare_exchange_strong(expected, limit);
+  return g_limit.load();
+}
+
+bool try_reserve(int64_t bytes) {
+  const int64_t limit = limit_now();
+  int64_t cur = g_reserved_total.load();
+  do {
+    if (limit > 0 && cur + bytes > limit) return false;
+  } while (!g_reserved_total.compare_exchange_weak(cur, cur + bytes));
+  return true;
+}
+
+std::string human(int64_t bytes) {
+  char buf[64];
+  if (bytes >= (int64_t{1} << 30)) {
+    snprintf(buf, sizeof(buf), "%.2f GiB", bytes / double(int64_t{1} << 30));
+  } else if (bytes >= (int64_t{1} << 20)) {
+    snprintf(buf, sizeof(buf), "%.2f MiB", bytes / double(int64_t{1} << 20));
+  } else {
+    snprintf(buf, sizeof(buf), "%lld bytes", static_cast<long long>(bytes));
+  }
+  return std::to_string(bytes) + " bytes (" + buf + ")";
+}
+
+std::atomic<bool> g_warned_event_error{false};
+
+}  // namespace
+
+int64_t parse_byte_size(const std::string& text) {
+  size_t i = 0;
+  while (i < text.size() && std::isspace(static_cast<unsigned char>(text[i]))) ++i;
+  size_t j = i;
+  while (j < text.size() && (std::isdigit(static_cast<unsigned char>(text[j])) || text[j] == '.')) {
+    ++j;
+  }
+  TORCH_CHECK(j > i, "pinxfer: cannot read a byte size from '", text,
+              "': expected a number with an optional unit, e.g. 1073741824, 512MiB, 8G");
+  const double value = std::stod(text.substr(i, j - i));
+  std::string unit;
+  for (size_t k = j; k < text.size(); ++k) {
+    if (!std::isspace(static_cast<unsigned char>(text[k]))) {
+      unit.push_back(static_cast<char>(std::tolower(static_cast<unsigned char>(text[k]))));
+    }
+  }
+  double scale = 1;
+  if (unit.empty() || unit == "b") {
+    scale = 1;
+  } else if (unit == "k" || unit == "kb" || unit == "kib") {
+    scale = 1024.0;
+  } else if (unit == "m" || unit == "mb" || unit == "mib") {
+    scale = 1024.0 * 1024;
+  } else if (unit == "g" || unit == "gb" || unit == "gib") {
+    scale = 1024.0 * 1024 * 1024;
+  } else if (unit == "t" || unit == "tb" || unit == "tib") {
+    scale = 1024.0 * 1024 * 1024 * 1024;
+  } else {
+    TORCH_CHECK(false, "pinxfer: unknown byte unit '", unit, "' in '", text,
+                "': use B, KiB, MiB, GiB or TiB (K, M, G, T also accepted, all binary)");
+  }
+  return static_cast<int64_t>(value * scale);
+}
+
+void set_max_pinned_bytes(int64_t bytes) {
+  TORCH_CHECK(bytes >= 0, "pinxfer: the pinned-memory cap must be >= 0 bytes (0 = unlimited), got ",
+              bytes);
+  g_limit.store(bytes);
+}
+
+int64_t max_pinned_bytes() { return limit_now(); }
+
+PinnedPool::PinnedPool(int numa_node) : numa_node_(numa_node), generation_(fork_generation()) {}
+
+c10::DataPtr PinnedPool::allocate(size_t size) {
+  if (size == 0) return c10::DataPtr(nullptr, c10::Device(c10::DeviceType::CPU));
+  const size_t rounded = rounded_size(size);
+  const bool small = size <= kSmallMax;
+  Block* block = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    process_events_locked();
+    block = take_free_block_locked(rounded, small);
+    if (block) ++num_hits_;
+  }
+  if (!block) {
+    const size_t segment_size = small ? kSmallSegment : rounded;
+    // Under the cap: first give back fully free segments of every pool, then
+    // wait for blocks whose copies are still in flight, then give up.
+    for (int attempt = 0; !try_reserve(static_cast<int64_t>(segment_size)); ++attempt) {
+      if (attempt == 0) {
+        for (PinnedPool* p : all_pools()) p->release_cached();
+      } else if (attempt == 1) {
+        for (PinnedPool* p : all_pools()) p->synchronize_pending();
+        for (PinnedPool* p : all_pools()) p->release_cached();
+      } else {
+        // Retry the free set once more: the steps above may have freed a fit.
+        std::unique_lock<std::mutex> lock(mutex_);
+        block = take_free_block_locked(rounded, small);
+        if (block) {
+          ++num_hits_;
+          break;
+        }
+        ++num_ooms_;
+        const int64_t reserved = g_reserved_total.load();
+        int64_t cached = 0, requested = 0;
+        lock.unlock();
+        for (PinnedPool* p : all_pools()) {
+          for (const auto& [name, value] : p->stats().items) {
+            if (name == "cached_bytes.current") cached += value;
+            if (name == "requested_bytes.current") requested += value;
+          }
+        }
+        TORCH_CHECK_WITH(
+            OutOfMemoryError, false, "pinxfer: out of pinned memory. Asked for ", human(size),
+            ", which needs a new segment of ", human(segment_size), ", but the cap is ",
+            human(limit_now()), ". Pinned now: ", human(reserved), ", of which cached (free) ",
+            human(cached), "; requested by live tensors: ", human(requested),
+            ". Free pinned tensors, call pinxfer.empty_cache(), or raise the cap "
+            "(pinxfer.set_max_pinned_bytes() or PINXFER_MAX_PINNED_BYTES).");
+      }
+    }
+    if (!block) {
+      HostRegion region;
+      RegionTimings timings;
+      try {
+        region = map_locked_region(segment_size, numa_node_, &timings);
+      } catch (...) {
+        g_reserved_total.fetch_sub(static_cast<int64_t>(segment_size));
+        throw;
+      }
+      auto* segment = new Segment{region, this, small, generation_};
+      auto* whole = new Block();
+      whole->ptr = static_cast<char*>(region.ptr);
+      whole->size = region.size;
+      whole->segment = segment;
+      // map_locked_region rounds to whole pages; keep the cap accounting exact.
+      g_reserved_total.fetch_add(static_cast<int64_t>(region.size) -
+                                 static_cast<int64_t>(segment_size));
+      std::lock_guard<std::mutex> lock(mutex_);
+      segments_.insert(segment);
+      segments_count_.add(1);
+      reserved_bytes_.add(static_cast<int64_t>(region.size));
+      reserved_by_kind_[static_cast<int>(region.kind)] += static_cast<int64_t>(region.size);
+      ++num_maps_;
+      ++num_misses_;
+      map_ns_ += timings.map_ns;
+      touch_ns_ += timings.touch_ns;
+      lock_ns_ += timings.lock_ns;
+      auto& free_set = small ? free_small_ : free_large_;
+      free_set.insert(whole);
+      // Take exactly this block (another thread cannot have taken it: we
+      // still hold the lock since inserting it).
+      free_set.erase(whole);
+      block = whole;
+      if (block->size - rounded >= (small ? kSmallGranule : kLargeGranule)) {
+        auto* rest = new Block();
+        rest->ptr = block->ptr + rounded;
+        rest->size = block->size - rounded;
+        rest->segment = segment;
+        rest->prev = block;
+        block->next = rest;
+        block->size = rounded;
+        free_set.insert(rest);
+      }
+    }
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  block->in_use = true;
+  block->requested = size;
+  live_.insert(block);
+  ++num_allocs_;
+  requested_bytes_.add(static_cast<int64_t>(size));
+  allocated_bytes_.add(static_cast<int64_t>(block->size));
+  active_blocks_.add(1);
+  return c10::DataPtr(block->ptr, block, &PinnedPool::delete_block,
+                      c10::Device(c10::DeviceType::CPU));
+}
+
+Block* PinnedPool::take_free_block_locked(size_t rounded, bool small) {
+  auto& free_set = small ? free_small_ : free_large_;
+  Block key;
+  key.size = rounded;
+  key.ptr = nullptr;
+  auto it = free_set.lower_bound(&key);
+  if (it == free_set.end()) return nullptr;
+  Block* block = *it;
+  free_set.erase(it);
+  const size_t granule = small ? kSmallGranule : kLargeGranule;
+  if (block->size - rounded >= granule) {
+    auto* rest = new Block();
+    rest->ptr = block->ptr + rounded;
+    rest->size = block->size - rounded;
+    rest->segment = block->segment;
+    rest->prev = block;
+    rest->next = block->next;
+    if (block->next) block->next->prev = rest;
+    block->next = rest;
+    block->size = rounded;
+    free_set.insert(rest);
+  }
+  return block;
+}
+
+void PinnedPool::return_to_free_locked(Block* block) {
+  auto& free_set = block->segment->small ? free_small_ : free_large_;
+  block->in_use = false;
+  block->requested = 0;
+  block->stream_uses.clear();
+  if (Block* prev = block->prev; prev && !prev->in_use) {
+    free_set.erase(prev);
+    prev->size += block->size;
+    prev->next = block->next;
+    if (block->next) block->next->prev = prev;
+    delete block;
+    block = prev;
+  }
+  if (Block* next = block->next; next && !next->in_use) {
+    free_set.erase(next);
+    block->size += next->size;
+    block->next = next->next;
+    if (next->next) next->next->prev = block;
+    delete next;
+  }
+  free_set.insert(block);
+}
+
+void PinnedPool::delete_block(void* ctx) {
+  auto* block = static_cast<Block*>(ctx);
+  // A block inherited across fork() belongs to an abandoned pool whose lock
+  // may be held by a thread that does not exist here: leave it alone.
+  if (block->segment->generation != fork_generation()) return;
+  block->segment->pool->free(block);
+}
+
+void PinnedPool::free(Block* block) {
+  std::vector<c10::Stream> streams;
+  LockKind kind;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    live_.erase(block);
+    ++num_frees_;
+    requested_bytes_.add(-static_cast<int64_t>(block->requested));
+    allocated_bytes_.add(-static_cast<int64_t>(block->size));
+    active_blocks_.add(-1);
+    streams = block->stream_uses;
+    kind = block->segment->region.kind;
+  }
+  bool fenced = false;
+  if (streams.empty() && kind == LockKind::kCudaRegistered) {
+    c10::Stream current(c10::Stream::DEFAULT, c10::Device(c10::DeviceType::CPU));
+    if (cuda::current_stream_if_active(&current)) {
+      streams.push_back(current);
+      fenced = true;
+    }
+  }
+  std::vector<PendingUse> uses;
+  bool event_failed = false;
+  std::string error;
+  for (const auto& s : streams) {
+    cuda::Event ev;
+    if (cuda::try_record_event(s, &ev, &error)) {
+      uses.push_back({ev, block});
+    } else {
+      event_failed = true;
+    }
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (fenced) ++num_fenced_frees_;
+  if (event_failed) {
+    // We cannot prove the copies reading this block are done: never reuse it.
+    // Its events (if any) are dropped; the memory stays reserved.
+    ++num_event_errors_;
+    if (!g_warned_event_error.exchange(true)) {
+      TORCH_WARN("pinxfer: could not record a CUDA event for a freed pinned block (", error,
+                 "); the block is kept out of the cache so no copy can read reused memory.");
+    }
+    for (auto& u : uses) cuda::release_event(u.event);
+    return;
+  }
+  if (uses.empty()) {
+    return_to_free_locked(block);
+    return;
+  }
+  block->pending_events = static_cast<int>(uses.size());
+  pending_blocks_.add(1);
+  for (size_t i = 0; i < uses.size(); ++i) pending_[streams[i]].push_back(uses[i]);
+}
+
+void PinnedPool::process_events_locked() {
+  for (auto it = pending_.begin(); it != pending_.end();) {
+    auto& queue = it->second;
+    while (!queue.empty()) {
+      std::string error;
+      PendingUse& front = queue.front();
+      if (!cuda::event_done(front.event, &error)) break;
+      cuda::release_event(front.event);
+      Block* block = front.block;
+      queue.pop_front();
+      if (!error.empty()) {
+        ++num_event_errors_;
+        block->pending_events = -1;  // poisoned: never returns to the cache
+        continue;
+      }
+      if (block->pending_events > 0 && --block->pending_events == 0) {
+        pending_blocks_.add(-1);
+        return_to_free_locked(block);
+      }
+    }
+    it = queue.empty() ? pending_.erase(it) : std::next(it);
+  }
+}
+
+bool PinnedPool::record_stream(void* ctx, const c10::Stream& stream) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto* block = static_cast<Block*>(ctx);
+  if (!live_.count(block)) return false;
+  if (std::find(block->stream_uses.begin(), block->stream_uses.end(), stream) ==
+      block->stream_uses.end()) {
+    block->stream_uses.push_back(stream);
+  }
+  return true;
+}
+
+void PinnedPool::synchronize_pending() {
+  std::vector<cuda::Event> events;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (auto& [stream, queue] : pending_) {
+      if (!queue.empty()) events.push_back(queue.back().event);
+    }
+    num_event_waits_ += static_cast<int64_t>(events.size());
+  }
+  // The last event of each stream covers the earlier ones (stream order).
+  // An event may be recycled meanwhile; waiting on it then is merely early.
+  for (const auto& ev : events) cuda::event_synchronize(ev);
+  std::lock_guard<std::mutex> lock(mutex_);
+  process_events_locked();
+}
+
+std::vector<Segment*> PinnedPool::collect_free_segments_locked(size_t) {
+  std::vector<Segment*> out;
+  for (auto* set : {&free_small_, &free_large_}) {
+    for (auto it = set->begin(); it != set->end();) {
+      Block* b = *it;
+      if (!b->prev && !b->next) {  // one free block spanning its whole segment
+        out.push_back(b->segment);
+        it = set->erase(it);
+        delete b;
+      } else {
+        ++it;
+      }
+    }
+  }
+  for (Segment* s : out) {
+    segments_.erase(s);
+    segments_count_.add(-1);
+    reserved_bytes_.add(-static_cast<int64_t>(s->region.size));
+    reserved_by_kind_[static_cast<int>(s->region.kind)] -= static_cast<int64_t>(s->region.size);
+    ++num_unmaps_;
+  }
+  return out;
+}
+
+void PinnedPool::unmap_segments(std::vector<Segment*> segments) {
+  int64_t ns = 0;
+  for (Segment* s : segments) {
+    ns += unmap_region(s->region);
+    g_reserved_total.fetch_sub(static_cast<int64_t>(s->region.size));
+    delete s;
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  unmap_ns_ += ns;
+}
+
+size_t PinnedPool::release_cached() {
+  std::vector<Segment*> segments;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    process_events_locked();
+    segments = collect_free_segments_locked(0);
+  }
+  size_t bytes = 0;
+  for (Segment* s : segments) bytes += s->region.size;
+  unmap_segments(std::move(segments));
+  return bytes;
+}
+
+PoolStats PinnedPool::stats() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  PoolStats s;
+  auto& v = s.items;
+  auto counter = [&](const char* name, const Counter& c) {
+    v.emplace_back(std::string(name) + ".current", c.current);
+    v.emplace_back(std::string(name) + ".peak", c.peak);
+  };
+  counter("requested_bytes", requested_bytes_);
+  counter("allocated_bytes", allocated_bytes_);
+  counter("reserved_bytes", reserved_bytes_);
+  v.emplace_back("cached_bytes.current", reserved_bytes_.current - allocated_bytes_.current);
+  counter("active_blocks", active_blocks_);
+  counter("pending_blocks", pending_blocks_);
+  counter("segments", segments_count_);
+  v.emplace_back("reserved_bytes.cuda_registered",
+                 reserved_by_kind_[static_cast<int>(LockKind::kCudaRegistered)]);
+  v.emplace_back("reserved_bytes.mlocked", reserved_by_kind_[static_cast<int>(LockKind::kMlocked)]);
+  v.emplace_back("reserved_bytes.pageable",
+                 reserved_by_kind_[static_cast<int>(LockKind::kPageable)]);
+  v.emplace_back("num_allocs", num_allocs_);
+  v.emplace_back("num_frees", num_frees_);
+  v.emplace_back("num_cache_hits", num_hits_);
+  v.emplace_back("num_cache_misses", num_misses_);
+  v.emplace_back("num_segment_maps", num_maps_);
+  v.emplace_back("num_segment_unmaps", num_unmaps_);
+  v.emplace_back("num_ooms", num_ooms_);
+  v.emplace_back("num_event_waits", num_event_waits_);
+  v.emplace_back("num_fenced_frees", num_fenced_frees_);
+  v.emplace_back("num_event_errors", num_event_errors_);
+  v.emplace_back("pin_time_ns", map_ns_ + touch_ns_ + lock_ns_);
+  v.emplace_back("map_time_ns", map_ns_);
+  v.emplace_back("touch_time_ns", touch_ns_);
+  v.emplace_back("lock_time_ns", lock_ns_);
+  v.emplace_back("unpin_time_ns", unmap_ns_);
+  return s;
+}
+
+void PinnedPool::reset_peak_stats() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (Counter* c : {&requested_bytes_, &allocated_bytes_, &reserved_bytes_, &active_blocks_,
+                     &pending_blocks_, &segments_count_}) {
+    c->peak = c->current;
+  }
+}
+
+void PinnedPool::reset_accumulated_stats() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  num_allocs_ = num_frees_ = num_hits_ = num_misses_ = 0;
+  num_maps_ = num_unmaps_ = num_ooms_ = num_event_waits_ = 0;
+  num_fenced_frees_ = num_event_errors_ = 0;
+  map_ns_ = touch_ns_ = lock_ns_ = unmap_ns_ = 0;
+}
+
+LockKind PinnedPool::lock_kind_of(void* ctx) {
+  return static_cast<Block*>(ctx)->segment->region.kind;
+}
+
+namespace {
+std::mutex g_pools_mutex;
+// Leaked on purpose (safe at exit). LOCK: g_pools_mutex
+std::map<int, PinnedPool*>* g_pools = new std::map<int, PinnedPool*>();
+
+void pools_child_after_fork() {
+  // Abandon the parent's pools: their locks may be held by threads that do
+  // not exist in the child, and their memory is registered with the parent's
+  // CUDA context. The child starts empty and (cuda_usable() is false) mlocks.
+  new (&g_pools_mutex) std::mutex();
+  g_pools = new std::map<int, PinnedPool*>();
+  g_reserved_total.store(0);
+}
+
+struct PoolForkHandlerInstaller {
+  PoolForkHandlerInstaller() { pthread_atfork(nullptr, nullptr, &pools_child_after_fork); }
+} g_pool_fork_handler;
+}  // namespace
+
+PinnedPool& pool_for_node(int numa_node) {
+  std::lock_guard<std::mutex> lock(g_pools_mutex);
+  auto it = g_pools->find(numa_node);
+  if (it != g_pools->end()) return *it->second;
+  auto* pool = new PinnedPool(numa_node);
+  g_pools->emplace(numa_node, pool);
+  return *pool;
+}
+
+std::vector<PinnedPool*> all_pools() {
+  std::lock_guard<std::mutex> lock(g_pools_mutex);
+  std::vector<PinnedPool*> out;
+  for (auto& [node, pool] : *g_pools) out.push_back(pool);
+  return out;
+}
+
+PinnedPool* PinnedPool::owner_of(void* ctx) {
+  for (PinnedPool* pool : all_pools()) {
+    std::lock_guard<std::mutex> lock(pool->mutex_);
+    if (pool->live_.count(static_cast<Block*>(ctx))) return pool;
+  }
+  return nullptr;
+}
+
+}  // namespace pinxfer

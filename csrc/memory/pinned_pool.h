@@ -1,0 +1,171 @@
+// The caching pool of page-locked host memory. See csrc/README.md, "Note
+// [pinxfer pool design]", for the whole picture; in short:
+//
+//  * Upstream: segments come from map_locked_region() (mmap, huge pages, NUMA
+//    bind, parallel first touch, cudaHostRegister or mlock).
+//  * Sizes: requests <= 1 MiB are rounded to 512 B and carved from 2 MiB
+//    segments (the small pool); larger requests are rounded to 64 KiB and get a
+//    segment of exactly that size on a miss (the large pool). So a live block
+//    wastes < 0.1% (large) and never rounds to a power of two.
+//  * Reuse: free blocks sit in a best-fit set per pool ordered by (size, ptr);
+//    a bigger free block is split, neighbours coalesce when both are free.
+//  * Stream safety: a block records the CUDA streams that used it
+//    (record_stream). When it is freed, an event is recorded on each of those
+//    streams and the block waits in that stream's FIFO; it returns to the free
+//    set only when all its events have completed. One FIFO per stream, so a
+//    slow stream never holds back blocks used only by fast ones.
+//  * A block freed with no recorded use while CUDA is active is fenced on the
+//    freeing thread's current stream (covers `x.to(dev, non_blocking=True);
+//    del x` on one stream; torch's copy_ only tells its *installed* host
+//    allocator, see host_allocator.cpp).
+//  * Cap: total reserved bytes over all pools never exceed the limit
+//    (PINXFER_MAX_PINNED_BYTES or set_max_pinned_bytes()). On pressure the
+//    pool releases fully free segments, then waits for pending events, then
+//    raises c10::OutOfMemoryError with pinned, cached and requested bytes.
+//
+// Thread safety: every public member may be called from any thread. One mutex
+// per pool guards blocks, free sets, event queues and stats; mmap, first touch,
+// cudaHostRegister/Unregister, munmap and event recording run outside it.
+// Ownership: the pool owns segments; a Block is owned by its segment and lent to
+// exactly one DataPtr at a time. Pools are never destroyed (safe at exit). In a
+// forked child all pools of the parent are abandoned (never touched again) and
+// fresh ones are built without CUDA.
+#pragma once
+
+#include <c10/core/Allocator.h>
+#include <c10/core/Stream.h>
+
+#include <array>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <unordered_map>
+#include <unordered_set>
+#include <vector>
+
+#include "memory/host_region.h"
+#include "runtime/cuda_runtime.h"
+
+namespace pinxfer {
+
+class PinnedPool;
+struct Segment;
+
+struct Block {
+  char* ptr = nullptr;
+  size_t size = 0;       // bytes this block spans (rounded)
+  size_t requested = 0;  // bytes the caller asked for (0 while free)
+  Segment* segment = nullptr;
+  Block* prev = nullptr;  // address-order neighbours inside the segment
+  Block* next = nullptr;
+  bool in_use = false;     // handed out, or freed but waiting on events
+  int pending_events = 0;  // events still to complete before reuse
+  std::vector<c10::Stream> stream_uses;  // streams that used it since allocation
+};
+
+struct Segment {
+  HostRegion region;
+  PinnedPool* pool = nullptr;
+  bool small = false;
+  uint64_t generation = 0;  // fork generation it was mapped in
+};
+
+// Counters behind pinxfer.memory_stats(). Byte figures are exact.
+struct PoolStats {
+  // name -> value, in a fixed order; see PinnedPool::stats().
+  std::vector<std::pair<std::string, int64_t>> items;
+};
+
+class PinnedPool {
+ public:
+  explicit PinnedPool(int numa_node);
+
+  // A DataPtr to >= size bytes of locked memory (512-byte aligned) whose
+  // context is the Block. size 0 gives an empty DataPtr. Throws
+  // c10::OutOfMemoryError past the cap.
+  c10::DataPtr allocate(size_t size);
+
+  // Marks that `stream` (a CUDA stream) uses the block behind ctx; returns
+  // false if ctx is not a live block of this pool.
+  bool record_stream(void* ctx, const c10::Stream& stream);
+
+  // Gives fully free segments back to the OS (cudaHostUnregister + munmap).
+  // Blocks waiting on events and live blocks are kept. Returns bytes released.
+  size_t release_cached();
+
+  // Blocks until every pending event of this pool has completed, then moves
+  // those blocks to the free set.
+  void synchronize_pending();
+
+  PoolStats stats();
+  void reset_peak_stats();
+  void reset_accumulated_stats();
+  int numa_node() const { return numa_node_; }
+
+  // True if ctx is a live block of some pool (used to validate foreign ctx).
+  static PinnedPool* owner_of(void* ctx);
+  // Lock kind of the block behind a DataPtr context of this pool.
+  LockKind lock_kind_of(void* ctx);
+
+ private:
+  static void delete_block(void* ctx);
+  void free(Block* block);
+
+  Block* take_free_block_locked(size_t rounded, bool small);
+  void return_to_free_locked(Block* block);
+  void process_events_locked();
+  void unmap_segments(std::vector<Segment*> segments);
+  std::vector<Segment*> collect_free_segments_locked(size_t at_most_smaller_than);
+
+  const int numa_node_;
+  const uint64_t generation_;
+
+  struct BlockOrder {
+    bool operator()(const Block* a, const Block* b) const {
+      return a->size != b->size ? a->size < b->size : a->ptr < b->ptr;
+    }
+  };
+  struct PendingUse {
+    cuda::Event event;
+    Block* block;
+  };
+
+  std::mutex mutex_;
+  std::set<Block*, BlockOrder> free_small_;  // LOCK: mutex_
+  std::set<Block*, BlockOrder> free_large_;  // LOCK: mutex_
+  std::unordered_set<Block*> live_;          // handed out, not yet freed. LOCK: mutex_
+  std::unordered_map<c10::Stream, std::deque<PendingUse>> pending_;  // LOCK: mutex_
+  std::unordered_set<Segment*> segments_;    // LOCK: mutex_
+
+  // LOCK: mutex_ for all counters below.
+  struct Counter {
+    int64_t current = 0, peak = 0;
+    void add(int64_t v) {
+      current += v;
+      if (current > peak) peak = current;
+    }
+  };
+  Counter requested_bytes_, allocated_bytes_, reserved_bytes_, active_blocks_, segments_count_;
+  Counter pending_blocks_;
+  int64_t num_allocs_ = 0, num_frees_ = 0, num_hits_ = 0, num_misses_ = 0;
+  int64_t num_maps_ = 0, num_unmaps_ = 0, num_ooms_ = 0, num_event_waits_ = 0;
+  int64_t num_fenced_frees_ = 0, num_event_errors_ = 0;
+  int64_t map_ns_ = 0, touch_ns_ = 0, lock_ns_ = 0, unmap_ns_ = 0;
+  std::array<int64_t, 3> reserved_by_kind_{};  // indexed by LockKind
+};
+
+// The pool for a NUMA node (-1: unbound). Created on first use; rebuilt after fork.
+PinnedPool& pool_for_node(int numa_node);
+// Every pool built so far in this process (this fork generation).
+std::vector<PinnedPool*> all_pools();
+
+// Hard cap on reserved bytes over all pools; 0 = unlimited.
+void set_max_pinned_bytes(int64_t bytes);
+int64_t max_pinned_bytes();
+// Parses "1073741824", "512MiB", "8G", "2GB" (binary units). Throws on junk.
+int64_t parse_byte_size(const std::string& text);
+
+}  // namespace pinxfer

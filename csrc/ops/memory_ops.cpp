@@ -1,0 +1,143 @@
+// Kernels for the pool's operators (schemas in csrc/module.cpp).
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include "memory/host_allocator.h"
+#include "memory/pinned_pool.h"
+#include "memory/placement.h"
+#include "runtime/cuda_runtime.h"
+#include "runtime/numa.h"
+
+namespace pinxfer::ops {
+
+namespace {
+
+int resolve_node(std::optional<int64_t> numa_node) {
+  return numa_node.has_value() ? static_cast<int>(*numa_node) : numa_node_for_current_device();
+}
+
+// A storage-deleting allocator is not needed: the DataPtr carries the pool's
+// deleter, so the tensor owns its block outright.
+at::Tensor empty(at::IntArrayRef size, at::ScalarType dtype, std::optional<int64_t> numa_node) {
+  for (int64_t d : size) {
+    TORCH_CHECK(d >= 0, "pinxfer.empty: sizes must be non-negative, got ", size);
+  }
+  const int64_t numel = c10::multiply_integers(size);
+  const size_t nbytes = static_cast<size_t>(numel) * c10::elementSize(dtype);
+  c10::DataPtr data = pool_for_node(resolve_node(numa_node)).allocate(nbytes);
+  auto storage = c10::Storage(c10::Storage::use_byte_size_t(), nbytes, std::move(data),
+                              /*allocator=*/nullptr, /*resizable=*/false);
+  return at::empty({0}, at::TensorOptions().dtype(dtype).device(at::kCPU))
+      .set_(storage, 0, size, c10::contiguous_strides(size));
+}
+
+void* pool_ctx(const at::Tensor& t) {
+  return t.storage().data_ptr().get_context();
+}
+
+void record_stream(const at::Tensor& self, int64_t stream_id, int64_t device_index,
+                   int64_t device_type) {
+  TORCH_CHECK(self.is_cpu(), "pinxfer.record_stream: expected a CPU tensor from pinxfer's pool, "
+              "got a tensor on ", self.device());
+  const auto stream = c10::Stream::unpack3(stream_id, static_cast<c10::DeviceIndex>(device_index),
+                                           static_cast<c10::DeviceType>(device_type));
+  TORCH_CHECK(stream.device_type() == c10::DeviceType::CUDA,
+              "pinxfer.record_stream: expected a CUDA stream, got one of device type ",
+              stream.device_type());
+  void* ctx = pool_ctx(self);
+  PinnedPool* pool = PinnedPool::owner_of(ctx);
+  TORCH_CHECK(pool != nullptr,
+              "pinxfer.record_stream: the tensor's memory does not come from pinxfer's pool "
+              "(allocate it with pinxfer.empty / pinxfer.pin_memory). For torch's own pinned "
+              "tensors, torch records copies itself.");
+  pool->record_stream(ctx, stream);
+}
+
+bool is_pool_tensor(const at::Tensor& self) {
+  return self.is_cpu() && self.storage() && PinnedPool::owner_of(pool_ctx(self)) != nullptr;
+}
+
+std::string lock_kind(const at::Tensor& self) {
+  void* ctx = self.is_cpu() && self.storage() ? pool_ctx(self) : nullptr;
+  PinnedPool* pool = ctx ? PinnedPool::owner_of(ctx) : nullptr;
+  TORCH_CHECK(pool != nullptr, "pinxfer.lock_kind: the tensor does not come from pinxfer's pool");
+  return lock_kind_name(pool->lock_kind_of(ctx));
+}
+
+std::tuple<std::vector<std::string>, std::vector<int64_t>> memory_stats(
+    std::optional<int64_t> numa_node) {
+  std::vector<std::string> names;
+  std::vector<int64_t> values;
+  std::vector<PinnedPool*> pools;
+  if (numa_node.has_value()) {
+    pools.push_back(&pool_for_node(static_cast<int>(*numa_node)));
+  } else {
+    pools = all_pools();
+  }
+  // An empty process still reports every key, with zeros.
+  if (pools.empty()) pools.push_back(&pool_for_node(-1));
+  for (size_t p = 0; p < pools.size(); ++p) {
+    const auto items = pools[p]->stats().items;
+    for (size_t i = 0; i < items.size(); ++i) {
+      if (p == 0) {
+        names.push_back(items[i].first);
+        values.push_back(0);
+      }
+      // Peaks of different pools happened at different times; their sum is an
+      // upper bound of the process peak, documented in memory_stats().
+      values[i] += items[i].second;
+    }
+  }
+  return {names, values};
+}
+
+void reset_peak_stats() {
+  for (PinnedPool* p : all_pools()) p->reset_peak_stats();
+}
+void reset_accumulated_stats() {
+  for (PinnedPool* p : all_pools()) p->reset_accumulated_stats();
+}
+int64_t empty_cache() {
+  int64_t bytes = 0;
+  for (PinnedPool* p : all_pools()) bytes += static_cast<int64_t>(p->release_cached());
+  return bytes;
+}
+void set_max_pinned_bytes_op(int64_t bytes) { set_max_pinned_bytes(bytes); }
+int64_t max_pinned_bytes_op() { return max_pinned_bytes(); }
+bool install_op(bool enable) { return install_host_allocator(enable); }
+bool installed_op() { return host_allocator_installed(); }
+
+std::tuple<bool, std::string, bool> build_info() {
+  return {cuda::built_with_cuda(), cuda::built_cuda_version(), cuda::cuda_usable()};
+}
+
+std::vector<int64_t> page_nodes_op(const at::Tensor& self) {
+  TORCH_CHECK(self.is_cpu(), "pinxfer.page_nodes: expected a CPU tensor, got ", self.device());
+  const auto nodes = page_nodes(self.data_ptr(), self.nbytes());
+  return std::vector<int64_t>(nodes.begin(), nodes.end());
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(pinxfer, CPU, m) {
+  m.impl("record_stream", &record_stream);
+  m.impl("is_pool_tensor", &is_pool_tensor);
+  m.impl("lock_kind", &lock_kind);
+  m.impl("page_nodes", &page_nodes_op);
+}
+
+// Operators without tensor arguments dispatch to their composite kernel.
+TORCH_LIBRARY_IMPL(pinxfer, CompositeExplicitAutograd, m) {
+  m.impl("empty", &empty);
+  m.impl("memory_stats", &memory_stats);
+  m.impl("reset_peak_stats", &reset_peak_stats);
+  m.impl("reset_accumulated_stats", &reset_accumulated_stats);
+  m.impl("empty_cache", &empty_cache);
+  m.impl("set_max_pinned_bytes", &set_max_pinned_bytes_op);
+  m.impl("max_pinned_bytes", &max_pinned_bytes_op);
+  m.impl("install_host_allocator", &install_op);
+  m.impl("host_allocator_installed", &installed_op);
+  m.impl("build_info", &build_info);
+}
+
+}  // namespace pinxfer::ops

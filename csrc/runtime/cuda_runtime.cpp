@@ -1,0 +1,229 @@
+#include "runtime/cuda_runtime.h"
+
+#include <cstdlib>
+#include <mutex>
+#include <vector>
+
+#include <c10/util/Exception.h>
+
+#include "runtime/thread_pool.h"
+
+#if PINXFER_WITH_CUDA
+#include <ATen/detail/CUDAHooksInterface.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
+#endif
+
+namespace pinxfer::cuda {
+
+bool built_with_cuda() { return PINXFER_WITH_CUDA != 0; }
+
+std::string built_cuda_version() {
+#if PINXFER_WITH_CUDA && defined(PINXFER_CUDA_VERSION_STR)
+  return PINXFER_CUDA_VERSION_STR;
+#else
+  return "";
+#endif
+}
+
+#if PINXFER_WITH_CUDA
+
+namespace {
+std::mutex g_probe_mutex;
+uint64_t g_probed_generation = ~uint64_t{0};  // LOCK: g_probe_mutex
+bool g_usable = false;                        // LOCK: g_probe_mutex
+
+std::mutex g_events_mutex;
+// Free events per device; leaked at exit on purpose (the driver may already be
+// gone when static destructors run). LOCK: g_events_mutex
+std::vector<std::vector<cudaEvent_t>>* g_free_events = new std::vector<std::vector<cudaEvent_t>>();
+uint64_t g_events_generation = 0;  // LOCK: g_events_mutex
+
+std::string error_text(cudaError_t err) {
+  return std::string(cudaGetErrorName(err)) + ": " + cudaGetErrorString(err);
+}
+}  // namespace
+
+bool cuda_usable() {
+  std::lock_guard<std::mutex> lock(g_probe_mutex);
+  const uint64_t gen = fork_generation();
+  if (g_probed_generation == gen) return g_usable;
+  g_probed_generation = gen;
+  g_usable = false;
+  if (gen != 0) return false;  // forked child: never touch the parent's CUDA state
+  const char* disable = std::getenv("PINXFER_DISABLE_CUDA");
+  if (disable && std::string(disable) == "1") return false;
+  int count = 0;
+  const cudaError_t err = cudaGetDeviceCount(&count);
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();  // clear the sticky-free error so torch does not see it
+    return false;
+  }
+  g_usable = count > 0;
+  return g_usable;
+}
+
+std::string host_register(void* ptr, size_t size) {
+  const cudaError_t err = cudaHostRegister(ptr, size, cudaHostRegisterPortable);
+  if (err == cudaSuccess) return "";
+  (void)cudaGetLastError();
+  return error_text(err);
+}
+
+std::string host_unregister(void* ptr) {
+  const cudaError_t err = cudaHostUnregister(ptr);
+  if (err == cudaSuccess) return "";
+  (void)cudaGetLastError();
+  return error_text(err);
+}
+
+bool is_cuda_pinned(const void* ptr) {
+  if (!cuda_usable()) return false;
+  cudaPointerAttributes attr{};
+  const cudaError_t err = cudaPointerGetAttributes(&attr, ptr);
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return attr.type == cudaMemoryTypeHost;
+}
+
+bool try_record_event(const c10::Stream& stream, Event* out, std::string* error) {
+  const int device = stream.device_index();
+  cudaEvent_t ev = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(g_events_mutex);
+    if (g_events_generation != fork_generation()) {
+      g_free_events = new std::vector<std::vector<cudaEvent_t>>();
+      g_events_generation = fork_generation();
+    }
+    if (static_cast<int>(g_free_events->size()) <= device) g_free_events->resize(device + 1);
+    auto& list = (*g_free_events)[device];
+    if (!list.empty()) {
+      ev = list.back();
+      list.pop_back();
+    }
+  }
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  if (ev == nullptr) {
+    const cudaError_t err = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming);
+    if (err != cudaSuccess) {
+      (void)cudaGetLastError();
+      *error = "cudaEventCreateWithFlags failed: " + error_text(err);
+      return false;
+    }
+  }
+  const c10::cuda::CUDAStream cuda_stream(c10::cuda::CUDAStream::UNCHECKED, stream);
+  const cudaError_t err = cudaEventRecord(ev, cuda_stream.stream());
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();
+    *error = "cudaEventRecord failed: " + error_text(err);
+    cudaEventDestroy(ev);
+    return false;
+  }
+  out->handle = ev;
+  out->device = device;
+  return true;
+}
+
+Event record_event(const c10::Stream& stream) {
+  TORCH_CHECK(stream.device_type() == c10::DeviceType::CUDA,
+              "pinxfer: expected a CUDA stream, got a stream of device type ",
+              stream.device_type());
+  Event ev;
+  std::string error;
+  TORCH_CHECK(try_record_event(stream, &ev, &error), "pinxfer: ", error);
+  return ev;
+}
+
+bool event_done(const Event& event, std::string* error) {
+  const cudaError_t err = cudaEventQuery(static_cast<cudaEvent_t>(event.handle));
+  if (err == cudaSuccess) return true;
+  if (err == cudaErrorNotReady) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  (void)cudaGetLastError();
+  *error = "cudaEventQuery failed: " + error_text(err);
+  return true;
+}
+
+void event_synchronize(const Event& event) {
+  const cudaError_t err = cudaEventSynchronize(static_cast<cudaEvent_t>(event.handle));
+  TORCH_CHECK(err == cudaSuccess, "pinxfer: cudaEventSynchronize failed: ", error_text(err));
+}
+
+void release_event(const Event& event) {
+  std::lock_guard<std::mutex> lock(g_events_mutex);
+  if (g_events_generation != fork_generation()) return;  // parent's event: drop it
+  if (static_cast<int>(g_free_events->size()) <= event.device) {
+    g_free_events->resize(event.device + 1);
+  }
+  (*g_free_events)[event.device].push_back(static_cast<cudaEvent_t>(event.handle));
+}
+
+bool current_stream_if_active(c10::Stream* out) {
+  if (!cuda_usable()) return false;
+  int device = -1;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  if (!at::detail::getCUDAHooks().hasPrimaryContext(static_cast<c10::DeviceIndex>(device))) {
+    return false;
+  }
+  *out = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).unwrap();
+  return true;
+}
+
+std::string pci_bus_id(int device) {
+  if (!cuda_usable()) return "";
+  char buf[64] = {0};
+  const cudaError_t err = cudaDeviceGetPCIBusId(buf, sizeof(buf), device);
+  TORCH_CHECK(err == cudaSuccess, "pinxfer: cudaDeviceGetPCIBusId(", device,
+              ") failed: ", error_text(err));
+  return buf;
+}
+
+int current_device() {
+  if (!cuda_usable()) return -1;
+  int device = -1;
+  const cudaError_t err = cudaGetDevice(&device);
+  TORCH_CHECK(err == cudaSuccess, "pinxfer: cudaGetDevice failed: ", error_text(err));
+  return device;
+}
+
+int device_count() {
+  if (!cuda_usable()) return 0;
+  int count = 0;
+  const cudaError_t err = cudaGetDeviceCount(&count);
+  TORCH_CHECK(err == cudaSuccess, "pinxfer: cudaGetDeviceCount failed: ", error_text(err));
+  return count;
+}
+
+#else  // CPU-only build
+
+std::string pci_bus_id(int) { return ""; }
+int current_device() { return -1; }
+int device_count() { return 0; }
+
+bool cuda_usable() { return false; }
+std::string host_register(void*, size_t) { return "pinxfer was built without CUDA"; }
+std::string host_unregister(void*) { return "pinxfer was built without CUDA"; }
+bool is_cuda_pinned(const void*) { return false; }
+bool try_record_event(const c10::Stream&, Event*, std::string* error) {
+  *error = "pinxfer was built without CUDA";
+  return false;
+}
+Event record_event(const c10::Stream&) {
+  TORCH_CHECK(false, "pinxfer was built without CUDA: stream events are unavailable");
+}
+bool event_done(const Event&, std::string*) { return true; }
+void event_synchronize(const Event&) {}
+void release_event(const Event&) {}
+bool current_stream_if_active(c10::Stream*) { return false; }
+
+#endif
+
+}  // namespace pinxfer::cuda

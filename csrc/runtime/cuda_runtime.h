@@ -1,0 +1,63 @@
+// The few CUDA runtime calls the allocator needs, behind a CPU-safe facade.
+//
+// Built with PINXFER_WITH_CUDA=0 every function reports "no CUDA". Built with
+// CUDA, nothing here runs at import: cuda_usable() asks the driver on first
+// use, and answers false in a forked child (a DataLoader worker must not reach
+// the parent's CUDA context) or when PINXFER_DISABLE_CUDA=1.
+//
+// Every CUDA return code is checked: the *_or_throw helpers raise c10::Error
+// with the CUDA error string; the others return the error text to callers that
+// must not throw (deleters).
+#pragma once
+
+#include <c10/core/Stream.h>
+
+#include <string>
+
+namespace pinxfer::cuda {
+
+bool built_with_cuda();
+// Toolkit release the extension was compiled with ("13.0"), "" if none.
+std::string built_cuda_version();
+
+// True if this process can use a CUDA device: compiled with CUDA, not a forked
+// child, PINXFER_DISABLE_CUDA unset, and the driver reports >= 1 device.
+bool cuda_usable();
+
+// Page-locks host memory for DMA by every device (cudaHostRegisterPortable).
+// Returns "" on success, else the CUDA error text.
+std::string host_register(void* ptr, size_t size);
+std::string host_unregister(void* ptr);
+
+// True if ptr lies in memory CUDA considers page-locked host memory.
+bool is_cuda_pinned(const void* ptr);
+
+// An opaque recorded event. Created from a per-device free list, so steady
+// state creates none.
+struct Event {
+  void* handle = nullptr;  // cudaEvent_t
+  int device = -1;
+};
+// Records an event on `stream` (a CUDA c10::Stream). Throws on CUDA errors.
+Event record_event(const c10::Stream& stream);
+// Same, but never throws: returns false and fills *error instead.
+bool try_record_event(const c10::Stream& stream, Event* out, std::string* error);
+// cudaEventQuery: true once complete. A CUDA error other than "not ready" is
+// reported as complete-with-error through *error (the caller decides).
+bool event_done(const Event& event, std::string* error);
+// Blocks until the event completes.
+void event_synchronize(const Event& event);
+// Returns an event to its device's free list.
+void release_event(const Event& event);
+
+// The current CUDA stream of the current device, if CUDA is in use in this
+// process (a primary context exists); false otherwise. Never initialises CUDA.
+bool current_stream_if_active(c10::Stream* out);
+
+// The PCI bus id of a device ("0000:1b:00.0"), "" if CUDA is not usable.
+std::string pci_bus_id(int device);
+// The current device, or -1 if CUDA is not usable.
+int current_device();
+int device_count();
+
+}  // namespace pinxfer::cuda

@@ -1,0 +1,181 @@
+#include "runtime/thread_pool.h"
+
+#include <pthread.h>
+#include <sched.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <map>
+#include <string>
+
+#include "runtime/topology.h"
+
+namespace pinxfer {
+
+struct ThreadPool::Job {
+  std::function<void(size_t, size_t)> fn;
+  size_t n = 0;
+  size_t chunk = 1;
+  size_t num_chunks = 0;
+  int max_helpers = 0;                  // workers allowed to join, besides the caller
+  std::atomic<size_t> next_chunk{0};
+  std::atomic<int> helpers{0};
+  std::mutex done_mutex;
+  std::condition_variable done_cv;
+  size_t chunks_done = 0;               // LOCK: done_mutex
+  std::exception_ptr error;             // LOCK: done_mutex
+};
+
+ThreadPool::ThreadPool(int num_threads, std::vector<int> cpus) : cpus_(std::move(cpus)) {
+  num_threads = std::max(1, num_threads);
+  workers_.reserve(num_threads - 1);
+  for (int i = 0; i < num_threads - 1; ++i) {
+    workers_.emplace_back([this] { worker_loop(); });
+    if (!cpus_.empty()) {
+      cpu_set_t set;
+      CPU_ZERO(&set);
+      for (int cpu : cpus_) {
+        if (cpu >= 0 && cpu < CPU_SETSIZE) CPU_SET(cpu, &set);
+      }
+      // Best effort: a failed binding (CPU offline, cgroup) leaves the thread free.
+      pthread_setaffinity_np(workers_.back().native_handle(), sizeof(set), &set);
+    }
+  }
+}
+
+ThreadPool::~ThreadPool() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stopping_ = true;
+  }
+  wake_.notify_all();
+  for (auto& t : workers_) {
+    if (t.joinable()) t.join();
+  }
+}
+
+void ThreadPool::run_chunks(Job& job) {
+  for (;;) {
+    const size_t c = job.next_chunk.fetch_add(1, std::memory_order_relaxed);
+    if (c >= job.num_chunks) return;
+    const size_t begin = c * job.chunk;
+    const size_t end = std::min(job.n, begin + job.chunk);
+    std::exception_ptr err;
+    try {
+      job.fn(begin, end);
+    } catch (...) {
+      err = std::current_exception();
+    }
+    std::lock_guard<std::mutex> lock(job.done_mutex);
+    if (err && !job.error) job.error = err;
+    if (++job.chunks_done == job.num_chunks) job.done_cv.notify_all();
+  }
+}
+
+void ThreadPool::worker_loop() {
+  for (;;) {
+    std::shared_ptr<Job> job;
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      wake_.wait(lock, [this] { return stopping_ || !jobs_.empty(); });
+      if (stopping_) return;
+      job = jobs_.front();
+      // A job leaves the queue once it has all the helpers it may use or has
+      // no chunks left to hand out.
+      if (job->helpers.fetch_add(1) + 1 >= job->max_helpers ||
+          job->next_chunk.load() >= job->num_chunks) {
+        jobs_.pop_front();
+      }
+    }
+    run_chunks(*job);
+  }
+}
+
+void ThreadPool::parallel_for(size_t n, size_t grain,
+                              const std::function<void(size_t, size_t)>& fn,
+                              int max_threads) {
+  if (n == 0) return;
+  grain = std::max<size_t>(1, grain);
+  int threads = num_threads();
+  if (max_threads > 0) threads = std::min(threads, max_threads);
+  const size_t max_chunks = (n + grain - 1) / grain;
+  if (threads <= 1 || max_chunks <= 1) {
+    fn(0, n);
+    return;
+  }
+  auto job = std::make_shared<Job>();
+  job->fn = fn;
+  job->n = n;
+  // Four chunks per thread balances uneven progress without tiny chunks.
+  const size_t want_chunks = std::min<size_t>(max_chunks, static_cast<size_t>(threads) * 4);
+  job->chunk = (n + want_chunks - 1) / want_chunks;
+  job->num_chunks = (n + job->chunk - 1) / job->chunk;
+  job->max_helpers = std::min<int>(threads - 1, static_cast<int>(job->num_chunks) - 1);
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    jobs_.push_back(job);
+  }
+  for (int i = 0; i < job->max_helpers; ++i) wake_.notify_one();
+  run_chunks(*job);
+  {
+    std::unique_lock<std::mutex> lock(job->done_mutex);
+    job->done_cv.wait(lock, [&] { return job->chunks_done == job->num_chunks; });
+  }
+  {
+    // Drop the job if no worker got round to taking it off the queue.
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = std::find(jobs_.begin(), jobs_.end(), job);
+    if (it != jobs_.end()) jobs_.erase(it);
+  }
+  if (job->error) std::rethrow_exception(job->error);
+}
+
+int default_num_threads() {
+  if (const char* env = std::getenv("PINXFER_NUM_THREADS")) {
+    const int n = std::atoi(env);
+    if (n > 0) return n;
+  }
+  cpu_set_t set;
+  int available = static_cast<int>(std::thread::hardware_concurrency());
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) available = CPU_COUNT(&set);
+  return std::max(1, std::min(16, available));
+}
+
+namespace {
+std::atomic<uint64_t> g_fork_generation{0};
+std::mutex g_pools_mutex;
+// Leaked on purpose: worker threads must not be joined during static
+// destruction at interpreter exit. LOCK: g_pools_mutex
+std::map<int, ThreadPool*>* g_pools = new std::map<int, ThreadPool*>();
+
+void child_after_fork() {
+  // The child has no worker threads; the old pools' mutexes may have been held
+  // by threads that no longer exist. Forget them (leaked) and start over.
+  new (&g_pools_mutex) std::mutex();
+  g_pools = new std::map<int, ThreadPool*>();
+  g_fork_generation.fetch_add(1);
+}
+
+struct ForkHandlerInstaller {
+  ForkHandlerInstaller() { pthread_atfork(nullptr, nullptr, &child_after_fork); }
+} g_fork_handler_installer;
+}  // namespace
+
+uint64_t fork_generation() { return g_fork_generation.load(); }
+
+ThreadPool& thread_pool_for_node(int numa_node) {
+  std::lock_guard<std::mutex> lock(g_pools_mutex);
+  auto it = g_pools->find(numa_node);
+  if (it != g_pools->end()) return *it->second;
+  std::vector<int> cpus;
+  if (numa_node >= 0) cpus = node_cpus(numa_node, sysfs_root());
+  int threads = default_num_threads();
+  if (!cpus.empty() && !std::getenv("PINXFER_NUM_THREADS")) {
+    threads = std::min<int>(threads, static_cast<int>(cpus.size()));
+  }
+  auto* pool = new ThreadPool(threads, cpus);
+  g_pools->emplace(numa_node, pool);
+  return *pool;
+}
+
+}  // namespace pinxfer

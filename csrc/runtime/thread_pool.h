@@ -1,0 +1,72 @@
+// A persistent pool of worker threads for host-side memory work (first touch
+// of fresh pages, pageable -> pinned copies).
+//
+// Threads are created once and live until the process exits (or a fork: the
+// child builds a new pool on first use, see fork_generation()). Optionally the
+// workers are pinned to a CPU set, e.g. the CPUs of the NUMA node that owns the
+// memory they touch.
+//
+// Thread safety: parallel_for() may be called from any number of threads at
+// once; jobs from concurrent callers share the workers, and every caller also
+// works on its own job, so a call never waits for a free pool.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstddef>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace pinxfer {
+
+class ThreadPool {
+ public:
+  // num_threads counts the caller too: a pool of N runs N-1 workers.
+  // cpus: CPU ids the workers may run on; empty means "no binding".
+  ThreadPool(int num_threads, std::vector<int> cpus);
+  ~ThreadPool();
+  ThreadPool(const ThreadPool&) = delete;
+  ThreadPool& operator=(const ThreadPool&) = delete;
+
+  // Calls fn(begin, end) over [0, n) split into chunks of at least grain items,
+  // on at most max_threads threads (0: all). Returns when every chunk is done;
+  // rethrows the first exception a chunk threw.
+  void parallel_for(size_t n, size_t grain,
+                    const std::function<void(size_t, size_t)>& fn,
+                    int max_threads = 0);
+
+  int num_threads() const { return static_cast<int>(workers_.size()) + 1; }
+  const std::vector<int>& cpus() const { return cpus_; }
+
+ private:
+  struct Job;
+  void worker_loop();
+  static void run_chunks(Job& job);
+
+  std::vector<int> cpus_;
+  std::vector<std::thread> workers_;
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  std::deque<std::shared_ptr<Job>> jobs_;  // LOCK: mutex_
+  bool stopping_ = false;                  // LOCK: mutex_
+};
+
+// Default thread count for host copies: PINXFER_NUM_THREADS, else
+// min(16, CPUs this process may run on).
+int default_num_threads();
+
+// The process-wide pool for a NUMA node (-1: unbound). Built on first use with
+// default_num_threads() workers bound to the node's CPUs. Never destroyed
+// (safe at interpreter exit); rebuilt in a forked child.
+ThreadPool& thread_pool_for_node(int numa_node);
+
+// Incremented in the child after every fork(); objects that hold threads or
+// CUDA state compare it to the value they were built under.
+uint64_t fork_generation();
+
+}  // namespace pinxfer

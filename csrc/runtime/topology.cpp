@@ -1,0 +1,106 @@
+#include "runtime/topology.h"
+
+#include <dirent.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+#include <stdexcept>
+
+namespace pinxfer {
+
+std::string sysfs_root() {
+  const char* env = std::getenv("PINXFER_SYSFS_ROOT");
+  return (env && *env) ? std::string(env) : std::string("/sys");
+}
+
+namespace {
+bool read_first_line(const std::string& path, std::string* out) {
+  std::ifstream f(path);
+  if (!f) return false;
+  std::getline(f, *out);
+  return true;
+}
+
+int parse_int(const std::string& s, const std::string& whole) {
+  if (s.empty() || !std::all_of(s.begin(), s.end(), ::isdigit)) {
+    throw std::invalid_argument("pinxfer: malformed CPU list '" + whole +
+                                "': expected comma-separated numbers or ranges like 0-3,8");
+  }
+  return std::stoi(s);
+}
+}  // namespace
+
+std::vector<int> parse_cpulist(const std::string& text) {
+  std::vector<int> cpus;
+  std::string trimmed;
+  for (char c : text) {
+    if (!std::isspace(static_cast<unsigned char>(c))) trimmed.push_back(c);
+  }
+  std::stringstream ss(trimmed);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    if (item.empty()) continue;
+    const auto dash = item.find('-');
+    if (dash == std::string::npos) {
+      cpus.push_back(parse_int(item, text));
+    } else {
+      const int lo = parse_int(item.substr(0, dash), text);
+      const int hi = parse_int(item.substr(dash + 1), text);
+      if (hi < lo) {
+        throw std::invalid_argument("pinxfer: malformed CPU list '" + text +
+                                    "': range end below its start");
+      }
+      for (int c = lo; c <= hi; ++c) cpus.push_back(c);
+    }
+  }
+  std::sort(cpus.begin(), cpus.end());
+  cpus.erase(std::unique(cpus.begin(), cpus.end()), cpus.end());
+  return cpus;
+}
+
+std::vector<int> node_cpus(int node, const std::string& root) {
+  if (node < 0) return {};
+  std::string line;
+  if (!read_first_line(root + "/devices/system/node/node" + std::to_string(node) + "/cpulist",
+                       &line)) {
+    return {};
+  }
+  return parse_cpulist(line);
+}
+
+std::vector<int> online_nodes(const std::string& root) {
+  std::vector<int> nodes;
+  DIR* dir = opendir((root + "/devices/system/node").c_str());
+  if (!dir) return nodes;
+  while (dirent* e = readdir(dir)) {
+    const std::string name = e->d_name;
+    if (name.size() > 4 && name.compare(0, 4, "node") == 0 &&
+        std::all_of(name.begin() + 4, name.end(), ::isdigit)) {
+      nodes.push_back(std::stoi(name.substr(4)));
+    }
+  }
+  closedir(dir);
+  std::sort(nodes.begin(), nodes.end());
+  return nodes;
+}
+
+int pci_numa_node(const std::string& pci_bus_id, const std::string& root) {
+  std::string id = pci_bus_id;
+  std::transform(id.begin(), id.end(), id.begin(), ::tolower);
+  // CUDA reports "00000000:1B:00.0" (8-digit domain); sysfs uses 4 digits.
+  const auto colon = id.find(':');
+  if (colon != std::string::npos && colon > 4) id = id.substr(colon - 4);
+  std::string line;
+  if (!read_first_line(root + "/bus/pci/devices/" + id + "/numa_node", &line)) return -1;
+  try {
+    const int node = std::stoi(line);
+    return node < 0 ? -1 : node;
+  } catch (const std::exception&) {
+    return -1;
+  }
+}
+
+}  // namespace pinxfer

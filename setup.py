@@ -1,0 +1,113 @@
+"""Build pinxfer._C from csrc/ with torch.utils.cpp_extension.
+
+Configuration (printed at build time):
+  * torch is a CUDA build and a CUDA toolkit is found (CUDA_HOME or nvcc on PATH)
+      -> CUDA build: csrc/**/*.cpp including csrc/ops/cuda/, PINXFER_WITH_CUDA=1, links cudart.
+         No GPU is needed to build this way.
+  * torch is a CUDA build but no toolkit is found
+      -> error, unless PINXFER_CPU_ONLY=1 asks for the CPU-only variant on purpose.
+  * torch is a CPU build, or PINXFER_CPU_ONLY=1
+      -> CPU-only variant: the allocator page-locks with mlock, CUDA ops are absent.
+"""
+import glob
+import os
+import sys
+
+from setuptools import setup
+
+
+def _find_cuda_home() -> None:
+    """torch guesses CUDA_HOME from `which nvcc`; a wrapper script on PATH (as on
+    our machines, /usr/local/bin/nvcc) makes that guess /usr/local, which has no
+    headers. Pick a toolkit root that really holds cuda_runtime.h, before
+    torch.utils.cpp_extension reads the environment."""
+    if os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH"):
+        return
+    import shutil
+
+    candidates = []
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        candidates.append(os.path.dirname(os.path.dirname(os.path.realpath(nvcc))))
+    candidates += ["/usr/local/cuda"] + sorted(glob.glob("/usr/local/cuda-*"), reverse=True)
+    for root in candidates:
+        if os.path.exists(os.path.join(root, "include", "cuda_runtime.h")):
+            os.environ["CUDA_HOME"] = root
+            return
+
+
+_find_cuda_home()
+
+import torch  # noqa: E402
+from torch.utils import cpp_extension  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _sources(with_cuda: bool) -> list[str]:
+    files = sorted(glob.glob(os.path.join("csrc", "**", "*.cpp"), recursive=True))
+    if not with_cuda:
+        files = [f for f in files if os.sep + "cuda" + os.sep not in f]
+    return files
+
+
+def _configure():
+    cpu_only = os.environ.get("PINXFER_CPU_ONLY", "0") == "1"
+    torch_cuda = torch.version.cuda
+    cuda_home = cpp_extension.CUDA_HOME
+    if cpu_only:
+        with_cuda, why = False, "PINXFER_CPU_ONLY=1"
+    elif torch_cuda is None:
+        with_cuda, why = False, f"torch {torch.__version__} is a CPU build"
+    elif cuda_home is None:
+        sys.exit(
+            f"pinxfer: torch {torch.__version__} is a CUDA {torch_cuda} build, but no CUDA "
+            "toolkit was found (set CUDA_HOME or put nvcc on PATH). Install the toolkit to build "
+            "the CUDA paths, or set PINXFER_CPU_ONLY=1 to build the CPU-only variant on purpose."
+        )
+    else:
+        with_cuda, why = True, f"torch CUDA {torch_cuda}, toolkit at {cuda_home}"
+    return with_cuda, why
+
+
+with_cuda, why = _configure()
+sources = _sources(with_cuda)
+cxx_flags = ["-O3", "-Wno-interference-size", "-fvisibility=hidden", "-Wall", "-Wno-unused-parameter"]
+define_macros = [("PINXFER_WITH_CUDA", "1" if with_cuda else "0")]
+if with_cuda:
+    # Record which toolkit we compiled against so Python can report it.
+    import subprocess
+
+    try:
+        out = subprocess.run(
+            [os.path.join(cpp_extension.CUDA_HOME, "bin", "nvcc"), "--version"],
+            capture_output=True, text=True, check=True,
+        ).stdout
+        release = out.split("release ")[1].split(",")[0]
+    except Exception:  # noqa: BLE001 - report "unknown" rather than fail the build
+        release = torch.version.cuda or "unknown"
+    define_macros.append(("PINXFER_CUDA_VERSION_STR", f'"{release}"'))
+
+Extension = cpp_extension.CUDAExtension if with_cuda else cpp_extension.CppExtension
+print(
+    "pinxfer build configuration:\n"
+    f"  torch        {torch.__version__} (CUDA {torch.version.cuda})\n"
+    f"  variant      {'CUDA' if with_cuda else 'CPU-only'} ({why})\n"
+    f"  sources      {len(sources)} files under csrc/\n"
+    f"  CUDA_HOME    {cpp_extension.CUDA_HOME}\n",
+    flush=True,
+)
+
+setup(
+    ext_modules=[
+        Extension(
+            "pinxfer._C",
+            sources,
+            include_dirs=[os.path.join(HERE, "csrc")],
+            define_macros=define_macros,
+            extra_compile_args={"cxx": cxx_flags},
+            libraries=["pthread"],
+        )
+    ],
+    cmdclass={"build_ext": cpp_extension.BuildExtension},
+)
