@@ -1,0 +1,5 @@
+"""``python -m pinxfer``: the bench and doctor commands (see pinxfer/cli.py)."""
+from pinxfer.cli import main
+
+if __name__ == "__main__":
+    raise SystemExit(main())

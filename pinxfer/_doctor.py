@@ -1,0 +1,555 @@
+"""``pinxfer doctor``: what on this machine decides host<->GPU transfer speed.
+
+Reads the GPU topology (NUMA node, CPUs, PCIe link), the memlock limit,
+transparent huge pages, huge pages and pinxfer's own settings, then lists
+actionable warnings. Every file is read below a sysfs root and a proc root that
+are parameters, so tests point them at fixture trees. Nothing here initialises
+CUDA unless ``torch.cuda`` is already usable (then only to read device names).
+
+JSON (``pinxfer doctor --json FILE``)::
+
+    {"pinxfer": str, "torch": str, "sysfs_root": str, "proc_root": str,
+     "gpus": [{"index": int, "name": str | null, "pci_bus_id": str,
+               "numa_node": int,            # -1: unknown / single node
+               "cpus": [int],               # CPUs of that node ([] if unknown)
+               "pcie": {"current_gen": int | null, "current_width": int | null,
+                        "max_gen": int | null, "max_width": int | null,
+                        "current_speed_gts": float | null, "max_speed_gts": float | null},
+               "source": "nvml" | "topology" | "sysfs" | "torch"}],
+     "process": {"affinity": [int], "uid": int, "cap_ipc_lock": bool},
+     "memlock": {"soft": int | null, "hard": int | null},   # null: unlimited
+     "thp": {"enabled": str | null, "defrag": str | null},
+     "hugepages": {"total": int | null, "free": int | null, "size_bytes": int | null},
+     "settings": {"env": {NAME: str | null}, "max_pinned_bytes": int,
+                  "build_info": {"with_cuda": bool, "cuda_version": str, "cuda_usable": bool},
+                  "installed": bool},
+     "warnings": [{"code": str, "message": str}]}
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import resource
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+import pinxfer
+from pinxfer._util import format_bytes
+
+ENV_VARS = (
+    "PINXFER_MAX_PINNED_BYTES",
+    "PINXFER_NUM_THREADS",
+    "PINXFER_NUMA_NODE",
+    "PINXFER_SYSFS_ROOT",
+    "PINXFER_DISABLE_CUDA",
+)
+
+NVIDIA_VENDOR = "0x10de"
+# PCI class codes of GPUs: VGA controller (0x0300xx) and 3D controller (0x0302xx).
+GPU_CLASSES = ("0x0300", "0x0302")
+CAP_IPC_LOCK = 14
+# Transfer rate per lane (GT/s) -> PCIe generation.
+GTS_TO_GEN = {2.5: 1, 5.0: 2, 8.0: 3, 16.0: 4, 32.0: 5, 64.0: 6}
+GIB = 1 << 30
+
+
+def default_sysfs_root() -> str:
+    return os.environ.get("PINXFER_SYSFS_ROOT") or "/sys"
+
+
+def _read(path: Path) -> Optional[str]:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return None
+
+
+def _read_int(path: Path) -> Optional[int]:
+    text = _read(path)
+    if text is None:
+        return None
+    try:
+        return int(text, 0)
+    except ValueError:
+        return None
+
+
+def parse_cpulist(text: str) -> list[int]:
+    """'0-3,8,10-11' -> [0, 1, 2, 3, 8, 10, 11] (the kernel's cpulist format)."""
+    cpus: list[int] = []
+    for part in text.strip().split(","):
+        part = part.strip()
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        cpus.extend(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def node_cpus(node: int, sysfs_root: str) -> list[int]:
+    """CPUs of a NUMA node; [] when the node is unknown (-1) or absent."""
+    if node < 0:
+        return []
+    text = _read(Path(sysfs_root) / "devices" / "system" / "node" / f"node{node}" / "cpulist")
+    return parse_cpulist(text) if text else []
+
+
+def _speed_gts(text: Optional[str]) -> Optional[float]:
+    # "16.0 GT/s PCIe", "8 GT/s", "Unknown" (older kernels: "8.0 GT/s")
+    if not text:
+        return None
+    m = re.match(r"\s*([0-9.]+)\s*GT/s", text)
+    return float(m.group(1)) if m else None
+
+
+def _gen(gts: Optional[float]) -> Optional[int]:
+    if gts is None:
+        return None
+    return GTS_TO_GEN.get(round(gts, 1))
+
+
+def pcie_link_sysfs(pci_bus_id: str, sysfs_root: str) -> dict[str, Any]:
+    """The PCIe link of a device from sysfs. The effective maximum is the lower
+    of the device's and its upstream port's (a Gen5 GPU in a Gen4 slot runs
+    correctly at Gen4), when the upstream port is visible."""
+    dev = Path(sysfs_root) / "bus" / "pci" / "devices" / pci_bus_id.lower()
+    cur = _speed_gts(_read(dev / "current_link_speed"))
+    mx = _speed_gts(_read(dev / "max_link_speed"))
+    cur_w = _read_int(dev / "current_link_width")
+    max_w = _read_int(dev / "max_link_width")
+    try:
+        parent = dev.resolve().parent
+    except OSError:
+        parent = None
+    if parent is not None:
+        up_speed = _speed_gts(_read(parent / "max_link_speed"))
+        up_width = _read_int(parent / "max_link_width")
+        if up_speed is not None and mx is not None:
+            mx = min(mx, up_speed)
+        if up_width is not None and max_w is not None:
+            max_w = min(max_w, up_width)
+    return {
+        "current_gen": _gen(cur), "current_width": cur_w, "max_gen": _gen(mx), "max_width": max_w,
+        "current_speed_gts": cur, "max_speed_gts": mx,
+    }
+
+
+def _normalise_bus_id(bus_id: str) -> str:
+    # NVML reports "00000000:41:00.0" (8-digit domain); sysfs uses "0000:41:00.0".
+    bus_id = bus_id.strip().lower()
+    m = re.fullmatch(r"([0-9a-f]+):([0-9a-f]{2}):([0-9a-f]{2})\.([0-7])", bus_id)
+    if not m:
+        return bus_id
+    return f"{int(m.group(1), 16):04x}:{m.group(2)}:{m.group(3)}.{m.group(4)}"
+
+
+def _sysfs_gpus(sysfs_root: str) -> list[str]:
+    """PCI bus ids of NVIDIA display/3D controllers, in bus order (nvidia-smi's order)."""
+    devices = Path(sysfs_root) / "bus" / "pci" / "devices"
+    found = []
+    try:
+        entries = sorted(p.name for p in devices.iterdir())
+    except OSError:
+        return []
+    for name in entries:
+        vendor = (_read(devices / name / "vendor") or "").lower()
+        cls = (_read(devices / name / "class") or "").lower()
+        if vendor == NVIDIA_VENDOR and cls.startswith(GPU_CLASSES):
+            found.append(name.lower())
+    return found
+
+
+def _record_field(rec: Any, *names: str) -> Any:
+    for name in names:
+        if isinstance(rec, dict) and name in rec:
+            return rec[name]
+        if hasattr(rec, name):
+            return getattr(rec, name)
+    return None
+
+
+def _from_topology(sysfs_root: str) -> list[dict[str, Any]]:
+    """Records from pinxfer.topology() when that API exists (issue 3)."""
+    topo = getattr(pinxfer, "topology", None)
+    if topo is None:
+        return []
+    try:
+        records = topo(sysfs_root=sysfs_root)
+    except Exception:  # a broken topology must not break the diagnosis
+        return []
+    out = []
+    for rec in records or []:
+        bus = _record_field(rec, "pci_bus_id", "bus_id", "pci")
+        if not bus:
+            continue
+        out.append({
+            "index": _record_field(rec, "index", "device", "device_index"),
+            "pci_bus_id": _normalise_bus_id(str(bus)),
+            "numa_node": _record_field(rec, "numa_node", "node"),
+            "cpus": list(_record_field(rec, "cpus", "node_cpus") or []),
+            "name": _record_field(rec, "name"),
+        })
+    return out
+
+
+def _from_nvml() -> list[dict[str, Any]]:
+    """Name, bus id and PCIe link per GPU through NVML (nvidia-ml-py), if installed."""
+    try:
+        import pynvml  # type: ignore[import-not-found]
+    except ImportError:
+        return []
+    try:
+        pynvml.nvmlInit()
+    except Exception:
+        return []
+    out = []
+    try:
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            name = pynvml.nvmlDeviceGetName(h)
+            bus = pynvml.nvmlDeviceGetPciInfo(h).busId
+            name = name.decode() if isinstance(name, bytes) else name
+            bus = bus.decode() if isinstance(bus, bytes) else bus
+
+            def q(fn: str) -> Optional[int]:
+                try:
+                    return int(getattr(pynvml, fn)(h))
+                except Exception:
+                    return None
+
+            out.append({
+                "index": i, "name": name, "pci_bus_id": _normalise_bus_id(bus),
+                "pcie": {
+                    "current_gen": q("nvmlDeviceGetCurrPcieLinkGeneration"),
+                    "current_width": q("nvmlDeviceGetCurrPcieLinkWidth"),
+                    "max_gen": q("nvmlDeviceGetMaxPcieLinkGeneration"),
+                    "max_width": q("nvmlDeviceGetMaxPcieLinkWidth"),
+                    "current_speed_gts": None, "max_speed_gts": None,
+                },
+            })
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:
+            pass
+    return out
+
+
+def _from_torch() -> list[dict[str, Any]]:
+    """Names and bus ids of the CUDA devices torch sees (only when CUDA is usable)."""
+    if not torch.cuda.is_available():
+        return []
+    out = []
+    for i in range(torch.cuda.device_count()):
+        p = torch.cuda.get_device_properties(i)
+        bus = None
+        if hasattr(p, "pci_bus_id") and hasattr(p, "pci_domain_id"):
+            bus = f"{p.pci_domain_id:04x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}.0"
+        out.append({"index": i, "name": p.name, "pci_bus_id": bus})
+    return out
+
+
+def gpu_records(sysfs_root: str, use_nvml: bool = True, use_torch: bool = True) -> list[dict[str, Any]]:
+    """One record per GPU, merged by PCI bus id from sysfs, pinxfer.topology(),
+    NVML and torch (each fills what it knows). Indices follow torch/NVML where
+    they are known, else PCI bus order."""
+    merged: dict[str, dict[str, Any]] = {}
+    order: list[str] = []
+
+    def add(rec: dict[str, Any], source: str) -> None:
+        bus = rec.get("pci_bus_id")
+        if not bus:
+            return
+        if bus not in merged:
+            merged[bus] = {"index": None, "name": None, "pci_bus_id": bus, "numa_node": None,
+                           "cpus": [], "pcie": None, "source": source}
+            order.append(bus)
+        cur = merged[bus]
+        for key, value in rec.items():
+            if value is not None and value != [] and cur.get(key) in (None, []):
+                cur[key] = value
+        if source in ("nvml", "torch") and rec.get("index") is not None:
+            cur["index"] = rec["index"]  # CUDA/NVML numbering wins over bus order
+
+    for bus in _sysfs_gpus(sysfs_root):
+        add({"pci_bus_id": bus}, "sysfs")
+    for rec in _from_topology(sysfs_root):
+        add(rec, "topology")
+    if use_nvml:
+        for rec in _from_nvml():
+            add(rec, "nvml")
+    if use_torch:
+        for rec in _from_torch():
+            add(rec, "torch")
+
+    gpus = [merged[b] for b in order]
+    for pos, g in enumerate(gpus):
+        if g["index"] is None:
+            g["index"] = pos
+        if g["numa_node"] is None:
+            node = _read_int(Path(sysfs_root) / "bus" / "pci" / "devices" / g["pci_bus_id"] / "numa_node")
+            g["numa_node"] = node if node is not None else -1
+        if not g["cpus"]:
+            g["cpus"] = node_cpus(int(g["numa_node"]), sysfs_root)
+        sys_link = pcie_link_sysfs(g["pci_bus_id"], sysfs_root)
+        if g["pcie"] is None:
+            g["pcie"] = sys_link
+        else:  # NVML gives generations; sysfs adds GT/s and the upstream-port cap
+            for key, value in sys_link.items():
+                if g["pcie"].get(key) is None:
+                    g["pcie"][key] = value
+    gpus.sort(key=lambda g: g["index"])
+    return gpus
+
+
+def cap_ipc_lock(proc_root: str) -> bool:
+    """Whether this process holds CAP_IPC_LOCK (mlock without a limit)."""
+    text = _read(Path(proc_root) / "self" / "status") or ""
+    m = re.search(r"^CapEff:\s*([0-9a-fA-F]+)", text, re.M)
+    return bool(m) and bool(int(m.group(1), 16) >> CAP_IPC_LOCK & 1)
+
+
+def meminfo(proc_root: str) -> dict[str, Optional[int]]:
+    text = _read(Path(proc_root) / "meminfo") or ""
+    values = {}
+    for line in text.splitlines():
+        key, _, rest = line.partition(":")
+        parts = rest.split()
+        if parts:
+            values[key.strip()] = int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
+    return {
+        "total": values.get("HugePages_Total"),
+        "free": values.get("HugePages_Free"),
+        "size_bytes": values.get("Hugepagesize"),
+    }
+
+
+def _bracketed(text: Optional[str]) -> Optional[str]:
+    # "always [madvise] never" -> "madvise"
+    if not text:
+        return None
+    m = re.search(r"\[([^\]]+)\]", text)
+    return m.group(1) if m else text.strip()
+
+
+def collect(sysfs_root: Optional[str] = None, proc_root: str = "/proc",
+            affinity: Optional[set[int]] = None, use_nvml: Optional[bool] = None) -> dict[str, Any]:
+    """Everything doctor reports, as a JSON-ready dict (see the module docstring).
+
+    Args:
+        sysfs_root: root of sysfs (default ``PINXFER_SYSFS_ROOT`` or ``/sys``).
+        proc_root: root of procfs.
+        affinity: the CPUs to check against GPU nodes (default: this process's).
+        use_nvml: query NVML and torch for names and links (default: only when
+            the real /sys is read, so fixture trees are not mixed with this machine).
+    """
+    sysfs_root = sysfs_root or default_sysfs_root()
+    real = os.path.realpath(sysfs_root) == "/sys"
+    if use_nvml is None:
+        use_nvml = real
+    if affinity is None:
+        affinity = set(os.sched_getaffinity(0))
+    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    unl = resource.RLIM_INFINITY
+    info = pinxfer.build_info()
+    thp_dir = Path(sysfs_root) / "kernel" / "mm" / "transparent_hugepage"
+    report: dict[str, Any] = {
+        "pinxfer": pinxfer.__version__,
+        "torch": torch.__version__,
+        "sysfs_root": sysfs_root,
+        "proc_root": proc_root,
+        "gpus": gpu_records(sysfs_root, use_nvml=use_nvml, use_torch=use_nvml),
+        "process": {"affinity": sorted(affinity), "uid": os.geteuid(),
+                    "cap_ipc_lock": cap_ipc_lock(proc_root)},
+        "memlock": {"soft": None if soft == unl else soft, "hard": None if hard == unl else hard},
+        "thp": {"enabled": _bracketed(_read(thp_dir / "enabled")),
+                "defrag": _bracketed(_read(thp_dir / "defrag"))},
+        "hugepages": meminfo(proc_root),
+        "settings": {
+            "env": {name: os.environ.get(name) for name in ENV_VARS},
+            "max_pinned_bytes": pinxfer.get_max_pinned_bytes(),
+            "build_info": {"with_cuda": info.with_cuda, "cuda_version": info.cuda_version,
+                           "cuda_usable": info.cuda_usable},
+            "installed": pinxfer.is_installed(),
+        },
+    }
+    report["warnings"] = diagnose(report)
+    return report
+
+
+def diagnose(report: dict[str, Any]) -> list[dict[str, str]]:
+    """Actionable warnings from a collected report."""
+    warns: list[dict[str, str]] = []
+
+    def warn(code: str, message: str) -> None:
+        warns.append({"code": code, "message": message})
+
+    cap = report["settings"]["max_pinned_bytes"]
+    soft = report["memlock"]["soft"]
+    exempt = report["process"]["cap_ipc_lock"]
+    fix = ("raise it (`ulimit -l unlimited`, systemd LimitMEMLOCK=infinity, "
+           "`docker run --ulimit memlock=-1`)")
+    if soft is not None and not exempt:
+        if cap > 0 and soft < cap:
+            warn("memlock_below_cap",
+                 f"memlock limit {format_bytes(soft)} is below the pinned cap {format_bytes(cap)}: "
+                 "where pinxfer locks memory with mlock (no usable CUDA) it fails past the limit "
+                 f"and the memory stays pageable. {fix.capitalize()} or lower PINXFER_MAX_PINNED_BYTES.")
+        elif cap == 0 and soft < GIB:
+            warn("memlock_low",
+                 f"memlock limit {format_bytes(soft)} is below 1 GiB and the process lacks "
+                 f"CAP_IPC_LOCK: pinned staging buffers locked with mlock fail past it; {fix}.")
+
+    thp = report["thp"]["enabled"]
+    if thp == "never":
+        warn("thp_never",
+             "transparent huge pages are 'never': pinxfer's pool asks for huge pages "
+             "(MADV_HUGEPAGE), which makes pinning about 3x faster. As root: "
+             "`echo madvise > /sys/kernel/mm/transparent_hugepage/enabled`.")
+
+    affinity = set(report["process"]["affinity"])
+    for g in report["gpus"]:
+        node, cpus = g["numa_node"], set(g["cpus"])
+        if node is not None and node >= 0 and cpus and not (affinity & cpus):
+            warn("affinity_far_from_gpu",
+                 f"GPU {g['index']} ({g['pci_bus_id']}) is on NUMA node {node} (CPUs "
+                 f"{_compact(sorted(cpus))}) but this process may run only on CPUs "
+                 f"{_compact(sorted(affinity))}: staging memory and copy threads sit on the far "
+                 f"node (~10% slower H2D). Run under `numactl --cpunodebind={node} "
+                 f"--membind={node}` or `taskset -c {_compact(sorted(cpus))}`, or set "
+                 "PINXFER_NUMA_NODE.")
+        link = g["pcie"] or {}
+        cur_g, max_g = link.get("current_gen"), link.get("max_gen")
+        cur_w, max_w = link.get("current_width"), link.get("max_width")
+        slow_speed = cur_g is not None and max_g is not None and cur_g < max_g
+        if cur_g is None and max_g is None:
+            cs, ms = link.get("current_speed_gts"), link.get("max_speed_gts")
+            slow_speed = cs is not None and ms is not None and cs < ms
+        slow_width = cur_w is not None and max_w is not None and 0 < cur_w < max_w
+        if slow_speed or slow_width:
+            head = (f"GPU {g['index']} ({g['pci_bus_id']}) PCIe link runs at "
+                    f"{_link(cur_g, link.get('current_speed_gts'), cur_w)} but can do "
+                    f"{_link(max_g, link.get('max_speed_gts'), max_w)}")
+            if slow_width:
+                tail = (": fewer lanes cut bandwidth in proportion. Check the slot (x16 electrical), "
+                        "riser and BIOS bifurcation settings.")
+            else:
+                tail = (". GPUs lower the link speed when idle: if it stays low while copying (run "
+                        "`pinxfer bench` and look again), check the slot, riser and BIOS PCIe settings.")
+            warn("pcie_below_max", head + tail)
+
+    info = report["settings"]["build_info"]
+    if not info["with_cuda"] and torch.cuda.is_available():
+        warn("built_without_cuda",
+             "pinxfer was built without CUDA but torch sees a GPU: memory is mlocked, not "
+             "registered with CUDA. Rebuild with a CUDA toolkit (`pip install --no-build-isolation .`).")
+    if report["settings"]["env"].get("PINXFER_DISABLE_CUDA"):
+        warn("cuda_disabled", "PINXFER_DISABLE_CUDA is set: pinxfer will not use CUDA.")
+    return warns
+
+
+def _link(gen: Optional[int], gts: Optional[float], width: Optional[int]) -> str:
+    speed = f"Gen{gen}" if gen else (f"{gts:g} GT/s" if gts else "?")
+    if gen and gts:
+        speed += f" ({gts:g} GT/s)"
+    return f"{speed} x{width if width else '?'}"
+
+
+def _compact(cpus: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2,5'."""
+    parts, start, prev = [], None, None
+    for c in cpus:
+        if start is None:
+            start = prev = c
+        elif c == prev + 1:
+            prev = c
+        else:
+            parts.append(f"{start}-{prev}" if prev != start else str(start))
+            start = prev = c
+    if start is not None:
+        parts.append(f"{start}-{prev}" if prev != start else str(start))
+    return ",".join(parts) or "-"
+
+
+def render(report: dict[str, Any]) -> str:
+    """The human-readable report."""
+    lines = [f"pinxfer {report['pinxfer']} (torch {report['torch']})", ""]
+    gpus = report["gpus"]
+    if not gpus:
+        lines.append(f"GPUs: none found (no NVIDIA device under {report['sysfs_root']}/bus/pci/devices)")
+    else:
+        lines.append("GPUs:")
+        header = ("idx", "name", "PCI bus id", "node", "node CPUs", "PCIe now", "PCIe max")
+        rows = [header]
+        for g in gpus:
+            link = g["pcie"] or {}
+            rows.append((
+                str(g["index"]), g["name"] or "?", g["pci_bus_id"],
+                str(g["numa_node"]), _compact(g["cpus"]),
+                _link(link.get("current_gen"), link.get("current_speed_gts"), link.get("current_width")),
+                _link(link.get("max_gen"), link.get("max_speed_gts"), link.get("max_width")),
+            ))
+        lines.extend("  " + line for line in format_table(rows))
+    lines.append("")
+    proc = report["process"]
+    mem = report["memlock"]
+
+    def lim(v: Optional[int]) -> str:
+        return "unlimited" if v is None else format_bytes(v)
+
+    hp = report["hugepages"]
+    st = report["settings"]
+    bi = st["build_info"]
+    lines += [
+        f"process CPU affinity: {_compact(proc['affinity'])}",
+        f"memlock limit (ulimit -l): soft {lim(mem['soft'])}, hard {lim(mem['hard'])}"
+        f"{'; CAP_IPC_LOCK held (no limit applies)' if proc['cap_ipc_lock'] else ''}",
+        f"transparent huge pages: enabled={report['thp']['enabled'] or '?'}, "
+        f"defrag={report['thp']['defrag'] or '?'}",
+        f"huge pages (hugetlbfs): {hp['free'] if hp['free'] is not None else '?'} free of "
+        f"{hp['total'] if hp['total'] is not None else '?'}, "
+        f"{format_bytes(hp['size_bytes']) if hp['size_bytes'] else '?'} each",
+        "",
+        "pinxfer settings:",
+        f"  build: with_cuda={bi['with_cuda']} cuda_version={bi['cuda_version'] or '-'} "
+        f"cuda_usable={bi['cuda_usable']}",
+        f"  pinned cap: {format_bytes(st['max_pinned_bytes']) if st['max_pinned_bytes'] else 'none'}",
+        f"  torch host allocator installed: {st['installed']}",
+    ]
+    for name, value in st["env"].items():
+        lines.append(f"  {name}={value if value is not None else '(unset)'}")
+    lines.append("")
+    if report["warnings"]:
+        lines.append(f"warnings ({len(report['warnings'])}):")
+        for w in report["warnings"]:
+            lines.append(f"  ! [{w['code']}] {w['message']}")
+    else:
+        lines.append("no warnings")
+    return "\n".join(lines)
+
+
+def format_table(rows: list[tuple[str, ...]], right: Optional[set[int]] = None) -> list[str]:
+    """Plain aligned text: a header row, a rule, the rows. Columns in `right` are right-aligned."""
+    right = right or set()
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+
+    def fmt(r: tuple[str, ...]) -> str:
+        return "  ".join(c.rjust(w) if i in right else c.ljust(w)
+                         for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+
+    return [fmt(rows[0]), "  ".join("-" * w for w in widths)] + [fmt(r) for r in rows[1:]]
+
+
+def main(args: Any) -> int:
+    report = collect(sysfs_root=args.sysfs_root, proc_root=args.proc_root)
+    text = json.dumps(report, indent=2)
+    if args.json == "-":  # JSON alone on stdout, for pipes
+        print(text)
+        return 0
+    print(render(report))
+    if args.json:
+        Path(args.json).write_text(text + "\n")
+    return 0
