@@ -1,0 +1,241 @@
+// pinxfer::pin_ / unpin_: page-lock an existing CPU tensor's memory in place
+// (schemas in csrc/module.cpp; PyTorch issue #32167 asks for this).
+//
+// What is registered is the tensor's whole storage, [data, data + nbytes): a
+// storage is one contiguous byte range, so every view of it is pinned too.
+// With a usable CUDA device the range is cudaHostRegister'ed (portable), so
+// torch's is_pinned() sees it and copies from it are DMA transfers; without
+// CUDA it is mlock'ed (resident, not DMA-registered).
+//
+// The registry remembers exactly what pin_ did (range, kind, mlocked pages)
+// so unpin_ undoes exactly that. While registered it holds a reference to the
+// storage and marks it non-resizable: the memory can neither be freed nor
+// reallocated (resize_) under CUDA's or the kernel's feet. unpin_ restores
+// both.
+//
+// mlock does not count: unlocking a page unlocks it for every range on it. Two
+// small tensors from malloc may share a page, so unpin_ leaves locked the
+// first/last page when another registration still uses it.
+//
+// After fork() the child inherits neither mlock nor CUDA registrations; the
+// parent's entries are then stale: they read as "not pinned", unpin_ drops
+// them without system calls, and pin_ may register the range again.
+//
+// Thread safety: one mutex guards the registry; CUDA and mlock calls run under
+// it too (rare, and it keeps check-then-register atomic).
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <pthread.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <optional>
+
+#include "memory/host_region.h"
+#include "memory/pinned_pool.h"
+#include "runtime/cuda_runtime.h"
+#include "runtime/thread_pool.h"
+
+namespace pinxfer::ops {
+
+namespace {
+
+struct Registration {
+  size_t size = 0;
+  LockKind kind = LockKind::kPageable;
+  uintptr_t locked_lo = 0, locked_hi = 0;  // page range mlock'ed (kMlocked only)
+  c10::Storage storage;                    // kept alive while registered
+  bool was_resizable = false;
+  uint64_t generation = 0;                 // fork generation it was made in
+};
+
+std::mutex g_mutex;
+// Start address -> registration. Leaked on purpose (safe at exit).
+// LOCK: g_mutex
+std::map<uintptr_t, Registration>* g_registry = new std::map<uintptr_t, Registration>();
+
+void child_after_fork() {
+  // The mutex may have been held by a thread that does not exist in the child.
+  new (&g_mutex) std::mutex();
+}
+struct ForkHandlerInstaller {
+  ForkHandlerInstaller() { pthread_atfork(nullptr, nullptr, &child_after_fork); }
+} g_fork_handler_installer;
+
+uintptr_t page_size() {
+  static const auto page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  return page;
+}
+
+bool live(const Registration& r) { return r.generation == fork_generation(); }
+
+// The live registration overlapping [lo, hi), if any. LOCK: g_mutex held.
+std::map<uintptr_t, Registration>::iterator find_overlap_locked(uintptr_t lo, uintptr_t hi) {
+  auto it = g_registry->upper_bound(lo);
+  if (it != g_registry->begin()) {
+    auto prev = std::prev(it);
+    if (live(prev->second) && prev->first + prev->second.size > lo) return prev;
+  }
+  for (; it != g_registry->end() && it->first < hi; ++it) {
+    if (live(it->second)) return it;
+  }
+  return g_registry->end();
+}
+
+// True if a live mlock registration other than `self_key` locks `page`.
+// LOCK: g_mutex held.
+bool page_locked_by_other_locked(uintptr_t page, uintptr_t self_key) {
+  for (const auto& [key, r] : *g_registry) {
+    if (key == self_key || !live(r) || r.kind != LockKind::kMlocked) continue;
+    if (r.locked_lo <= page && page < r.locked_hi) return true;
+  }
+  return false;
+}
+
+struct Range {
+  uintptr_t lo = 0, hi = 0;
+};
+
+Range storage_range(const at::Tensor& self, const char* op) {
+  TORCH_CHECK(self.defined(), "pinxfer.", op, ": expected a CPU tensor, got an undefined tensor");
+  TORCH_CHECK(self.device().is_cpu(), "pinxfer.", op, ": expected a CPU tensor, got a tensor on ",
+              self.device(), ". Only host memory can be page-locked.");
+  TORCH_CHECK(self.layout() == at::kStrided && self.has_storage(), "pinxfer.", op,
+              ": expected a dense CPU tensor with its own storage, got layout ", self.layout(),
+              ". Pin the dense component tensors instead.");
+  const c10::Storage& storage = self.storage();
+  const auto lo = reinterpret_cast<uintptr_t>(storage.data());
+  TORCH_CHECK(lo != 0 && storage.nbytes() > 0, "pinxfer.", op,
+              ": the tensor's storage is empty (0 bytes); there is no memory to pin.");
+  return {lo, lo + storage.nbytes()};
+}
+
+void pin_(const at::Tensor& self) {
+  const Range range = storage_range(self, "pin_");
+  const size_t size = range.hi - range.lo;
+  TORCH_CHECK(PinnedPool::owner_of(self.storage().data_ptr().get_context()) == nullptr,
+              "pinxfer.pin_: refused, the tensor already lives in pinxfer's pinned pool "
+              "(from pinxfer.empty / pinxfer.pin_memory); it needs no pin_.");
+
+  std::lock_guard<std::mutex> lock(g_mutex);
+  auto hit = find_overlap_locked(range.lo, range.hi);
+  TORCH_CHECK(hit == g_registry->end(),
+              "pinxfer.pin_: refused, this memory is already pinned by pinxfer.pin_ (a ",
+              hit->second.size, "-byte range starting at ", reinterpret_cast<void*>(hit->first),
+              ", this tensor's storage or one overlapping it). Call pinxfer.unpin_ on that "
+              "tensor first.");
+  // Drop stale entries (made before a fork) that this range replaces.
+  for (auto it = g_registry->lower_bound(range.lo); it != g_registry->end() && it->first < range.hi;) {
+    it = live(it->second) ? std::next(it) : g_registry->erase(it);
+  }
+
+  Registration reg;
+  reg.size = size;
+  reg.generation = fork_generation();
+  if (cuda::cuda_usable()) {
+    TORCH_CHECK(!cuda::is_cuda_pinned(reinterpret_cast<void*>(range.lo)),
+                "pinxfer.pin_: refused, this memory is already page-locked for CUDA (by torch's "
+                "pin_memory / cudaHostAlloc / cudaHostRegister of another library). It is "
+                "already DMA-able; nothing to do.");
+    bool already = false;
+    const std::string err =
+        cuda::host_register_user(reinterpret_cast<void*>(range.lo), size, &already);
+    TORCH_CHECK(!already, "pinxfer.pin_: refused, CUDA reports part of this ", size,
+                "-byte range as already registered (", err, "). Another registration covers "
+                "some of its pages: torch, another library, or a pin_ of a tensor that shares "
+                "a page with this one. Unpin that memory first, or copy the tensor "
+                "(pinxfer.pin_memory) instead of pinning it in place.");
+    TORCH_CHECK(err.empty(), "pinxfer.pin_: cudaHostRegister of ", size,
+                " bytes failed: ", err, ". Check `ulimit -l` and free host memory; or use "
+                "pinxfer.pin_memory, which copies into pinxfer's pool.");
+    reg.kind = LockKind::kCudaRegistered;
+  } else {
+    const uintptr_t page = page_size();
+    const uintptr_t lo = range.lo & ~(page - 1);
+    const uintptr_t hi = (range.hi + page - 1) & ~(page - 1);
+    if (mlock(reinterpret_cast<void*>(lo), hi - lo) != 0) {
+      const int err = errno;
+      TORCH_CHECK(false, "pinxfer.pin_: mlock of ", hi - lo, " bytes failed: ",
+                  std::strerror(err), ". The memlock limit (`ulimit -l`, LimitMEMLOCK, docker "
+                  "--ulimit memlock=-1) is probably too low for this tensor.");
+    }
+    reg.kind = LockKind::kMlocked;
+    reg.locked_lo = lo;
+    reg.locked_hi = hi;
+  }
+  reg.storage = self.storage();
+  c10::StorageImpl* impl = reg.storage.unsafeGetStorageImpl();
+  reg.was_resizable = impl->resizable();
+  impl->set_resizable(false);  // resize_ would free the registered memory
+  g_registry->emplace(range.lo, std::move(reg));
+}
+
+void unpin_(const at::Tensor& self) {
+  const Range range = storage_range(self, "unpin_");
+  Registration reg;
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    auto it = g_registry->find(range.lo);
+    if (it == g_registry->end() || it->second.size != range.hi - range.lo) {
+      const bool pool = PinnedPool::owner_of(self.storage().data_ptr().get_context()) != nullptr;
+      TORCH_CHECK(!pool, "pinxfer.unpin_: refused, the tensor lives in pinxfer's pinned pool; "
+                  "pool memory stays pinned and returns to the pool when the tensor is freed.");
+      TORCH_CHECK(!cuda::is_cuda_pinned(reinterpret_cast<void*>(range.lo)),
+                  "pinxfer.unpin_: refused, this memory is page-locked, but not by "
+                  "pinxfer.pin_ (torch's pin_memory or another library did it); only memory "
+                  "pinned with pinxfer.pin_ can be unpinned here.");
+      TORCH_CHECK(false, "pinxfer.unpin_: refused, the tensor's memory is not pinned by "
+                  "pinxfer.pin_ (nothing to undo).");
+    }
+    if (live(it->second)) {
+      if (it->second.kind == LockKind::kCudaRegistered) {
+        const std::string err = cuda::host_unregister(reinterpret_cast<void*>(range.lo));
+        // The registration stays recorded: memory CUDA still holds must not be freed.
+        TORCH_CHECK(err.empty(), "pinxfer.unpin_: cudaHostUnregister failed: ", err,
+                    ". The memory stays registered.");
+      } else {
+        uintptr_t lo = it->second.locked_lo, hi = it->second.locked_hi;
+        const uintptr_t page = page_size();
+        if (lo < hi && page_locked_by_other_locked(lo, it->first)) lo += page;
+        if (lo < hi && page_locked_by_other_locked(hi - page, it->first)) hi -= page;
+        if (lo < hi && munlock(reinterpret_cast<void*>(lo), hi - lo) != 0) {
+          const int err = errno;
+          TORCH_CHECK(false, "pinxfer.unpin_: munlock failed: ", std::strerror(err));
+        }
+      }
+    }
+    reg = std::move(it->second);
+    g_registry->erase(it);
+  }
+  // Outside the lock: dropping the last reference may free the storage.
+  reg.storage.unsafeGetStorageImpl()->set_resizable(reg.was_resizable);
+}
+
+// How pin_ locked the tensor's storage ("cuda_registered" / "mlocked"), or
+// None if pin_ did not (pool tensors included: see pinxfer.lock_kind).
+std::optional<std::string> inplace_lock_kind(const at::Tensor& self) {
+  if (!self.defined() || !self.device().is_cpu() || !self.has_storage() ||
+      self.storage().nbytes() == 0) {
+    return std::nullopt;
+  }
+  const auto lo = reinterpret_cast<uintptr_t>(self.storage().data());
+  std::lock_guard<std::mutex> lock(g_mutex);
+  auto it = find_overlap_locked(lo, lo + 1);
+  if (it == g_registry->end()) return std::nullopt;
+  return std::string(lock_kind_name(it->second.kind));
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(pinxfer, CompositeExplicitAutograd, m) {
+  m.impl("pin_", &pin_);
+  m.impl("unpin_", &unpin_);
+  m.impl("inplace_lock_kind", &inplace_lock_kind);
+}
+
+}  // namespace pinxfer::ops

@@ -1,0 +1,151 @@
+// pinxfer::pin_memory: Tensor.pin_memory(), placed on a NUMA node and copied
+// by the node's persistent thread pool (schema in csrc/module.cpp).
+//
+// Layout, as torch's at::_pin_memory: same sizes and strides, storage offset
+// 0, storage of computeStorageNbytes(sizes, strides) bytes. Because strides are
+// non-negative, the destination's bytes are exactly the byte span of the
+// source view starting at its data pointer, so every layout torch keeps
+// (contiguous, transposed, sliced with a step, channels-last) is one flat
+// memcpy of that span; gaps between elements are copied too, harmless and
+// no larger than what torch allocates.
+//
+// Two cases need element-wise copies (at::Tensor::copy_ per chunk of dim 0):
+//  * conj / neg views: the lazy bit must be resolved, as torch's copy_ does;
+//  * internally overlapping views (expand, overlapping as_strided): torch's
+//    pin_memory raises there ("more than one element of the written-to tensor
+//    refers to a single memory location"); we return a contiguous copy, which
+//    a DMA engine can read in one piece and which is safe to write to.
+//
+// The copy never touches Python and never uses torch's intra-op pool, so it
+// runs at full speed from a DataLoader pin thread that set
+// torch.set_num_threads(1). torch.ops releases the GIL around the call.
+#include <ATen/ATen.h>
+#include <ATen/EmptyTensor.h>
+#include <ATen/MemoryOverlap.h>
+#include <c10/util/ParallelGuard.h>
+#include <torch/library.h>
+
+#include <cstring>
+
+#include "memory/pinned_pool.h"
+#include "memory/placement.h"
+#include "runtime/thread_pool.h"
+
+namespace pinxfer::ops {
+
+namespace {
+
+// Copies are split in 64 KiB units, at least 16 per chunk: chunks of >= 1 MiB
+// amortise waking a worker, and unit-aligned chunk starts keep memcpy on its
+// fast aligned path.
+constexpr size_t kCopyUnit = size_t{64} << 10;
+constexpr size_t kUnitsPerChunk = 16;
+
+void check_input(const at::Tensor& self) {
+  TORCH_CHECK(self.defined(), "pinxfer.pin_memory: expected a CPU tensor, got an undefined tensor");
+  TORCH_CHECK(self.device().is_cpu(),
+              "pinxfer.pin_memory: expected a CPU tensor, got a tensor on ", self.device(),
+              ". Only host memory can be pinned; a tensor already on a device needs no pinning.");
+  TORCH_CHECK(self.layout() == at::kStrided,
+              "pinxfer.pin_memory: expected a dense (strided) CPU tensor, got layout ",
+              self.layout(), ". Pin the values of sparse tensors separately (e.g. t.values(), "
+              "t.indices()) or convert with t.to_dense().");
+  TORCH_CHECK(!self.is_quantized(),
+              "pinxfer.pin_memory: quantized tensors are not supported (got ", self.toString(),
+              "); pin t.int_repr() and keep the scale and zero point aside.");
+  TORCH_CHECK(self.has_storage(),
+              "pinxfer.pin_memory: expected a tensor with storage, got ", self.toString(),
+              " (a wrapper or nested tensor); pin its plain components instead.");
+}
+
+void check_threads(int64_t num_threads) {
+  TORCH_CHECK(num_threads >= 0,
+              "pinxfer.pin_memory: num_threads must be >= 0 (0: the pool's default), got ",
+              num_threads);
+}
+
+int resolve_node(std::optional<int64_t> numa_node) {
+  if (!numa_node.has_value()) return numa_node_for_current_device();
+  TORCH_CHECK(*numa_node >= -1,
+              "pinxfer.pin_memory: numa_node must be a node number, -1 (no binding) or None "
+              "(the current GPU's node), got ", *numa_node);
+  return static_cast<int>(*numa_node);
+}
+
+void parallel_memcpy(char* dst, const char* src, size_t nbytes, ThreadPool& pool,
+                     int max_threads) {
+  const size_t units = (nbytes + kCopyUnit - 1) / kCopyUnit;
+  pool.parallel_for(
+      units, kUnitsPerChunk,
+      [&](size_t begin, size_t end) {
+        const size_t lo = begin * kCopyUnit;
+        const size_t hi = std::min(nbytes, end * kCopyUnit);
+        std::memcpy(dst + lo, src + lo, hi - lo);
+      },
+      max_threads);
+}
+
+// Element-wise copy split along dim 0. Each chunk runs torch's copy kernel
+// inline (ParallelGuard): no nested use of torch's intra-op pool from our
+// workers.
+void parallel_elementwise_copy(at::Tensor& dst, const at::Tensor& src, ThreadPool& pool,
+                               int max_threads) {
+  if (dst.dim() == 0 || dst.size(0) <= 1) {
+    c10::ParallelGuard guard(true);
+    dst.copy_(src);
+    return;
+  }
+  const int64_t rows = dst.size(0);
+  const size_t row_bytes = std::max<size_t>(1, dst.numel() / rows * dst.element_size());
+  const size_t grain = std::max<size_t>(1, (kCopyUnit * kUnitsPerChunk) / row_bytes);
+  pool.parallel_for(
+      static_cast<size_t>(rows), grain,
+      [&](size_t begin, size_t end) {
+        c10::ParallelGuard guard(true);
+        const auto b = static_cast<int64_t>(begin);
+        const auto len = static_cast<int64_t>(end - begin);
+        dst.narrow(0, b, len).copy_(src.narrow(0, b, len));
+      },
+      max_threads);
+}
+
+at::Tensor pin_memory(const at::Tensor& self, std::optional<int64_t> numa_node,
+                      int64_t num_threads) {
+  check_input(self);
+  check_threads(num_threads);
+  const int node = resolve_node(numa_node);
+
+  const bool overlapping = at::has_internal_overlap(self) == at::MemOverlap::Yes;
+  const c10::DimVector strides =
+      overlapping ? c10::contiguous_strides(self.sizes()) : c10::DimVector(self.strides());
+  const size_t nbytes = at::detail::computeStorageNbytes(self.sizes(), strides,
+                                                         self.dtype().itemsize());
+
+  c10::DataPtr data = pool_for_node(node).allocate(nbytes);
+  auto storage = c10::Storage(c10::Storage::use_byte_size_t(), nbytes, std::move(data),
+                              /*allocator=*/nullptr, /*resizable=*/false);
+  // self.options() carries dtype and device, not the conj/neg bits: the result
+  // holds resolved values, as torch's does.
+  at::Tensor out = at::empty({0}, self.options()).set_(storage, 0, self.sizes(), strides);
+  if (nbytes == 0 || self.numel() == 0) return out;
+
+  ThreadPool& pool = thread_pool_for_node(node);
+  const int max_threads = static_cast<int>(num_threads);
+  if (!overlapping && !self.is_conj() && !self.is_neg()) {
+    parallel_memcpy(static_cast<char*>(out.data_ptr()),
+                    static_cast<const char*>(self.const_data_ptr()), nbytes, pool, max_threads);
+  } else {
+    parallel_elementwise_copy(out, self, pool, max_threads);
+  }
+  return out;
+}
+
+}  // namespace
+
+// CompositeExplicitAutograd rather than CPU: CUDA, sparse and other inputs then
+// reach check_input() and get its explanation instead of a dispatcher error.
+TORCH_LIBRARY_IMPL(pinxfer, CompositeExplicitAutograd, m) {
+  m.impl("pin_memory", &pin_memory);
+}
+
+}  // namespace pinxfer::ops

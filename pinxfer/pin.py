@@ -1,0 +1,273 @@
+"""NUMA-aware, multi-threaded ``pin_memory`` and in-place pinning.
+
+:func:`pin_memory` is a drop-in for ``Tensor.pin_memory()`` and for the
+DataLoader's batch pinning: the copy runs in C++ on the persistent thread pool
+of the target NUMA node, outside the GIL (``torch.ops`` releases it), into
+memory from pinxfer's pool bound to that node. :func:`pin_` / :func:`unpin_`
+page-lock an existing tensor's memory without copying.
+"""
+from __future__ import annotations
+
+import collections.abc
+import copy
+import dataclasses
+from typing import Any, Optional, Union
+
+import torch
+
+_ops = torch.ops.pinxfer
+
+DeviceLike = Union[int, str, torch.device]
+
+
+def _node_for(device: Optional[DeviceLike], numa_node: Optional[int]) -> Optional[int]:
+    if device is not None and numa_node is not None:
+        raise ValueError(
+            f"pinxfer.pin_memory: pass device or numa_node, not both (got device={device!r}, "
+            f"numa_node={numa_node!r})"
+        )
+    if numa_node is not None:
+        if not isinstance(numa_node, int) or isinstance(numa_node, bool) or numa_node < -1:
+            raise ValueError(
+                f"pinxfer.pin_memory: numa_node must be a node number or -1 (no binding), "
+                f"got {numa_node!r}"
+            )
+        return numa_node
+    if device is None:
+        return None  # C++ resolves the current GPU's node
+    dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    if dev.type != "cuda":
+        raise ValueError(
+            f"pinxfer.pin_memory: device names the GPU the batch is going to, so it must be a "
+            f"CUDA device (e.g. 0, 'cuda:1'); got {dev}"
+        )
+    if dev.index is None:
+        return None
+    return int(_ops.numa_node_for_device(dev.index))
+
+
+def _threads(num_threads: Optional[int]) -> int:
+    if num_threads is None:
+        return 0
+    if not isinstance(num_threads, int) or isinstance(num_threads, bool) or num_threads < 0:
+        raise ValueError(
+            f"pinxfer.pin_memory: num_threads must be an int >= 0 (0 or None: the pool's "
+            f"default), got {num_threads!r}"
+        )
+    return num_threads
+
+
+def is_pinned(tensor: torch.Tensor) -> bool:
+    """True if ``tensor``'s memory is page-locked by torch, CUDA, pinxfer's pool or
+    :func:`pin_`. Unlike ``Tensor.is_pinned()`` this also counts memory pinxfer
+    mlock'ed where no CUDA device is usable."""
+    if tensor.device.type != "cpu" or tensor.layout != torch.strided:
+        return False
+    return bool(
+        tensor.is_pinned()
+        or _ops.is_pool_tensor(tensor)
+        or _ops.inplace_lock_kind(tensor) is not None
+    )
+
+
+class _PinMemoryGrad(torch.autograd.Function):
+    """Keeps ``pin_memory`` differentiable, as ``Tensor.pin_memory()`` is: the
+    gradient passes through unchanged."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, node: Optional[int], threads: int) -> torch.Tensor:
+        return _ops.pin_memory(tensor, node, threads)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):  # type: ignore[override]
+        return grad, None, None
+
+
+def _pin_tensor(tensor: torch.Tensor, node: Optional[int], threads: int) -> torch.Tensor:
+    if tensor.device.type != "cpu":
+        raise RuntimeError(
+            f"pinxfer.pin_memory: expected a CPU tensor, got a tensor on {tensor.device}. Only "
+            "host memory can be pinned; a tensor already on a device needs no pinning."
+        )
+    if is_pinned(tensor):
+        return tensor
+    if tensor.requires_grad and torch.is_grad_enabled():
+        return _PinMemoryGrad.apply(tensor, node, threads)
+    return _ops.pin_memory(tensor, node, threads)
+
+
+def _is_namedtuple(obj: Any) -> bool:
+    return isinstance(obj, tuple) and hasattr(type(obj), "_fields")
+
+
+def _pin_any(obj: Any, node: Optional[int], threads: int, path: str) -> Any:
+    if isinstance(obj, torch.Tensor):
+        try:
+            return _pin_tensor(obj, node, threads)
+        except Exception as err:  # noqa: BLE001 - re-raised with the path, same type
+            if path == "batch":
+                raise
+            raise _with_path(err, path) from err
+    if isinstance(obj, (str, bytes, bytearray)):
+        return obj
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type) and not _has_own_pin(obj):
+        # copy + object.__setattr__ instead of dataclasses.replace: keeps init=False
+        # fields, works for frozen dataclasses, and does not re-run __post_init__.
+        clone = copy.copy(obj)
+        for f in dataclasses.fields(obj):
+            if hasattr(obj, f.name):
+                value = getattr(obj, f.name)
+                object.__setattr__(clone, f.name, _pin_any(value, node, threads, f"{path}.{f.name}"))
+        return clone
+    if _has_own_pin(obj):
+        try:
+            return obj.pin_memory()
+        except Exception as err:  # noqa: BLE001
+            raise _with_path(err, f"{path}.pin_memory()") from err
+    if isinstance(obj, collections.abc.Mapping):
+        pinned = {k: _pin_any(v, node, threads, f"{path}[{k!r}]") for k, v in obj.items()}
+        if isinstance(obj, collections.abc.MutableMapping):
+            # copy.copy keeps the mapping's type and extra state (defaultdict's factory).
+            try:
+                clone = copy.copy(obj)
+                clone.update(pinned)
+                return clone
+            except TypeError:
+                return pinned
+        try:
+            return type(obj)(pinned)  # type: ignore[call-arg]
+        except TypeError:
+            return pinned
+    if _is_namedtuple(obj):
+        return type(obj)(*(_pin_any(getattr(obj, f), node, threads, f"{path}.{f}")
+                           for f in obj._fields))
+    if isinstance(obj, tuple):
+        items = [_pin_any(v, node, threads, f"{path}[{i}]") for i, v in enumerate(obj)]
+        if type(obj) is tuple:
+            return tuple(items)
+        try:
+            return type(obj)(items)
+        except TypeError:
+            return tuple(items)
+    if isinstance(obj, collections.abc.MutableSequence):
+        items = [_pin_any(v, node, threads, f"{path}[{i}]") for i, v in enumerate(obj)]
+        if type(obj) is list:
+            return items
+        try:
+            clone = copy.copy(obj)
+            for i, v in enumerate(items):
+                clone[i] = v
+            return clone
+        except TypeError:
+            return items
+    return obj
+
+
+def _has_own_pin(obj: Any) -> bool:
+    return not isinstance(obj, torch.Tensor) and callable(getattr(type(obj), "pin_memory", None))
+
+
+def _with_path(err: Exception, path: str) -> Exception:
+    inner = str(err)
+    prefix = "pinxfer.pin_memory: "
+    if inner.startswith(prefix):
+        inner = inner[len(prefix):]
+    text = f"pinxfer.pin_memory: cannot pin {path}: {inner}"
+    try:
+        return type(err)(text)
+    except Exception:  # noqa: BLE001 - exception types with unusual constructors
+        return RuntimeError(text)
+
+
+def pin_memory(
+    obj: Any,
+    device: Optional[DeviceLike] = None,
+    num_threads: Optional[int] = None,
+    *,
+    numa_node: Optional[int] = None,
+) -> Any:
+    """Copies a tensor, or every tensor of a nested batch, into page-locked memory.
+
+    Same results as ``Tensor.pin_memory()``: equal values bit for bit, same sizes
+    and strides (storage offset 0), an already-pinned tensor comes back as the
+    same object, and ``Tensor.is_pinned()`` is True for the result where CUDA is
+    usable. Differences: the memory comes from pinxfer's pool on the GPU's NUMA
+    node; the copy is split over that node's persistent threads (fast from a
+    DataLoader pin thread with ``torch.set_num_threads(1)``); an internally
+    overlapping view (e.g. ``expand``), which torch refuses, gives a contiguous
+    copy.
+
+    Batches: Mappings (type kept, e.g. OrderedDict, defaultdict), namedtuples,
+    tuples, lists, dataclasses (frozen ones too; torch's DataLoader skips them)
+    are rebuilt around pinned tensors; objects with their own ``pin_memory()``
+    method are asked to pin themselves; other leaves come back untouched. An
+    error inside a batch names where it happened, e.g. ``batch['x'][2]``.
+
+    Args:
+        obj: a CPU tensor or a nested batch of them.
+        device: the CUDA device (index, ``'cuda:1'``, ``torch.device``) the batch is
+            going to; memory goes to its NUMA node. None: the current device.
+        num_threads: most threads for each copy; None or 0: the pool's default
+            (``PINXFER_NUM_THREADS``, else min(16, CPUs of the node)).
+        numa_node: place memory on this NUMA node instead (-1: no binding).
+            Exclusive with ``device``.
+
+    Returns:
+        The same structure with every tensor pinned.
+    """
+    node = _node_for(device, numa_node)
+    threads = _threads(num_threads)
+    return _pin_any(obj, node, threads, "batch")
+
+
+def pin_(tensor: torch.Tensor) -> torch.Tensor:
+    """Page-locks ``tensor``'s memory in place, without copying.
+
+    The whole storage is registered (so every view of it is pinned):
+    ``cudaHostRegister`` where a CUDA device is usable (``is_pinned()`` becomes
+    True and copies are DMA transfers), else ``mlock``. Until :func:`unpin_`,
+    pinxfer keeps the storage alive and non-resizable.
+
+    Raises RuntimeError, saying why, for memory that cannot be registered: not
+    on the CPU, empty, already pinned (by torch, by pinxfer's pool, by an
+    earlier ``pin_``, or sharing a page with CUDA-registered memory), or over
+    the memlock limit.
+
+    Args:
+        tensor: a dense CPU tensor.
+
+    Returns:
+        ``tensor`` itself.
+    """
+    _ops.pin_(tensor)
+    return tensor
+
+
+def unpin_(tensor: torch.Tensor) -> torch.Tensor:
+    """Undoes :func:`pin_` on ``tensor``'s storage (``cudaHostUnregister`` or
+    ``munlock`` of exactly what ``pin_`` locked). Raises RuntimeError if ``pin_``
+    did not pin it.
+
+    Args:
+        tensor: the tensor given to :func:`pin_`, or any view of its storage.
+
+    Returns:
+        ``tensor`` itself.
+    """
+    _ops.unpin_(tensor)
+    return tensor
+
+
+def inplace_lock_kind(tensor: torch.Tensor) -> Optional[str]:
+    """How :func:`pin_` locked ``tensor``'s storage: ``'cuda_registered'`` or
+    ``'mlocked'``; None if ``pin_`` did not pin it."""
+    kind = _ops.inplace_lock_kind(tensor)
+    return None if kind is None else str(kind)
+
+
+@torch.library.register_fake("pinxfer::pin_memory")
+def _pin_memory_fake(self: torch.Tensor, numa_node: Optional[int] = None,
+                     num_threads: int = 0) -> torch.Tensor:
+    if torch._debug_has_internal_overlap(self) == 1:
+        return torch.empty(self.shape, dtype=self.dtype, device=self.device)
+    return torch.empty_strided(self.shape, self.stride(), dtype=self.dtype, device=self.device)

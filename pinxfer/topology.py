@@ -1,0 +1,86 @@
+"""Host topology as plain data: which NUMA node each GPU sits on, and its CPUs.
+
+The answers come from the same C++ code (``csrc/runtime/topology.cpp``) that
+places pinxfer's pools and binds its threads, so what this reports is what
+placement uses. Every function takes the sysfs root, so fake trees can be
+inspected too; None means ``PINXFER_SYSFS_ROOT``, else ``/sys``.
+
+GPU bus ids come from the CUDA runtime (``cudaDeviceGetPCIBusId``) through
+pinxfer's own op, which needs no CUDA context and leaves torch's CUDA state
+uninitialised (DataLoader workers can still fork). Note that placement may be
+overridden with ``PINXFER_NUMA_NODE``; this module reports sysfs.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence
+
+import torch
+
+_ops = torch.ops.pinxfer
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuTopology:
+    index: int  # CUDA device index (or position in the bus ids given)
+    pci_bus_id: str  # as CUDA reports it, e.g. "00000000:1B:00.0"
+    numa_node: int  # -1: unknown or no affinity (no binding is done)
+    cpus: tuple[int, ...]  # CPUs of that node; () when numa_node is -1 or unreadable
+
+
+def _root(sysfs_root: Optional[str]) -> str:
+    return str(sysfs_root) if sysfs_root is not None else str(_ops.sysfs_root())
+
+
+def parse_cpulist(text: str) -> list[int]:
+    """CPU ids of a kernel CPU list such as ``"0-3,8,10-11"`` (sorted, unique).
+
+    Raises:
+        ValueError: the text is not such a list.
+    """
+    return list(_ops.parse_cpulist(text))
+
+
+def numa_nodes(sysfs_root: Optional[str] = None) -> dict[int, list[int]]:
+    """NUMA nodes present and their CPUs, e.g. ``{0: [0, 1, ...], 1: [...]}``.
+
+    Args:
+        sysfs_root: root of the sysfs tree to read (None: ``PINXFER_SYSFS_ROOT`` or ``/sys``).
+
+    Returns:
+        node -> CPU ids; a node without a readable cpulist maps to ``[]``;
+        ``{}`` when the tree has no NUMA information.
+
+    Raises:
+        ValueError: a node's cpulist is malformed (the message names the file).
+    """
+    root = _root(sysfs_root)
+    return {int(n): list(_ops.node_cpus(n, root)) for n in _ops.online_nodes(root)}
+
+
+def topology(
+    sysfs_root: Optional[str] = None, *, pci_bus_ids: Optional[Sequence[str]] = None
+) -> list[GpuTopology]:
+    """Per GPU: PCI bus id, NUMA node, and that node's CPUs.
+
+    Args:
+        sysfs_root: root of the sysfs tree to read (None: ``PINXFER_SYSFS_ROOT`` or ``/sys``).
+        pci_bus_ids: describe these PCI devices instead of the visible CUDA devices
+            (for inspecting other machines' trees, and tests).
+
+    Returns:
+        One :class:`GpuTopology` per device, in device order; ``[]`` without CUDA.
+
+    Raises:
+        ValueError: a node's cpulist is malformed (the message names the file).
+    """
+    root = _root(sysfs_root)
+    if pci_bus_ids is None:
+        count = int(_ops.cuda_device_count())
+        pci_bus_ids = [str(_ops.cuda_pci_bus_id(i)) for i in range(count)]
+    out = []
+    for index, bus_id in enumerate(pci_bus_ids):
+        node = int(_ops.pci_numa_node(bus_id, root))
+        cpus = tuple(_ops.node_cpus(node, root)) if node >= 0 else ()
+        out.append(GpuTopology(index=index, pci_bus_id=bus_id, numa_node=node, cpus=cpus))
+    return out
