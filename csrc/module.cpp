@@ -43,4 +43,32 @@ TORCH_LIBRARY(pinxfer, m) {
   m.def("build_info() -> (bool, str, bool)");
   // NUMA node of each page of a CPU tensor (negative errno if not present).
   m.def("page_nodes(Tensor self) -> int[]");
+
+  // ---- pin_memory and topology (csrc/ops/cpu/pin_memory_cpu.cpp, pin_inplace_cpu.cpp,
+  //      csrc/ops/topology_ops.cpp) ----
+  // Tensor.pin_memory() into the pool of a NUMA node (None: the current GPU's), same sizes and
+  // strides, copied by the node's thread pool with at most num_threads threads (0: all).
+  m.def("pin_memory(Tensor self, int? numa_node=None, int num_threads=0) -> Tensor");
+  // Page-locks a CPU tensor's whole storage in place (cudaHostRegister, else mlock).
+  m.def("pin_(Tensor self) -> ()");
+  // Undoes exactly what pin_ did to the tensor's storage.
+  m.def("unpin_(Tensor self) -> ()");
+  // How pin_ locked the tensor's storage (cuda_registered, mlocked), None if it did not.
+  m.def("inplace_lock_kind(Tensor self) -> str?");
+  // The sysfs root C++ reads by default: PINXFER_SYSFS_ROOT, else /sys.
+  m.def("sysfs_root() -> str");
+  // CPU ids of a kernel CPU list such as "0-3,8"; raises ValueError when malformed.
+  m.def("parse_cpulist(str text) -> int[]");
+  // CPUs of a NUMA node under a sysfs root; [] if the node or its cpulist is missing.
+  m.def("node_cpus(int node, str sysfs_root) -> int[]");
+  // NUMA nodes present under a sysfs root; [] if none.
+  m.def("online_nodes(str sysfs_root) -> int[]");
+  // NUMA node of a PCI device ("0000:1b:00.0") under a sysfs root; -1 if unknown.
+  m.def("pci_numa_node(str pci_bus_id, str sysfs_root) -> int");
+  // PCI bus id CUDA reports for a device (without creating a context).
+  m.def("cuda_pci_bus_id(int device) -> str");
+  // CUDA devices this process can use (0 without CUDA, in a forked child, or when disabled).
+  m.def("cuda_device_count() -> int");
+  // NUMA node pinxfer places memory on for a CUDA device (PINXFER_NUMA_NODE, sysfs, or -1).
+  m.def("numa_node_for_device(int device) -> int");
 }

@@ -38,6 +38,8 @@ from pinxfer.memory import (  # noqa: E402
     set_max_pinned_bytes,
     uninstall,
 )
+from pinxfer.pin import pin_, pin_memory, unpin_  # noqa: E402
+from pinxfer.topology import GpuTopology, numa_nodes, topology  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -45,6 +47,12 @@ __all__ = [
     "build_info",
     "empty",
     "empty_cache",
+    "GpuTopology",
+    "numa_nodes",
+    "pin_",
+    "pin_memory",
+    "topology",
+    "unpin_",
     "get_max_pinned_bytes",
     "install",
     "is_installed",

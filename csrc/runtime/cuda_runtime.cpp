@@ -71,6 +71,16 @@ std::string host_register(void* ptr, size_t size) {
   return error_text(err);
 }
 
+std::string host_register_user(void* ptr, size_t size, bool* already_registered) {
+  *already_registered = false;
+  if (!cuda_usable()) return "CUDA is not usable in this process";
+  const cudaError_t err = cudaHostRegister(ptr, size, cudaHostRegisterPortable);
+  if (err == cudaSuccess) return "";
+  (void)cudaGetLastError();
+  *already_registered = err == cudaErrorHostMemoryAlreadyRegistered;
+  return error_text(err);
+}
+
 std::string host_unregister(void* ptr) {
   const cudaError_t err = cudaHostUnregister(ptr);
   if (err == cudaSuccess) return "";
@@ -211,6 +221,10 @@ int device_count() { return 0; }
 bool cuda_usable() { return false; }
 std::string host_register(void*, size_t) { return "pinxfer was built without CUDA"; }
 std::string host_unregister(void*) { return "pinxfer was built without CUDA"; }
+std::string host_register_user(void*, size_t, bool* already_registered) {
+  *already_registered = false;
+  return "pinxfer was built without CUDA";
+}
 bool is_cuda_pinned(const void*) { return false; }
 bool try_record_event(const c10::Stream&, Event*, std::string* error) {
   *error = "pinxfer was built without CUDA";

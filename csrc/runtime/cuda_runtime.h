@@ -29,6 +29,12 @@ bool cuda_usable();
 std::string host_register(void* ptr, size_t size);
 std::string host_unregister(void* ptr);
 
+// host_register for memory the caller does not own (pinxfer.pin_): also says
+// whether CUDA refused because some of the range is already registered
+// (cudaErrorHostMemoryAlreadyRegistered: by torch, another library, or an
+// earlier pin_ of a tensor sharing a page). Returns "" on success.
+std::string host_register_user(void* ptr, size_t size, bool* already_registered);
+
 // True if ptr lies in memory CUDA considers page-locked host memory.
 bool is_cuda_pinned(const void* ptr);
 
