@@ -9,13 +9,15 @@ CUDA unless ``torch.cuda`` is already usable (then only to read device names).
 JSON (``pinxfer doctor --json FILE``)::
 
     {"pinxfer": str, "torch": str, "sysfs_root": str, "proc_root": str,
-     "gpus": [{"index": int, "name": str | null, "pci_bus_id": str,
+     "gpus": [{"index": int | null,         # CUDA index here (null: not visible to this
+                                            # process); PCI bus order when CUDA is not usable
+               "name": str | null, "pci_bus_id": str,
                "numa_node": int,            # -1: unknown / single node
                "cpus": [int],               # CPUs of that node ([] if unknown)
                "pcie": {"current_gen": int | null, "current_width": int | null,
                         "max_gen": int | null, "max_width": int | null,
                         "current_speed_gts": float | null, "max_speed_gts": float | null},
-               "source": "nvml" | "topology" | "sysfs" | "torch"}],
+               "source": "nvml" | "sysfs"}],   # where the PCIe figures came from
      "process": {"affinity": [int], "uid": int, "cap_ipc_lock": bool},
      "memlock": {"soft": int | null, "hard": int | null},   # null: unlimited
      "thp": {"enabled": str | null, "defrag": str | null},
@@ -252,12 +254,14 @@ def _from_torch() -> list[dict[str, Any]]:
     return out
 
 
-def gpu_records(sysfs_root: str, use_nvml: bool = True, use_torch: bool = True) -> list[dict[str, Any]]:
-    """One record per GPU, merged by PCI bus id from sysfs, pinxfer.topology(),
-    NVML and torch (each fills what it knows). Indices follow torch/NVML where
-    they are known, else PCI bus order."""
+def gpu_records(sysfs_root: str, live: bool = True) -> list[dict[str, Any]]:
+    """One record per GPU, merged by PCI bus id from sysfs and, when `live`,
+    pinxfer.topology(), NVML and torch (each fills what it knows). Indices follow
+    CUDA/NVML where known, else PCI bus order. `live` is False for fixture trees:
+    those sources enumerate this machine's real GPUs."""
     merged: dict[str, dict[str, Any]] = {}
     order: list[str] = []
+    cuda_index: dict[str, int] = {}  # bus id -> CUDA device index in this process
 
     def add(rec: dict[str, Any], source: str) -> None:
         bus = rec.get("pci_bus_id")
@@ -265,30 +269,33 @@ def gpu_records(sysfs_root: str, use_nvml: bool = True, use_torch: bool = True) 
             return
         if bus not in merged:
             merged[bus] = {"index": None, "name": None, "pci_bus_id": bus, "numa_node": None,
-                           "cpus": [], "pcie": None, "source": source}
+                           "cpus": [], "pcie": None, "source": "sysfs"}
             order.append(bus)
         cur = merged[bus]
         for key, value in rec.items():
-            if value is not None and value != [] and cur.get(key) in (None, []):
+            if key != "index" and value is not None and value != [] and cur.get(key) in (None, []):
                 cur[key] = value
-        if source in ("nvml", "torch") and rec.get("index") is not None:
-            cur["index"] = rec["index"]  # CUDA/NVML numbering wins over bus order
+        if source in ("topology", "torch") and rec.get("index") is not None:
+            cuda_index[bus] = int(rec["index"])
+        if source == "nvml" and rec.get("pcie"):
+            cur["source"] = "nvml"
 
     for bus in _sysfs_gpus(sysfs_root):
         add({"pci_bus_id": bus}, "sysfs")
-    for rec in _from_topology(sysfs_root):
-        add(rec, "topology")
-    if use_nvml:
+    if live:
+        for rec in _from_topology(sysfs_root):
+            add(rec, "topology")
         for rec in _from_nvml():
             add(rec, "nvml")
-    if use_torch:
         for rec in _from_torch():
             add(rec, "torch")
 
+    order.sort()  # PCI bus order: nvidia-smi's and NVML's numbering
     gpus = [merged[b] for b in order]
     for pos, g in enumerate(gpus):
-        if g["index"] is None:
-            g["index"] = pos
+        # The CUDA index where this process sees CUDA devices (None: not visible
+        # to it, e.g. CUDA_VISIBLE_DEVICES); else the PCI bus order.
+        g["index"] = cuda_index.get(g["pci_bus_id"]) if cuda_index else pos
         if g["numa_node"] is None:
             node = _read_int(Path(sysfs_root) / "bus" / "pci" / "devices" / g["pci_bus_id"] / "numa_node")
             g["numa_node"] = node if node is not None else -1
@@ -301,7 +308,7 @@ def gpu_records(sysfs_root: str, use_nvml: bool = True, use_torch: bool = True) 
             for key, value in sys_link.items():
                 if g["pcie"].get(key) is None:
                     g["pcie"][key] = value
-    gpus.sort(key=lambda g: g["index"])
+    gpus.sort(key=lambda g: (g["index"] is None, g["index"] or 0, g["pci_bus_id"]))
     return gpus
 
 
@@ -336,20 +343,20 @@ def _bracketed(text: Optional[str]) -> Optional[str]:
 
 
 def collect(sysfs_root: Optional[str] = None, proc_root: str = "/proc",
-            affinity: Optional[set[int]] = None, use_nvml: Optional[bool] = None) -> dict[str, Any]:
+            affinity: Optional[set[int]] = None, live: Optional[bool] = None) -> dict[str, Any]:
     """Everything doctor reports, as a JSON-ready dict (see the module docstring).
 
     Args:
         sysfs_root: root of sysfs (default ``PINXFER_SYSFS_ROOT`` or ``/sys``).
         proc_root: root of procfs.
         affinity: the CPUs to check against GPU nodes (default: this process's).
-        use_nvml: query NVML and torch for names and links (default: only when
-            the real /sys is read, so fixture trees are not mixed with this machine).
+        live: also ask pinxfer.topology(), NVML and torch about this machine's
+            GPUs (default: only when the real /sys is read, so a fixture tree is
+            never mixed with this machine).
     """
     sysfs_root = sysfs_root or default_sysfs_root()
-    real = os.path.realpath(sysfs_root) == "/sys"
-    if use_nvml is None:
-        use_nvml = real
+    if live is None:
+        live = os.path.realpath(sysfs_root) == "/sys"
     if affinity is None:
         affinity = set(os.sched_getaffinity(0))
     soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
@@ -361,7 +368,7 @@ def collect(sysfs_root: Optional[str] = None, proc_root: str = "/proc",
         "torch": torch.__version__,
         "sysfs_root": sysfs_root,
         "proc_root": proc_root,
-        "gpus": gpu_records(sysfs_root, use_nvml=use_nvml, use_torch=use_nvml),
+        "gpus": gpu_records(sysfs_root, live=live),
         "process": {"affinity": sorted(affinity), "uid": os.geteuid(),
                     "cap_ipc_lock": cap_ipc_lock(proc_root)},
         "memlock": {"soft": None if soft == unl else soft, "hard": None if hard == unl else hard},
@@ -412,6 +419,8 @@ def diagnose(report: dict[str, Any]) -> list[dict[str, str]]:
 
     affinity = set(report["process"]["affinity"])
     for g in report["gpus"]:
+        if g["index"] is None:  # not visible to this process: not its concern
+            continue
         node, cpus = g["numa_node"], set(g["cpus"])
         if node is not None and node >= 0 and cpus and not (affinity & cpus):
             warn("affinity_far_from_gpu",
@@ -487,7 +496,7 @@ def render(report: dict[str, Any]) -> str:
         for g in gpus:
             link = g["pcie"] or {}
             rows.append((
-                str(g["index"]), g["name"] or "?", g["pci_bus_id"],
+                "-" if g["index"] is None else str(g["index"]), g["name"] or "?", g["pci_bus_id"],
                 str(g["numa_node"]), _compact(g["cpus"]),
                 _link(link.get("current_gen"), link.get("current_speed_gts"), link.get("current_width")),
                 _link(link.get("max_gen"), link.get("max_speed_gts"), link.get("max_width")),
