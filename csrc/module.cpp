@@ -71,4 +71,10 @@ TORCH_LIBRARY(pinxfer, m) {
   m.def("cuda_device_count() -> int");
   // NUMA node pinxfer places memory on for a CUDA device (PINXFER_NUMA_NODE, sysfs, or -1).
   m.def("numa_node_for_device(int device) -> int");
+
+  // ---- transfers (csrc/ops/cuda/to_device_cuda.cpp; CUDA builds only) ----
+  // CPU tensor -> CUDA: pinned sources in one DMA, pageable ones through a pinned chunk ring.
+  m.def("to_device(Tensor self, Device device, int chunk_bytes, int num_buffers) -> Tensor");
+  // CPU tensors -> CUDA packed in one pinned buffer and one copy; views of one device buffer.
+  m.def("to_device_many(Tensor[] tensors, Device device) -> Tensor[]");
 }

@@ -41,9 +41,14 @@ from pinxfer.memory import (  # noqa: E402
 from pinxfer.pin import pin_, pin_memory, unpin_  # noqa: E402
 from pinxfer.topology import GpuTopology, numa_nodes, topology  # noqa: E402
 
+from pinxfer.prefetch import Prefetcher, prefetch  # noqa: E402
+from pinxfer.transfer import HostTransfer, to_device, to_host  # noqa: E402
+
 __version__ = "0.1.0"
 
 __all__ = [
+    "HostTransfer",
+    "Prefetcher",
     "build_info",
     "empty",
     "empty_cache",
@@ -59,9 +64,12 @@ __all__ = [
     "is_pool_tensor",
     "lock_kind",
     "memory_stats",
+    "prefetch",
     "record_stream",
     "reset_accumulated_memory_stats",
     "reset_peak_memory_stats",
     "set_max_pinned_bytes",
+    "to_device",
+    "to_host",
     "uninstall",
 ]

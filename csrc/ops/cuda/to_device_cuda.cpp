@@ -1,0 +1,539 @@
+// Host -> device transfers: to_device (one tensor, chunked pipeline through a
+// pinned ring) and to_device_many (many small tensors, one packed copy).
+// Schemas in csrc/module.cpp, section "transfers"; Python in pinxfer/transfer.py.
+//
+// Streams. Every copy runs on a per-device copy stream (one stream taken from
+// c10's pool), never on the caller's stream, so H2D overlaps the caller's
+// kernels. Ordering with the caller's current stream `cur`:
+//   1. the copy stream first waits on `cur`: the output is allocated on `cur`
+//      by the caching allocator and may reuse memory that kernels already
+//      queued on `cur` still read;
+//   2. at the end `cur` waits on an event recorded after the last copy, so any
+//      later use of the result on `cur` is ordered after the copy (that is what
+//      makes non_blocking results safe to use without further syncs).
+// The output is record_stream'ed on the copy stream only when we throw after
+// queueing copies: on success (2) already orders every later use and free on
+// `cur` after the copy, and a recorded stream would make the allocator hold the
+// block until whatever else the shared copy stream queued by then is done.
+//
+// Staging memory comes from pinxfer's pool for the device's NUMA node, a fresh
+// set of blocks per call (the pool caches them: a second call is a cache hit).
+// Before a block goes back to the pool it is marked as used by the copy stream,
+// so the pool fences it with an event and never hands it out while a copy may
+// still read it.
+//
+// The pipeline (pageable source). The tensor is cut into chunks (at most
+// chunk_bytes); chunk c is staged in ring slot c % ring. Chunks are cut into
+// pieces; the host threads of the node's ThreadPool claim pieces in order and
+// copy each into its slot (nontemporal stores: the staging bytes are read by the
+// DMA engine, not by this CPU). The thread that finishes the last piece of a
+// chunk queues its cudaMemcpyAsync and records the slot's event. A thread about
+// to write into a slot first waits until the slot's previous chunk has been
+// queued and then synchronizes its event: a staging slot is never refilled
+// while its previous copy may still read it. Claims are in order and each
+// claimed piece is finished by its claimer, so the waits only point backwards
+// and cannot deadlock.
+#include <ATen/ATen.h>
+#include <ATen/core/CachingHostAllocator.h>
+#include <ATen/record_function.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
+#include <nvtx3/nvToolsExt.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include "memory/pinned_pool.h"
+#include "memory/placement.h"
+#include "runtime/cuda_runtime.h"
+#include "runtime/thread_pool.h"
+
+namespace pinxfer::ops {
+
+namespace {
+
+constexpr size_t kKiB = size_t{1} << 10;
+constexpr size_t kMiB = size_t{1} << 20;
+// Below this a transfer is one chunk copied by the calling thread: waking the
+// pool's workers costs more than the copy.
+constexpr size_t kSerialBytes = 256 * kKiB;
+// Smallest chunk the pipeline cuts a large tensor into, and smallest piece a
+// thread copies; both keep per-copy and per-claim overheads under a few %.
+constexpr size_t kMinChunk = 256 * kKiB;
+constexpr size_t kMinPiece = 64 * kKiB;
+// Offsets inside to_device_many's packed buffer: enough for every dtype's
+// alignment and for vectorised kernels reading the views.
+constexpr size_t kPackAlign = 256;
+
+size_t round_up(size_t n, size_t m) { return (n + m - 1) / m * m; }
+
+// A profiler range (torch.profiler, on the calling thread) and an NVTX range
+// (nsys, on every thread) with one name.
+class Range {
+ public:
+  explicit Range(const char* name) : record_(at::RecordScope::USER_SCOPE) {
+    if (record_.isActive()) record_.before(name);
+    nvtxRangePushA(name);
+  }
+  ~Range() { nvtxRangePop(); }
+  Range(const Range&) = delete;
+  Range& operator=(const Range&) = delete;
+
+ private:
+  at::RecordFunction record_;
+};
+
+// PINXFER_STAGE_COPY=memcpy switches the staging copy to plain memcpy (for
+// comparison in benchmarks); the default streams with nontemporal stores.
+bool use_nontemporal() {
+  const char* env = std::getenv("PINXFER_STAGE_COPY");
+  return !(env && std::strcmp(env, "memcpy") == 0);
+}
+
+// Copies into staging memory that the CPU will not read again. Nontemporal
+// stores skip the read-for-ownership of destination lines (a third of the
+// memory traffic of a cached copy). The sfence makes the stores visible before
+// the caller publishes "piece done" to the thread that queues the DMA.
+void stage_copy(char* dst, const char* src, size_t n, bool nontemporal) {
+#if defined(__x86_64__)
+  if (nontemporal && n >= 4096) {
+    // Align the destination to 16 bytes with a short memcpy head.
+    const size_t head = (16 - (reinterpret_cast<uintptr_t>(dst) & 15)) & 15;
+    std::memcpy(dst, src, head);
+    dst += head;
+    src += head;
+    n -= head;
+    const size_t body = n & ~size_t{63};
+    for (size_t i = 0; i < body; i += 64) {
+      const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 16));
+      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 32));
+      const __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 48));
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), a);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 16), b);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 32), c);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 48), d);
+    }
+    std::memcpy(dst + body, src + body, n - body);
+    _mm_sfence();
+    return;
+  }
+#endif
+  (void)nontemporal;
+  std::memcpy(dst, src, n);
+}
+
+void check_cuda_usable(const char* op) {
+  TORCH_CHECK(cuda::cuda_usable(), "pinxfer.", op,
+              ": expected a usable CUDA device, but CUDA is not usable in this process (no "
+              "device, PINXFER_DISABLE_CUDA=1, or a forked child such as a DataLoader worker). "
+              "Call it from the main process of a machine with a GPU.");
+}
+
+c10::DeviceIndex resolve_device(const c10::Device& device, const char* op) {
+  TORCH_CHECK(device.is_cuda(), "pinxfer.", op, ": expected a CUDA device, got ", device,
+              ". For a CPU target use tensor.to('cpu').");
+  const c10::DeviceIndex index = device.has_index() ? device.index() : c10::cuda::current_device();
+  TORCH_CHECK(index >= 0 && index < c10::cuda::device_count(), "pinxfer.", op,
+              ": device index ", static_cast<int>(index), " is out of range: this process sees ",
+              static_cast<int>(c10::cuda::device_count()), " CUDA device(s)");
+  return index;
+}
+
+// The dedicated H2D stream of each device, taken once from c10's stream pool.
+c10::cuda::CUDAStream copy_stream_for(c10::DeviceIndex device) {
+  static std::mutex mutex;
+  // Leaked: streams outlive every caller, including at interpreter exit.
+  static auto* streams = new std::vector<std::optional<c10::cuda::CUDAStream>>();  // LOCK: mutex
+  std::lock_guard<std::mutex> lock(mutex);
+  if (static_cast<size_t>(device) >= streams->size()) streams->resize(device + 1);
+  auto& slot = (*streams)[device];
+  if (!slot) slot = c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device);
+  return *slot;
+}
+
+// Makes `waiter` wait for the work queued on `signaller` so far.
+void stream_wait(const c10::cuda::CUDAStream& waiter, const c10::cuda::CUDAStream& signaller) {
+  const cuda::Event ev = cuda::record_event(signaller.unwrap());
+  const cudaError_t err =
+      cudaStreamWaitEvent(waiter.stream(), static_cast<cudaEvent_t>(ev.handle), 0);
+  // The wait captured the event's state; the event may be recycled now.
+  cuda::release_event(ev);
+  C10_CUDA_CHECK(err);
+}
+
+// Sources pinned by neither pinxfer's pool nor torch's host allocator (e.g.
+// memory registered by hand): nobody else knows a copy reads them, so we hold a
+// reference to their storage until an event after the copy has completed.
+struct KeptStorage {
+  cuda::Event event;
+  c10::Storage storage;
+};
+std::mutex g_kept_mutex;
+std::deque<KeptStorage>* g_kept = new std::deque<KeptStorage>();  // LOCK: g_kept_mutex
+
+void release_finished_kept() {
+  std::vector<c10::Storage> drop;  // destroyed outside the lock
+  std::lock_guard<std::mutex> lock(g_kept_mutex);
+  while (!g_kept->empty()) {
+    std::string error;
+    if (!cuda::event_done(g_kept->front().event, &error)) break;
+    if (!error.empty()) break;  // cannot prove the copy finished: keep holding
+    cuda::release_event(g_kept->front().event);
+    drop.push_back(std::move(g_kept->front().storage));
+    g_kept->pop_front();
+  }
+}
+
+// Tells whoever owns a pinned source's memory that `stream` reads it.
+void record_source_use(const at::Tensor& src, const c10::cuda::CUDAStream& stream) {
+  const c10::DataPtr& data = src.storage().data_ptr();
+  if (PinnedPool* pool = PinnedPool::owner_of(data.get_context())) {
+    pool->record_stream(data.get_context(), stream.unwrap());
+    return;
+  }
+  if (at::getHostAllocator(at::kCUDA)->record_event(data.get(), data.get_context(),
+                                                    stream.unwrap())) {
+    return;
+  }
+  KeptStorage kept{cuda::record_event(stream.unwrap()), src.storage()};
+  std::lock_guard<std::mutex> lock(g_kept_mutex);
+  g_kept->push_back(std::move(kept));
+}
+
+// True if the DMA engine can read the tensor's memory directly.
+bool is_dma_pinned(const at::Tensor& src) {
+  void* ctx = src.storage().data_ptr().get_context();
+  if (PinnedPool* pool = PinnedPool::owner_of(ctx)) {
+    return pool->lock_kind_of(ctx) == LockKind::kCudaRegistered;
+  }
+  return cuda::is_cuda_pinned(src.data_ptr());
+}
+
+// A CPU tensor whose bytes are the values: conjugate/negative views resolved,
+// contiguous. Non-contiguous inputs therefore cost one extra host pass here;
+// the result on the device is contiguous.
+at::Tensor dense_source(const at::Tensor& t, const char* op) {
+  TORCH_CHECK(t.device().is_cpu(), "pinxfer.", op, ": expected CPU tensors, got one on ",
+              t.device(), ". Tensors already on a GPU need no staging: use tensor.to(device).");
+  TORCH_CHECK(t.layout() == at::kStrided && !t.is_quantized(), "pinxfer.", op,
+              ": expected dense (strided, non-quantized) tensors, got layout ", t.layout(),
+              " dtype ", t.scalar_type(), ". Use tensor.to(device) for these.");
+  return t.resolve_conj().resolve_neg().contiguous();
+}
+
+// Shared state of one pipelined transfer; lives on the caller's stack for the
+// duration of the parallel_for.
+struct Pipeline {
+  const char* src = nullptr;
+  char* dst = nullptr;
+  size_t nbytes = 0;
+  size_t chunk = 0;             // bytes per chunk (the last may be shorter)
+  size_t piece = 0;             // bytes per piece (the last of a chunk may be shorter)
+  size_t pieces_per_chunk = 0;
+  size_t num_chunks = 0;
+  size_t ring = 0;              // staging slots
+  bool nontemporal = true;
+  c10::DeviceIndex device = 0;
+  c10::cuda::CUDAStream stream;
+  std::vector<c10::DataPtr> slots;                 // staging blocks, one per ring slot
+  std::unique_ptr<std::atomic<size_t>[]> left;     // pieces of each chunk not yet copied
+  std::atomic<size_t> next_piece{0};
+  std::atomic<bool> failed{false};
+
+  std::mutex mutex;
+  std::condition_variable queued_cv;
+  std::vector<int64_t> queued;        // last chunk queued from each slot, -1: none. LOCK: mutex
+  std::vector<cuda::Event> events;    // event after that chunk's copy. LOCK: mutex
+
+  explicit Pipeline(c10::cuda::CUDAStream s) : stream(s) {}
+
+  size_t chunk_end(size_t c) const { return std::min(nbytes, (c + 1) * chunk); }
+
+  // Blocks until slot `slot` may be overwritten with chunk c (c >= ring).
+  // Returns false if the transfer failed meanwhile.
+  bool wait_slot_free(size_t slot, size_t c) {
+    cuda::Event ev;
+    {
+      std::unique_lock<std::mutex> lock(mutex);
+      const int64_t previous = static_cast<int64_t>(c - ring);
+      queued_cv.wait(lock, [&] { return failed.load() || queued[slot] >= previous; });
+      if (failed.load()) return false;
+      // The slot's event is replaced only when chunk c is queued, which needs
+      // this piece first: the handle stays valid while we wait on it.
+      ev = events[slot];
+    }
+    cuda::event_synchronize(ev);
+    return true;
+  }
+
+  void queue_chunk(size_t c) {
+    const size_t slot = c % ring;
+    const size_t begin = c * chunk;
+    const size_t len = chunk_end(c) - begin;
+    cuda::Event ev;
+    {
+      Range range("pinxfer::h2d");
+      C10_CUDA_CHECK(cudaMemcpyAsync(dst + begin, slots[slot].get(), len,
+                                     cudaMemcpyHostToDevice, stream.stream()));
+      ev = cuda::record_event(stream.unwrap());
+    }
+    cuda::Event old;
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      old = events[slot];
+      events[slot] = ev;
+      queued[slot] = static_cast<int64_t>(c);
+    }
+    queued_cv.notify_all();
+    if (old.handle) cuda::release_event(old);
+  }
+
+  void copy_piece(size_t p) {
+    const size_t c = p / pieces_per_chunk;
+    const size_t slot = c % ring;
+    const size_t begin = c * chunk + (p % pieces_per_chunk) * piece;
+    const size_t end = std::min(chunk_end(c), begin + piece);
+    if (begin < end) {
+      if (c >= ring && !wait_slot_free(slot, c)) return;
+      Range range("pinxfer::stage");
+      stage_copy(static_cast<char*>(slots[slot].get()) + (begin - c * chunk), src + begin,
+                 end - begin, nontemporal);
+    }
+    // acq_rel: the thread that queues the chunk sees every piece's bytes.
+    if (left[c].fetch_sub(1, std::memory_order_acq_rel) == 1) queue_chunk(c);
+  }
+
+  // Body run by each participating thread: claim pieces in order until none
+  // are left or the transfer failed.
+  void run() {
+    c10::cuda::CUDAGuard guard(device);
+    const size_t total = num_chunks * pieces_per_chunk;
+    try {
+      while (!failed.load(std::memory_order_relaxed)) {
+        const size_t p = next_piece.fetch_add(1, std::memory_order_relaxed);
+        if (p >= total) return;
+        copy_piece(p);
+      }
+    } catch (...) {
+      {
+        std::lock_guard<std::mutex> lock(mutex);
+        failed.store(true);
+      }
+      queued_cv.notify_all();
+      throw;
+    }
+  }
+
+  void release_events() {
+    std::lock_guard<std::mutex> lock(mutex);
+    for (auto& ev : events) {
+      if (ev.handle) cuda::release_event(ev);
+      ev = cuda::Event{};
+    }
+  }
+};
+
+// Hands staging blocks back to the pool, marked as read by `stream`, so the
+// pool reuses them only after the copies queued so far have finished.
+void return_staging(std::vector<c10::DataPtr>& blocks, PinnedPool& pool,
+                    const c10::cuda::CUDAStream& stream) {
+  for (auto& b : blocks) {
+    if (b.get_context()) pool.record_stream(b.get_context(), stream.unwrap());
+  }
+  blocks.clear();
+}
+
+// Chunk size for a tensor of nbytes: at most chunk_bytes, and small enough that
+// about eight chunks are in the pipeline, so filling the first slot and
+// draining the last copy are a small part of the whole.
+size_t pick_chunk(size_t nbytes, size_t chunk_bytes) {
+  if (nbytes <= kSerialBytes) return nbytes;
+  const size_t eighth = round_up((nbytes + 7) / 8, 64 * kKiB);
+  return std::min(nbytes, std::min(chunk_bytes, std::max(kMinChunk, eighth)));
+}
+
+void pipelined_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex device,
+                    const c10::cuda::CUDAStream& stream, size_t chunk_bytes, size_t num_buffers) {
+  const int node = numa_node_for_device(device);
+  PinnedPool& pool = pool_for_node(node);
+  ThreadPool& threads = thread_pool_for_node(node);
+
+  Pipeline pl(stream);
+  pl.src = static_cast<const char*>(src.const_data_ptr());
+  pl.dst = static_cast<char*>(out.data_ptr());
+  pl.nbytes = src.nbytes();
+  pl.chunk = pick_chunk(pl.nbytes, chunk_bytes);
+  pl.num_chunks = (pl.nbytes + pl.chunk - 1) / pl.chunk;
+  pl.ring = std::min(num_buffers, pl.num_chunks);
+  const int num_threads = pl.nbytes <= kSerialBytes ? 1 : threads.num_threads();
+  // About one piece per thread per chunk, so all threads fill one slot together.
+  pl.piece = pl.nbytes <= kSerialBytes
+                 ? pl.chunk
+                 : std::min(pl.chunk, std::max(kMinPiece, round_up((pl.chunk + num_threads - 1) /
+                                                                       num_threads, 4 * kKiB)));
+  pl.pieces_per_chunk = (pl.chunk + pl.piece - 1) / pl.piece;
+  pl.nontemporal = use_nontemporal();
+  pl.device = device;
+  pl.left.reset(new std::atomic<size_t>[pl.num_chunks]);
+  for (size_t c = 0; c < pl.num_chunks; ++c) pl.left[c].store(pl.pieces_per_chunk);
+  pl.queued.assign(pl.ring, -1);
+  pl.events.assign(pl.ring, cuda::Event{});
+  for (size_t s = 0; s < pl.ring; ++s) pl.slots.push_back(pool.allocate(pl.chunk));
+
+  try {
+    threads.parallel_for(static_cast<size_t>(num_threads), 1,
+                         [&pl](size_t begin, size_t end) {
+                           for (size_t i = begin; i < end; ++i) pl.run();
+                         });
+  } catch (...) {
+    pl.release_events();
+    return_staging(pl.slots, pool, stream);
+    throw;
+  }
+  pl.release_events();
+  return_staging(pl.slots, pool, stream);
+}
+
+// Copies a whole pinned source with one DMA.
+void direct_copy(const at::Tensor& src, at::Tensor& out, const c10::cuda::CUDAStream& stream) {
+  Range range("pinxfer::h2d");
+  C10_CUDA_CHECK(cudaMemcpyAsync(out.data_ptr(), src.const_data_ptr(), src.nbytes(),
+                                 cudaMemcpyHostToDevice, stream.stream()));
+  record_source_use(src, stream);
+}
+
+at::Tensor to_device(const at::Tensor& self, c10::Device device, int64_t chunk_bytes,
+                     int64_t num_buffers) {
+  TORCH_CHECK(chunk_bytes >= 4096, "pinxfer.to_device: chunk_bytes must be >= 4096, got ",
+              chunk_bytes);
+  TORCH_CHECK(num_buffers >= 1, "pinxfer.to_device: num_buffers must be >= 1, got ", num_buffers);
+  check_cuda_usable("to_device");
+  const c10::DeviceIndex index = resolve_device(device, "to_device");
+  c10::cuda::CUDAGuard guard(index);
+  release_finished_kept();
+
+  const at::Tensor src = dense_source(self, "to_device");
+  at::Tensor out = at::empty(src.sizes(), src.options().device(c10::Device(c10::kCUDA, index)));
+  if (src.nbytes() == 0) return out;
+
+  const c10::cuda::CUDAStream cur = c10::cuda::getCurrentCUDAStream(index);
+  const c10::cuda::CUDAStream copy = copy_stream_for(index);
+  stream_wait(copy, cur);
+  try {
+    if (is_dma_pinned(src)) {
+      direct_copy(src, out, copy);
+    } else {
+      pipelined_copy(src, out, index, copy, static_cast<size_t>(chunk_bytes),
+                     static_cast<size_t>(num_buffers));
+    }
+    stream_wait(cur, copy);
+  } catch (...) {
+    // Copies may still be writing `out`: keep its memory from the allocator
+    // until the copy stream has passed them.
+    c10::cuda::CUDACachingAllocator::recordStream(out.storage().data_ptr(), copy);
+    throw;
+  }
+  return out;
+}
+
+std::vector<at::Tensor> to_device_many(at::TensorList tensors, c10::Device device) {
+  check_cuda_usable("to_device_many");
+  const c10::DeviceIndex index = resolve_device(device, "to_device_many");
+  c10::cuda::CUDAGuard guard(index);
+
+  std::vector<at::Tensor> srcs;
+  std::vector<size_t> offsets;
+  srcs.reserve(tensors.size());
+  offsets.reserve(tensors.size());
+  size_t total = 0;
+  for (const auto& t : tensors) {
+    srcs.push_back(dense_source(t, "to_device_many"));
+    offsets.push_back(total);
+    total = round_up(total + srcs.back().nbytes(), kPackAlign);
+  }
+  const auto device_opts = at::TensorOptions().device(c10::Device(c10::kCUDA, index));
+  at::Tensor packed = at::empty({static_cast<int64_t>(total)}, device_opts.dtype(at::kByte));
+
+  if (total > 0) {
+    const int node = numa_node_for_device(index);
+    PinnedPool& pool = pool_for_node(node);
+    std::vector<c10::DataPtr> staging;
+    staging.push_back(pool.allocate(total));
+    char* base = static_cast<char*>(staging[0].get());
+    {
+      Range range("pinxfer::stage");
+      const bool nontemporal = use_nontemporal();
+      auto pack = [&](size_t begin, size_t end) {
+        for (size_t i = begin; i < end; ++i) {
+          stage_copy(base + offsets[i], static_cast<const char*>(srcs[i].const_data_ptr()),
+                     srcs[i].nbytes(), nontemporal);
+        }
+      };
+      if (total <= kSerialBytes) {
+        pack(0, srcs.size());
+      } else {
+        // Grain: about 64 KiB of average payload per claim.
+        const size_t grain = std::max<size_t>(1, srcs.size() * 64 * kKiB / total);
+        thread_pool_for_node(node).parallel_for(srcs.size(), grain, pack);
+      }
+    }
+    const c10::cuda::CUDAStream cur = c10::cuda::getCurrentCUDAStream(index);
+    const c10::cuda::CUDAStream copy = copy_stream_for(index);
+    stream_wait(copy, cur);
+    try {
+      {
+        Range range("pinxfer::h2d");
+        C10_CUDA_CHECK(cudaMemcpyAsync(packed.data_ptr(), base, total, cudaMemcpyHostToDevice,
+                                       copy.stream()));
+      }
+      return_staging(staging, pool, copy);
+      stream_wait(cur, copy);
+    } catch (...) {
+      return_staging(staging, pool, copy);
+      c10::cuda::CUDACachingAllocator::recordStream(packed.storage().data_ptr(), copy);
+      throw;
+    }
+  }
+
+  // Views of the packed bytes: aligned byte slices reinterpreted as each dtype.
+  std::vector<at::Tensor> out;
+  out.reserve(srcs.size());
+  for (size_t i = 0; i < srcs.size(); ++i) {
+    const auto& s = srcs[i];
+    out.push_back(packed.narrow(0, static_cast<int64_t>(offsets[i]),
+                                static_cast<int64_t>(s.nbytes()))
+                      .view(s.scalar_type())
+                      .view(s.sizes()));
+  }
+  return out;
+}
+
+}  // namespace
+
+// Both ops take CPU tensors, so they dispatch on the CPU key; the kernels exist
+// only in CUDA builds (pinxfer/transfer.py says so in CPU-only builds).
+TORCH_LIBRARY_IMPL(pinxfer, CPU, m) {
+  m.impl("to_device", &to_device);
+  m.impl("to_device_many", &to_device_many);
+}
+
+}  // namespace pinxfer::ops

@@ -1,0 +1,321 @@
+"""A stream prefetcher: batches copied to the GPU in the background, ahead of use.
+
+``prefetch(loader)`` wraps any iterable (a DataLoader with workers and
+``pin_memory=False`` is the main case). A background thread pulls batches,
+sends them with :func:`pinxfer.to_device` on its own CUDA stream and keeps up to
+``depth`` of them ready. Each yielded batch is
+
+* ready on the consumer's current stream: that stream waits on an event
+  recorded after the batch's copies (no host sync);
+* safe from memory reuse: every device tensor of the batch is
+  ``record_stream``-ed on the consumer's stream when it is handed out, so the
+  caching allocator does not reuse its memory before the consumer's queued work
+  is done; the staging memory of the copies is fenced by pinxfer's pool.
+
+The thread/queue machinery does not depend on CUDA: the per-batch step is a
+pluggable ``transfer`` function, and with ``device="cpu"`` batches are
+prefetched by the thread and yielded unchanged.
+
+Lifetime: iterating starts a *pass* (one ``iter(source)``, one thread). The
+pass stops, its thread is joined and its queued batches are freed when it is
+exhausted, when the source raises, when the ``for`` loop is left early
+(``break``: the loop's generator is closed), on :meth:`Prefetcher.close`, on
+leaving a ``with`` block, or when the Prefetcher is garbage-collected. Iterating
+again starts a new pass (a new epoch of a DataLoader). Batches pulled ahead
+from the source by a pass that is stopped early are dropped.
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+import queue
+import sys
+import threading
+from typing import Any, Callable, Iterable, Iterator, Optional
+
+import torch
+
+from pinxfer._batch import tensors_in
+from pinxfer.transfer import (
+    DEFAULT_CHUNK_BYTES,
+    DEFAULT_NUM_BUFFERS,
+    DeviceLike,
+    _range,
+    cuda_unavailable_reason,
+    resolve_device,
+    to_device,
+)
+
+_ITEM, _END, _ERROR = "item", "end", "error"
+_pass_ids = itertools.count()
+
+
+class _Pass:
+    """One pass over the source: a producer thread, a queue and depth slots.
+
+    The thread references only this object, never the Prefetcher, so dropping
+    the Prefetcher lets it be collected (and its finaliser stop the pass).
+    """
+
+    def __init__(self, source: Iterable, transfer: Callable[[Any], Any],
+                 device: Optional[torch.device], depth: int):
+        self.iterator: Optional[Iterator] = iter(source)  # in the caller's thread, as DataLoader wants
+        self.transfer = transfer
+        self.device = device  # a CUDA device, or None for a CPU pass
+        self.queue: "queue.SimpleQueue[tuple[str, Any, Any]]" = queue.SimpleQueue()
+        self.slots = threading.Semaphore(depth)
+        self.stop = threading.Event()
+        self.finished = False  # consumer side: END or ERROR delivered
+        self.index = 0  # batches handed out
+        self.thread = threading.Thread(target=_produce, args=(self,), daemon=True,
+                                       name=f"pinxfer-prefetch-{next(_pass_ids)}")
+        self.thread.start()
+
+    def next(self) -> Any:
+        if self.finished:
+            raise StopIteration
+        with _range("pinxfer::prefetch::wait"):
+            kind, payload, event = self.queue.get()
+        if kind == _ITEM:
+            self.slots.release()
+            self.index += 1
+            if event is not None:
+                consumer = torch.cuda.current_stream(self.device)
+                consumer.wait_event(event)
+                for t in tensors_in(payload):
+                    if t.is_cuda:
+                        # The caching allocator must not hand this memory to
+                        # the producer again before the consumer is done with it.
+                        t.record_stream(consumer)
+            return payload
+        self.finished = True
+        self.shutdown()
+        if kind == _ERROR:
+            raise payload
+        raise StopIteration
+
+    def shutdown(self, timeout: Optional[float] = 30.0) -> None:
+        """Stops the producer, joins it, frees queued batches. Idempotent."""
+        self.finished = True
+        self.stop.set()
+        self.slots.release()  # wakes a producer waiting for a slot
+        thread = self.thread
+        if (thread.is_alive() and thread is not threading.current_thread()
+                and not sys.is_finalizing()):
+            thread.join(timeout)
+            if thread.is_alive():
+                import warnings
+
+                warnings.warn(
+                    f"pinxfer.prefetch: the producer thread {thread.name} is still inside the "
+                    f"source's __next__ after {timeout} s; it will exit when that call returns.",
+                    RuntimeWarning, stacklevel=3)
+        # Drop queued batches (their device memory returns to the allocator).
+        while True:
+            try:
+                self.queue.get_nowait()
+            except queue.Empty:
+                break
+        if not thread.is_alive():
+            it, self.iterator = self.iterator, None
+            close = getattr(it, "close", None)  # generators: run their finally blocks
+            if callable(close):
+                try:
+                    close()
+                except Exception:  # noqa: BLE001 - best effort at shutdown
+                    pass
+
+
+def _produce(p: _Pass) -> None:
+    """Producer thread body: fetch, transfer, enqueue, until the end or a stop."""
+    try:
+        stream = None
+        if p.device is not None:
+            torch.cuda.set_device(p.device)
+            stream = torch.cuda.Stream(p.device)
+        step = 0
+        while True:
+            while not p.slots.acquire(timeout=0.1):
+                if p.stop.is_set():
+                    return
+            if p.stop.is_set():
+                return
+            try:
+                with _range("pinxfer::prefetch::fetch"):
+                    batch = next(p.iterator)  # type: ignore[arg-type]
+            except StopIteration:
+                p.queue.put((_END, None, None))
+                return
+            except BaseException as err:  # noqa: BLE001 - re-raised in the consumer
+                _note(err, f"raised by the source of pinxfer.prefetch at batch {step}")
+                p.queue.put((_ERROR, err, None))
+                return
+            if p.stop.is_set():
+                return
+            try:
+                event = None
+                if stream is not None:
+                    with torch.cuda.stream(stream), _range("pinxfer::prefetch::transfer"):
+                        out = p.transfer(batch)
+                        event = torch.cuda.Event()
+                        event.record(stream)
+                else:
+                    with _range("pinxfer::prefetch::transfer"):
+                        out = p.transfer(batch)
+            except BaseException as err:  # noqa: BLE001 - re-raised in the consumer
+                _note(err, f"raised while pinxfer.prefetch transferred batch {step}")
+                p.queue.put((_ERROR, err, None))
+                return
+            del batch
+            p.queue.put((_ITEM, out, event))
+            del out, event
+            step += 1
+    except BaseException as err:  # noqa: BLE001 - e.g. stream creation failed
+        p.queue.put((_ERROR, err, None))
+    finally:
+        if p.stop.is_set():
+            p.queue.put((_END, None, None))  # unblocks a consumer waiting in get()
+
+
+def _note(err: BaseException, text: str) -> None:
+    if hasattr(err, "add_note"):  # Python >= 3.11
+        err.add_note(text)
+
+
+class Prefetcher:
+    """Iterates over a source with batches copied to a device ahead of time.
+
+    Made by :func:`prefetch`; see the module docstring for the guarantees.
+    Consume it from one thread.
+    """
+
+    def __init__(self, source: Iterable, device: Optional[DeviceLike] = None, depth: int = 2,
+                 transfer: Optional[Callable[[Any], Any]] = None,
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, num_buffers: int = DEFAULT_NUM_BUFFERS):
+        if not isinstance(depth, int) or depth < 1:
+            raise ValueError(f"pinxfer.prefetch: depth must be an int >= 1, got {depth!r}")
+        if device is None:
+            device = "cpu" if cuda_unavailable_reason() is not None else "cuda"
+        requested = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+        if requested.type == "cuda":
+            reason = cuda_unavailable_reason()
+            if reason is not None:
+                raise RuntimeError(f"pinxfer.prefetch: asked for device {requested}, but {reason}. "
+                                   "Pass device='cpu' to prefetch on the host only.")
+        elif requested.type != "cpu":
+            raise ValueError(f"pinxfer.prefetch: expected a CUDA device or 'cpu', got {requested}")
+        dev = resolve_device(requested, "prefetch")
+        self._source = source
+        self.device = dev
+        self.depth = depth
+        if transfer is None:
+            if dev.type == "cuda":
+                transfer = functools.partial(to_device, device=dev, non_blocking=True,
+                                             chunk_bytes=chunk_bytes, num_buffers=num_buffers)
+            else:
+                transfer = _identity
+        self._transfer = transfer
+        self._pass: Optional[_Pass] = None
+
+    def _start_pass(self) -> _Pass:
+        self.close()
+        self._pass = _Pass(self._source, self._transfer,
+                           self.device if self.device.type == "cuda" else None, self.depth)
+        return self._pass
+
+    def __iter__(self) -> Iterator[Any]:
+        return self._generate(self._start_pass())
+
+    def _generate(self, p: _Pass) -> Iterator[Any]:
+        try:
+            while True:
+                try:
+                    batch = p.next()
+                except StopIteration:
+                    return
+                yield batch
+                del batch
+        finally:
+            # Also runs when the loop is left early: the generator is closed.
+            p.shutdown()
+
+    def __next__(self) -> Any:
+        """The next batch of the current pass (starting one if there is none)."""
+        p = self._pass if self._pass is not None and not self._pass.finished else None
+        if p is None:
+            if self._pass is not None:  # the previous pass ended: do not restart silently
+                raise StopIteration
+            p = self._start_pass()
+        return p.next()
+
+    def __len__(self) -> int:
+        try:
+            return len(self._source)  # type: ignore[arg-type]
+        except TypeError:
+            raise TypeError(f"pinxfer.prefetch: the source ({type(self._source).__name__}) "
+                            "has no len()") from None
+
+    def close(self) -> None:
+        """Stops the current pass: joins its thread and frees the batches it queued."""
+        p, self._pass = self._pass, None
+        if p is not None:
+            p.shutdown()
+
+    def __enter__(self) -> "Prefetcher":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        p = getattr(self, "_pass", None)
+        if p is not None:
+            p.shutdown()
+
+    def __repr__(self) -> str:
+        return (f"Prefetcher(source={type(self._source).__name__}, device={self.device}, "
+                f"depth={self.depth})")
+
+
+def _identity(batch: Any) -> Any:
+    return batch
+
+
+def prefetch(iterable: Iterable, device: Optional[DeviceLike] = None, depth: int = 2, *,
+             transfer: Optional[Callable[[Any], Any]] = None,
+             chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+             num_buffers: int = DEFAULT_NUM_BUFFERS) -> Prefetcher:
+    """Wraps an iterable so that its batches reach the GPU ahead of use.
+
+    A background thread pulls batches from ``iterable``, sends them to ``device``
+    with :func:`pinxfer.to_device` on its own CUDA stream, and keeps at most
+    ``depth`` batches fetched ahead of the consumer. Each yielded batch is ready
+    on the consumer's current stream and its device memory is not reused before
+    that stream is done with it -- no ``record_stream`` or sync needed by the
+    caller. Already-pinned tensors (``DataLoader(pin_memory=True)``) are sent
+    directly, without staging. Nested structures (dict, list, tuple, namedtuple,
+    dataclass) and non-tensor fields pass through. An exception raised by the
+    source is raised by the consumer's ``next()`` at the same step, after the
+    batches before it.
+
+    Without CUDA: ``device=None`` means ``"cpu"``: batches are prefetched by the
+    thread and yielded unchanged (so loading still overlaps the consumer). Asking
+    for a CUDA device when none is usable raises RuntimeError here.
+
+    Args:
+        iterable: any iterable of batches (DataLoader, list, generator, ...).
+        device: target device; None: the current GPU, or "cpu" without CUDA.
+        depth: batches kept ready ahead of the consumer (>= 1).
+        transfer: replaces the per-batch step (default: ``to_device`` to
+            ``device``); it runs in the producer thread, with the producer's
+            stream current when ``device`` is a GPU.
+        chunk_bytes: largest staging chunk of ``to_device``.
+        num_buffers: staging chunks of ``to_device``'s ring.
+
+    Returns:
+        A :class:`Prefetcher`: iterate over it (each ``for`` loop is one pass),
+        ``len()`` it when the source has a length, ``close()`` it or use it as a
+        context manager.
+    """
+    return Prefetcher(iterable, device=device, depth=depth, transfer=transfer,
+                      chunk_bytes=chunk_bytes, num_buffers=num_buffers)

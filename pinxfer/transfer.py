@@ -1,0 +1,303 @@
+"""Host <-> device transfers: ``to_device`` (pipelined H2D) and ``to_host`` (safe D2H).
+
+``to_device`` sends pageable tensors through a ring of pinned staging chunks
+(host threads fill one chunk while the DMA engine sends the previous ones), so
+nothing is pinned whole and the bus runs near its limit; pinned tensors go with
+one DMA. Many small tensors of a batch are packed into one staging buffer and
+sent with one copy. The copies run on a per-device copy stream and the caller's
+current stream waits for them, so the results are safe to use right away on
+that stream. The design note is at the top of csrc/ops/cuda/to_device_cuda.cpp.
+
+``to_host`` returns a :class:`HostTransfer`: the pinned host tensor is reachable
+only through ``wait()``/``tensor``, which wait for the copy first. That closes
+the hazard of ``cuda_tensor.to("cpu", non_blocking=True)``, whose result can be
+read before the copy has landed.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Optional, Union
+
+import torch
+
+from pinxfer._batch import map_tensors, tensors_in
+from pinxfer.memory import build_info, empty, record_stream
+
+_ops = torch.ops.pinxfer
+
+DeviceLike = Union[torch.device, str, int]
+
+#: Tensors below this many bytes in a batch are packed together (to_device_many).
+SMALL_TENSOR_BYTES = 1 << 20
+#: Largest staging chunk of the pipeline.
+DEFAULT_CHUNK_BYTES = 16 << 20
+#: Staging chunks in the ring.
+DEFAULT_NUM_BUFFERS = 4
+
+
+# ---- op wrappers (schemas in csrc/module.cpp, kernels in csrc/ops/cuda/to_device_cuda.cpp) ----
+
+
+def _to_device_op(tensor: torch.Tensor, device: torch.device, chunk_bytes: int,
+                  num_buffers: int) -> torch.Tensor:
+    """One CPU tensor to ``device`` (a CUDA device), through pinxfer's staging pipeline.
+
+    Args:
+        tensor: a dense CPU tensor, pageable or pinned, any dtype and strides.
+        device: the CUDA device.
+        chunk_bytes: largest staging chunk (>= 4096); smaller tensors use smaller chunks.
+        num_buffers: staging chunks in the ring (>= 1).
+
+    Returns:
+        A contiguous tensor on ``device`` with the same values, dtype and shape.
+    """
+    return _ops.to_device(tensor, device, int(chunk_bytes), int(num_buffers))
+
+
+@torch.library.register_fake("pinxfer::to_device")
+def _to_device_fake(tensor, device, chunk_bytes, num_buffers):
+    return torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
+
+
+def _to_device_many_op(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """Several CPU tensors to ``device`` packed in one pinned buffer and one copy.
+
+    Args:
+        tensors: dense CPU tensors (at least one), pageable or pinned.
+        device: the CUDA device.
+
+    Returns:
+        Contiguous tensors on ``device``, views into one device buffer, same order.
+    """
+    return list(_ops.to_device_many(tensors, device))
+
+
+@torch.library.register_fake("pinxfer::to_device_many")
+def _to_device_many_fake(tensors, device):
+    return [torch.empty(t.shape, dtype=t.dtype, device=device) for t in tensors]
+
+
+# ---- helpers ----
+
+
+@contextlib.contextmanager
+def _range(name: str) -> Iterator[None]:
+    """A torch.profiler range, and an NVTX range when CUDA is in use."""
+    with torch.profiler.record_function(name):
+        nvtx = torch.cuda.is_available() and torch.cuda.is_initialized()
+        if nvtx:
+            torch.cuda.nvtx.range_push(name)
+        try:
+            yield
+        finally:
+            if nvtx:
+                torch.cuda.nvtx.range_pop()
+
+
+def cuda_unavailable_reason() -> Optional[str]:
+    """Why pinxfer cannot move data to a GPU in this process, or None if it can."""
+    info = build_info()
+    if not info.with_cuda:
+        return ("this pinxfer was built without CUDA (CPU-only variant), so it has no GPU "
+                "transfer kernels; rebuild it against a CUDA build of torch with a CUDA toolkit")
+    if not torch.cuda.is_available() or not info.cuda_usable:
+        return ("no CUDA device is usable in this process (none present, CUDA_VISIBLE_DEVICES "
+                "empty, PINXFER_DISABLE_CUDA=1, or a forked child such as a DataLoader worker)")
+    return None
+
+
+def _require_cuda(op: str) -> None:
+    reason = cuda_unavailable_reason()
+    if reason is not None:
+        raise RuntimeError(f"pinxfer.{op}: expected a usable CUDA device, but {reason}.")
+
+
+def resolve_device(device: Optional[DeviceLike], op: str) -> torch.device:
+    """``device`` as a torch.device with an index for CUDA; None means the current GPU."""
+    if device is None:
+        _require_cuda(op)
+        return torch.device("cuda", torch.cuda.current_device())
+    if isinstance(device, int):
+        device = torch.device("cuda", device)
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        _require_cuda(op)
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _is_plain_dense(t: torch.Tensor) -> bool:
+    # Plain tensors only: subclasses and autograd-tracked tensors go through
+    # tensor.to(), which keeps their type and graph.
+    return (type(t) is torch.Tensor and t.layout == torch.strided and not t.is_quantized
+            and not t.requires_grad)
+
+
+def _send_leaves(tensors: list[torch.Tensor], device: torch.device, non_blocking: bool,
+                 chunk_bytes: int, num_buffers: int) -> list[torch.Tensor]:
+    out: list[Optional[torch.Tensor]] = [None] * len(tensors)
+    small: list[int] = []
+    for i, t in enumerate(tensors):
+        if t.device == device:
+            out[i] = t
+        elif t.device.type == "cpu" and _is_plain_dense(t):
+            if t.numel() * t.element_size() < SMALL_TENSOR_BYTES:
+                small.append(i)
+            else:
+                out[i] = _to_device_op(t, device, chunk_bytes, num_buffers)
+        else:
+            out[i] = t.to(device, non_blocking=non_blocking)
+    if len(small) == 1:
+        out[small[0]] = _to_device_op(tensors[small[0]], device, chunk_bytes, num_buffers)
+    elif small:
+        packed = _to_device_many_op([tensors[i] for i in small], device)
+        for i, t in zip(small, packed):
+            out[i] = t
+    return out  # type: ignore[return-value]
+
+
+# ---- public API ----
+
+
+def to_device(obj: Any, device: Optional[DeviceLike] = None, non_blocking: bool = True,
+              chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+              num_buffers: int = DEFAULT_NUM_BUFFERS) -> Any:
+    """Copies a tensor or a nested batch to a GPU at bus speed.
+
+    Pageable CPU tensors of >= 1 MiB go through a pipeline: host threads copy
+    chunks into a ring of ``num_buffers`` pinned staging chunks (at most
+    ``chunk_bytes`` each) while a copy stream sends the previous chunks; the tensor
+    is never pinned whole. Pinned CPU tensors (pinxfer's pool or torch's) go with
+    one DMA. In a batch, the CPU tensors under 1 MiB are packed into one staging
+    buffer and sent with one copy; they come back as views of one device buffer.
+    Non-contiguous CPU tensors are made contiguous on the host first, and results
+    are contiguous. Tensors already on ``device`` are returned as they are; tensors
+    on another GPU, sparse, quantized, subclassed or ``requires_grad`` tensors use
+    ``tensor.to(device)``. Other leaves (numbers, strings, None, ...) pass through.
+
+    The caller's current stream waits for the copies, so the results can be used
+    on it at once; to use them on another stream, make that stream wait on the
+    current one (as with any tensor). Source tensors may be modified or freed as
+    soon as this returns: pageable sources have been copied into staging memory
+    by then, and pinned sources are kept from reuse until their copy is done.
+
+    Args:
+        obj: a tensor, or a nested batch (dict/Mapping, list, tuple, namedtuple,
+            dataclass) holding tensors.
+        device: the target CUDA device (None: the current one). ``"cpu"`` moves
+            tensors to the CPU with ``tensor.to("cpu")`` (blocking).
+        non_blocking: if False, wait for the copies to finish before returning.
+        chunk_bytes: largest staging chunk (default 16 MiB).
+        num_buffers: staging chunks in the ring (default 4).
+
+    Returns:
+        The same structure with tensors on ``device``.
+
+    Raises:
+        RuntimeError: if pinxfer was built without CUDA or no GPU is usable.
+    """
+    dev = resolve_device(device, "to_device")
+    if dev.type == "cpu":
+        return map_tensors(obj, lambda t: t.to("cpu"))
+    if dev.type != "cuda":
+        raise ValueError(f"pinxfer.to_device: expected a CUDA device or 'cpu', got {dev}")
+    _require_cuda("to_device")
+    with _range("pinxfer::to_device"):
+        if isinstance(obj, torch.Tensor):
+            out = _send_leaves([obj], dev, non_blocking, chunk_bytes, num_buffers)[0]
+        else:
+            results = iter(_send_leaves(tensors_in(obj), dev, non_blocking, chunk_bytes,
+                                        num_buffers))
+            out = map_tensors(obj, lambda _t: next(results))
+    if not non_blocking:
+        torch.cuda.current_stream(dev).synchronize()
+    return out
+
+
+class HostTransfer:
+    """Device -> host copies in flight, into pinned host memory.
+
+    The host tensors are reachable only through :meth:`wait` or :attr:`tensor`,
+    which first wait until the copies have finished, so they can never be read
+    half-written. The pinned memory returns to pinxfer's pool when the tensors
+    are freed, and is not reused before the copies are done even if this handle
+    is dropped unwaited.
+    """
+
+    __slots__ = ("_result", "_events", "_done")
+
+    def __init__(self, result: Any, events: list[torch.cuda.Event]):
+        self._result = result
+        self._events = events
+        self._done = not events
+
+    def ready(self) -> bool:
+        """True once every copy has finished (never blocks)."""
+        if not self._done:
+            self._done = all(e.query() for e in self._events)
+        return self._done
+
+    def wait(self) -> Any:
+        """Blocks until the copies have finished; returns the host tensor (or batch).
+
+        Returns:
+            The pinned CPU tensor, or the batch structure holding them.
+        """
+        if not self._done:
+            with _range("pinxfer::d2h_wait"):
+                for e in self._events:
+                    e.synchronize()
+            self._done = True
+        return self._result
+
+    @property
+    def tensor(self) -> Any:
+        """The host result, after waiting for the copies (same as :meth:`wait`)."""
+        return self.wait()
+
+    def __repr__(self) -> str:
+        return f"HostTransfer(ready={self.ready()})"
+
+
+def to_host(obj: Any) -> HostTransfer:
+    """Starts copying GPU tensors to pinned host memory; returns a handle to wait on.
+
+    Each CUDA tensor is copied with ``copy_(non_blocking=True)`` on its device's
+    current stream into a tensor from pinxfer's pinned pool (contiguous, same
+    shape and dtype); an event recorded after the copies tells when they are done.
+    CPU tensors and other leaves pass through.
+
+    Args:
+        obj: a CUDA tensor or a nested batch holding them.
+
+    Returns:
+        A :class:`HostTransfer`; call ``.wait()`` (or read ``.tensor``) to get the
+        host result once it is complete.
+
+    Raises:
+        RuntimeError: if pinxfer was built without CUDA or no GPU is usable.
+    """
+    _require_cuda("to_host")
+    streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    def copy_one(t: torch.Tensor) -> torch.Tensor:
+        if t.device.type != "cuda":
+            return t
+        with torch.cuda.device(t.device):
+            # numa_node=None: the pool of this GPU's node (the current device now).
+            host = empty(tuple(t.shape), dtype=t.dtype)
+            stream = torch.cuda.current_stream(t.device)
+            host.copy_(t, non_blocking=True)
+            if host.numel() > 0:
+                record_stream(host, stream)
+        streams[t.device] = stream
+        return host
+
+    with _range("pinxfer::d2h"):
+        result = map_tensors(obj, copy_one)
+        events = []
+        for stream in streams.values():
+            ev = torch.cuda.Event()
+            ev.record(stream)
+            events.append(ev)
+    return HostTransfer(result, events)

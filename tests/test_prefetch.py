@@ -1,0 +1,315 @@
+"""pinxfer.prefetch's thread/queue machinery, on the CPU (device="cpu" or a custom transfer).
+
+The CUDA half (streams, events, record_stream) is in tests/test_transfer_gpu.py.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import gc
+import threading
+import time
+
+import pytest
+import torch
+
+import pinxfer
+from pinxfer.transfer import cuda_unavailable_reason
+
+from .conftest import HAS_CUDA
+
+
+def _prefetch_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("pinxfer-prefetch-")]
+
+
+def _wait_no_threads(timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not _prefetch_threads():
+            return True
+        time.sleep(0.01)
+    return not _prefetch_threads()
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_threads():
+    assert _wait_no_threads(), "a previous test left a prefetch thread running"
+    yield
+    gc.collect()
+    assert _wait_no_threads(), f"prefetch threads left running: {_prefetch_threads()}"
+
+
+def test_order_and_values_cpu():
+    batches = [torch.full((4,), i) for i in range(20)]
+    out = list(pinxfer.prefetch(batches, device="cpu", depth=3))
+    assert len(out) == 20
+    for i, b in enumerate(out):
+        assert b is batches[i]  # device="cpu": yielded unchanged
+
+
+def test_identity_transfer_runs_in_background_thread():
+    seen = []
+
+    def transfer(batch):
+        seen.append(threading.current_thread().name)
+        return batch * 2
+
+    out = list(pinxfer.prefetch(range(5), device="cpu", transfer=transfer))
+    assert out == [0, 2, 4, 6, 8]
+    assert all(name.startswith("pinxfer-prefetch-") for name in seen)
+
+
+def test_depth_bounds_batches_in_flight():
+    pulled = []
+
+    def source():
+        for i in range(10):
+            pulled.append(i)
+            yield i
+
+    pf = pinxfer.prefetch(source(), device="cpu", depth=2)
+    it = iter(pf)
+    assert next(it) == 0
+    time.sleep(0.2)  # give the producer every chance to run ahead
+    # one handed out + at most depth fetched ahead
+    assert len(pulled) <= 1 + 2
+    assert next(it) == 1
+    time.sleep(0.2)
+    assert len(pulled) <= 2 + 2
+    assert list(it) == list(range(2, 10))
+
+
+class Boom(RuntimeError):
+    pass
+
+
+def test_source_exception_raised_at_its_step():
+    def source():
+        yield 0
+        yield 1
+        yield 2
+        raise Boom("source failed at 3")
+
+    got = []
+    with pytest.raises(Boom, match="source failed at 3") as info:
+        for b in pinxfer.prefetch(source(), device="cpu", depth=4):
+            got.append(b)
+    assert got == [0, 1, 2]
+    notes = getattr(info.value, "__notes__", [])
+    if notes:  # Python >= 3.11
+        assert "batch 3" in notes[0]
+
+
+def test_exception_in_first_batch_and_then_stop():
+    def source():
+        raise Boom("at once")
+        yield  # pragma: no cover
+
+    pf = pinxfer.prefetch(source(), device="cpu")
+    it = iter(pf)
+    with pytest.raises(Boom):
+        next(it)
+    with pytest.raises(StopIteration):
+        next(it)
+
+
+def test_transfer_exception_raised_at_its_step():
+    def transfer(b):
+        if b == 2:
+            raise ValueError("bad batch 2")
+        return b
+
+    got = []
+    with pytest.raises(ValueError, match="bad batch 2"):
+        for b in pinxfer.prefetch(range(5), device="cpu", transfer=transfer):
+            got.append(b)
+    assert got == [0, 1]
+
+
+def test_early_break_stops_thread_while_prefetcher_still_referenced():
+    closed = threading.Event()
+
+    def source():
+        try:
+            for i in range(1000):
+                yield torch.full((1024,), i)
+        finally:
+            closed.set()
+
+    pf = pinxfer.prefetch(source(), device="cpu", depth=2)
+    for i, b in enumerate(pf):
+        assert int(b[0]) == i
+        if i == 3:
+            break
+    gc.collect()  # not needed on CPython (refcounting), harmless elsewhere
+    assert _wait_no_threads()
+    assert closed.wait(5), "the source generator was not closed"
+    del pf
+
+
+def test_close_stops_thread_and_next_raises_stop():
+    pf = pinxfer.prefetch(iter(range(100)), device="cpu")
+    assert next(pf) == 0
+    assert len(_prefetch_threads()) == 1
+    pf.close()
+    assert not _prefetch_threads()
+    pf.close()  # idempotent
+
+
+def test_context_manager_closes():
+    with pinxfer.prefetch(range(100), device="cpu") as pf:
+        it = iter(pf)
+        assert next(it) == 0
+        assert _prefetch_threads()
+    assert _wait_no_threads()
+
+
+def test_gc_of_unreferenced_prefetcher_stops_thread():
+    pf = pinxfer.prefetch(range(1000), device="cpu")
+    it = iter(pf)
+    next(it)
+    assert _prefetch_threads()
+    del it, pf
+    gc.collect()
+    assert _wait_no_threads()
+
+
+def test_gc_with_reference_cycle_stops_thread():
+    pf = pinxfer.prefetch(range(1000), device="cpu")
+    next(pf)
+    holder = {"pf": pf}
+    holder["self"] = holder  # a cycle: only the cycle collector frees it
+    del pf, holder
+    gc.collect()
+    assert _wait_no_threads()
+
+
+def test_blocked_producer_is_released_by_close():
+    # The producer waits for a free slot (consumer is not reading).
+    pf = pinxfer.prefetch(range(1000), device="cpu", depth=1)
+    next(pf)
+    time.sleep(0.1)
+    t0 = time.monotonic()
+    pf.close()
+    assert time.monotonic() - t0 < 2.0
+    assert not _prefetch_threads()
+
+
+def test_queued_batches_are_freed_on_close():
+    freed = []
+
+    class Tracked:
+        def __init__(self, i):
+            self.i = i
+
+        def __del__(self):
+            freed.append(self.i)
+
+    pf = pinxfer.prefetch((Tracked(i) for i in range(10)), device="cpu", depth=3)
+    first = next(pf)
+    time.sleep(0.2)  # let the producer fill its slots
+    pf.close()
+    gc.collect()
+    assert set(freed) >= {1, 2}, freed  # batches queued ahead were dropped
+    assert first.i == 0
+
+
+Point = collections.namedtuple("Point", ["x", "y"])
+
+
+@dataclasses.dataclass
+class Sample:
+    image: torch.Tensor
+    label: int
+    meta: dict
+
+
+def test_nested_structures_and_non_tensor_fields_pass_through():
+    batch = {
+        "a": torch.arange(3),
+        "list": [torch.ones(2), "text", 7, None],
+        "tuple": (torch.zeros(1), 2.5),
+        "nt": Point(torch.ones(1), "y"),
+        "dc": Sample(torch.ones(2, 2), 3, {"k": torch.arange(2)}),
+        "od": collections.OrderedDict(z=torch.ones(1)),
+    }
+    seen_types = []
+
+    def transfer(b):
+        return pinxfer._batch.map_tensors(b, lambda t: (seen_types.append(t.dtype), t + 1)[1])
+
+    (out,) = list(pinxfer.prefetch([batch], device="cpu", transfer=transfer))
+    assert torch.equal(out["a"], torch.arange(3) + 1)
+    assert out["list"][1:] == ["text", 7, None]
+    assert isinstance(out["nt"], Point) and out["nt"].y == "y"
+    assert isinstance(out["dc"], Sample) and out["dc"].label == 3
+    assert torch.equal(out["dc"].meta["k"], torch.arange(2) + 1)
+    assert isinstance(out["od"], collections.OrderedDict)
+    assert isinstance(out["tuple"], tuple) and out["tuple"][1] == 2.5
+    assert len(seen_types) == 7
+    # the input batch is not modified
+    assert torch.equal(batch["a"], torch.arange(3))
+
+
+def test_len_follows_source():
+    assert len(pinxfer.prefetch([1, 2, 3], device="cpu")) == 3
+    assert len(pinxfer.prefetch(torch.utils.data.DataLoader(list(range(10)), batch_size=4),
+                                device="cpu")) == 3
+    with pytest.raises(TypeError, match="has no len"):
+        len(pinxfer.prefetch(iter([1, 2]), device="cpu"))
+
+
+def test_reiteration_is_a_new_pass():
+    pf = pinxfer.prefetch([1, 2, 3], device="cpu")
+    assert list(pf) == [1, 2, 3]
+    assert list(pf) == [1, 2, 3]  # a list source: a second epoch
+
+
+def test_dataloader_source_cpu():
+    ds = torch.utils.data.TensorDataset(torch.arange(40).float().view(20, 2), torch.arange(20))
+    loader = torch.utils.data.DataLoader(ds, batch_size=4)
+    out = list(pinxfer.prefetch(loader, device="cpu"))
+    assert len(out) == 5
+    assert torch.equal(torch.cat([b[1] for b in out]), torch.arange(20))
+
+
+def test_bad_depth():
+    with pytest.raises(ValueError, match="depth"):
+        pinxfer.prefetch([1], device="cpu", depth=0)
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="behaviour without CUDA")
+def test_without_cuda_default_device_is_cpu_and_cuda_request_raises():
+    pf = pinxfer.prefetch([torch.ones(1)])
+    assert pf.device == torch.device("cpu")
+    assert torch.equal(next(pf), torch.ones(1))
+    pf.close()
+    with pytest.raises(RuntimeError, match="device='cpu'"):
+        pinxfer.prefetch([1], device="cuda")
+    assert cuda_unavailable_reason() is not None
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="behaviour without CUDA")
+def test_transfers_raise_clearly_without_cuda():
+    with pytest.raises(RuntimeError, match="expected a usable CUDA device"):
+        pinxfer.to_device(torch.ones(3))
+    with pytest.raises(RuntimeError, match="expected a usable CUDA device"):
+        pinxfer.to_device({"x": torch.ones(3)}, "cuda:0")
+    with pytest.raises(RuntimeError, match="expected a usable CUDA device"):
+        pinxfer.to_host(torch.ones(3))
+
+
+def test_to_device_cpu_target_passes_structure():
+    batch = {"x": torch.ones(2), "n": 1}
+    out = pinxfer.to_device(batch, "cpu")
+    assert torch.equal(out["x"], batch["x"]) and out["n"] == 1
+
+
+def test_map_tensors_and_tensors_in_agree():
+    batch = [torch.ones(1), {"b": torch.zeros(2), "a": (torch.ones(3),)}, Sample(torch.ones(4), 1, {})]
+    found = pinxfer._batch.tensors_in(batch)
+    assert [t.numel() for t in found] == [1, 2, 3, 4]
+    order = []
+    pinxfer._batch.map_tensors(batch, lambda t: order.append(t.numel()))
+    assert order == [1, 2, 3, 4]
