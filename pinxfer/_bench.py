@@ -505,7 +505,7 @@ def plot(report: dict[str, Any], path: str) -> None:
         ("pin", "pin_warm", "torch", "torch  pin_memory() warm", "tab:blue", "-"),
         ("pin", "pin_cold", "pinxfer", "pinxfer  pin_memory() cold", "tab:orange", "--"),
         ("pin", "pin_warm", "pinxfer", "pinxfer  pin_memory() warm", "tab:orange", "-"),
-        ("pin", "host_copy", "torch", "host memcpy (ceiling)", "tab:gray", ":"),
+        ("pin", "host_copy", "torch", "torch  dst.copy_(src), pageable", "tab:gray", ":"),
     ]
     panels = [(title, lines) for title, lines in (("host <-> GPU transfer", transfer),
                                                    ("pinning a pageable tensor", pinning))
@@ -523,7 +523,13 @@ def plot(report: dict[str, Any], path: str) -> None:
             ax.axhline(limit, color="black", linewidth=1, linestyle="-.",
                        label=f"pinned limit {limit:.1f} GB/s")
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("size (MiB)")
+        ticks = sorted({r["bytes"] for r in report["results"] if r["section"] in ("copy", "pin", "to_device")})
+        if ticks:
+            ax.set_xticks([t / MiB for t in ticks])
+            ax.set_xticklabels([format_bytes(t).replace(".0 ", " ") for t in ticks])
+            ax.minorticks_off()
+        ax.set_ylim(bottom=0)
+        ax.set_xlabel("tensor size")
         ax.set_ylabel("GB/s")
         ax.set_title(title)
         ax.grid(True, alpha=0.3)
@@ -544,10 +550,13 @@ def main(args: Any) -> int:
                   "`pip install matplotlib` (or `pip install 'pinxfer[bench]'`), "
                   "or drop --plot.", file=sys.stderr)
             return 2
-    report = Bench(args).run().to_json()
+    if args.from_json:  # re-render a saved run (e.g. plot here what a GPU machine measured)
+        report = json.loads(Path(args.from_json).read_text())
+    else:
+        report = Bench(args).run().to_json()
     table_out = sys.stderr if args.json == "-" else sys.stdout
     print(render(report), file=table_out)
-    if args.json:
+    if args.json and not args.from_json:
         text = json.dumps(report, indent=2)
         if args.json == "-":
             print(text)

@@ -173,14 +173,19 @@ def _record_field(rec: Any, *names: str) -> Any:
     return None
 
 
-def _from_topology(sysfs_root: str) -> list[dict[str, Any]]:
-    """Records from pinxfer.topology() when that API exists (issue 3)."""
+def _from_topology(sysfs_root: str, pci_bus_ids: Optional[list[str]] = None) -> list[dict[str, Any]]:
+    """Records from pinxfer.topology(): the CUDA devices of this process, or the
+    given bus ids. Its NUMA answers come from the C++ code that places pinxfer's
+    memory, so doctor reports what placement uses. [] if the API is missing."""
     topo = getattr(pinxfer, "topology", None)
     if topo is None:
         return []
     try:
-        records = topo(sysfs_root=sysfs_root)
-    except Exception:  # a broken topology must not break the diagnosis
+        if pci_bus_ids is None:
+            records = topo(sysfs_root)
+        else:
+            records = topo(sysfs_root, pci_bus_ids=pci_bus_ids)
+    except Exception:  # e.g. a malformed cpulist: fall back to reading sysfs here
         return []
     out = []
     for rec in records or []:
@@ -291,6 +296,11 @@ def gpu_records(sysfs_root: str, live: bool = True) -> list[dict[str, Any]]:
             add(rec, "torch")
 
     order.sort()  # PCI bus order: nvidia-smi's and NVML's numbering
+    if order:  # NUMA node and CPUs as pinxfer's placement sees them
+        for rec in _from_topology(sysfs_root, pci_bus_ids=list(order)):
+            merged[rec["pci_bus_id"]]["numa_node"] = rec["numa_node"]
+            if rec["cpus"]:
+                merged[rec["pci_bus_id"]]["cpus"] = rec["cpus"]
     gpus = [merged[b] for b in order]
     for pos, g in enumerate(gpus):
         # The CUDA index where this process sees CUDA devices (None: not visible

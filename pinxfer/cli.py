@@ -97,6 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", metavar="FILE", help="write the results as JSON ('-': stdout, table to stderr)")
     b.add_argument("--plot", metavar="FILE.png", help="plot bandwidth vs size (needs matplotlib)")
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
+    b.add_argument("--from-json", metavar="FILE",
+                   help="measure nothing: print the table (and --plot) of a saved --json file")
 
     d = sub.add_parser("doctor", help="check this machine's transfer setup",
                        description="Report GPUs (NUMA node, CPUs, PCIe link), memlock, huge pages "

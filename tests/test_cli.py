@@ -72,6 +72,8 @@ def test_bench_runs_and_writes_documented_json(tmp_path):
     pins = {(r["op"], r["bytes"]) for r in data["results"] if r["section"] == "pin" and r["impl"] == "pinxfer"}
     assert pins == {(op, n) for op in ("pin_cold", "pin_warm") for n in (1 << 20, 4 << 20)}
 
+    assert "pin 1.0 MiB" in proc.stderr  # the progress bar (tqdm or the text fallback)
+
     # The table: a header naming both implementations, and one row per measured point.
     lines = proc.stdout.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("section"))
@@ -120,8 +122,8 @@ def test_bench_plot_writes_png(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_render_aligns_columns_and_pairs_implementations():
-    report = {
+def _fake_report() -> dict:
+    return {
         "device": "Fake GPU", "torch": "x", "pinxfer": "y", "date": "2026-01-01T00:00:00+00:00",
         "results": [
             {"section": "to_device", "op": "h2d", "impl": "torch", "bytes": 1 << 30, "seconds": 0.1, "gbps": 10.7},
@@ -130,7 +132,10 @@ def test_render_aligns_columns_and_pairs_implementations():
         ],
         "ratios": [], "skipped": [{"section": "prefetch", "reason": "because"}],
     }
-    text = _bench.render(report)
+
+
+def test_render_aligns_columns_and_pairs_implementations():
+    text = _bench.render(_fake_report())
     lines = text.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("section"))
     table = lines[header:header + 4]
@@ -139,6 +144,20 @@ def test_render_aligns_columns_and_pairs_implementations():
     assert row.endswith("5.00x")
     assert "pinned H2D limit measured: 52.4 GB/s" in text
     assert "prefetch: because" in text
+
+
+def test_bench_from_json_rerenders_without_measuring(tmp_path):
+    saved = tmp_path / "device.json"
+    saved.write_text(json.dumps(_fake_report()))
+    args = ["-m", "pinxfer", "bench", "--from-json", str(saved)]
+    if importlib.util.find_spec("matplotlib") is not None:
+        args += ["--plot", str(tmp_path / "p.png")]
+    proc = _run(args)
+    assert proc.returncode == 0, proc.stderr
+    assert "device: Fake GPU" in proc.stdout and "5.00x" in proc.stdout
+    assert proc.stderr == ""  # nothing measured: no progress bar
+    if "--plot" in args:
+        assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
 
 
 # ---------------------------------------------------------------- doctor (CPU, fixture trees)
