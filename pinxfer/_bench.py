@@ -183,9 +183,13 @@ class Bench:
         self.gpu_reason = _gpu_unavailable_reason()
         self.dev: Optional[torch.device] = None
         if self.gpu_reason is None:
-            self.dev = torch.device(args.device) if args.device else torch.device(
-                "cuda", torch.cuda.current_device())
-            torch.cuda.set_device(self.dev)
+            dev = torch.device(args.device) if args.device else torch.device("cuda")
+            if dev.type != "cuda":
+                raise SystemExit(f"pinxfer bench: --device must be a CUDA device, got {args.device!r}")
+            if dev.index is None:
+                dev = torch.device("cuda", torch.cuda.current_device())
+            torch.cuda.set_device(dev)  # pinxfer places staging memory by the current GPU
+            self.dev = dev
         self.report = Report(device=torch.cuda.get_device_name(self.dev) if self.dev else None)
         self._src: dict[int, torch.Tensor] = {}
 
@@ -235,7 +239,7 @@ class Bench:
                 per_size[-1] = (name, lambda last=last: (last(), self.release()))
             steps += per_size
         if self.dev is not None and "prefetch" in sections:
-            steps.append(("prefetch overlap", self.prefetch))
+            steps.append(("prefetch overlap", lambda: (self.prefetch(), self.release())))
         return steps
 
     def run(self) -> Report:
@@ -260,7 +264,6 @@ class Bench:
         dst.fill_(0)
         self.report.add("pin", "host_copy", "torch", n,
                         self.time(lambda: dst.copy_(src), inner=_inner(n)))
-        del dst
 
         if self.dev is None:
             self.report.skip("pin", "torch rows: t.pin_memory() needs CUDA; " + str(self.gpu_reason))
@@ -314,7 +317,6 @@ class Bench:
                         self.time(lambda: g.copy_(tp, non_blocking=True), inner=inner))
         self.report.add("copy", "d2h_pinned", "torch", n,
                         self.time(lambda: tp.copy_(g, non_blocking=True), inner=inner))
-        del tp
 
         pp = pinxfer.empty(n, dtype=torch.uint8)
         pp.copy_(src)
@@ -322,8 +324,6 @@ class Bench:
                         self.time(lambda: g.copy_(pp, non_blocking=True), inner=inner))
         self.report.add("copy", "d2h_pinned", "pinxfer", n,
                         self.time(lambda: pp.copy_(g, non_blocking=True), inner=inner))
-        self.sync()
-        del pp, g
 
     def to_device(self, n: int) -> None:
         """What a user writes: t.to(dev) vs pinxfer.to_device(t); g.cpu() vs to_host."""
@@ -347,8 +347,6 @@ class Bench:
         else:
             self.report.add("to_device", "d2h", "pinxfer", n,
                             self.time(lambda: to_host(g).wait(), inner=inner))
-        self.sync()
-        del g
 
     def prefetch(self) -> None:
         """A training-like loop: copy a pageable batch, then matmuls on it.
@@ -409,8 +407,6 @@ class Bench:
         self.report.add("prefetch", "loop", "ideal", total, max(s_compute, s_copy), note=note)
         self.report.add("prefetch", "compute_alone", "torch", total, s_compute, note=note)
         self.report.add("prefetch", "copy_alone", "pinxfer", total, s_copy, note=note)
-        del hosts, batches, w, x_dev
-        self.release()
 
 
 def _gpu_unavailable_reason() -> Optional[str]:
@@ -523,7 +519,8 @@ def plot(report: dict[str, Any], path: str) -> None:
             ax.axhline(limit, color="black", linewidth=1, linestyle="-.",
                        label=f"pinned limit {limit:.1f} GB/s")
         ax.set_xscale("log", base=2)
-        ticks = sorted({r["bytes"] for r in report["results"] if r["section"] in ("copy", "pin", "to_device")})
+        ticks = sorted({r["bytes"] for r in report["results"]
+                        if r["section"] in ("copy", "pin", "to_device")})
         if ticks:
             ax.set_xticks([t / MiB for t in ticks])
             ax.set_xticklabels([format_bytes(t).replace(".0 ", " ") for t in ticks])

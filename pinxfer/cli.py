@@ -89,7 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"comma-separated tensor sizes (default {DEFAULT_SIZES})")
     b.add_argument("--sections", type=_sections, default=list(SECTIONS),
                    help=f"which sections to run (default all: {','.join(SECTIONS)})")
-    b.add_argument("--repeats", type=int, default=3, help="timed runs per point; the median is kept (default 3)")
+    b.add_argument("--repeats", type=int, default=3,
+                   help="timed runs per point; the median is kept (default 3)")
     b.add_argument("--device", default=None, help="CUDA device (default: the current one)")
     b.add_argument("--prefetch-steps", type=int, default=16, help="steps of the prefetch loop (default 16)")
     b.add_argument("--prefetch-batch", type=parse_bytes, default="64MiB",

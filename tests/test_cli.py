@@ -69,7 +69,8 @@ def test_bench_runs_and_writes_documented_json(tmp_path):
     _check_bench_json(data)
 
     # Host-side pinning always runs; each size has cold and warm pinxfer rows.
-    pins = {(r["op"], r["bytes"]) for r in data["results"] if r["section"] == "pin" and r["impl"] == "pinxfer"}
+    pins = {(r["op"], r["bytes"]) for r in data["results"]
+            if r["section"] == "pin" and r["impl"] == "pinxfer"}
     assert pins == {(op, n) for op in ("pin_cold", "pin_warm") for n in (1 << 20, 4 << 20)}
 
     assert "pin 1.0 MiB" in proc.stderr  # the progress bar (tqdm or the text fallback)
@@ -80,7 +81,8 @@ def test_bench_runs_and_writes_documented_json(tmp_path):
     assert "torch GB/s" in lines[header] and "pinxfer GB/s" in lines[header]
     assert set(lines[header + 1]) <= {"-", " "}
     rows = {(r["section"], r["op"], r["bytes"]) for r in data["results"]}
-    assert sum(1 for line in lines[header + 2:] if line.startswith(("pin ", "copy ", "to_device ", "prefetch "))) == len(rows)
+    sections = ("pin ", "copy ", "to_device ", "prefetch ")
+    assert sum(1 for line in lines[header + 2:] if line.startswith(sections)) == len(rows)
 
     if not HAS_CUDA:
         assert data["device"] is None
@@ -126,9 +128,12 @@ def _fake_report() -> dict:
     return {
         "device": "Fake GPU", "torch": "x", "pinxfer": "y", "date": "2026-01-01T00:00:00+00:00",
         "results": [
-            {"section": "to_device", "op": "h2d", "impl": "torch", "bytes": 1 << 30, "seconds": 0.1, "gbps": 10.7},
-            {"section": "to_device", "op": "h2d", "impl": "pinxfer", "bytes": 1 << 30, "seconds": 0.02, "gbps": 53.7},
-            {"section": "copy", "op": "h2d_pinned", "impl": "torch", "bytes": 1 << 20, "seconds": 2e-5, "gbps": 52.4},
+            {"section": "to_device", "op": "h2d", "impl": "torch", "bytes": 1 << 30,
+             "seconds": 0.1, "gbps": 10.7},
+            {"section": "to_device", "op": "h2d", "impl": "pinxfer", "bytes": 1 << 30,
+             "seconds": 0.02, "gbps": 53.7},
+            {"section": "copy", "op": "h2d_pinned", "impl": "torch", "bytes": 1 << 20,
+             "seconds": 2e-5, "gbps": 52.4},
         ],
         "ratios": [], "skipped": [{"section": "prefetch", "reason": "because"}],
     }
