@@ -1,0 +1,551 @@
+"""pinxfer.pin_memory, pin_ and unpin_: semantics of Tensor.pin_memory(), batches,
+errors, thread safety, real NUMA placement and real page locking.
+
+On CPU, torch's own Tensor.pin_memory() cannot run (it needs CUDA), so results
+are compared with the source and with `torch_layout_pin`, which is torch's
+at::_pin_memory algorithm (storage of computeStorageNbytes(sizes, strides),
+set_, copy_) on ordinary memory. GPU tests compare with t.pin_memory() itself.
+"""
+from __future__ import annotations
+
+import collections
+import ctypes
+import dataclasses
+import mmap
+import os
+import platform
+import threading
+from typing import NamedTuple
+
+import pytest
+import torch
+
+import pinxfer
+from pinxfer.pin import inplace_lock_kind, is_pinned
+
+from .conftest import HAS_CUDA, requires_cuda
+
+ops = torch.ops.pinxfer
+
+DTYPES = [
+    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+    torch.uint16, torch.uint32, torch.uint64, torch.float16, torch.bfloat16, torch.float32,
+    torch.float64, torch.complex32, torch.complex64, torch.complex128,
+    torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz,
+]
+if hasattr(torch, "float8_e8m0fnu"):
+    DTYPES.append(torch.float8_e8m0fnu)
+
+
+def random_tensor(shape, dtype, seed=0) -> torch.Tensor:
+    """Random bit patterns (NaN payloads, denormals, negative zero included); bool
+    gets valid 0/1 bytes."""
+    g = torch.Generator().manual_seed(seed)
+    numel = 1
+    for d in shape:
+        numel *= d
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=g, dtype=torch.uint8).bool()
+    raw = torch.randint(0, 256, (numel * itemsize,), generator=g, dtype=torch.uint8)
+    return raw.view(dtype).reshape(shape)
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's element bytes in logical order (bit-exact comparison)."""
+    c = t.contiguous()
+    return c.reshape(-1).view(torch.uint8) if c.numel() else torch.empty(0, dtype=torch.uint8)
+
+
+def torch_layout_pin(t: torch.Tensor) -> torch.Tensor:
+    """What at::_pin_memory builds, on ordinary memory."""
+    from torch._prims_common import compute_required_storage_length
+
+    nbytes = compute_required_storage_length(t.shape, t.stride(), 0) * t.element_size()
+    out = torch.empty(0, dtype=t.dtype).set_(torch.UntypedStorage(nbytes), 0, t.shape, t.stride())
+    out.copy_(t)
+    return out
+
+
+def assert_same_as_torch(out: torch.Tensor, src: torch.Tensor) -> None:
+    ref = torch_layout_pin(src)
+    assert out.shape == src.shape
+    assert out.dtype == src.dtype
+    assert out.stride() == ref.stride()
+    assert out.storage_offset() == 0
+    assert out.untyped_storage().nbytes() == ref.untyped_storage().nbytes()
+    assert torch.equal(as_bytes(out), as_bytes(src))
+    assert out.device.type == "cpu"
+
+
+@pytest.fixture(autouse=True)
+def _fresh(fresh_pool):
+    yield
+
+
+# ---- values, sizes, strides ----
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(7, 5), (3, 1 << 18)], ids=["small", "multi_chunk"])
+def test_every_dtype_bit_exact(dtype, shape):
+    t = random_tensor(shape, dtype, seed=1)
+    out = pinxfer.pin_memory(t, numa_node=0)
+    assert out is not t
+    assert pinxfer.is_pool_tensor(out)
+    assert_same_as_torch(out, t)
+    assert out.data_ptr() != t.data_ptr()
+    assert not is_pinned(t)  # the source stays pageable
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.complex64, torch.uint64,
+                                   torch.bool, torch.float8_e5m2], ids=str)
+def test_views_keep_their_strides(dtype):
+    base = random_tensor((64, 48, 6), dtype, seed=2)
+    views = {
+        "transpose": base.transpose(0, 1),
+        "step_slice": base[::3, 1::2],
+        "narrow_offset": base[5:9],  # storage offset 5*48*6 -> 0
+        "permute": base.permute(2, 0, 1),
+        "channels_last": random_tensor((2, 3, 8, 8), dtype).contiguous(
+            memory_format=torch.channels_last),
+        "size_one_odd_stride": base[:, :1, :].transpose(0, 1),
+        "column": base[:, 3, 2],
+    }
+    for name, v in views.items():
+        out = pinxfer.pin_memory(v, numa_node=0)
+        assert_same_as_torch(out, v), name
+
+
+def test_overlapping_views_become_contiguous():
+    # torch's pin_memory raises here ("more than one element of the written-to
+    # tensor refers to a single memory location"); pinxfer returns a contiguous copy.
+    base = torch.arange(12, dtype=torch.float32)
+    for v in (base[:3].expand(4, 3), base[:1].expand(5), base[:4].view(2, 2).expand(3, 2, 2)):
+        out = pinxfer.pin_memory(v, numa_node=0)
+        assert out.is_contiguous()
+        assert out.shape == v.shape and torch.equal(out, v)
+    # Overlap torch cannot prove (has_internal_overlap: "too hard") is copied as
+    # torch copies it: strides kept, and the span copy gives every element.
+    v = base.as_strided((4, 4), (2, 1))
+    out = pinxfer.pin_memory(v, numa_node=0)
+    assert out.stride() == (2, 1) and torch.equal(out, v)
+    big = torch.randn(1, 1 << 16).expand(64, 1 << 16)  # multi-chunk element-wise copy
+    out = pinxfer.pin_memory(big, numa_node=0)
+    assert out.is_contiguous() and torch.equal(out, big)
+
+
+def test_conj_and_neg_views_are_resolved():
+    z = random_tensor((300, 7), torch.complex64, seed=3).conj()
+    assert z.is_conj()
+    out = pinxfer.pin_memory(z, numa_node=0)
+    assert not out.is_conj()
+    assert torch.equal(as_bytes(out), as_bytes(z.resolve_conj()))
+    n = torch._neg_view(torch.randn(1000, 50))
+    out = pinxfer.pin_memory(n, numa_node=0)
+    assert not out.is_neg() and torch.equal(out, n)
+
+
+@pytest.mark.parametrize("shape", [(0,), (0, 3), (3, 0), (2, 0, 4), ()])
+def test_zero_size_and_scalar(shape):
+    t = torch.zeros(shape) if shape != () else torch.tensor(2.5)
+    out = pinxfer.pin_memory(t, numa_node=0)
+    assert_same_as_torch(out, t)
+    empty_view = torch.randn(4, 5)[:, 5:]
+    assert_same_as_torch(pinxfer.pin_memory(empty_view), empty_view)
+
+
+def test_pinned_inputs_come_back_as_the_same_object():
+    t = torch.randn(100)
+    p = pinxfer.pin_memory(t)
+    assert pinxfer.pin_memory(p) is p
+    assert pinxfer.pin_memory(p[10:20]) is not None
+    e = pinxfer.empty(5, 5)
+    assert pinxfer.pin_memory(e) is e
+    assert pinxfer.pin_memory({"e": e})["e"] is e
+
+
+def test_result_is_locked_and_bound_to_node0():
+    t = random_tensor((1 << 20,), torch.float32, seed=4)  # 4 MiB: under `ulimit -l` here
+    out = pinxfer.pin_memory(t, numa_node=0)
+    assert torch.equal(as_bytes(out), as_bytes(t))
+    assert pinxfer.lock_kind(out) == ("cuda_registered" if HAS_CUDA else "mlocked")
+    nodes = ops.page_nodes(out)
+    assert len(nodes) >= (4 << 20) // os.sysconf("SC_PAGE_SIZE")
+    assert set(nodes) == {0}
+    mode, mask = get_mempolicy(out.data_ptr())
+    assert mode == MPOL_BIND
+    assert mask & 1
+
+
+def test_requires_grad_stays_differentiable():
+    t = torch.randn(10, requires_grad=True)
+    out = pinxfer.pin_memory(t)
+    assert out.requires_grad and out.grad_fn is not None
+    (out * 3).sum().backward()
+    assert torch.equal(t.grad, torch.full((10,), 3.0))
+
+
+# ---- batches ----
+
+class Pair(NamedTuple):
+    a: torch.Tensor
+    b: object
+
+
+@dataclasses.dataclass
+class Sample:
+    x: torch.Tensor
+    label: int
+    extra: list = dataclasses.field(default_factory=list)
+    cache: object = dataclasses.field(default=None, init=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class FrozenSample:
+    x: torch.Tensor
+    name: str
+
+    def __post_init__(self):
+        if not isinstance(self.name, str):
+            raise TypeError("name must be str")
+
+
+class OwnPin:
+    def __init__(self, t):
+        self.t = t
+        self.calls = 0
+
+    def pin_memory(self):
+        self.calls += 1
+        return OwnPin(pinxfer.pin_memory(self.t))
+
+
+def assert_pinned_copy(out, src):
+    assert pinxfer.is_pool_tensor(out), type(out)
+    assert torch.equal(out, src)
+
+
+def test_nested_batch_types_kept():
+    ts = [torch.randn(4, 3) for _ in range(10)]
+    dd = collections.defaultdict(list, {"k": ts[2]})
+    own = OwnPin(ts[6])
+    batch = {
+        "dict": {"a": ts[0], "n": 3},
+        "ordered": collections.OrderedDict([("z", ts[1]), ("a", "text")]),
+        "default": dd,
+        "pair": Pair(ts[3], None),
+        "tuple": (ts[4], 1.5),
+        "list": [ts[5], b"bytes"],
+        "own": own,
+        "sample": Sample(ts[7], label=4, extra=[ts[8]]),
+        "frozen": FrozenSample(ts[9], "f"),
+        "deep": {"l1": [({"l3": ts[0].t()},)]},
+    }
+    out = pinxfer.pin_memory(batch, numa_node=0)
+    assert type(out) is dict and list(out) == list(batch)
+    assert_pinned_copy(out["dict"]["a"], ts[0]) and out["dict"]["n"] == 3
+    assert type(out["ordered"]) is collections.OrderedDict and list(out["ordered"]) == ["z", "a"]
+    assert_pinned_copy(out["ordered"]["z"], ts[1])
+    assert type(out["default"]) is collections.defaultdict
+    assert out["default"].default_factory is list
+    assert_pinned_copy(out["default"]["k"], ts[2])
+    assert type(out["pair"]) is Pair and out["pair"].b is None
+    assert_pinned_copy(out["pair"].a, ts[3])
+    assert type(out["tuple"]) is tuple and out["tuple"][1] == 1.5
+    assert_pinned_copy(out["tuple"][0], ts[4])
+    assert type(out["list"]) is list and out["list"][1] == b"bytes"
+    assert_pinned_copy(out["list"][0], ts[5])
+    assert own.calls == 1 and isinstance(out["own"], OwnPin)
+    assert_pinned_copy(out["own"].t, ts[6])
+    s = out["sample"]
+    assert type(s) is Sample and s.label == 4
+    assert_pinned_copy(s.x, ts[7])
+    assert_pinned_copy(s.extra[0], ts[8])
+    assert batch["sample"].x is ts[7]  # the input batch is not modified
+    f = out["frozen"]
+    assert type(f) is FrozenSample and f.name == "f"
+    assert_pinned_copy(f.x, ts[9])
+    deep = out["deep"]["l1"][0][0]["l3"]
+    assert_pinned_copy(deep, ts[0].t())
+    assert deep.stride() == ts[0].t().stride()
+
+
+def test_leaves_untouched():
+    leaves = [3, 2.5, "s", None, b"b", object(), torch.float32]
+    out = pinxfer.pin_memory(leaves)
+    assert all(a is b for a, b in zip(out, leaves))
+    assert pinxfer.pin_memory("str") == "str"
+
+
+# ---- errors ----
+
+def test_errors_say_what_arrived():
+    with pytest.raises(RuntimeError, match="expected a CPU tensor, got a tensor on meta"):
+        pinxfer.pin_memory(torch.empty(3, device="meta"))
+    with pytest.raises(RuntimeError, match="expected a dense .strided. CPU tensor, got layout"):
+        pinxfer.pin_memory(torch.randn(4, 4).to_sparse())
+    with pytest.raises(RuntimeError, match="expected a dense"):
+        pinxfer.pin_memory(torch.randn(4, 4).to_sparse_csr())
+    with pytest.raises(ValueError, match="num_threads"):
+        pinxfer.pin_memory(torch.randn(3), num_threads=-1)
+    with pytest.raises(ValueError, match="numa_node"):
+        pinxfer.pin_memory(torch.randn(3), numa_node=-2)
+    with pytest.raises(ValueError, match="not both"):
+        pinxfer.pin_memory(torch.randn(3), device=0, numa_node=0)
+    with pytest.raises(ValueError, match="must be a CUDA device"):
+        pinxfer.pin_memory(torch.randn(3), device="cpu")
+
+
+def test_errors_deep_inside_a_batch_name_the_path():
+    batch = {"x": [torch.randn(2), 1, torch.empty(2, device="meta")]}
+    with pytest.raises(RuntimeError, match=r"cannot pin batch\['x'\]\[2\]: expected a CPU"):
+        pinxfer.pin_memory(batch)
+    with pytest.raises(RuntimeError, match=r"batch\.a\[0\]\['s'\]"):
+        pinxfer.pin_memory(Pair([{"s": torch.randn(3).to_sparse()}], None))
+    with pytest.raises(RuntimeError, match=r"batch\[1\]\.x"):
+        pinxfer.pin_memory((1, Sample(torch.empty(1, device="meta"), 0)))
+
+
+# ---- threads ----
+
+def test_concurrent_callers_get_correct_results():
+    tensors = [random_tensor((1 << 18,) if i % 2 else (513, 77), torch.float32, seed=i)
+               for i in range(8)]
+    errors = []
+    barrier = threading.Barrier(8)
+
+    def work(i):
+        try:
+            barrier.wait()
+            for _ in range(10):
+                src = tensors[i] if _ % 2 else tensors[i].t() if tensors[i].dim() == 2 else tensors[i]
+                out = pinxfer.pin_memory(src, numa_node=0)
+                assert torch.equal(as_bytes(out), as_bytes(src))
+                assert out.stride() == src.stride()
+        except Exception as err:  # noqa: BLE001
+            errors.append(err)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors, errors
+
+
+def test_background_thread_with_one_torch_thread():
+    """As the DataLoader's pin thread: torch.set_num_threads(1), then pin a batch."""
+    result = {}
+    before = torch.get_num_threads()
+
+    def work():
+        torch.set_num_threads(1)
+        batch = {"img": random_tensor((16, 3, 64, 64), torch.uint8), "y": torch.arange(16)}
+        result["src"] = batch
+        result["out"] = pinxfer.pin_memory(batch, numa_node=0, num_threads=2)
+
+    th = threading.Thread(target=work)
+    th.start()
+    th.join()
+    torch.set_num_threads(before)
+    for k in ("img", "y"):
+        assert_pinned_copy(result["out"][k], result["src"][k])
+
+
+# ---- pin_ / unpin_ ----
+
+def vm_locked_kib() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmLck:"):
+                return int(line.split()[1])
+    raise AssertionError("no VmLck in /proc/self/status")
+
+
+def locked_kib_in(start: int, end: int) -> int:
+    """Sum of 'Locked:' over the mappings inside [start, end), from /proc/self/smaps
+    (mlock splits a mapping into locked and unlocked parts)."""
+    inside = False
+    total = 0
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo < end and start < hi
+                if inside:
+                    assert start <= lo and hi <= end, "mapping extends past the range"
+            elif inside and head == "Locked:":
+                total += int(line.split()[1])
+    return total
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="the mlock path runs only where CUDA is not usable")
+def test_pin_inplace_mlock_path():
+    t = torch.randn(1 << 18)  # 1 MiB
+    t.view(-1)[0] = 1.0
+    before = vm_locked_kib()
+    assert pinxfer.pin_(t) is t
+    assert inplace_lock_kind(t) == "mlocked"
+    assert vm_locked_kib() - before >= 1024
+    assert is_pinned(t) and is_pinned(t[5:])
+    assert pinxfer.pin_memory(t) is t  # already pinned: same object
+    with pytest.raises(RuntimeError, match="already pinned by pinxfer.pin_"):
+        pinxfer.pin_(t)
+    with pytest.raises(RuntimeError, match="already pinned by pinxfer.pin_"):
+        pinxfer.pin_(t[100:200])  # another view of the same storage
+    with pytest.raises(RuntimeError, match="not resizable"):
+        t.view(t.shape).resize_(1 << 20)  # would free the locked memory under mlock
+    assert pinxfer.unpin_(t[3:]) is not None  # any view of the storage works
+    assert inplace_lock_kind(t) is None
+    assert vm_locked_kib() - before < 1024
+    with pytest.raises(RuntimeError, match="not pinned by pinxfer.pin_"):
+        pinxfer.unpin_(t)
+    t.resize_(1 << 19)  # resizable again
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="the mlock path runs only where CUDA is not usable")
+def test_unpin_keeps_pages_shared_with_another_pinned_tensor():
+    page = mmap.PAGESIZE
+    # Three pages between two PROT_NONE guard pages, so that the kernel never
+    # merges them with a neighbouring (maybe locked) mapping.
+    buf = mmap.mmap(-1, 5 * page)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    libc = ctypes.CDLL(None, use_errno=True)
+    for guard in (base, base + 4 * page):
+        assert libc.mprotect(ctypes.c_void_p(guard), ctypes.c_size_t(page), 0) == 0
+    addr = base + page
+    # a covers page 0 and the start of page 1; b the rest of page 1 and page 2.
+    a = torch.frombuffer(buf, dtype=torch.uint8, count=page + 100, offset=page)
+    b = torch.frombuffer(buf, dtype=torch.uint8, count=2 * page - 200, offset=2 * page + 200)
+    pinxfer.pin_(a)
+    pinxfer.pin_(b)
+    assert locked_kib_in(addr, addr + 3 * page) == 3 * page // 1024
+    pinxfer.unpin_(a)
+    assert locked_kib_in(addr, addr + 3 * page) == 2 * page // 1024  # page 1 still locked for b
+    pinxfer.unpin_(b)
+    assert locked_kib_in(addr, addr + 3 * page) == 0
+    del a, b
+
+
+def test_pin_inplace_refusals():
+    with pytest.raises(RuntimeError, match="storage is empty"):
+        pinxfer.pin_(torch.empty(0))
+    with pytest.raises(RuntimeError, match="expected a CPU tensor, got a tensor on meta"):
+        pinxfer.pin_(torch.empty(3, device="meta"))
+    with pytest.raises(RuntimeError, match="expected a dense CPU tensor"):
+        pinxfer.pin_(torch.randn(3, 3).to_sparse())
+    with pytest.raises(RuntimeError, match="already lives in pinxfer's pinned pool"):
+        pinxfer.pin_(pinxfer.empty(16))
+    with pytest.raises(RuntimeError, match="lives in pinxfer's pinned pool"):
+        pinxfer.unpin_(pinxfer.empty(16))
+    with pytest.raises(RuntimeError, match="not pinned by pinxfer.pin_"):
+        pinxfer.unpin_(torch.randn(10))
+
+
+def test_pin_inplace_parameter_requiring_grad():
+    p = torch.nn.Parameter(torch.randn(64, 64))
+    pinxfer.pin_(p)
+    try:
+        assert inplace_lock_kind(p) is not None
+    finally:
+        pinxfer.unpin_(p)
+    assert inplace_lock_kind(p) is None
+
+
+# ---- GPU ----
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gpu_equals_torch_pin_memory(dtype):
+    base = random_tensor((96, 40), dtype, seed=5)
+    for src in (base, base.t(), base[::3, 1::2], base[7:20]):
+        ours = pinxfer.pin_memory(src)
+        theirs = src.pin_memory()
+        assert ours.is_pinned() and theirs.is_pinned()
+        assert ours.shape == theirs.shape and ours.stride() == theirs.stride()
+        assert ours.storage_offset() == theirs.storage_offset() == 0
+        assert ours.untyped_storage().nbytes() == theirs.untyped_storage().nbytes()
+        assert torch.equal(as_bytes(ours), as_bytes(theirs))
+        assert pinxfer.lock_kind(ours) == "cuda_registered"
+        assert pinxfer.pin_memory(theirs) is theirs  # torch-pinned: same object
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_round_trip_random_data():
+    t = random_tensor((64 << 20,), torch.uint8, seed=6)
+    p = pinxfer.pin_memory(t, device=0)
+    assert p.is_pinned()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        d = p.to("cuda:0", non_blocking=True)
+        back = pinxfer.pin_memory(torch.empty_like(t))
+        back.copy_(d, non_blocking=True)
+    pinxfer.record_stream(p, stream)
+    stream.synchronize()
+    assert torch.equal(back, t)
+    assert pinxfer.pin_memory(t, device="cuda:0").is_pinned()
+    assert pinxfer.pin_memory(t, device=torch.device("cuda", 0)).is_pinned()
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_pin_inplace():
+    t = random_tensor((8 << 20,), torch.uint8, seed=7)
+    assert not t.is_pinned()
+    pinxfer.pin_(t)
+    assert t.is_pinned() and t[100:].is_pinned()
+    assert inplace_lock_kind(t) == "cuda_registered"
+    assert pinxfer.pin_memory(t) is t
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        d = t.to("cuda", non_blocking=True)
+    stream.synchronize()
+    assert torch.equal(d.cpu(), t)
+    with pytest.raises(RuntimeError, match="already pinned by pinxfer.pin_"):
+        pinxfer.pin_(t)
+    pinxfer.unpin_(t)
+    assert not t.is_pinned()
+    assert inplace_lock_kind(t) is None
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_pin_inplace_refuses_torch_pinned_memory():
+    t = torch.randn(1 << 16).pin_memory()
+    with pytest.raises(RuntimeError, match="already page-locked for CUDA"):
+        pinxfer.pin_(t)
+    with pytest.raises(RuntimeError, match="not by pinxfer.pin_"):
+        pinxfer.unpin_(t)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_cuda_input_refused():
+    with pytest.raises(RuntimeError, match="expected a CPU tensor, got a tensor on cuda"):
+        pinxfer.pin_memory({"x": torch.randn(3, device="cuda")})
+    with pytest.raises(RuntimeError, match="expected a CPU tensor, got a tensor on cuda"):
+        ops.pin_memory(torch.randn(3, device="cuda"))
+
+
+# ---- helpers: get_mempolicy(2) through libc ----
+
+MPOL_BIND = 2
+MPOL_F_ADDR = 2
+_SYS_GET_MEMPOLICY = {"x86_64": 239, "aarch64": 236}
+
+
+def get_mempolicy(address: int) -> tuple[int, int]:
+    nr = _SYS_GET_MEMPOLICY.get(platform.machine())
+    if nr is None:
+        pytest.skip(f"get_mempolicy syscall number unknown on {platform.machine()}")
+    libc = ctypes.CDLL(None, use_errno=True)
+    mode = ctypes.c_int(-1)
+    mask = (ctypes.c_ulong * 16)()
+    rc = libc.syscall(ctypes.c_long(nr), ctypes.byref(mode), mask, ctypes.c_ulong(16 * 64),
+                      ctypes.c_void_p(address), ctypes.c_ulong(MPOL_F_ADDR))
+    assert rc == 0, os.strerror(ctypes.get_errno())
+    # The mode may carry flags (MPOL_F_STATIC_NODES...) in its high bits.
+    return mode.value & 0xFF, mask[0]
