@@ -44,7 +44,7 @@ def main() -> int:
     local_rank = int(os.environ["LOCAL_RANK"])
     device = torch.device("cuda", local_rank)
     torch.cuda.set_device(device)  # first: pinxfer places staging memory by the current GPU
-    dist.init_process_group("nccl")
+    dist.init_process_group("nccl", device_id=device)
     rank, world = dist.get_rank(), dist.get_world_size()
 
     classes = 16

@@ -16,7 +16,8 @@ JSON (``pinxfer doctor --json FILE``)::
                "cpus": [int],               # CPUs of that node ([] if unknown)
                "pcie": {"current_gen": int | null, "current_width": int | null,
                         "max_gen": int | null, "max_width": int | null,
-                        "current_speed_gts": float | null, "max_speed_gts": float | null},
+                        "current_speed_gts": float | null, "max_speed_gts": float | null,
+                        "under_load": bool},   # read while the GPU was copying
                "source": "nvml" | "sysfs"}],   # where the PCIe figures came from
      "process": {"affinity": [int], "uid": int, "cap_ipc_lock": bool},
      "memlock": {"soft": int | null, "hard": int | null},   # null: unlimited
@@ -29,12 +30,14 @@ JSON (``pinxfer doctor --json FILE``)::
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import resource
+import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -259,6 +262,41 @@ def _from_torch() -> list[dict[str, Any]]:
     return out
 
 
+@contextlib.contextmanager
+def _links_busy(seconds: float = 0.05) -> Iterator[bool]:
+    """Keeps every visible GPU copying from pinned memory while the block runs,
+    yielding True if that worked. GPUs lower their PCIe link speed when idle, so
+    an idle read would report e.g. Gen1 on a healthy Gen5 link."""
+    if not torch.cuda.is_available():
+        yield False
+        return
+    streams = []
+    try:
+        chunk = 64 << 20
+        # ~`seconds` of copies at 55 GB/s per GPU, queued without waiting.
+        copies = max(1, int(seconds * 55e9 / chunk))
+        for i in range(torch.cuda.device_count()):
+            with torch.cuda.device(i):
+                src = torch.empty(chunk, dtype=torch.uint8, pin_memory=True)
+                dst = torch.empty(chunk, dtype=torch.uint8, device=i)
+                stream = torch.cuda.Stream(i)
+                with torch.cuda.stream(stream):
+                    for _ in range(copies):
+                        dst.copy_(src, non_blocking=True)
+                streams.append((stream, src, dst))
+        time.sleep(0.005)  # let the links retrain to full speed
+    except Exception:  # no memory, a busy device...: read the links idle
+        for stream, _, _ in streams:
+            stream.synchronize()
+        yield False
+        return
+    try:
+        yield True
+    finally:
+        for stream, _, _ in streams:
+            stream.synchronize()
+
+
 def gpu_records(sysfs_root: str, live: bool = True) -> list[dict[str, Any]]:
     """One record per GPU, merged by PCI bus id from sysfs and, when `live`,
     pinxfer.topology(), NVML and torch (each fills what it knows). Indices follow
@@ -287,13 +325,20 @@ def gpu_records(sysfs_root: str, live: bool = True) -> list[dict[str, Any]]:
 
     for bus in _sysfs_gpus(sysfs_root):
         add({"pci_bus_id": bus}, "sysfs")
+    busy = False
     if live:
         for rec in _from_topology(sysfs_root):
             add(rec, "topology")
-        for rec in _from_nvml():
-            add(rec, "nvml")
         for rec in _from_torch():
             add(rec, "torch")
+        # Link speeds are read while the GPUs copy: idle GPUs train their links down.
+        with _links_busy() as busy:
+            nvml = _from_nvml()
+            sys_links = {b: pcie_link_sysfs(b, sysfs_root) for b in order}
+        for rec in nvml:
+            add(rec, "nvml")
+    else:
+        sys_links = {}
 
     order.sort()  # PCI bus order: nvidia-smi's and NVML's numbering
     if order:  # NUMA node and CPUs as pinxfer's placement sees them
@@ -311,7 +356,8 @@ def gpu_records(sysfs_root: str, live: bool = True) -> list[dict[str, Any]]:
             g["numa_node"] = node if node is not None else -1
         if not g["cpus"]:
             g["cpus"] = node_cpus(int(g["numa_node"]), sysfs_root)
-        sys_link = pcie_link_sysfs(g["pci_bus_id"], sysfs_root)
+        sys_link = sys_links.get(g["pci_bus_id"]) or pcie_link_sysfs(g["pci_bus_id"], sysfs_root)
+        sys_link["under_load"] = busy
         if g["pcie"] is None:
             g["pcie"] = sys_link
         else:  # NVML gives generations; sysfs adds GT/s and the upstream-port cap
@@ -455,6 +501,9 @@ def diagnose(report: dict[str, Any]) -> list[dict[str, str]]:
             if slow_width:
                 tail = (": fewer lanes cut bandwidth in proportion. Check the slot (x16 electrical), "
                         "riser and BIOS bifurcation settings.")
+            elif link.get("under_load"):
+                tail = (" while copying: check the slot, riser and BIOS PCIe settings (e.g. a slot "
+                        "forced to a lower generation).")
             else:
                 tail = (". GPUs lower the link speed when idle: if it stays low while copying (run "
                         "`pinxfer bench` and look again), check the slot, riser and BIOS PCIe settings.")
@@ -512,6 +561,10 @@ def render(report: dict[str, Any]) -> str:
                 _link(link.get("max_gen"), link.get("max_speed_gts"), link.get("max_width")),
             ))
         lines.extend("  " + line for line in format_table(rows))
+        if any((g["pcie"] or {}).get("under_load") for g in gpus):
+            lines.append("  (PCIe links read while each GPU copied: idle GPUs lower their link speed)")
+        else:
+            lines.append("  (PCIe links read idle: GPUs lower their link speed when idle)")
     lines.append("")
     proc = report["process"]
     mem = report["memlock"]

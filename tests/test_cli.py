@@ -212,7 +212,7 @@ def test_doctor_reads_fixture_tree_and_warns(tmp_path):
     assert gpu["pci_bus_id"] == "0000:41:00.0" and gpu["index"] == 0
     assert gpu["numa_node"] == 1 and gpu["cpus"] == [1004, 1005, 1006, 1007]
     assert gpu["pcie"] == {"current_gen": 4, "current_width": 16, "max_gen": 5, "max_width": 16,
-                           "current_speed_gts": 16.0, "max_speed_gts": 32.0}
+                           "current_speed_gts": 16.0, "max_speed_gts": 32.0, "under_load": False}
     assert gpu["source"] == "sysfs"
     assert report["thp"] == {"enabled": "never", "defrag": "madvise"}
     assert report["hugepages"] == {"total": 16, "free": 8, "size_bytes": 2 << 20}
@@ -357,6 +357,7 @@ def test_gpu_doctor_lists_every_gpu():
         p = torch.cuda.get_device_properties(g["index"])
         assert g["pci_bus_id"].endswith(f"{p.pci_bus_id:02x}:{p.pci_device_id:02x}.0")
         assert g["pcie"]["max_width"], g
+        assert g["pcie"]["under_load"] is True  # links read while the GPU copied
 
 
 @pytest.mark.gpu
