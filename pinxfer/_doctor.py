@@ -482,8 +482,8 @@ def diagnose(report: dict[str, Any]) -> list[dict[str, str]]:
             warn("affinity_far_from_gpu",
                  f"GPU {g['index']} ({g['pci_bus_id']}) is on NUMA node {node} (CPUs "
                  f"{_compact(sorted(cpus))}) but this process may run only on CPUs "
-                 f"{_compact(sorted(affinity))}: staging memory and copy threads sit on the far "
-                 f"node (~10% slower H2D). Run under `numactl --cpunodebind={node} "
+                 f"{_compact(sorted(affinity))}: the threads that fill its pinned buffers work across "
+                 f"the NUMA interconnect (H2D ~10% slower from a far node). Run under `numactl --cpunodebind={node} "
                  f"--membind={node}` or `taskset -c {_compact(sorted(cpus))}`, or set "
                  "PINXFER_NUMA_NODE.")
         link = g["pcie"] or {}
