@@ -177,9 +177,12 @@ def to_device(obj: Any, device: Optional[DeviceLike] = None, non_blocking: bool 
 
     The caller's current stream waits for the copies, so the results can be used
     on it at once; to use them on another stream, make that stream wait on the
-    current one (as with any tensor). Source tensors may be modified or freed as
-    soon as this returns: pageable sources have been copied into staging memory
-    by then, and pinned sources are kept from reuse until their copy is done.
+    current one (as with any tensor). Pageable sources may be modified or freed as
+    soon as this returns (they have been copied into staging memory by then).
+    Pinned sources are read by the DMA engine later: they may be freed at once
+    (their memory is kept from reuse until the copy is done), but writing to them
+    before the current stream has passed the copy changes what is sent, as with
+    ``tensor.to(device, non_blocking=True)``.
 
     Args:
         obj: a tensor, or a nested batch (dict/Mapping, list, tuple, namedtuple,

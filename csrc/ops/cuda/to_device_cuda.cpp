@@ -77,7 +77,7 @@ constexpr size_t kMiB = size_t{1} << 20;
 constexpr size_t kSerialBytes = 256 * kKiB;
 // Smallest chunk the pipeline cuts a large tensor into, and smallest piece a
 // thread copies; both keep per-copy and per-claim overheads under a few %.
-constexpr size_t kMinChunk = 256 * kKiB;
+constexpr size_t kMinChunk = 1 * kMiB;
 constexpr size_t kMinPiece = 64 * kKiB;
 // Offsets inside to_device_many's packed buffer: enough for every dtype's
 // alignment and for vectorised kernels reading the views.
@@ -362,13 +362,14 @@ void return_staging(std::vector<c10::DataPtr>& blocks, PinnedPool& pool,
   blocks.clear();
 }
 
-// Chunk size for a tensor of nbytes: at most chunk_bytes, and small enough that
-// about eight chunks are in the pipeline, so filling the first slot and
-// draining the last copy are a small part of the whole.
+// Chunk size for a tensor of nbytes: at most chunk_bytes, and about a
+// sixteenth of the tensor, so that filling the first chunk and draining the
+// last copy (the parts that do not overlap) stay a small share of the whole;
+// but >= 1 MiB, so each DMA is long next to its launch gap.
 size_t pick_chunk(size_t nbytes, size_t chunk_bytes) {
   if (nbytes <= kSerialBytes) return nbytes;
-  const size_t eighth = round_up((nbytes + 7) / 8, 64 * kKiB);
-  return std::min(nbytes, std::min(chunk_bytes, std::max(kMinChunk, eighth)));
+  const size_t sixteenth = round_up((nbytes + 15) / 16, 64 * kKiB);
+  return std::min(nbytes, std::min(chunk_bytes, std::max(kMinChunk, sixteenth)));
 }
 
 void pipelined_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex device,

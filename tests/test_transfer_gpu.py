@@ -1,0 +1,309 @@
+"""to_device / to_device_many / to_host / prefetch on a real GPU (skipped without one).
+
+Races are provoked with torch.cuda._sleep: a stream that spins for a while
+before (or after) a copy makes reuse-too-early bugs visible as wrong values,
+never as timing asserts.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import gc
+import threading
+
+import pytest
+import torch
+
+import pinxfer
+
+pytestmark = pytest.mark.gpu
+
+MiB = 1 << 20
+# torch.cuda._sleep spins for this many cycles: ~50 ms on an H100/H200 (~1.7 GHz).
+SLEEP = 100_000_000
+
+
+def _random_bytes(n: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+
+
+def _check(y: torch.Tensor, x: torch.Tensor) -> None:
+    assert y.device.type == "cuda"
+    assert y.dtype == x.dtype and y.shape == x.shape
+    assert y.is_contiguous()
+    ref = x.resolve_conj().contiguous()
+    got = y.cpu()
+    # bitwise: views as bytes (also compares NaN payloads, -0.0, bool bytes)
+    assert torch.equal(got.reshape(-1).view(torch.uint8), ref.reshape(-1).view(torch.uint8))
+
+
+CHUNK = 1 * MiB
+
+
+@pytest.mark.parametrize("nbytes", [1, 3, 4095, 4097, CHUNK - 1, CHUNK, CHUNK + 1,
+                                    int(3.5 * CHUNK), 8 * CHUNK + 3, 20 * CHUNK + 7])
+def test_sizes_small_chunk(nbytes):
+    x = _random_bytes(nbytes, seed=nbytes)
+    y = pinxfer.to_device(x, "cuda", chunk_bytes=CHUNK, num_buffers=2)
+    _check(y, x)
+
+
+@pytest.mark.parametrize("nbytes", [16 * MiB - 1, 16 * MiB, 16 * MiB + 1, 56 * MiB, 64 * MiB])
+def test_sizes_default_chunk(nbytes):
+    x = _random_bytes(nbytes, seed=nbytes)
+    _check(pinxfer.to_device(x), x)
+
+
+@pytest.mark.parametrize("chunk_bytes,num_buffers", [(4096, 1), (70_001, 3), (5 * MiB + 13, 2)])
+def test_odd_chunk_sizes_and_single_buffer(chunk_bytes, num_buffers):
+    x = _random_bytes(3 * MiB + 7, seed=chunk_bytes)
+    _check(pinxfer.to_device(x, chunk_bytes=chunk_bytes, num_buffers=num_buffers), x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64,
+                                   torch.int64, torch.int8, torch.uint8, torch.bool,
+                                   torch.complex64])
+@pytest.mark.parametrize("numel", [1, 1000, 3 * MiB + 1])
+def test_dtypes(dtype, numel):
+    x = _random_bytes(numel * torch.empty((), dtype=dtype).element_size(), seed=numel)
+    x = x.view(dtype) if dtype != torch.bool else (x % 2).bool()
+    _check(pinxfer.to_device(x, chunk_bytes=MiB), x)
+
+
+def test_shapes_and_scalar():
+    for shape in [(), (0,), (3, 0, 2), (7, 5, 3), (1025, 1029)]:
+        x = torch.randn(shape)
+        _check(pinxfer.to_device(x), x)
+
+
+def test_non_contiguous_inputs():
+    base = torch.randn(1024, 3000)
+    for x in [base.t(), base[:, ::3], base[::2], torch.randn(64, 64, dtype=torch.complex64).conj()]:
+        assert not x.is_contiguous() or x.is_conj()
+        y = pinxfer.to_device(x, chunk_bytes=MiB)
+        _check(y, x)
+        assert not y.is_conj()
+
+
+def test_pinned_inputs_pool_and_torch():
+    x = pinxfer.empty(5 * MiB, dtype=torch.uint8)
+    x.copy_(_random_bytes(5 * MiB, seed=1))
+    _check(pinxfer.to_device(x), x)
+    t = torch.randn(3 * MiB, pin_memory=True)
+    _check(pinxfer.to_device(t), t)
+
+
+def test_torch_pinned_source_is_not_staged():
+    t = torch.randn(4 * MiB, pin_memory=True)
+    pinxfer.to_device(t)  # warm
+    torch.cuda.synchronize()
+    before = pinxfer.memory_stats()["num_allocs"]
+    y = pinxfer.to_device(t)
+    assert pinxfer.memory_stats()["num_allocs"] == before  # no staging block taken
+    _check(y, t)
+
+
+def test_non_blocking_false_is_complete():
+    x = torch.randn(8 * MiB)
+    torch.cuda._sleep(SLEEP)
+    y = pinxfer.to_device(x, non_blocking=False)
+    assert torch.cuda.current_stream().query()
+    _check(y, x)
+
+
+def test_consumer_on_non_default_stream():
+    s = torch.cuda.Stream()
+    x = torch.randn(9 * MiB + 5)
+    with torch.cuda.stream(s):
+        torch.cuda._sleep(SLEEP)
+        y = pinxfer.to_device(x, chunk_bytes=MiB)
+        z = y * 2  # queued on s right after the copy: must see the copied values
+    s.synchronize()
+    assert torch.equal(z.cpu(), x * 2)
+
+
+def test_output_memory_not_written_before_current_stream_is_done():
+    # A block freed on the current stream while a kernel still reads it may be
+    # handed to to_device's output at once: the copy must wait for that kernel.
+    n = 32 * MiB
+    a = torch.full((n // 4,), 3, dtype=torch.int32, device="cuda")
+    torch.cuda._sleep(SLEEP)
+    total = a.sum()  # reads `a` after the sleep (int64: exact)
+    del a  # its block is free for the next allocation on this stream
+    y = pinxfer.to_device(torch.zeros(n // 4, dtype=torch.int32))
+    assert total.item() == 3 * (n // 4)
+    assert torch.count_nonzero(y).item() == 0
+
+
+def test_pool_source_freed_before_its_copy_ran():
+    n = 16 * MiB
+    x = pinxfer.empty(n, dtype=torch.uint8)
+    x.fill_(7)
+    torch.cuda._sleep(SLEEP)  # the copy stream waits for this: the DMA runs late
+    y = pinxfer.to_device(x)
+    del x
+    others = [pinxfer.empty(n, dtype=torch.uint8).fill_(9) for _ in range(4)]
+    assert torch.all(y == 7).item()
+    del others
+
+
+def test_staging_not_reused_while_copy_pending():
+    xs = [torch.full((8 * MiB,), float(i)) for i in range(6)]
+    torch.cuda._sleep(SLEEP)  # every copy below is queued behind this
+    ys = [pinxfer.to_device(x, chunk_bytes=MiB, num_buffers=2) for x in xs]
+    for x in xs:
+        x.fill_(-1.0)  # pageable sources may be overwritten right away
+    for i, y in enumerate(ys):
+        assert torch.all(y == float(i)).item(), i
+
+
+def test_to_device_many_mixed():
+    tensors = [torch.randn(3, 5), torch.arange(7, dtype=torch.int64), torch.tensor(True),
+               torch.randn(()), torch.empty(0, 4), torch.randn(17, dtype=torch.float16),
+               torch.randn(4, 4, dtype=torch.complex64), torch.randn(10, 3).t(),
+               torch.randint(0, 255, (33,), dtype=torch.uint8), torch.randn(5, pin_memory=True),
+               torch.randn(2, 3, dtype=torch.bfloat16)]
+    outs = torch.ops.pinxfer.to_device_many(tensors, torch.device("cuda"))
+    assert len(outs) == len(tensors)
+    for y, x in zip(outs, tensors):
+        _check(y, x)
+    ptrs = {y.untyped_storage().data_ptr() for y in outs}
+    assert len(ptrs) == 1  # one device buffer
+    for y in outs:
+        assert y.data_ptr() % 256 == 0
+
+
+Pair = collections.namedtuple("Pair", ["a", "b"])
+
+
+@dataclasses.dataclass
+class Batch:
+    x: torch.Tensor
+    y: torch.Tensor
+    name: str
+
+
+def test_nested_batch_small_and_large():
+    batch = {
+        "img": torch.randn(4, 3, 256, 256),  # 3 MiB: pipeline
+        "label": torch.arange(4),  # small: packed
+        "mask": torch.rand(4, 256) > 0.5,  # small: packed
+        "pair": Pair(torch.randn(2), "text"),
+        "dc": Batch(torch.randn(3), torch.randn(2 * MiB), "n"),
+        "n": 3,
+        "gpu": torch.ones(2, device="cuda"),
+    }
+    out = pinxfer.to_device(batch)
+    _check(out["img"], batch["img"])
+    _check(out["label"], batch["label"])
+    _check(out["mask"], batch["mask"])
+    _check(out["pair"].a, batch["pair"].a)
+    assert out["pair"].b == "text" and out["n"] == 3
+    assert isinstance(out["dc"], Batch) and out["dc"].name == "n"
+    _check(out["dc"].x, batch["dc"].x)
+    _check(out["dc"].y, batch["dc"].y)
+    assert out["gpu"] is batch["gpu"]
+
+
+def test_requires_grad_keeps_autograd():
+    w = torch.randn(5, requires_grad=True)
+    y = pinxfer.to_device(w)
+    assert y.requires_grad and y.grad_fn is not None
+
+
+def test_to_host_roundtrip_and_wait():
+    x = torch.randn(1000, 257, device="cuda")
+    h = pinxfer.to_host(x)
+    assert isinstance(h, pinxfer.HostTransfer)
+    t = h.wait()
+    assert t.device.type == "cpu" and t.is_pinned() and pinxfer.is_pool_tensor(t)
+    assert torch.equal(t, x.cpu())
+    assert h.ready()
+
+
+def test_to_host_cannot_be_read_early():
+    x = torch.randn(4 * MiB, device="cuda")
+    expected = (x + 1).cpu()
+    torch.cuda._sleep(5 * SLEEP)  # ~250 ms: the copy below runs after this
+    h = pinxfer.to_host(x + 1)
+    assert not h.ready()  # still queued behind the sleep
+    assert torch.equal(h.tensor, expected)  # .tensor waits first
+    assert h.ready()
+
+
+def test_to_host_nested_noncontiguous_and_cpu_leaves():
+    a = torch.randn(64, 33, device="cuda").t()
+    h = pinxfer.to_host({"a": a, "c": torch.ones(2), "s": "x", "e": torch.empty(0, device="cuda")})
+    out = h.wait()
+    assert torch.equal(out["a"], a.cpu()) and out["s"] == "x"
+    assert torch.equal(out["c"], torch.ones(2)) and out["e"].numel() == 0
+
+
+def test_profiler_ranges():
+    x = torch.randn(8 * MiB)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        pinxfer.to_device(x)
+        pinxfer.to_device(torch.randn(1000))  # serial path: ranges on this thread
+        torch.cuda.synchronize()
+    names = {e.name for e in prof.events()}
+    assert "pinxfer::to_device" in names
+    assert any(n.startswith("pinxfer::") and n != "pinxfer::to_device" for n in names)
+
+
+# ---- prefetch on the GPU ----
+
+
+def test_prefetch_values_order_and_nesting():
+    src = [{"x": torch.full((2 * MiB,), float(i)), "i": i, "small": torch.full((3,), i)}
+           for i in range(8)]
+    out = []
+    for b in pinxfer.prefetch(src, depth=3):
+        assert b["x"].is_cuda and b["small"].is_cuda
+        out.append((b["i"], b["x"].sum().item(), b["small"].tolist()))
+    assert out == [(i, float(i) * 2 * MiB, [i] * 3) for i in range(8)]
+
+
+def test_prefetch_slow_consumer_sees_its_own_batch():
+    # The block-reuse race: the consumer's stream spins before reading each
+    # batch while the producer runs ahead and allocates the next batches. If a
+    # batch's memory were reused too early, the check would read another index.
+    n_batches, depth = 12, 2
+    src = [(torch.full((4 * MiB,), float(i)), torch.full((1000,), i, dtype=torch.int32))
+           for i in range(n_batches)]
+    consumer = torch.cuda.Stream()
+    oks = []
+    with torch.cuda.stream(consumer):
+        for i, (big, small) in enumerate(pinxfer.prefetch(src, depth=depth)):
+            torch.cuda._sleep(SLEEP // 4)
+            oks.append(torch.all(big == float(i)) & torch.all(small == i))
+            del big, small
+    consumer.synchronize()
+    assert torch.stack(oks).all().item(), [bool(o) for o in oks]
+
+
+def test_prefetch_pinned_dataloader_source():
+    ds = torch.utils.data.TensorDataset(torch.arange(64 * 1024).float().view(64, 1024))
+    loader = torch.utils.data.DataLoader(ds, batch_size=16, pin_memory=True)
+    got = [b[0] for b in pinxfer.prefetch(loader)]
+    assert torch.equal(torch.cat(got).cpu(), ds.tensors[0])
+
+
+def test_prefetch_exception_and_early_break_with_cuda():
+    def source():
+        for i in range(3):
+            yield torch.full((MiB,), i)
+        raise KeyError("source broke")
+
+    seen = []
+    with pytest.raises(KeyError):
+        for b in pinxfer.prefetch(source()):
+            seen.append(int(b[0]))
+    assert seen == [0, 1, 2]
+
+    pf = pinxfer.prefetch([torch.ones(MiB)] * 50)
+    for i, _ in enumerate(pf):
+        if i == 2:
+            break
+    gc.collect()
+    assert not [t for t in threading.enumerate() if t.name.startswith("pinxfer-prefetch-")]
