@@ -77,4 +77,6 @@ TORCH_LIBRARY(pinxfer, m) {
   m.def("to_device(Tensor self, Device device, int chunk_bytes, int num_buffers) -> Tensor");
   // CPU tensors -> CUDA packed in one pinned buffer and one copy; views of one device buffer.
   m.def("to_device_many(Tensor[] tensors, Device device) -> Tensor[]");
+  // The stream pinxfer's H2D copies to a device run on: (stream_id, device_index, device_type).
+  m.def("copy_stream(Device device) -> int[]");
 }

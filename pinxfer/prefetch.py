@@ -2,8 +2,9 @@
 
 ``prefetch(loader)`` wraps any iterable (a DataLoader with workers and
 ``pin_memory=False`` is the main case). A background thread pulls batches,
-sends them with :func:`pinxfer.to_device` on its own CUDA stream and keeps up to
-``depth`` of them ready. Each yielded batch is
+sends them with :func:`pinxfer.to_device` with its own CUDA stream current (the
+DMA runs on pinxfer's copy stream) and keeps up to ``depth`` of them ready.
+Each yielded batch is
 
 * ready on the consumer's current stream: that stream waits on an event
   recorded after the batch's copies (no host sync);

@@ -77,6 +77,27 @@ def _to_device_many_fake(tensors, device):
     return [torch.empty(t.shape, dtype=t.dtype, device=device) for t in tensors]
 
 
+def copy_stream(device: Optional[DeviceLike] = None) -> torch.cuda.Stream:
+    """The CUDA stream pinxfer's host -> device copies to ``device`` run on.
+
+    One dedicated non-blocking stream per device, created on first use. You never
+    need it for correctness (``to_device`` makes your current stream wait for its
+    copies); it is there to find the copies in a profile, or to order other work
+    after them.
+
+    Args:
+        device: the CUDA device (None: the current one).
+
+    Returns:
+        The stream, as a ``torch.cuda.Stream``.
+    """
+    dev = resolve_device(device, "copy_stream")
+    _require_cuda("copy_stream")
+    stream_id, device_index, device_type = _ops.copy_stream(dev)
+    return torch.cuda.Stream(stream_id=stream_id, device_index=device_index,
+                             device_type=device_type)
+
+
 # ---- helpers ----
 
 
@@ -175,9 +196,11 @@ def to_device(obj: Any, device: Optional[DeviceLike] = None, non_blocking: bool 
     on another GPU, sparse, quantized, subclassed or ``requires_grad`` tensors use
     ``tensor.to(device)``. Other leaves (numbers, strings, None, ...) pass through.
 
-    The caller's current stream waits for the copies, so the results can be used
-    on it at once; to use them on another stream, make that stream wait on the
-    current one (as with any tensor). Pageable sources may be modified or freed as
+    The copies run on pinxfer's copy stream (:func:`copy_stream`) and do not wait
+    for work already queued on the caller's current stream, so they overlap it;
+    the current stream waits for the copies, so the results can be used on it at
+    once. To use them on another stream, make that stream wait on the current one
+    and ``record_stream`` them there (as with any tensor). Pageable sources may be modified or freed as
     soon as this returns (they have been copied into staging memory by then).
     Pinned sources are read by the DMA engine later: they may be freed at once
     (their memory is kept from reuse until the copy is done), but writing to them

@@ -136,11 +136,28 @@ def test_output_memory_not_written_before_current_stream_is_done():
     assert torch.count_nonzero(y).item() == 0
 
 
+def _delay_copies(cycles: int = SLEEP) -> None:
+    """Makes every pinxfer H2D copy queued from now on run after a GPU spin."""
+    with torch.cuda.stream(pinxfer.transfer.copy_stream()):
+        torch.cuda._sleep(cycles)
+
+
+def test_copy_does_not_wait_for_busy_current_stream():
+    x = torch.randn(8 * MiB)
+    pinxfer.to_device(x)  # warm
+    torch.cuda.synchronize()
+    torch.cuda._sleep(5 * SLEEP)  # ~250 ms of "compute" on the current stream
+    y = pinxfer.to_device(x)
+    pinxfer.transfer.copy_stream().synchronize()  # the copy itself is done...
+    assert not torch.cuda.current_stream().query()  # ...while the step still runs
+    _check(y, x)  # and y is used on the current stream after it
+
+
 def test_pool_source_freed_before_its_copy_ran():
     n = 16 * MiB
     x = pinxfer.empty(n, dtype=torch.uint8)
     x.fill_(7)
-    torch.cuda._sleep(SLEEP)  # the copy stream waits for this: the DMA runs late
+    _delay_copies()  # the DMA below runs late
     y = pinxfer.to_device(x)
     del x
     others = [pinxfer.empty(n, dtype=torch.uint8).fill_(9) for _ in range(4)]
@@ -150,7 +167,7 @@ def test_pool_source_freed_before_its_copy_ran():
 
 def test_staging_not_reused_while_copy_pending():
     xs = [torch.full((8 * MiB,), float(i)) for i in range(6)]
-    torch.cuda._sleep(SLEEP)  # every copy below is queued behind this
+    _delay_copies()  # every copy below is queued behind this: ring slots must wait
     ys = [pinxfer.to_device(x, chunk_bytes=MiB, num_buffers=2) for x in xs]
     for x in xs:
         x.fill_(-1.0)  # pageable sources may be overwritten right away

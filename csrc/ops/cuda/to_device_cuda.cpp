@@ -2,19 +2,22 @@
 // pinned ring) and to_device_many (many small tensors, one packed copy).
 // Schemas in csrc/module.cpp, section "transfers"; Python in pinxfer/transfer.py.
 //
-// Streams. Every copy runs on a per-device copy stream (one stream taken from
-// c10's pool), never on the caller's stream, so H2D overlaps the caller's
-// kernels. Ordering with the caller's current stream `cur`:
-//   1. the copy stream first waits on `cur`: the output is allocated on `cur`
-//      by the caching allocator and may reuse memory that kernels already
-//      queued on `cur` still read;
+// Streams. Every copy runs on a dedicated per-device copy stream (created
+// once, non-blocking; not from c10's pool, whose streams torch.cuda.Stream()
+// also hands out), never on the caller's current stream `cur`, so H2D overlaps
+// the kernels queued on `cur`:
+//   1. the output is allocated by the caching allocator *on the copy stream*:
+//      its memory was last used by work ordered on that stream, so the copy
+//      never waits for `cur` (which may be busy with a long step);
 //   2. at the end `cur` waits on an event recorded after the last copy, so any
 //      later use of the result on `cur` is ordered after the copy (that is what
-//      makes non_blocking results safe to use without further syncs).
-// The output is record_stream'ed on the copy stream only when we throw after
-// queueing copies: on success (2) already orders every later use and free on
-// `cur` after the copy, and a recorded stream would make the allocator hold the
-// block until whatever else the shared copy stream queued by then is done.
+//      makes non_blocking results safe to use without further syncs);
+//   3. the output is record_stream'ed on `cur` (the caller uses it there): when
+//      it is freed, the allocator hands its memory to the next copy only after
+//      `cur` has passed the work queued on it so far.
+// If we throw after queueing copies, the output is simply dropped: its memory
+// goes back to the copy stream's pool, where any later use is stream-ordered
+// after the copies already queued.
 //
 // Staging memory comes from pinxfer's pool for the device's NUMA node, a fresh
 // set of blocks per call (the pool caches them: a second call is a cache hit).
@@ -158,18 +161,6 @@ c10::DeviceIndex resolve_device(const c10::Device& device, const char* op) {
   return index;
 }
 
-// The dedicated H2D stream of each device, taken once from c10's stream pool.
-c10::cuda::CUDAStream copy_stream_for(c10::DeviceIndex device) {
-  static std::mutex mutex;
-  // Leaked: streams outlive every caller, including at interpreter exit.
-  static auto* streams = new std::vector<std::optional<c10::cuda::CUDAStream>>();  // LOCK: mutex
-  std::lock_guard<std::mutex> lock(mutex);
-  if (static_cast<size_t>(device) >= streams->size()) streams->resize(device + 1);
-  auto& slot = (*streams)[device];
-  if (!slot) slot = c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device);
-  return *slot;
-}
-
 // Makes `waiter` wait for the work queued on `signaller` so far.
 void stream_wait(const c10::cuda::CUDAStream& waiter, const c10::cuda::CUDAStream& signaller) {
   const cuda::Event ev = cuda::record_event(signaller.unwrap());
@@ -179,6 +170,40 @@ void stream_wait(const c10::cuda::CUDAStream& waiter, const c10::cuda::CUDAStrea
   cuda::release_event(ev);
   C10_CUDA_CHECK(err);
 }
+
+// The dedicated H2D stream of each device, created on first use. Not taken
+// from c10's stream pool: torch.cuda.Stream() hands out those same streams, so
+// a user's compute stream could turn out to be our copy stream.
+c10::cuda::CUDAStream copy_stream_for(c10::DeviceIndex device) {
+  static std::mutex mutex;
+  // Leaked, as are the streams: they outlive every caller, including at exit.
+  static auto* streams = new std::vector<cudaStream_t>();  // LOCK: mutex
+  std::lock_guard<std::mutex> lock(mutex);
+  if (static_cast<size_t>(device) >= streams->size()) streams->resize(device + 1, nullptr);
+  cudaStream_t& slot = (*streams)[device];
+  if (slot == nullptr) {
+    c10::cuda::CUDAGuard guard(device);
+    // Non-blocking: no implicit synchronisation with the legacy default stream.
+    C10_CUDA_CHECK(cudaStreamCreateWithFlags(&slot, cudaStreamNonBlocking));
+  }
+  return c10::cuda::getStreamFromExternal(slot, device);
+}
+
+// The output of a transfer, allocated on the copy stream (see the note above).
+at::Tensor empty_on_stream(at::IntArrayRef sizes, at::TensorOptions options,
+                           const c10::cuda::CUDAStream& stream) {
+  c10::cuda::CUDAStreamGuard guard(stream);
+  return at::empty(sizes, options);
+}
+
+// Makes `cur` wait for the copies and keeps `out`'s memory from the next copy
+// until `cur` is done with it.
+void hand_over(const at::Tensor& out, const c10::cuda::CUDAStream& copy,
+               const c10::cuda::CUDAStream& cur) {
+  stream_wait(cur, copy);
+  if (cur != copy) c10::cuda::CUDACachingAllocator::recordStream(out.storage().data_ptr(), cur);
+}
+
 
 // Sources pinned by neither pinxfer's pool nor torch's host allocator (e.g.
 // memory registered by hand): nobody else knows a copy reads them, so we hold a
@@ -433,26 +458,19 @@ at::Tensor to_device(const at::Tensor& self, c10::Device device, int64_t chunk_b
   release_finished_kept();
 
   const at::Tensor src = dense_source(self, "to_device");
-  at::Tensor out = at::empty(src.sizes(), src.options().device(c10::Device(c10::kCUDA, index)));
-  if (src.nbytes() == 0) return out;
-
   const c10::cuda::CUDAStream cur = c10::cuda::getCurrentCUDAStream(index);
   const c10::cuda::CUDAStream copy = copy_stream_for(index);
-  stream_wait(copy, cur);
-  try {
-    if (is_dma_pinned(src)) {
-      direct_copy(src, out, copy);
-    } else {
-      pipelined_copy(src, out, index, copy, static_cast<size_t>(chunk_bytes),
-                     static_cast<size_t>(num_buffers));
-    }
-    stream_wait(cur, copy);
-  } catch (...) {
-    // Copies may still be writing `out`: keep its memory from the allocator
-    // until the copy stream has passed them.
-    c10::cuda::CUDACachingAllocator::recordStream(out.storage().data_ptr(), copy);
-    throw;
+  at::Tensor out = empty_on_stream(
+      src.sizes(), src.options().device(c10::Device(c10::kCUDA, index)), copy);
+  if (src.nbytes() == 0) return out;
+
+  if (is_dma_pinned(src)) {
+    direct_copy(src, out, copy);
+  } else {
+    pipelined_copy(src, out, index, copy, static_cast<size_t>(chunk_bytes),
+                   static_cast<size_t>(num_buffers));
   }
+  hand_over(out, copy, cur);
   return out;
 }
 
@@ -471,8 +489,11 @@ std::vector<at::Tensor> to_device_many(at::TensorList tensors, c10::Device devic
     offsets.push_back(total);
     total = round_up(total + srcs.back().nbytes(), kPackAlign);
   }
-  const auto device_opts = at::TensorOptions().device(c10::Device(c10::kCUDA, index));
-  at::Tensor packed = at::empty({static_cast<int64_t>(total)}, device_opts.dtype(at::kByte));
+  const c10::cuda::CUDAStream cur = c10::cuda::getCurrentCUDAStream(index);
+  const c10::cuda::CUDAStream copy = copy_stream_for(index);
+  at::Tensor packed = empty_on_stream(
+      {static_cast<int64_t>(total)},
+      at::TensorOptions().device(c10::Device(c10::kCUDA, index)).dtype(at::kByte), copy);
 
   if (total > 0) {
     const int node = numa_node_for_device(index);
@@ -497,22 +518,16 @@ std::vector<at::Tensor> to_device_many(at::TensorList tensors, c10::Device devic
         thread_pool_for_node(node).parallel_for(srcs.size(), grain, pack);
       }
     }
-    const c10::cuda::CUDAStream cur = c10::cuda::getCurrentCUDAStream(index);
-    const c10::cuda::CUDAStream copy = copy_stream_for(index);
-    stream_wait(copy, cur);
     try {
-      {
-        Range range("pinxfer::h2d");
-        C10_CUDA_CHECK(cudaMemcpyAsync(packed.data_ptr(), base, total, cudaMemcpyHostToDevice,
-                                       copy.stream()));
-      }
-      return_staging(staging, pool, copy);
-      stream_wait(cur, copy);
+      Range range("pinxfer::h2d");
+      C10_CUDA_CHECK(cudaMemcpyAsync(packed.data_ptr(), base, total, cudaMemcpyHostToDevice,
+                                     copy.stream()));
     } catch (...) {
       return_staging(staging, pool, copy);
-      c10::cuda::CUDACachingAllocator::recordStream(packed.storage().data_ptr(), copy);
       throw;
     }
+    return_staging(staging, pool, copy);
+    hand_over(packed, copy, cur);
   }
 
   // Views of the packed bytes: aligned byte slices reinterpreted as each dtype.
@@ -528,6 +543,12 @@ std::vector<at::Tensor> to_device_many(at::TensorList tensors, c10::Device devic
   return out;
 }
 
+std::vector<int64_t> copy_stream_op(c10::Device device) {
+  check_cuda_usable("copy_stream");
+  const c10::Stream s = copy_stream_for(resolve_device(device, "copy_stream")).unwrap();
+  return {s.id(), static_cast<int64_t>(s.device_index()), static_cast<int64_t>(s.device_type())};
+}
+
 }  // namespace
 
 // Both ops take CPU tensors, so they dispatch on the CPU key; the kernels exist
@@ -535,6 +556,10 @@ std::vector<at::Tensor> to_device_many(at::TensorList tensors, c10::Device devic
 TORCH_LIBRARY_IMPL(pinxfer, CPU, m) {
   m.impl("to_device", &to_device);
   m.impl("to_device_many", &to_device_many);
+}
+
+TORCH_LIBRARY_IMPL(pinxfer, CompositeExplicitAutograd, m) {
+  m.impl("copy_stream", &copy_stream_op);
 }
 
 }  // namespace pinxfer::ops
