@@ -121,7 +121,27 @@ c10::DataPtr PinnedPool::allocate(size_t size) {
     if (block) ++num_hits_;
   }
   if (!block) {
-    const size_t segment_size = small ? kSmallSegment : rounded;
+    // A miss in the large pool merges: fully free large segments (each too
+    // small for this request, or best fit would have found it) are unmapped
+    // and their bytes become part of one new segment. Reserved memory then
+    // grows only by what the request needs beyond the free bytes, and the pool
+    // tends towards few large segments in which splitting and coalescing work.
+    size_t segment_size = small ? kSmallSegment : rounded;
+    if (!small) {
+      std::vector<Segment*> merged;
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        merged = collect_free_segments_locked(/*small=*/false);
+      }
+      size_t merged_bytes = 0;
+      for (Segment* s : merged) merged_bytes += s->region.size;
+      segment_size = std::max(segment_size, round_up(merged_bytes, kLargeGranule));
+      if (!merged.empty()) {
+        std::lock_guard<std::mutex> lock(mutex_);
+        ++num_merges_;
+      }
+      unmap_segments(std::move(merged));
+    }
     // Under the cap: first give back fully free segments of every pool, then
     // wait for blocks whose copies are still in flight, then give up.
     for (int attempt = 0; !try_reserve(static_cast<int64_t>(segment_size)); ++attempt) {
@@ -375,9 +395,10 @@ void PinnedPool::synchronize_pending() {
   process_events_locked();
 }
 
-std::vector<Segment*> PinnedPool::collect_free_segments_locked(size_t) {
+std::vector<Segment*> PinnedPool::collect_free_segments_locked(std::optional<bool> small) {
   std::vector<Segment*> out;
   for (auto* set : {&free_small_, &free_large_}) {
+    if (small.has_value() && (set == &free_small_) != *small) continue;
     for (auto it = set->begin(); it != set->end();) {
       Block* b = *it;
       if (!b->prev && !b->next) {  // one free block spanning its whole segment
@@ -415,7 +436,7 @@ size_t PinnedPool::release_cached() {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     process_events_locked();
-    segments = collect_free_segments_locked(0);
+    segments = collect_free_segments_locked(std::nullopt);
   }
   size_t bytes = 0;
   for (Segment* s : segments) bytes += s->region.size;
@@ -449,6 +470,7 @@ PoolStats PinnedPool::stats() {
   v.emplace_back("num_cache_misses", num_misses_);
   v.emplace_back("num_segment_maps", num_maps_);
   v.emplace_back("num_segment_unmaps", num_unmaps_);
+  v.emplace_back("num_segment_merges", num_merges_);
   v.emplace_back("num_ooms", num_ooms_);
   v.emplace_back("num_event_waits", num_event_waits_);
   v.emplace_back("num_fenced_frees", num_fenced_frees_);
@@ -472,7 +494,7 @@ void PinnedPool::reset_peak_stats() {
 void PinnedPool::reset_accumulated_stats() {
   std::lock_guard<std::mutex> lock(mutex_);
   num_allocs_ = num_frees_ = num_hits_ = num_misses_ = 0;
-  num_maps_ = num_unmaps_ = num_ooms_ = num_event_waits_ = 0;
+  num_maps_ = num_unmaps_ = num_merges_ = num_ooms_ = num_event_waits_ = 0;
   num_fenced_frees_ = num_event_errors_ = 0;
   map_ns_ = touch_ns_ = lock_ns_ = unmap_ns_ = 0;
 }

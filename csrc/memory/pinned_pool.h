@@ -9,6 +9,8 @@
 //    wastes < 0.1% (large) and never rounds to a power of two.
 //  * Reuse: free blocks sit in a best-fit set per pool ordered by (size, ptr);
 //    a bigger free block is split, neighbours coalesce when both are free.
+//    A large-pool miss merges every fully free large segment into the new one
+//    (unmap + one bigger map), so reserved grows only by what is missing.
 //  * Stream safety: a block records the CUDA streams that used it
 //    (record_stream). When it is freed, an event is recorded on each of those
 //    streams and the block waits in that stream's FIFO; it returns to the free
@@ -40,6 +42,7 @@
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <string>
 #include <unordered_map>
@@ -118,7 +121,9 @@ class PinnedPool {
   void return_to_free_locked(Block* block);
   void process_events_locked();
   void unmap_segments(std::vector<Segment*> segments);
-  std::vector<Segment*> collect_free_segments_locked(size_t at_most_smaller_than);
+  // Removes fully free segments (of one pool kind, or both) from the free sets
+  // and the stats; the caller unmaps them with unmap_segments().
+  std::vector<Segment*> collect_free_segments_locked(std::optional<bool> small);
 
   const int numa_node_;
   const uint64_t generation_;
@@ -151,7 +156,7 @@ class PinnedPool {
   Counter requested_bytes_, allocated_bytes_, reserved_bytes_, active_blocks_, segments_count_;
   Counter pending_blocks_;
   int64_t num_allocs_ = 0, num_frees_ = 0, num_hits_ = 0, num_misses_ = 0;
-  int64_t num_maps_ = 0, num_unmaps_ = 0, num_ooms_ = 0, num_event_waits_ = 0;
+  int64_t num_maps_ = 0, num_unmaps_ = 0, num_merges_ = 0, num_ooms_ = 0, num_event_waits_ = 0;
   int64_t num_fenced_frees_ = 0, num_event_errors_ = 0;
   int64_t map_ns_ = 0, touch_ns_ = 0, lock_ns_ = 0, unmap_ns_ = 0;
   std::array<int64_t, 3> reserved_by_kind_{};  // indexed by LockKind

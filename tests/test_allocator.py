@@ -1,0 +1,371 @@
+"""Contract tests of the pinned pool on real locked memory (mlock without a GPU,
+cudaHostRegister with one) and real threads."""
+from __future__ import annotations
+
+import ctypes
+import os
+import random
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+import torch
+
+import pinxfer
+from tests.conftest import HAS_CUDA
+
+MiB = 1 << 20
+KiB = 1 << 10
+
+
+def rounded(n: int) -> int:
+    """The pool's documented rounding: 512 B up to 1 MiB, 64 KiB above."""
+    g = 512 if n <= MiB else 64 * KiB
+    return (n + g - 1) // g * g
+
+
+def vm_locked_kib() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmLck:"):
+                return int(line.split()[1])
+    raise AssertionError("no VmLck in /proc/self/status")
+
+
+def mapped(ptr: int) -> bool:
+    with open("/proc/self/maps") as f:
+        for line in f:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= ptr < hi:
+                return True
+    return False
+
+
+def stats():
+    return pinxfer.memory_stats()
+
+
+def test_empty_returns_cpu_pool_tensor(fresh_pool):
+    t = pinxfer.empty(3, 5, dtype=torch.float64)
+    assert t.device.type == "cpu" and t.shape == (3, 5) and t.dtype == torch.float64
+    assert t.is_contiguous() and pinxfer.is_pool_tensor(t)
+    assert pinxfer.lock_kind(t) == ("cuda_registered" if HAS_CUDA else "mlocked")
+    t.copy_(torch.arange(15, dtype=torch.float64).view(3, 5))
+    assert t.sum().item() == sum(range(15))
+    assert not pinxfer.is_pool_tensor(torch.empty(4))
+    assert pinxfer.empty((2, 2)).shape == (2, 2)  # a sequence works like torch.empty
+
+
+def test_import_does_not_initialise_cuda():
+    code = "import pinxfer, torch; print(torch.cuda.is_initialized())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("n", [1, 7, 511, 512, 513, 4095, 65537, MiB - 1, MiB, MiB + 1, 3 * MiB + 5])
+def test_alignment_and_rounding(fresh_pool, n):
+    t = pinxfer.empty(n, dtype=torch.uint8)
+    assert t.data_ptr() % 512 == 0
+    s = stats()
+    assert s["requested_bytes.current"] == n
+    assert s["allocated_bytes.current"] == rounded(n)
+    assert rounded(n) <= n * 1.5 + 512  # never a power-of-two round-up of large sizes
+    t.fill_(0xAB)
+    assert int(t[-1]) == 0xAB
+
+
+def test_zero_size(fresh_pool):
+    t = pinxfer.empty(0, 4, dtype=torch.float32)
+    assert t.numel() == 0 and t.shape == (0, 4)
+    assert stats()["num_allocs"] == 0
+    with pytest.raises(RuntimeError, match="non-negative"):
+        pinxfer.empty(-1)
+    with pytest.raises(TypeError, match="ints"):
+        pinxfer.empty(2.5)
+
+
+def test_reuse_same_block_and_split(fresh_pool):
+    a = pinxfer.empty(8 * MiB, dtype=torch.uint8)
+    ptr = a.data_ptr()
+    del a
+    b = pinxfer.empty(8 * MiB, dtype=torch.uint8)
+    assert b.data_ptr() == ptr
+    s = stats()
+    assert s["num_cache_hits"] == 1 and s["num_cache_misses"] == 1
+    del b
+    # A smaller request is carved from the cached block, and the two halves
+    # coalesce again once both are free.
+    c = pinxfer.empty(3 * MiB, dtype=torch.uint8)
+    d = pinxfer.empty(5 * MiB, dtype=torch.uint8)
+    assert c.data_ptr() == ptr and d.data_ptr() == ptr + 3 * MiB
+    assert stats()["num_segment_maps"] == 1
+    del c, d
+    e = pinxfer.empty(8 * MiB, dtype=torch.uint8)
+    assert e.data_ptr() == ptr and stats()["num_segment_maps"] == 1
+
+
+def test_small_requests_share_a_segment(fresh_pool):
+    ts = [pinxfer.empty(1000, dtype=torch.uint8) for _ in range(100)]
+    s = stats()
+    assert s["segments.current"] == 1 and s["reserved_bytes.current"] == 2 * MiB
+    ptrs = sorted(t.data_ptr() for t in ts)
+    assert all(b - a >= 1024 for a, b in zip(ptrs, ptrs[1:]))  # no overlap
+
+
+def test_cap_raises_out_of_memory_with_figures(fresh_pool):
+    pinxfer.set_max_pinned_bytes("16MiB")
+    assert pinxfer.get_max_pinned_bytes() == 16 * MiB
+    a = pinxfer.empty(10 * MiB, dtype=torch.uint8)
+    with pytest.raises(torch.OutOfMemoryError) as info:
+        pinxfer.empty(8 * MiB, dtype=torch.uint8)
+    msg = str(info.value)
+    for needle in ("cap is 16777216", "Pinned now: 10485760", "requested by live tensors: 10485760",
+                   "empty_cache", "PINXFER_MAX_PINNED_BYTES"):
+        assert needle in msg, (needle, msg)
+    assert stats()["num_ooms"] == 1
+    del a
+
+
+def test_cap_releases_cached_segments_first(fresh_pool):
+    pinxfer.set_max_pinned_bytes(16 * MiB)
+    a = pinxfer.empty(12 * MiB, dtype=torch.uint8)
+    del a  # cached, still reserved
+    b = pinxfer.empty(14 * MiB, dtype=torch.uint8)  # fits only once the cache is released
+    assert b.numel() == 14 * MiB
+    assert stats()["reserved_bytes.current"] <= 16 * MiB
+
+
+def test_cap_from_environment():
+    code = textwrap.dedent("""
+        import torch, pinxfer
+        assert pinxfer.get_max_pinned_bytes() == 8 << 20, pinxfer.get_max_pinned_bytes()
+        pinxfer.empty(4 << 20, dtype=torch.uint8)
+        try:
+            pinxfer.empty(16 << 20, dtype=torch.uint8)
+        except torch.OutOfMemoryError:
+            print("capped")
+    """)
+    env = dict(os.environ, PINXFER_MAX_PINNED_BYTES="8MiB")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "capped"
+    with pytest.raises(ValueError, match="byte size"):
+        pinxfer.set_max_pinned_bytes("lots")
+    with pytest.raises(RuntimeError, match=">= 0"):
+        pinxfer.set_max_pinned_bytes(-5)
+
+
+def test_stats_exact_after_mixed_sequence(fresh_pool):
+    rng = random.Random(1234)
+    live: dict[int, torch.Tensor] = {}
+    peak_requested = 0
+    allocs = frees = 0
+    for step in range(400):
+        if live and rng.random() < 0.45:
+            key = rng.choice(list(live))
+            del live[key]
+            frees += 1
+        else:
+            n = rng.choice([0, 1, 100, 4096, 70_000, 900_000, 1_500_000, 6_000_000])
+            n = max(0, n + rng.randint(-50, 50))
+            live[step] = pinxfer.empty(n, dtype=torch.uint8)
+            if n:
+                allocs += 1
+            else:
+                del live[step]
+        requested = sum(t.numel() for t in live.values())
+        peak_requested = max(peak_requested, requested)
+        s = stats()
+        assert s["requested_bytes.current"] == requested
+        assert s["allocated_bytes.current"] == sum(rounded(t.numel()) for t in live.values())
+        assert s["active_blocks.current"] == len(live)
+        assert s["cached_bytes.current"] == s["reserved_bytes.current"] - s["allocated_bytes.current"]
+    s = stats()
+    assert s["requested_bytes.peak"] == peak_requested
+    assert s["num_allocs"] == allocs and s["num_frees"] == frees
+    assert s["num_cache_hits"] + s["num_cache_misses"] == allocs
+    assert s["num_segment_maps"] == s["num_cache_misses"]
+    assert s["reserved_bytes.current"] == s["reserved_bytes.mlocked"] + s["reserved_bytes.cuda_registered"] + s["reserved_bytes.pageable"]
+    assert s["pin_time_ns"] == s["map_time_ns"] + s["touch_time_ns"] + s["lock_time_ns"] > 0
+    live.clear()
+    pinxfer.reset_peak_memory_stats()
+    assert stats()["requested_bytes.peak"] == 0
+    pinxfer.reset_accumulated_memory_stats()
+    assert stats()["num_allocs"] == 0
+
+
+def test_reserved_over_requested_on_mixed_batches(fresh_pool):
+    """Bounded waste: batches of 64 tensors of mixed sizes (4 KiB .. 16 MiB, new
+    sizes every step), two batches alive while the next is built. Reserved
+    memory stays within 15% of what live tensors asked for at their peak."""
+    live, peak = [], 0
+    for step in range(100):
+        rng = random.Random(step)
+        live.append([pinxfer.empty(int(2 ** rng.uniform(12, 24)), dtype=torch.uint8)
+                     for _ in range(64)])
+        peak = max(peak, sum(t.nbytes for b in live for t in b))
+        if len(live) > 2:
+            live.pop(0)
+    ratio = stats()["reserved_bytes.peak"] / peak
+    assert ratio <= 1.15, ratio
+
+
+def test_many_threads_never_share_a_block(fresh_pool):
+    errors = []
+
+    def worker(tid: int):
+        rng = random.Random(tid)
+        held = []
+        try:
+            for i in range(300):
+                n = rng.choice([64, 3000, 100_000, 2 * MiB + 17, 5 * MiB])
+                t = pinxfer.empty(n, dtype=torch.uint8)
+                t.fill_(tid)
+                held.append(t)
+                if len(held) > 4:
+                    old = held.pop(rng.randrange(len(held)))
+                    if not bool((old == tid).all()):
+                        errors.append(f"thread {tid}: block overwritten by another thread")
+        except Exception as e:  # noqa: BLE001
+            errors.append(repr(e))
+        for old in held:
+            if not bool((old == tid).all()):
+                errors.append(f"thread {tid}: block overwritten")
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:3]
+    s = stats()
+    assert s["active_blocks.current"] == 0 and s["requested_bytes.current"] == 0
+    assert s["num_allocs"] == s["num_frees"] == 8 * 300
+
+
+def test_empty_cache_really_unmaps_and_unlocks(fresh_pool):
+    before = vm_locked_kib()
+    t = pinxfer.empty(64 * MiB, dtype=torch.uint8)
+    ptr = t.data_ptr()
+    assert mapped(ptr)
+    if pinxfer.lock_kind(t) == "mlocked":
+        assert vm_locked_kib() - before >= 64 * 1024
+    del t
+    assert stats()["cached_bytes.current"] == 64 * MiB
+    assert pinxfer.empty_cache() == 64 * MiB
+    s = stats()
+    assert s["reserved_bytes.current"] == 0 and s["num_segment_unmaps"] == 1
+    assert not mapped(ptr)
+    assert vm_locked_kib() <= before + 4  # back where we were
+
+
+def test_empty_cache_keeps_live_blocks(fresh_pool):
+    keep = pinxfer.empty(3 * MiB, dtype=torch.uint8)
+    keep.fill_(7)
+    gone = pinxfer.empty(5 * MiB, dtype=torch.uint8)
+    del gone
+    pinxfer.empty_cache()
+    assert mapped(keep.data_ptr()) and bool((keep == 7).all())
+
+
+def test_fork_child_gets_its_own_pool(fresh_pool):
+    parent = pinxfer.empty(4 * MiB, dtype=torch.uint8)
+    parent.fill_(3)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: must not touch the parent's pool or CUDA state
+        code = 1
+        try:
+            torch.set_num_threads(1)  # the parent's OpenMP workers do not exist here
+            child = pinxfer.empty(4 * MiB, dtype=torch.uint8)
+            child.fill_(5)
+            ok = (bool((parent == 3).all()) and bool((child == 5).all())
+                  and pinxfer.lock_kind(child) == "mlocked"
+                  and pinxfer.memory_stats()["active_blocks.current"] == 1
+                  and not pinxfer.build_info().cuda_usable)
+            del parent  # an inherited block: dropped without touching the old pool
+            del child
+            code = 0 if ok else 2
+        finally:
+            os.write(w, bytes([code]))
+            os._exit(code)
+    os.close(w)
+    _, status = os.waitpid(pid, 0)
+    assert os.read(r, 1) == b"\x00" and os.waitstatus_to_exitcode(status) == 0
+    assert bool((parent == 3).all())
+    assert stats()["active_blocks.current"] == 1
+
+
+def test_dataloader_workers_allocate_from_their_own_pool(fresh_pool):
+    class DS(torch.utils.data.Dataset):
+        def __len__(self):
+            return 8
+
+        def __getitem__(self, i):
+            t = pinxfer.empty(1000, dtype=torch.int32)
+            t.fill_(i)
+            return t.clone()
+
+    loader = torch.utils.data.DataLoader(DS(), batch_size=2, num_workers=2,
+                                         multiprocessing_context="fork")
+    got = torch.cat([b.flatten() for b in loader])
+    assert sorted(set(got.tolist())) == list(range(8))
+
+
+def test_fallback_when_locking_is_refused():
+    """Without CAP_IPC_LOCK and with a tiny RLIMIT_MEMLOCK, mlock fails: the pool
+    warns once and hands out pageable memory that still works."""
+    if HAS_CUDA:
+        pytest.skip("the mlock fallback is the no-CUDA path")
+    code = textwrap.dedent("""
+        import ctypes, resource, warnings, torch
+        libc = ctypes.CDLL(None, use_errno=True)
+        class Hdr(ctypes.Structure):
+            _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+        class Data(ctypes.Structure):
+            _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32),
+                        ("inheritable", ctypes.c_uint32)]
+        hdr, data = Hdr(0x20080522, 0), (Data * 2)()
+        assert libc.capget(ctypes.byref(hdr), data) == 0
+        CAP_IPC_LOCK = 14
+        data[0].effective &= ~(1 << CAP_IPC_LOCK)
+        data[0].permitted &= ~(1 << CAP_IPC_LOCK)
+        assert libc.capset(ctypes.byref(hdr), data) == 0
+        resource.setrlimit(resource.RLIMIT_MEMLOCK, (64 << 10, 64 << 10))
+        import pinxfer
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            a = pinxfer.empty(4 << 20, dtype=torch.uint8)
+            b = pinxfer.empty(8 << 20, dtype=torch.uint8)
+        a.fill_(1); b.fill_(2)
+        # TORCH_WARN reaches Python as a UserWarning, or stderr if no handler is set.
+        msgs = [str(w.message) for w in caught if "mlock" in str(w.message)]
+        print(pinxfer.lock_kind(a), pinxfer.lock_kind(b), len(msgs), int(a.sum()) == 4 << 20)
+        print(msgs[0] if msgs else "")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    first, message = out.stdout.splitlines()[:2]
+    kind_a, kind_b, n_python_warnings, data_ok = first.split()
+    assert (kind_a, kind_b, data_ok) == ("pageable", "pageable", "True")
+    n_warnings = int(n_python_warnings) + out.stderr.count("mlock of")
+    assert n_warnings == 1, out.stderr  # one warning, not one per allocation
+    assert "ulimit -l" in message + out.stderr
+
+
+def test_record_stream_refuses_non_pool_and_non_cuda(fresh_pool):
+    with pytest.raises(RuntimeError, match="CUDA stream"):
+        torch.ops.pinxfer.record_stream(pinxfer.empty(4), 0, -1, 0)  # a CPU stream
+    with pytest.raises(RuntimeError, match="does not come from pinxfer's pool"):
+        torch.ops.pinxfer.record_stream(torch.empty(4), 0, 0, 1)
+
+
+def test_page_locked_memory_is_resident(fresh_pool):
+    t = pinxfer.empty(8 * MiB, dtype=torch.uint8)
+    libc = ctypes.CDLL(None)
+    page = os.sysconf("SC_PAGE_SIZE")
+    vec = (ctypes.c_ubyte * (8 * MiB // page))()
+    assert libc.mincore(ctypes.c_void_p(t.data_ptr()), ctypes.c_size_t(8 * MiB), vec) == 0
+    assert all(v & 1 for v in vec)  # every page is in RAM before anyone wrote to it
