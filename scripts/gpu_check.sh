@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: build pinxfer from source against the torch that
+# is there (no network), run the whole test suite including GPU tests, run the
+# benchmarks, and leave logs and JSON under $OUT (default: ./gpu_out).
+#
+#   bash scripts/gpu_check.sh [all|test|bench] [pytest -k expression]
+#
+# Files written: build.log, pytest.log, junit.xml, env.txt, bench_*.json, bench.log
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu_out}
+mkdir -p "$OUT"
+what=${1:-all}
+export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
+
+{
+  nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv
+  python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
+  nproc; ulimit -l; cat /sys/kernel/mm/transparent_hugepage/enabled
+} > "$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+
+t0=$(date +%s)
+if ! python3 -c "import pinxfer" 2>/dev/null || [ "${PINXFER_REBUILD:-1}" = 1 ]; then
+  MAX_JOBS=16 python3 -m pip install --no-build-isolation --no-deps -v . > "$OUT/build.log" 2>&1 \
+    || { tail -50 "$OUT/build.log"; echo "BUILD FAILED"; exit 1; }
+fi
+grep -A5 "pinxfer build configuration" "$OUT/build.log" | head -6
+echo "build: $(( $(date +%s) - t0 )) s"
+# Tests import the installed package, not the source tree's (no .so there).
+cd /tmp
+REPO=$OLDPWD
+
+if [ "$what" = all ] || [ "$what" = test ]; then
+  t0=$(date +%s)
+  kexpr=${2:-}
+  python3 -m pytest -q -rs -p no:cacheprovider --rootdir "$REPO" -c "$REPO/pyproject.toml" \
+    --junitxml "$OUT/junit.xml" ${kexpr:+-k "$kexpr"} "$REPO/tests" 2>&1 | tee "$OUT/pytest.log" | tail -40
+  echo "tests: $(( $(date +%s) - t0 )) s"
+fi
+
+if [ "$what" = all ] || [ "$what" = bench ]; then
+  t0=$(date +%s)
+  for b in allocator pin_memory transfer; do
+    echo "== bench_$b"
+    timeout 240 python3 "$REPO/benchmarks/bench_$b.py" --out "$OUT/bench_$b.json" 2>&1 | tail -25
+  done 2>&1 | tee "$OUT/bench.log"
+  echo "== pinxfer bench (CLI)"
+  timeout 120 python3 -m pinxfer bench --json "$OUT/bench_cli.json" --no-progress 2>&1 | tail -30
+  echo "benchmarks: $(( $(date +%s) - t0 )) s"
+fi
