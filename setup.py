@@ -72,7 +72,7 @@ def _configure():
 
 with_cuda, why = _configure()
 sources = _sources(with_cuda)
-cxx_flags = ["-O3", "-Wno-interference-size", "-fvisibility=hidden", "-Wall", "-Wno-unused-parameter"]
+cxx_flags = ["-O3", "-Wno-interference-size", "-Wall", "-Wno-unused-parameter"]
 define_macros = [("PINXFER_WITH_CUDA", "1" if with_cuda else "0")]
 if with_cuda:
     # Record which toolkit we compiled against so Python can report it.

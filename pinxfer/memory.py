@@ -33,6 +33,8 @@ def _size_tuple(size: Sequence[int] | tuple) -> list[int]:
     for d in size:
         if not isinstance(d, int) or isinstance(d, bool):
             raise TypeError(f"pinxfer.empty: sizes must be ints, got {type(d).__name__} in {size!r}")
+        if d < 0:
+            raise ValueError(f"pinxfer.empty: sizes must be non-negative, got {list(size)}")
         out.append(int(d))
     return out
 

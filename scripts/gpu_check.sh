@@ -35,8 +35,22 @@ REPO=$PWD
 
 if [ "$what" = all ] || [ "$what" = test ]; then
   t0=$(date +%s)
+  echo "== smoke"
+  python3 -X faulthandler -c "
+import torch, pinxfer
+print(pinxfer.build_info())
+for where in ('before CUDA use', 'after CUDA use'):
+    try:
+        torch.ops.pinxfer.empty([-1], torch.float32, None)
+    except RuntimeError as e:
+        print(where, 'error raised as expected:', str(e).splitlines()[0])
+    t = pinxfer.empty(1 << 20); t.fill_(1); print(t.is_pinned(), pinxfer.lock_kind(t))
+" 2>&1 | tail -8
+  # pytest-xdist (on the device image) replaces a crashed worker and goes on,
+  # so one crash does not hide the rest of the suite.
+  xdist=$(python3 -c "import xdist" 2>/dev/null && echo "-n 1")
   kexpr=${2:-}
-  python3 -m pytest -q -rs -p no:cacheprovider --junitxml "$OUT/junit.xml" \
+  python3 -m pytest -q -rs $xdist -p no:cacheprovider --junitxml "$OUT/junit.xml" \
     ${kexpr:+-k "$kexpr"} tests 2>&1 | tee "$OUT/pytest.log" | tail -40
   echo "tests: $(( $(date +%s) - t0 )) s"
 fi

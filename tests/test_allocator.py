@@ -80,8 +80,10 @@ def test_zero_size(fresh_pool):
     t = pinxfer.empty(0, 4, dtype=torch.float32)
     assert t.numel() == 0 and t.shape == (0, 4)
     assert stats()["num_allocs"] == 0
-    with pytest.raises(RuntimeError, match="non-negative"):
+    with pytest.raises(ValueError, match="non-negative"):
         pinxfer.empty(-1)
+    with pytest.raises(RuntimeError, match="non-negative"):
+        torch.ops.pinxfer.empty([2, -1], torch.float32, None)  # the C++ check too
     with pytest.raises(TypeError, match="ints"):
         pinxfer.empty(2.5)
 

@@ -10,6 +10,7 @@
 
 #include <c10/util/Exception.h>
 
+#include "memory/host_allocator.h"
 #include "runtime/thread_pool.h"
 
 namespace pinxfer {
@@ -304,7 +305,9 @@ void PinnedPool::free(Block* block) {
     kind = block->segment->region.kind;
   }
   bool fenced = false;
-  if (streams.empty() && kind == LockKind::kCudaRegistered) {
+  // Once installed, torch's copy_(non_blocking=True) records its streams with
+  // us, exactly as it does with its own allocator; the fence is then redundant.
+  if (streams.empty() && kind == LockKind::kCudaRegistered && !host_allocator_installed()) {
     c10::Stream current(c10::Stream::DEFAULT, c10::Device(c10::DeviceType::CPU));
     if (cuda::current_stream_if_active(&current)) {
       streams.push_back(current);

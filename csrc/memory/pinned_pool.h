@@ -19,7 +19,8 @@
 //  * A block freed with no recorded use while CUDA is active is fenced on the
 //    freeing thread's current stream (covers `x.to(dev, non_blocking=True);
 //    del x` on one stream; torch's copy_ only tells its *installed* host
-//    allocator, see host_allocator.cpp).
+//    allocator, see host_allocator.cpp). While pinxfer is installed as that
+//    allocator torch reports every copy, so no fence is recorded (as in torch).
 //  * Cap: total reserved bytes over all pools never exceed the limit
 //    (PINXFER_MAX_PINNED_BYTES or set_max_pinned_bytes()). On pressure the
 //    pool releases fully free segments, then waits for pending events, then
