@@ -204,7 +204,6 @@ void hand_over(const at::Tensor& out, const c10::cuda::CUDAStream& copy,
   if (cur != copy) c10::cuda::CUDACachingAllocator::recordStream(out.storage().data_ptr(), cur);
 }
 
-
 // Sources pinned by neither pinxfer's pool nor torch's host allocator (e.g.
 // memory registered by hand): nobody else knows a copy reads them, so we hold a
 // reference to their storage until an event after the copy has completed.
