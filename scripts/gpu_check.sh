@@ -20,17 +20,39 @@ export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 
-t0=$(date +%s)
-if ! python3 -c "import pinxfer" 2>/dev/null || [ "${PINXFER_REBUILD:-1}" = 1 ]; then
-  MAX_JOBS=16 python3 -m pip install --no-build-isolation --no-deps -v . > "$OUT/build.log" 2>&1 \
+build() {  # $1: C++ compiler
+  t0=$(date +%s)
+  rm -rf build
+  CXX=$1 MAX_JOBS=16 python3 -m pip install --no-build-isolation --no-deps -v . > "$OUT/build.log" 2>&1 \
     || { tail -50 "$OUT/build.log"; echo "BUILD FAILED"; exit 1; }
-fi
-grep -A5 "pinxfer build configuration" "$OUT/build.log" | head -6
-echo "build: $(( $(date +%s) - t0 )) s"
-# Tests and benchmarks run from the checkout (tests import tests.conftest), so
-# put the freshly built extension beside the sources as an in-place build would.
-so=$(cd /tmp && python3 -c "import pinxfer._C as c; print(c.__file__)") || { echo "IMPORT FAILED"; exit 1; }
-cp "$so" pinxfer/
+  grep -A5 "pinxfer build configuration" "$OUT/build.log" | head -6
+  echo "build with $1 ($($1 --version | head -1)): $(( $(date +%s) - t0 )) s"
+  # Tests and benchmarks run from the checkout (tests import tests.conftest), so
+  # put the freshly built extension beside the sources as an in-place build would.
+  so=$(cd /tmp && python3 -c "import pinxfer._C as c; print(c.__file__)") || { echo "IMPORT FAILED"; exit 1; }
+  cp "$so" pinxfer/
+}
+# A C++ exception thrown in the extension must reach Python as an error. An
+# extension built by a compiler whose runtime differs from torch's can crash
+# instead; try each compiler there until one passes.
+exception_check() {
+  python3 -X faulthandler -c "
+import torch, pinxfer
+try:
+    torch.ops.pinxfer.parse_cpulist('1-x') if hasattr(torch.ops.pinxfer, 'parse_cpulist') else None
+    torch.ops.pinxfer.empty([-1], torch.float32, None)
+except RuntimeError as e:
+    print('exceptions OK:', str(e).splitlines()[0][:80])
+" 2>&1 | tail -3 | grep -q "exceptions OK"
+}
+echo "compilers: $(which -a g++ c++ 2>/dev/null | tr '\n' ' ')"
+for cxx in ${CXX:-c++} /usr/bin/g++ /usr/bin/c++ g++-13 g++-12; do
+  command -v "$cxx" >/dev/null || continue
+  build "$cxx"
+  if exception_check; then echo "C++ exceptions reach Python with $cxx"; break; fi
+  echo "C++ exceptions CRASH with $cxx; ldd:"; ldd pinxfer/_C*.so | grep -E "stdc|gcc"
+  cuda-gdb -batch -ex run -ex bt --args python3 -c "import torch, pinxfer; torch.ops.pinxfer.empty([-1], torch.float32, None)" 2>&1 | grep -E "^#" | head -12
+done
 REPO=$PWD
 
 if [ "$what" = all ] || [ "$what" = test ]; then
