@@ -21,6 +21,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="GPU test: no CUDA device here"))
 
 
+def vm_locked_kib() -> int:
+    """This process's mlocked memory (VmLck in /proc/self/status), in KiB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmLck:"):
+                return int(line.split()[1])
+    raise AssertionError("no VmLck in /proc/self/status")
+
+
 @pytest.fixture
 def fresh_pool():
     """Each test starts from an empty cache and zeroed counters, and leaves no cap."""

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import pinxfer
-from tests.conftest import HAS_CUDA
+from tests.conftest import HAS_CUDA, vm_locked_kib
 
 MiB = 1 << 20
 KiB = 1 << 10
@@ -24,14 +24,6 @@ def rounded(n: int) -> int:
     """The pool's documented rounding: 512 B up to 1 MiB, 64 KiB above."""
     g = 512 if n <= MiB else 64 * KiB
     return (n + g - 1) // g * g
-
-
-def vm_locked_kib() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmLck:"):
-                return int(line.split()[1])
-    raise AssertionError("no VmLck in /proc/self/status")
 
 
 def mapped(ptr: int) -> bool:

@@ -23,7 +23,7 @@ import torch
 import pinxfer
 from pinxfer.pin import inplace_lock_kind, is_pinned
 
-from .conftest import HAS_CUDA, requires_cuda
+from .conftest import HAS_CUDA, requires_cuda, vm_locked_kib
 
 ops = torch.ops.pinxfer
 
@@ -353,14 +353,6 @@ def test_background_thread_with_one_torch_thread():
 
 
 # ---- pin_ / unpin_ ----
-
-def vm_locked_kib() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmLck:"):
-                return int(line.split()[1])
-    raise AssertionError("no VmLck in /proc/self/status")
-
 
 def locked_kib_in(start: int, end: int) -> int:
     """Sum of 'Locked:' over the mappings inside [start, end), from /proc/self/smaps
