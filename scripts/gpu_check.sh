@@ -3,7 +3,9 @@
 # is there (no network), run the whole test suite including GPU tests, run the
 # benchmarks, and leave logs and JSON under $OUT (default: ./gpu_out).
 #
-#   bash scripts/gpu_check.sh [all|test|bench] [pytest -k expression]
+#   bash scripts/gpu_check.sh [all|test|bench|sweep] [pytest -k expression]
+#   (sweep: to_device/prefetch settings swept by benchmarks/sweep_to_device.py, then
+#   bench_transfer; for tuning)
 #
 # Files written: build.log, pytest.log, junit.xml, env.txt, bench_*.json, bench.log
 set -uo pipefail
@@ -46,7 +48,7 @@ except RuntimeError as e:
 " 2>&1 | tail -3 | grep -q "exceptions OK"
 }
 echo "compilers: $(which -a g++ c++ 2>/dev/null | tr '\n' ' ')"
-for cxx in ${CXX:-c++} /usr/bin/g++ /usr/bin/c++ g++-13 g++-12; do
+for cxx in ${CXX:-} g++-12 c++ /usr/bin/g++ /usr/bin/c++ g++-13; do
   command -v "$cxx" >/dev/null || continue
   build "$cxx"
   if exception_check; then echo "C++ exceptions reach Python with $cxx"; break; fi
@@ -54,6 +56,14 @@ for cxx in ${CXX:-c++} /usr/bin/g++ /usr/bin/c++ g++-13 g++-12; do
   cuda-gdb -batch -ex run -ex bt --args python3 -c "import torch, pinxfer; torch.ops.pinxfer.empty([-1], torch.float32, None)" 2>&1 | grep -E "^#" | head -12
 done
 REPO=$PWD
+
+if [ "$what" = sweep ]; then
+  t0=$(date +%s)
+  timeout 300 python3 "$REPO/benchmarks/sweep_to_device.py" --out "$OUT/sweep.json" 2>&1 | tail -40
+  timeout 240 python3 "$REPO/benchmarks/bench_transfer.py" --out "$OUT/bench_transfer.json" 2>&1 \
+    | tee "$OUT/bench.log" | tail -40
+  echo "sweep: $(( $(date +%s) - t0 )) s"
+fi
 
 if [ "$what" = all ] || [ "$what" = test ]; then
   t0=$(date +%s)

@@ -4,11 +4,16 @@
 #include <sched.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdlib>
 #include <map>
 #include <string>
 
 #include "runtime/topology.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 namespace pinxfer {
 
@@ -26,7 +31,18 @@ struct ThreadPool::Job {
   std::exception_ptr error;             // LOCK: done_mutex
 };
 
-ThreadPool::ThreadPool(int num_threads, std::vector<int> cpus) : cpus_(std::move(cpus)) {
+namespace {
+inline void cpu_relax() {
+#if defined(__x86_64__)
+  _mm_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+}  // namespace
+
+ThreadPool::ThreadPool(int num_threads, std::vector<int> cpus)
+    : cpus_(std::move(cpus)), spin_us_(default_spin_us()) {
   num_threads = std::max(1, num_threads);
   workers_.reserve(num_threads - 1);
   for (int i = 0; i < num_threads - 1; ++i) {
@@ -48,6 +64,7 @@ ThreadPool::~ThreadPool() {
     std::lock_guard<std::mutex> lock(mutex_);
     stopping_ = true;
   }
+  stop_spinning_.store(true);
   wake_.notify_all();
   for (auto& t : workers_) {
     if (t.joinable()) t.join();
@@ -72,9 +89,23 @@ void ThreadPool::run_chunks(Job& job) {
   }
 }
 
+void ThreadPool::spin_for_work() const {
+  using Clock = std::chrono::steady_clock;
+  const auto deadline = Clock::now() + std::chrono::microseconds(spin_us_);
+  for (unsigned i = 1;; ++i) {
+    if (queued_jobs_.load(std::memory_order_relaxed) > 0 ||
+        stop_spinning_.load(std::memory_order_relaxed)) {
+      return;
+    }
+    cpu_relax();
+    if (i % 64 == 0 && Clock::now() >= deadline) return;
+  }
+}
+
 void ThreadPool::worker_loop() {
   for (;;) {
     std::shared_ptr<Job> job;
+    if (spin_us_ > 0) spin_for_work();
     {
       std::unique_lock<std::mutex> lock(mutex_);
       wake_.wait(lock, [this] { return stopping_ || !jobs_.empty(); });
@@ -85,6 +116,7 @@ void ThreadPool::worker_loop() {
       if (job->helpers.fetch_add(1) + 1 >= job->max_helpers ||
           job->next_chunk.load() >= job->num_chunks) {
         jobs_.pop_front();
+        queued_jobs_.store(jobs_.size(), std::memory_order_relaxed);
       }
     }
     run_chunks(*job);
@@ -114,6 +146,7 @@ void ThreadPool::parallel_for(size_t n, size_t grain,
   {
     std::lock_guard<std::mutex> lock(mutex_);
     jobs_.push_back(job);
+    queued_jobs_.store(jobs_.size(), std::memory_order_relaxed);
   }
   for (int i = 0; i < job->max_helpers; ++i) wake_.notify_one();
   run_chunks(*job);
@@ -126,6 +159,7 @@ void ThreadPool::parallel_for(size_t n, size_t grain,
     std::lock_guard<std::mutex> lock(mutex_);
     auto it = std::find(jobs_.begin(), jobs_.end(), job);
     if (it != jobs_.end()) jobs_.erase(it);
+    queued_jobs_.store(jobs_.size(), std::memory_order_relaxed);
   }
   if (job->error) std::rethrow_exception(job->error);
 }
@@ -139,6 +173,14 @@ int default_num_threads() {
   int available = static_cast<int>(std::thread::hardware_concurrency());
   if (sched_getaffinity(0, sizeof(set), &set) == 0) available = CPU_COUNT(&set);
   return std::max(1, std::min(16, available));
+}
+
+int default_spin_us() {
+  if (const char* env = std::getenv("PINXFER_SPIN_US")) {
+    const int n = std::atoi(env);
+    if (n >= 0) return n;
+  }
+  return 100;
 }
 
 namespace {

@@ -104,43 +104,101 @@ class Range {
   at::RecordFunction record_;
 };
 
-// PINXFER_STAGE_COPY=memcpy switches the staging copy to plain memcpy (for
-// comparison in benchmarks); the default streams with nontemporal stores.
-bool use_nontemporal() {
+// How pageable bytes are copied into staging memory. PINXFER_STAGE_COPY picks
+// one for comparison in benchmarks: "nt" (default), "nt4", "memcpy", "movsb".
+enum class StageCopy { kNontemporal, kNontemporal4, kMemcpy, kMovsb };
+
+StageCopy stage_copy_kind() {
   const char* env = std::getenv("PINXFER_STAGE_COPY");
-  return !(env && std::strcmp(env, "memcpy") == 0);
+  if (env == nullptr || *env == '\0' || std::strcmp(env, "nt") == 0) return StageCopy::kNontemporal;
+  if (std::strcmp(env, "nt4") == 0) return StageCopy::kNontemporal4;
+  if (std::strcmp(env, "memcpy") == 0) return StageCopy::kMemcpy;
+  if (std::strcmp(env, "movsb") == 0) return StageCopy::kMovsb;
+  TORCH_CHECK(false, "PINXFER_STAGE_COPY: expected one of nt, nt4, memcpy, movsb, got '", env,
+              "'. Unset it for the default.");
 }
+
+#if defined(__x86_64__)
+bool has_avx2() {
+  static const bool yes = __builtin_cpu_supports("avx2");
+  return yes;
+}
+
+// Copies n bytes (a multiple of 128) to a 32-byte aligned dst with 32-byte
+// nontemporal stores, interleaving `streams` equal parts of the range: several
+// sequential read streams keep more DRAM pages and prefetchers busy at once.
+__attribute__((target("avx2"))) void stream_avx2(char* dst, const char* src, size_t n,
+                                                 int streams) {
+  const size_t part = n / streams / 128 * 128;
+  for (size_t i = 0; i < part; i += 128) {
+    for (int k = 0; k < streams; ++k) {
+      const char* s = src + k * part + i;
+      char* d = dst + k * part + i;
+      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s));
+      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 32));
+      const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 64));
+      const __m256i e = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 96));
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(d), a);
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(d + 32), b);
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(d + 64), c);
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(d + 96), e);
+    }
+  }
+  for (size_t i = part * streams; i < n; i += 128) {
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i + 32));
+    const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i + 64));
+    const __m256i e = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i + 96));
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i), a);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i + 32), b);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i + 64), c);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i + 96), e);
+  }
+}
+
+void stream_sse2(char* dst, const char* src, size_t n) {  // n a multiple of 64, dst 16-aligned
+  for (size_t i = 0; i < n; i += 64) {
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 16));
+    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 32));
+    const __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 48));
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), a);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 16), b);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 32), c);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 48), d);
+  }
+}
+#endif
 
 // Copies into staging memory that the CPU will not read again. Nontemporal
 // stores skip the read-for-ownership of destination lines (a third of the
-// memory traffic of a cached copy). The sfence makes the stores visible before
-// the caller publishes "piece done" to the thread that queues the DMA.
-void stage_copy(char* dst, const char* src, size_t n, bool nontemporal) {
+// memory traffic of a cached copy) and leave no dirty lines in the CPU caches
+// for the DMA engine to snoop. The sfence makes the stores visible before the
+// caller publishes "piece done" to the thread that queues the DMA.
+void stage_copy(char* dst, const char* src, size_t n, StageCopy kind) {
 #if defined(__x86_64__)
-  if (nontemporal && n >= 4096) {
-    // Align the destination to 16 bytes with a short memcpy head.
-    const size_t head = (16 - (reinterpret_cast<uintptr_t>(dst) & 15)) & 15;
+  if (kind == StageCopy::kMovsb) {
+    asm volatile("rep movsb" : "+D"(dst), "+S"(src), "+c"(n) : : "memory");
+    return;
+  }
+  if ((kind == StageCopy::kNontemporal || kind == StageCopy::kNontemporal4) && n >= 4096) {
+    // Align the destination to 32 bytes with a short memcpy head.
+    const size_t head = (32 - (reinterpret_cast<uintptr_t>(dst) & 31)) & 31;
     std::memcpy(dst, src, head);
     dst += head;
     src += head;
     n -= head;
-    const size_t body = n & ~size_t{63};
-    for (size_t i = 0; i < body; i += 64) {
-      const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
-      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 16));
-      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 32));
-      const __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 48));
-      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), a);
-      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 16), b);
-      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 32), c);
-      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 48), d);
+    const size_t body = n & ~size_t{127};
+    if (has_avx2()) {
+      stream_avx2(dst, src, body, kind == StageCopy::kNontemporal4 ? 4 : 1);
+    } else {
+      stream_sse2(dst, src, body);
     }
     std::memcpy(dst + body, src + body, n - body);
     _mm_sfence();
     return;
   }
 #endif
-  (void)nontemporal;
   std::memcpy(dst, src, n);
 }
 
@@ -264,21 +322,58 @@ at::Tensor dense_source(const at::Tensor& t, const char* op) {
   return t.resolve_conj().resolve_neg().contiguous();
 }
 
+// The chunk boundaries of a transfer of nbytes: offsets 0 = b[0] < b[1] < ...
+// < b[k] = nbytes. Chunks in the middle are `steady` bytes; towards both ends
+// they halve down to `first` bytes. A small first chunk lets the DMA start
+// after a few microseconds of staging; a small last chunk keeps short the copy
+// that overlaps no staging. Every boundary but the last is a multiple of 4 KiB.
+std::vector<size_t> chunk_bounds(size_t nbytes, size_t steady, size_t first) {
+  const size_t aligned = nbytes / (4 * kKiB) * (4 * kKiB);
+  first = std::min(first, steady);
+  std::vector<size_t> head, tail;  // chunk sizes from the front, and from the back
+  size_t left = aligned, front = first, back = first;
+  while (left > 0) {
+    head.push_back(std::min(front, left));
+    left -= head.back();
+    front = std::min(front * 2, steady);
+    if (left == 0) break;
+    tail.push_back(std::min(back, left));
+    left -= tail.back();
+    back = std::min(back * 2, steady);
+  }
+  std::vector<size_t> bounds{0};
+  for (size_t len : head) bounds.push_back(bounds.back() + len);
+  for (auto it = tail.rbegin(); it != tail.rend(); ++it) bounds.push_back(bounds.back() + *it);
+  if (nbytes > aligned) {
+    if (bounds.size() == 1) bounds.push_back(nbytes);
+    else bounds.back() = nbytes;  // the sub-4 KiB tail joins the last chunk
+  }
+  return bounds;
+}
+
 // Shared state of one pipelined transfer; lives on the caller's stack for the
 // duration of the parallel_for.
+//
+// Staging. If the whole tensor fits the ring's budget (num_buffers x
+// chunk_bytes) it is staged in one pinned block, chunk c at its own offset, and
+// no thread ever waits for a DMA. Otherwise chunk c goes to slot c % ring of a
+// ring of `ring` blocks, and overwriting a slot waits for the copy of the chunk
+// staged there before (wait_slot_free).
 struct Pipeline {
   const char* src = nullptr;
   char* dst = nullptr;
   size_t nbytes = 0;
-  size_t chunk = 0;             // bytes per chunk (the last may be shorter)
-  size_t piece = 0;             // bytes per piece (the last of a chunk may be shorter)
-  size_t pieces_per_chunk = 0;
+  std::vector<size_t> bounds;   // chunk c is [bounds[c], bounds[c + 1])
+  struct Piece {
+    size_t chunk, begin, end;
+  };
+  std::vector<Piece> pieces;    // in chunk order: claimed front to back
   size_t num_chunks = 0;
-  size_t ring = 0;              // staging slots
-  bool nontemporal = true;
+  size_t ring = 0;              // staging slots; 0: one block for the whole tensor
+  StageCopy copy_kind = StageCopy::kNontemporal;
   c10::DeviceIndex device = 0;
   c10::cuda::CUDAStream stream;
-  std::vector<c10::DataPtr> slots;                 // staging blocks, one per ring slot
+  std::vector<c10::DataPtr> slots;                 // the staging block(s)
   std::unique_ptr<std::atomic<size_t>[]> left;     // pieces of each chunk not yet copied
   std::atomic<size_t> next_piece{0};
   std::atomic<bool> failed{false};
@@ -290,11 +385,16 @@ struct Pipeline {
 
   explicit Pipeline(c10::cuda::CUDAStream s) : stream(s) {}
 
-  size_t chunk_end(size_t c) const { return std::min(nbytes, (c + 1) * chunk); }
+  // Where chunk c is staged.
+  char* staging_of(size_t c) const {
+    if (ring == 0) return static_cast<char*>(slots[0].get()) + bounds[c];
+    return static_cast<char*>(slots[c % ring].get());
+  }
 
-  // Blocks until slot `slot` may be overwritten with chunk c (c >= ring).
+  // Blocks until ring slot c % ring may be overwritten with chunk c (c >= ring).
   // Returns false if the transfer failed meanwhile.
-  bool wait_slot_free(size_t slot, size_t c) {
+  bool wait_slot_free(size_t c) {
+    const size_t slot = c % ring;
     cuda::Event ev;
     {
       std::unique_lock<std::mutex> lock(mutex);
@@ -310,16 +410,13 @@ struct Pipeline {
   }
 
   void queue_chunk(size_t c) {
+    const size_t len = bounds[c + 1] - bounds[c];
+    Range range("pinxfer::h2d");
+    C10_CUDA_CHECK(cudaMemcpyAsync(dst + bounds[c], staging_of(c), len, cudaMemcpyHostToDevice,
+                                   stream.stream()));
+    if (ring == 0) return;  // nobody waits for single-block chunks
+    const cuda::Event ev = cuda::record_event(stream.unwrap());
     const size_t slot = c % ring;
-    const size_t begin = c * chunk;
-    const size_t len = chunk_end(c) - begin;
-    cuda::Event ev;
-    {
-      Range range("pinxfer::h2d");
-      C10_CUDA_CHECK(cudaMemcpyAsync(dst + begin, slots[slot].get(), len,
-                                     cudaMemcpyHostToDevice, stream.stream()));
-      ev = cuda::record_event(stream.unwrap());
-    }
     cuda::Event old;
     {
       std::lock_guard<std::mutex> lock(mutex);
@@ -331,31 +428,26 @@ struct Pipeline {
     if (old.handle) cuda::release_event(old);
   }
 
-  void copy_piece(size_t p) {
-    const size_t c = p / pieces_per_chunk;
-    const size_t slot = c % ring;
-    const size_t begin = c * chunk + (p % pieces_per_chunk) * piece;
-    const size_t end = std::min(chunk_end(c), begin + piece);
-    if (begin < end) {
-      if (c >= ring && !wait_slot_free(slot, c)) return;
+  void copy_piece(const Piece& p) {
+    if (ring != 0 && p.chunk >= ring && !wait_slot_free(p.chunk)) return;
+    {
       Range range("pinxfer::stage");
-      stage_copy(static_cast<char*>(slots[slot].get()) + (begin - c * chunk), src + begin,
-                 end - begin, nontemporal);
+      stage_copy(staging_of(p.chunk) + (p.begin - bounds[p.chunk]), src + p.begin,
+                 p.end - p.begin, copy_kind);
     }
     // acq_rel: the thread that queues the chunk sees every piece's bytes.
-    if (left[c].fetch_sub(1, std::memory_order_acq_rel) == 1) queue_chunk(c);
+    if (left[p.chunk].fetch_sub(1, std::memory_order_acq_rel) == 1) queue_chunk(p.chunk);
   }
 
   // Body run by each participating thread: claim pieces in order until none
   // are left or the transfer failed.
   void run() {
     c10::cuda::CUDAGuard guard(device);
-    const size_t total = num_chunks * pieces_per_chunk;
     try {
       while (!failed.load(std::memory_order_relaxed)) {
         const size_t p = next_piece.fetch_add(1, std::memory_order_relaxed);
-        if (p >= total) return;
-        copy_piece(p);
+        if (p >= pieces.size()) return;
+        copy_piece(pieces[p]);
       }
     } catch (...) {
       {
@@ -386,14 +478,22 @@ void return_staging(std::vector<c10::DataPtr>& blocks, PinnedPool& pool,
   blocks.clear();
 }
 
-// Chunk size for a tensor of nbytes: at most chunk_bytes, and about a
-// sixteenth of the tensor, so that filling the first chunk and draining the
-// last copy (the parts that do not overlap) stay a small share of the whole;
-// but >= 1 MiB, so each DMA is long next to its launch gap.
-size_t pick_chunk(size_t nbytes, size_t chunk_bytes) {
-  if (nbytes <= kSerialBytes) return nbytes;
+// Steady chunk size for a tensor of nbytes: at most chunk_bytes, and about a
+// sixteenth of the tensor so that a tensor is cut into enough chunks to
+// pipeline; but >= 1 MiB, so each DMA is long next to its launch gap.
+size_t steady_chunk(size_t nbytes, size_t chunk_bytes) {
   const size_t sixteenth = round_up((nbytes + 15) / 16, 64 * kKiB);
-  return std::min(nbytes, std::min(chunk_bytes, std::max(kMinChunk, sixteenth)));
+  return std::min(chunk_bytes, std::max(kMinChunk, sixteenth));
+}
+
+// First (and last) chunk of the ramp: PINXFER_FIRST_CHUNK bytes (benchmarks),
+// else 256 KiB: a few microseconds of staging before the first DMA starts.
+size_t first_chunk_bytes() {
+  if (const char* env = std::getenv("PINXFER_FIRST_CHUNK")) {
+    const long long n = std::atoll(env);
+    if (n >= 4096) return static_cast<size_t>(n);
+  }
+  return 256 * kKiB;
 }
 
 void pipelined_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex device,
@@ -406,29 +506,40 @@ void pipelined_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex dev
   pl.src = static_cast<const char*>(src.const_data_ptr());
   pl.dst = static_cast<char*>(out.data_ptr());
   pl.nbytes = src.nbytes();
-  pl.chunk = pick_chunk(pl.nbytes, chunk_bytes);
-  pl.num_chunks = (pl.nbytes + pl.chunk - 1) / pl.chunk;
-  pl.ring = std::min(num_buffers, pl.num_chunks);
-  const int num_threads = pl.nbytes <= kSerialBytes ? 1 : threads.num_threads();
-  // About one piece per thread per chunk, so all threads fill one slot together.
-  pl.piece = pl.nbytes <= kSerialBytes
-                 ? pl.chunk
-                 : std::min(pl.chunk, std::max(kMinPiece, round_up((pl.chunk + num_threads - 1) /
-                                                                       num_threads, 4 * kKiB)));
-  pl.pieces_per_chunk = (pl.chunk + pl.piece - 1) / pl.piece;
-  pl.nontemporal = use_nontemporal();
+  const bool serial = pl.nbytes <= kSerialBytes;
+  const size_t steady = serial ? pl.nbytes : steady_chunk(pl.nbytes, chunk_bytes);
+  pl.bounds = serial ? std::vector<size_t>{0, pl.nbytes}
+                     : chunk_bounds(pl.nbytes, steady, first_chunk_bytes());
+  pl.num_chunks = pl.bounds.size() - 1;
+  const bool one_block = pl.nbytes <= chunk_bytes * num_buffers || pl.num_chunks <= num_buffers;
+  pl.ring = one_block ? 0 : num_buffers;
+  const size_t num_threads = serial ? 1 : static_cast<size_t>(threads.num_threads());
+  // About one piece per thread per chunk, so all threads fill a chunk together
+  // and its DMA starts as early as possible.
+  for (size_t c = 0; c < pl.num_chunks; ++c) {
+    const size_t begin = pl.bounds[c], end = pl.bounds[c + 1];
+    const size_t piece =
+        std::max(kMinPiece, round_up((end - begin + num_threads - 1) / num_threads, 4 * kKiB));
+    for (size_t b = begin; b < end; b += piece) pl.pieces.push_back({c, b, std::min(end, b + piece)});
+  }
+  pl.copy_kind = stage_copy_kind();
   pl.device = device;
   pl.left.reset(new std::atomic<size_t>[pl.num_chunks]);
-  for (size_t c = 0; c < pl.num_chunks; ++c) pl.left[c].store(pl.pieces_per_chunk);
-  pl.queued.assign(pl.ring, -1);
-  pl.events.assign(pl.ring, cuda::Event{});
-  for (size_t s = 0; s < pl.ring; ++s) pl.slots.push_back(pool.allocate(pl.chunk));
+  for (size_t c = 0; c < pl.num_chunks; ++c) pl.left[c].store(0);
+  for (const auto& p : pl.pieces) pl.left[p.chunk].fetch_add(1, std::memory_order_relaxed);
+  if (one_block) {
+    pl.slots.push_back(pool.allocate(pl.nbytes));
+  } else {
+    pl.queued.assign(pl.ring, -1);
+    pl.events.assign(pl.ring, cuda::Event{});
+    for (size_t s = 0; s < pl.ring; ++s) pl.slots.push_back(pool.allocate(steady));
+  }
 
+  const size_t helpers = std::min(num_threads, pl.pieces.size());
   try {
-    threads.parallel_for(static_cast<size_t>(num_threads), 1,
-                         [&pl](size_t begin, size_t end) {
-                           for (size_t i = begin; i < end; ++i) pl.run();
-                         });
+    threads.parallel_for(helpers, 1, [&pl](size_t begin, size_t end) {
+      for (size_t i = begin; i < end; ++i) pl.run();
+    });
   } catch (...) {
     pl.release_events();
     return_staging(pl.slots, pool, stream);
@@ -502,11 +613,11 @@ std::vector<at::Tensor> to_device_many(at::TensorList tensors, c10::Device devic
     char* base = static_cast<char*>(staging[0].get());
     {
       Range range("pinxfer::stage");
-      const bool nontemporal = use_nontemporal();
+      const StageCopy copy_kind = stage_copy_kind();
       auto pack = [&](size_t begin, size_t end) {
         for (size_t i = begin; i < end; ++i) {
           stage_copy(base + offsets[i], static_cast<const char*>(srcs[i].const_data_ptr()),
-                     srcs[i].nbytes(), nontemporal);
+                     srcs[i].nbytes(), copy_kind);
         }
       };
       if (total <= kSerialBytes) {
