@@ -24,15 +24,12 @@ MiB = 1 << 20
 
 # name -> environment overrides
 SETTINGS: dict[str, dict[str, str]] = {
-    "default": {},
-    "copy=nt4": {"PINXFER_STAGE_COPY": "nt4"},
-    "copy=memcpy": {"PINXFER_STAGE_COPY": "memcpy"},
-    "copy=movsb": {"PINXFER_STAGE_COPY": "movsb"},
-    "threads=8": {"PINXFER_NUM_THREADS": "8"},
-    "threads=12": {"PINXFER_NUM_THREADS": "12"},
-    "spin=0": {"PINXFER_SPIN_US": "0"},
-    "first=64K": {"PINXFER_FIRST_CHUNK": str(64 << 10)},
-    "first=4M (no ramp)": {"PINXFER_FIRST_CHUNK": str(64 << 20)},
+    "nt": {"PINXFER_STAGE_COPY": "nt"},
+    "movsb": {"PINXFER_STAGE_COPY": "movsb"},
+    "memcpy": {"PINXFER_STAGE_COPY": "memcpy"},
+    "nt t12": {"PINXFER_STAGE_COPY": "nt", "PINXFER_NUM_THREADS": "12"},
+    "movsb t12": {"PINXFER_STAGE_COPY": "movsb", "PINXFER_NUM_THREADS": "12"},
+    "movsb spin0": {"PINXFER_STAGE_COPY": "movsb", "PINXFER_SPIN_US": "0"},
 }
 
 
@@ -56,37 +53,59 @@ def child() -> list[dict]:
         return statistics.median(times)
 
     rows = []
-    for nbytes, reps in ((8 * MiB, 50), (64 * MiB, 20), (1024 * MiB, 7)):
+
+    def row(what: str, nbytes: int, seconds: float) -> None:
+        rows.append({"what": what, "gbps": nbytes / seconds / 1e9, "us": seconds * 1e6})
+
+    # Fixed costs: a tiny pageable tensor, and 8 MiB already pinned (one DMA).
+    tiny = torch.rand(1024)
+    row("to_device 4K (latency)", 4096, timed(lambda: pinxfer.to_device(tiny, "cuda"), 200))
+    pinned8 = pinxfer.empty(2 * MiB)
+    pinned8.uniform_()
+    row("to_device 8M pinned", 8 * MiB, timed(lambda: pinxfer.to_device(pinned8, "cuda"), 50))
+    del pinned8
+
+    # Hot sources: the same tensor again and again (as bench_transfer section 1).
+    for nbytes, reps in ((8 * MiB, 50), (64 * MiB, 20), (256 * MiB, 10), (1024 * MiB, 7)):
         src = torch.rand(nbytes // 4)
         variants = [("", {})]
-        if nbytes >= 64 * MiB:
-            variants += [(" chunk=8M", {"chunk_bytes": 8 * MiB}),
-                         (" chunk=32M", {"chunk_bytes": 32 * MiB}),
-                         (" buffers=8", {"num_buffers": 8})]
+        if nbytes == 1024 * MiB:
+            variants += [(" ring 4Mx4", {"chunk_bytes": 4 * MiB, "num_buffers": 4}),
+                         (" ring 8Mx4", {"chunk_bytes": 8 * MiB, "num_buffers": 4}),
+                         (" ring 16Mx8", {"num_buffers": 8})]
         for label, kw in variants:
             s = timed(lambda: pinxfer.to_device(src, "cuda", **kw), reps)
-            rows.append({"what": f"to_device {nbytes // MiB}M{label}", "gbps": nbytes / s / 1e9})
+            row(f"to_device {nbytes // MiB}M{label}", nbytes, s)
         out = pinxfer.to_device(src, "cuda")
         assert torch.equal(out.cpu(), src), "to_device result differs from its source"
-        del out
+        del out, src
+
+    # Cold sources: 16 distinct 64 MiB tensors in turn (1 GiB: not in any cache).
+    batches = [torch.rand(4096, 4096) for _ in range(16)]
+    turn = iter(range(1 << 30))
+    for label, kw in (("", {}), (" ring 8Mx4", {"chunk_bytes": 8 * MiB, "num_buffers": 4})):
+        s = timed(lambda: pinxfer.to_device(batches[next(turn) % 16], "cuda", **kw), 32)
+        row(f"to_device 64M cold{label}", 64 * MiB, s)
+
     pinned = torch.empty(1024 * MiB // 4).pin_memory()
     dst = torch.empty_like(pinned, device="cuda")
-    s = timed(lambda: dst.copy_(pinned, non_blocking=True), 7)
-    rows.append({"what": "pinned DMA 1024M (ceiling)", "gbps": 1024 * MiB / s / 1e9})
+    row("pinned DMA 1G (ceiling)", 1024 * MiB, timed(lambda: dst.copy_(pinned, non_blocking=True), 7))
     del pinned, dst
 
-    batches = [torch.rand(4096, 4096) for _ in range(16)]
     seq = [batches[i % 16] for i in range(48)]
     w = torch.randn(4096, 4096, device="cuda")
-    results = []
-    for _ in range(4):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for x in pinxfer.prefetch(seq, depth=2):
-            torch.matmul(x[:256], w)
-        torch.cuda.synchronize()
-        results.append(len(seq) * 64 * MiB / (time.perf_counter() - t0) / 1e9)
-    rows.append({"what": "prefetch list 64M x48", "gbps": statistics.median(results[1:])})
+    for label, kw in (("", {}), (" ring 8Mx4", {"chunk_bytes": 8 * MiB, "num_buffers": 4}),
+                      (" ring 4Mx4", {"chunk_bytes": 4 * MiB, "num_buffers": 4}),
+                      (" depth 3", {"depth": 3})):
+        results = []
+        for _ in range(4):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for x in pinxfer.prefetch(seq, **kw):
+                torch.matmul(x[:256], w)
+            torch.cuda.synchronize()
+            results.append(time.perf_counter() - t0)
+        row(f"prefetch 64M x48{label}", len(seq) * 64 * MiB, statistics.median(results[1:]))
     return rows
 
 
@@ -109,15 +128,17 @@ def main() -> int:
             print(f"{name}: FAILED\n{proc.stderr[-2000:]}")
             continue
         rows = json.loads(proc.stdout.strip().splitlines()[-1])
-        table[name] = {r["what"]: r["gbps"] for r in rows}
-        print(name, {k: round(v, 1) for k, v in table[name].items()}, flush=True)
+        table[name] = {r["what"]: (r["us"] if "latency" in r["what"] else r["gbps"])
+                       for r in rows}
+        print(name, "done", flush=True)
     with open(args.out, "w") as f:
-        json.dump({"unit": "GB/s", "settings": SETTINGS, "results": table}, f, indent=1)
+        json.dump({"unit": "GB/s (latency rows: us)", "settings": {n: SETTINGS[n] for n in names},
+                   "results": table}, f, indent=1)
     if table:
-        cols = list(next(iter(table.values())))
-        print("\nGB/s".ljust(22) + "".join(c.replace("to_device ", "")[:13].rjust(14) for c in cols))
-        for name, vals in table.items():
-            print(name[:20].ljust(21) + "".join(f"{vals.get(c, 0):14.1f}" for c in cols))
+        settings = list(table)
+        print("\nGB/s (latency: us)".ljust(30) + "".join(n[:12].rjust(13) for n in settings))
+        for what in next(iter(table.values())):
+            print(what[:29].ljust(30) + "".join(f"{table[n].get(what, 0):13.1f}" for n in settings))
     return 0
 
 
