@@ -24,12 +24,13 @@ MiB = 1 << 20
 
 # name -> environment overrides
 SETTINGS: dict[str, dict[str, str]] = {
+    "auto": {"SWEEP_TRACE": "1"},
     "nt": {"PINXFER_STAGE_COPY": "nt"},
     "movsb": {"PINXFER_STAGE_COPY": "movsb"},
-    "memcpy": {"PINXFER_STAGE_COPY": "memcpy"},
-    "nt t12": {"PINXFER_STAGE_COPY": "nt", "PINXFER_NUM_THREADS": "12"},
-    "movsb t12": {"PINXFER_STAGE_COPY": "movsb", "PINXFER_NUM_THREADS": "12"},
-    "movsb spin0": {"PINXFER_STAGE_COPY": "movsb", "PINXFER_SPIN_US": "0"},
+    "tail=16M": {"PINXFER_CACHED_TAIL": str(16 << 20)},
+    "tail=64M": {"PINXFER_CACHED_TAIL": str(64 << 20)},
+    "spin=400": {"PINXFER_SPIN_US": "400"},
+    "threads=16": {"PINXFER_NUM_THREADS": "16"},
 }
 
 
@@ -70,8 +71,7 @@ def child() -> list[dict]:
         src = torch.rand(nbytes // 4)
         variants = [("", {})]
         if nbytes == 1024 * MiB:
-            variants += [(" ring 4Mx4", {"chunk_bytes": 4 * MiB, "num_buffers": 4}),
-                         (" ring 8Mx4", {"chunk_bytes": 8 * MiB, "num_buffers": 4}),
+            variants += [(" ring 8Mx4", {"chunk_bytes": 8 * MiB, "num_buffers": 4}),
                          (" ring 16Mx8", {"num_buffers": 8})]
         for label, kw in variants:
             s = timed(lambda: pinxfer.to_device(src, "cuda", **kw), reps)
@@ -94,19 +94,48 @@ def child() -> list[dict]:
 
     seq = [batches[i % 16] for i in range(48)]
     w = torch.randn(4096, 4096, device="cuda")
-    for label, kw in (("", {}), (" ring 8Mx4", {"chunk_bytes": 8 * MiB, "num_buffers": 4}),
-                      (" ring 4Mx4", {"chunk_bytes": 4 * MiB, "num_buffers": 4}),
-                      (" depth 3", {"depth": 3})):
+    small = [b.view(4, 1024, 4096)[i] for b in batches for i in range(4)]  # 16 MiB views
+    for label, seq_, kw in (("64M x48", seq, {}), ("64M x48 depth 3", seq, {"depth": 3}),
+                            ("16M x192", small * 3, {})):
         results = []
         for _ in range(4):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            for x in pinxfer.prefetch(seq, **kw):
+            for x in pinxfer.prefetch(seq_, **kw):
                 torch.matmul(x[:256], w)
             torch.cuda.synchronize()
             results.append(time.perf_counter() - t0)
-        row(f"prefetch 64M x48{label}", len(seq) * 64 * MiB, statistics.median(results[1:]))
+        row(f"prefetch {label}", sum(t.nbytes for t in seq_), statistics.median(results[1:]))
+    if os.environ.get("SWEEP_TRACE"):
+        trace_8mib(torch, pinxfer)
     return rows
+
+
+def trace_8mib(torch, pinxfer) -> None:
+    """Prints (to stderr) the timeline of three 8 MiB to_device calls: CPU ranges, DMAs."""
+    src = torch.rand(2 * MiB)
+    for _ in range(5):
+        pinxfer.to_device(src, "cuda")
+    torch.cuda.synchronize()
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(3):
+            pinxfer.to_device(src, "cuda")
+            torch.cuda.synchronize()
+    events = []
+    for e in prof.events():
+        name = e.name
+        if not (name.startswith("pinxfer") or "Memcpy" in name or "Synchronize" in name
+                or "cudaMemcpy" in name or "to_device" in name):
+            continue
+        start = e.time_range.start
+        events.append((start, e.time_range.end, name, e.thread))
+    if not events:
+        return
+    t0 = min(ev[0] for ev in events)
+    for start, end, name, thread in sorted(events):
+        print(f"trace {start - t0:9.1f} {end - t0:9.1f} {end - start:7.1f}us  t{thread % 1000:<4} {name}",
+              file=sys.stderr)
 
 
 def main() -> int:
@@ -128,6 +157,10 @@ def main() -> int:
             print(f"{name}: FAILED\n{proc.stderr[-2000:]}")
             continue
         rows = json.loads(proc.stdout.strip().splitlines()[-1])
+        trace = [line for line in proc.stderr.splitlines() if line.startswith("trace ")]
+        if trace:
+            with open(os.path.splitext(args.out)[0] + "_trace.txt", "w") as f:
+                f.write("\n".join(trace) + "\n")
         table[name] = {r["what"]: (r["us"] if "latency" in r["what"] else r["gbps"])
                        for r in rows}
         print(name, "done", flush=True)

@@ -16,6 +16,7 @@ read before the copy has landed.
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Any, Iterator, Optional, Union
 
 import torch
@@ -103,9 +104,13 @@ def copy_stream(device: Optional[DeviceLike] = None) -> torch.cuda.Stream:
 
 @contextlib.contextmanager
 def _range(name: str) -> Iterator[None]:
-    """A torch.profiler range, and an NVTX range when CUDA is in use."""
-    with torch.profiler.record_function(name):
-        nvtx = torch.cuda.is_available() and torch.cuda.is_initialized()
+    """A torch.profiler range while a profiler runs, and an NVTX range when CUDA is in use."""
+    # record_function costs a few microseconds even with no profiler running:
+    # only pay for it when one is.
+    profiled = torch.autograd._profiler_enabled()
+    nvtx = torch.cuda.is_initialized()
+    ctx = torch.profiler.record_function(name) if profiled else contextlib.nullcontext()
+    with ctx:
         if nvtx:
             torch.cuda.nvtx.range_push(name)
         try:
@@ -127,10 +132,18 @@ def cuda_unavailable_reason() -> Optional[str]:
     return None
 
 
+_cuda_usable_in_pid: Optional[int] = None  # the process that found CUDA usable
+
+
 def _require_cuda(op: str) -> None:
+    global _cuda_usable_in_pid
+    # Once usable, CUDA stays usable in this process (a forked child is another pid).
+    if _cuda_usable_in_pid == os.getpid():
+        return
     reason = cuda_unavailable_reason()
     if reason is not None:
         raise RuntimeError(f"pinxfer.{op}: expected a usable CUDA device, but {reason}.")
+    _cuda_usable_in_pid = os.getpid()
 
 
 def resolve_device(device: Optional[DeviceLike], op: str) -> torch.device:

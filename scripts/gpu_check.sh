@@ -59,6 +59,7 @@ REPO=$PWD
 if [ "$what" = sweep ]; then
   t0=$(date +%s)
   timeout 400 python3 "$REPO/benchmarks/sweep_to_device.py" --out "$OUT/sweep.json" 2>&1 | tail -40
+  head -70 "$OUT/sweep_trace.txt" 2>/dev/null
   echo "sweep: $(( $(date +%s) - t0 )) s"
 fi
 

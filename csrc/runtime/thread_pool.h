@@ -66,8 +66,9 @@ class ThreadPool {
   int spin_us_ = 0;
 };
 
-// Default thread count for host copies: PINXFER_NUM_THREADS, else
-// min(16, CPUs this process may run on).
+// Default thread count for host copies: PINXFER_NUM_THREADS, else three
+// quarters of the CPUs this process may run on (at least 2 where there are 2),
+// at most 16.
 int default_num_threads();
 
 // How long an idle worker spins before sleeping: PINXFER_SPIN_US, else 100.

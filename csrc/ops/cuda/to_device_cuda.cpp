@@ -104,18 +104,50 @@ class Range {
   at::RecordFunction record_;
 };
 
-// How pageable bytes are copied into staging memory. PINXFER_STAGE_COPY picks
-// one for comparison in benchmarks: "nt" (default), "nt4", "memcpy", "movsb".
-enum class StageCopy { kNontemporal, kNontemporal4, kMemcpy, kMovsb };
+// How pageable bytes are copied into staging memory. Measured on an H200 host
+// (benchmarks/sweep_to_device.py, results in benchmarks/results/h200/):
+//  * nontemporal stores: the staging lines go straight to DRAM, and the DMA
+//    engine reads them there at once. Lowest latency: 8 MiB 31 GB/s against 15
+//    for cached stores, 64 MiB with a sync after each 40 against 34.
+//  * cached stores (rep movsb): lines stay in the CPU caches until evicted; a
+//    DMA read of a line still dirty in a core's cache is slow, but for long
+//    streams the staging side runs faster: 1 GiB 53 GB/s against 46, 64 MiB
+//    batches back to back (prefetch) 51 against 44.
+// Why: a DMA read of a line that is still dirty in a core's L2 is slow. A line
+// staged with cached stores leaves the writer's L2 once that thread has written
+// another ~2 MiB, i.e. once ~24 MiB more has been staged by 12 threads. Lines
+// staged early in a long transfer are read by the DMA after that; the last
+// ones are read at once, and that final drain is on the critical path.
+// So each chunk is staged with cached stores if at least `cached_tail` bytes
+// are staged after it (PINXFER_CACHED_TAIL, default 32 MiB), with nontemporal
+// stores otherwise: an 8 MiB tensor is all nontemporal, 1 GiB almost all
+// cached. PINXFER_STAGE_COPY=nt|movsb forces one kind (benchmarks).
+enum class StageCopy { kNontemporal, kCached };
 
-StageCopy stage_copy_kind() {
+struct StagePolicy {
+  size_t cached_tail = 32 * kMiB;  // SIZE_MAX: never cached; 0: always
+  StageCopy kind_for(size_t end, size_t nbytes) const {
+    return nbytes - end >= cached_tail ? StageCopy::kCached : StageCopy::kNontemporal;
+  }
+};
+
+StagePolicy stage_policy() {
+  StagePolicy policy;
+  if (const char* tail = std::getenv("PINXFER_CACHED_TAIL")) {
+    policy.cached_tail = static_cast<size_t>(std::atoll(tail));
+  }
   const char* env = std::getenv("PINXFER_STAGE_COPY");
-  if (env == nullptr || *env == '\0' || std::strcmp(env, "nt") == 0) return StageCopy::kNontemporal;
-  if (std::strcmp(env, "nt4") == 0) return StageCopy::kNontemporal4;
-  if (std::strcmp(env, "memcpy") == 0) return StageCopy::kMemcpy;
-  if (std::strcmp(env, "movsb") == 0) return StageCopy::kMovsb;
-  TORCH_CHECK(false, "PINXFER_STAGE_COPY: expected one of nt, nt4, memcpy, movsb, got '", env,
-              "'. Unset it for the default.");
+  if (env != nullptr && *env != '\0') {
+    if (std::strcmp(env, "nt") == 0) {
+      policy.cached_tail = SIZE_MAX;
+    } else if (std::strcmp(env, "movsb") == 0) {
+      policy.cached_tail = 0;
+    } else {
+      TORCH_CHECK(false, "PINXFER_STAGE_COPY: expected 'nt' or 'movsb', got '", env,
+                  "'. Unset it to let pinxfer choose per chunk.");
+    }
+  }
+  return policy;
 }
 
 #if defined(__x86_64__)
@@ -124,39 +156,22 @@ bool has_avx2() {
   return yes;
 }
 
-// Copies n bytes (a multiple of 128) to a 32-byte aligned dst with 32-byte
-// nontemporal stores, interleaving `streams` equal parts of the range: several
-// sequential read streams keep more DRAM pages and prefetchers busy at once.
-__attribute__((target("avx2"))) void stream_avx2(char* dst, const char* src, size_t n,
-                                                 int streams) {
-  const size_t part = n / streams / 128 * 128;
-  for (size_t i = 0; i < part; i += 128) {
-    for (int k = 0; k < streams; ++k) {
-      const char* s = src + k * part + i;
-      char* d = dst + k * part + i;
-      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s));
-      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 32));
-      const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 64));
-      const __m256i e = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 96));
-      _mm256_stream_si256(reinterpret_cast<__m256i*>(d), a);
-      _mm256_stream_si256(reinterpret_cast<__m256i*>(d + 32), b);
-      _mm256_stream_si256(reinterpret_cast<__m256i*>(d + 64), c);
-      _mm256_stream_si256(reinterpret_cast<__m256i*>(d + 96), e);
-    }
-  }
-  for (size_t i = part * streams; i < n; i += 128) {
+// n a multiple of 128, dst 32-byte aligned.
+__attribute__((target("avx2"))) void stream_avx2(char* dst, const char* src, size_t n) {
+  for (size_t i = 0; i < n; i += 128) {
     const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
     const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i + 32));
     const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i + 64));
-    const __m256i e = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i + 96));
+    const __m256i d = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i + 96));
     _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i), a);
     _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i + 32), b);
     _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i + 64), c);
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i + 96), e);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i + 96), d);
   }
 }
 
-void stream_sse2(char* dst, const char* src, size_t n) {  // n a multiple of 64, dst 16-aligned
+// n a multiple of 64, dst 16-byte aligned.
+void stream_sse2(char* dst, const char* src, size_t n) {
   for (size_t i = 0; i < n; i += 64) {
     const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 16));
@@ -170,18 +185,18 @@ void stream_sse2(char* dst, const char* src, size_t n) {  // n a multiple of 64,
 }
 #endif
 
-// Copies into staging memory that the CPU will not read again. Nontemporal
-// stores skip the read-for-ownership of destination lines (a third of the
-// memory traffic of a cached copy) and leave no dirty lines in the CPU caches
-// for the DMA engine to snoop. The sfence makes the stores visible before the
-// caller publishes "piece done" to the thread that queues the DMA.
+// Copies pageable bytes into staging memory the CPU will not read again (see
+// StageCopy above). After nontemporal stores the sfence makes them visible
+// before the caller publishes "piece done" to the thread that queues the DMA.
 void stage_copy(char* dst, const char* src, size_t n, StageCopy kind) {
 #if defined(__x86_64__)
-  if (kind == StageCopy::kMovsb) {
+  if (kind == StageCopy::kCached) {
+    // Fast-strings microcode picks the widest stores and skips the read for
+    // ownership of whole destination lines.
     asm volatile("rep movsb" : "+D"(dst), "+S"(src), "+c"(n) : : "memory");
     return;
   }
-  if ((kind == StageCopy::kNontemporal || kind == StageCopy::kNontemporal4) && n >= 4096) {
+  if (n >= 4096) {
     // Align the destination to 32 bytes with a short memcpy head.
     const size_t head = (32 - (reinterpret_cast<uintptr_t>(dst) & 31)) & 31;
     std::memcpy(dst, src, head);
@@ -190,7 +205,7 @@ void stage_copy(char* dst, const char* src, size_t n, StageCopy kind) {
     n -= head;
     const size_t body = n & ~size_t{127};
     if (has_avx2()) {
-      stream_avx2(dst, src, body, kind == StageCopy::kNontemporal4 ? 4 : 1);
+      stream_avx2(dst, src, body);
     } else {
       stream_sse2(dst, src, body);
     }
@@ -199,6 +214,7 @@ void stage_copy(char* dst, const char* src, size_t n, StageCopy kind) {
     return;
   }
 #endif
+  (void)kind;
   std::memcpy(dst, src, n);
 }
 
@@ -370,7 +386,7 @@ struct Pipeline {
   std::vector<Piece> pieces;    // in chunk order: claimed front to back
   size_t num_chunks = 0;
   size_t ring = 0;              // staging slots; 0: one block for the whole tensor
-  StageCopy copy_kind = StageCopy::kNontemporal;
+  StagePolicy policy;
   c10::DeviceIndex device = 0;
   c10::cuda::CUDAStream stream;
   std::vector<c10::DataPtr> slots;                 // the staging block(s)
@@ -433,7 +449,7 @@ struct Pipeline {
     {
       Range range("pinxfer::stage");
       stage_copy(staging_of(p.chunk) + (p.begin - bounds[p.chunk]), src + p.begin,
-                 p.end - p.begin, copy_kind);
+                 p.end - p.begin, policy.kind_for(bounds[p.chunk + 1], nbytes));
     }
     // acq_rel: the thread that queues the chunk sees every piece's bytes.
     if (left[p.chunk].fetch_sub(1, std::memory_order_acq_rel) == 1) queue_chunk(p.chunk);
@@ -522,7 +538,7 @@ void pipelined_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex dev
         std::max(kMinPiece, round_up((end - begin + num_threads - 1) / num_threads, 4 * kKiB));
     for (size_t b = begin; b < end; b += piece) pl.pieces.push_back({c, b, std::min(end, b + piece)});
   }
-  pl.copy_kind = stage_copy_kind();
+  pl.policy = stage_policy();
   pl.device = device;
   pl.left.reset(new std::atomic<size_t>[pl.num_chunks]);
   for (size_t c = 0; c < pl.num_chunks; ++c) pl.left[c].store(0);
@@ -613,11 +629,11 @@ std::vector<at::Tensor> to_device_many(at::TensorList tensors, c10::Device devic
     char* base = static_cast<char*>(staging[0].get());
     {
       Range range("pinxfer::stage");
-      const StageCopy copy_kind = stage_copy_kind();
+      const StagePolicy policy = stage_policy();
       auto pack = [&](size_t begin, size_t end) {
         for (size_t i = begin; i < end; ++i) {
           stage_copy(base + offsets[i], static_cast<const char*>(srcs[i].const_data_ptr()),
-                     srcs[i].nbytes(), copy_kind);
+                     srcs[i].nbytes(), policy.kind_for(total, total));
         }
       };
       if (total <= kSerialBytes) {
