@@ -24,13 +24,12 @@ MiB = 1 << 20
 
 # name -> environment overrides
 SETTINGS: dict[str, dict[str, str]] = {
-    "auto": {"SWEEP_TRACE": "1"},
-    "nt": {"PINXFER_STAGE_COPY": "nt"},
-    "movsb": {"PINXFER_STAGE_COPY": "movsb"},
     "tail=16M": {"PINXFER_CACHED_TAIL": str(16 << 20)},
-    "tail=64M": {"PINXFER_CACHED_TAIL": str(64 << 20)},
-    "spin=400": {"PINXFER_SPIN_US": "400"},
-    "threads=16": {"PINXFER_NUM_THREADS": "16"},
+    "demote": {"PINXFER_STAGE_COPY": "demote"},
+    "demote tail=16M": {"PINXFER_DEMOTE": "1", "PINXFER_CACHED_TAIL": str(16 << 20)},
+    "demote tail=4M": {"PINXFER_DEMOTE": "1", "PINXFER_CACHED_TAIL": str(4 << 20)},
+    "tail=8M": {"PINXFER_CACHED_TAIL": str(8 << 20)},
+    "nt": {"PINXFER_STAGE_COPY": "nt"},
 }
 
 

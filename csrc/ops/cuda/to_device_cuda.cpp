@@ -122,12 +122,14 @@ class Range {
 // are staged after it (PINXFER_CACHED_TAIL, default 32 MiB), with nontemporal
 // stores otherwise: an 8 MiB tensor is all nontemporal, 1 GiB almost all
 // cached. PINXFER_STAGE_COPY=nt|movsb forces one kind (benchmarks).
-enum class StageCopy { kNontemporal, kCached };
+enum class StageCopy { kNontemporal, kCached, kCachedDemote };
 
 struct StagePolicy {
   size_t cached_tail = 32 * kMiB;  // SIZE_MAX: never cached; 0: always
+  bool demote = false;
   StageCopy kind_for(size_t end, size_t nbytes) const {
-    return nbytes - end >= cached_tail ? StageCopy::kCached : StageCopy::kNontemporal;
+    if (nbytes - end < cached_tail) return StageCopy::kNontemporal;
+    return demote ? StageCopy::kCachedDemote : StageCopy::kCached;
   }
 };
 
@@ -136,14 +138,18 @@ StagePolicy stage_policy() {
   if (const char* tail = std::getenv("PINXFER_CACHED_TAIL")) {
     policy.cached_tail = static_cast<size_t>(std::atoll(tail));
   }
+  if (const char* demote = std::getenv("PINXFER_DEMOTE")) policy.demote = *demote == '1';
   const char* env = std::getenv("PINXFER_STAGE_COPY");
   if (env != nullptr && *env != '\0') {
     if (std::strcmp(env, "nt") == 0) {
       policy.cached_tail = SIZE_MAX;
     } else if (std::strcmp(env, "movsb") == 0) {
       policy.cached_tail = 0;
+    } else if (std::strcmp(env, "demote") == 0) {
+      policy.cached_tail = 0;
+      policy.demote = true;
     } else {
-      TORCH_CHECK(false, "PINXFER_STAGE_COPY: expected 'nt' or 'movsb', got '", env,
+      TORCH_CHECK(false, "PINXFER_STAGE_COPY: expected 'nt', 'movsb' or 'demote', got '", env,
                   "'. Unset it to let pinxfer choose per chunk.");
     }
   }
@@ -190,10 +196,20 @@ void stream_sse2(char* dst, const char* src, size_t n) {
 // before the caller publishes "piece done" to the thread that queues the DMA.
 void stage_copy(char* dst, const char* src, size_t n, StageCopy kind) {
 #if defined(__x86_64__)
-  if (kind == StageCopy::kCached) {
+  if (kind == StageCopy::kCached || kind == StageCopy::kCachedDemote) {
+    char* const begin = dst;
+    const size_t len = n;
     // Fast-strings microcode picks the widest stores and skips the read for
     // ownership of whole destination lines.
     asm volatile("rep movsb" : "+D"(dst), "+S"(src), "+c"(n) : : "memory");
+    if (kind == StageCopy::kCachedDemote) {
+      // CLDEMOTE moves each line from this core's L2 to the shared L3, where
+      // the DMA engine reads it without snooping the core (a NOP on CPUs
+      // without it).
+      for (size_t off = 0; off < len; off += 64) {
+        asm volatile("cldemote (%0)" : : "r"(begin + off) : "memory");
+      }
+    }
     return;
   }
   if (n >= 4096) {
