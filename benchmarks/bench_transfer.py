@@ -2,11 +2,12 @@
 
 Sections (issue 5, "Benchmarks"):
   1. pageable 8 MiB / 64 MiB / 1 GiB -> GPU: t.to("cuda") vs t.pin_memory().to(non_blocking)
-     vs pinxfer.to_device (also with PINXFER_STAGE_COPY=memcpy, for the staging copy kind).
+     vs pinxfer.to_device (also forced all-nontemporal / all-cached staging).
   2. seed 000's double-buffer experiment (16384x4096 fp32 batches, 4096x4096 matmul, 10 steps):
      sync vs pinxfer.prefetch vs ideal (first copy + steps x max(copy, compute)).
   3. end to end, 64 MiB batches, a fixed GPU step (transfer-bound and compute-bound):
-     a. in-memory source: DataLoader(pin_memory=True) + non_blocking vs pinxfer.prefetch;
+     a. in-memory source: DataLoader(pin_memory=True) + non_blocking vs pinxfer.prefetch, for
+        a list of batch tensors and for a TensorDataset over one in-RAM tensor;
      b. 8 workers building each batch (torch.randn): DataLoader(pin_memory=True) vs
         pinxfer.prefetch(DataLoader(pin_memory=False)), with a time breakdown.
 
@@ -94,8 +95,10 @@ def section_bandwidth(quick: bool) -> list[dict]:
             "torch t.pin_memory().to(cuda, non_blocking)":
                 lambda: t.pin_memory().to("cuda", non_blocking=True),
             "pinxfer.to_device": lambda: pinxfer.to_device(t),
-            "pinxfer.to_device (memcpy staging)":
-                with_env("PINXFER_STAGE_COPY", "memcpy", lambda: pinxfer.to_device(t)),
+            "pinxfer.to_device (all nontemporal staging)":
+                with_env("PINXFER_STAGE_COPY", "nt", lambda: pinxfer.to_device(t)),
+            "pinxfer.to_device (all cached staging)":
+                with_env("PINXFER_STAGE_COPY", "movsb", lambda: pinxfer.to_device(t)),
         }
         base = None
         for name, fn in ways.items():
@@ -242,7 +245,48 @@ def section_in_memory(quick: bool) -> list[dict]:
         px_row = e2e_row("3a_in_memory", bound, "pinxfer.prefetch(list)", s, n, t_step, step=desc)
         px_row["speedup_vs_dataloader"] = px_row["samples_per_s"] / torch_row["samples_per_s"]
         rows += [torch_row, px_row]
+    rows += section_in_memory_tensor(quick, source)
     return rows
+
+
+def section_in_memory_tensor(quick: bool, source: list[torch.Tensor]) -> list[dict]:
+    """The other in-memory source of the issue: a dataset over one in-RAM tensor.
+
+    torch's idiom is TensorDataset + DataLoader(batch_size=...): each batch is
+    4096 per-sample __getitem__ calls and a torch.stack by collate, then pinned.
+    pinxfer's is prefetch over the tensor's batch views (x.split), no collate.
+    Transfer-bound step only.
+    """
+    x = torch.cat(source)  # 16 batches of 4096 samples, 1 GiB
+    step, desc = make_step("transfer_bound")
+    g = source[0].to("cuda")
+    t_step = timed(lambda: step(g), 10)
+    g = None
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x), batch_size=ROWS,
+                                         pin_memory=True)
+
+    def torch_pass() -> tuple[float, int]:
+        n = 0
+        sync()
+        t0 = time.perf_counter()
+        for (b,) in loader:
+            step(b.to("cuda", non_blocking=True))
+            n += 1
+        sync()
+        return time.perf_counter() - t0, n
+
+    torch_pass()  # warm
+    s, n = torch_pass()
+    torch_row = e2e_row("3a_in_memory", "transfer_bound",
+                        "DataLoader(TensorDataset(x), batch_size=4096, pin_memory=True) + non_blocking",
+                        s, n, t_step, step=desc)
+    views = list(x.split(ROWS)) * (2 if quick else 3)
+    run_loop(pinxfer.prefetch(views[:4]), step, True)
+    s, n = run_loop(pinxfer.prefetch(views), step, True)
+    px_row = e2e_row("3a_in_memory", "transfer_bound", "pinxfer.prefetch(x.split(4096))", s, n,
+                     t_step, step=desc)
+    px_row["speedup_vs_dataloader"] = px_row["samples_per_s"] / torch_row["samples_per_s"]
+    return [torch_row, px_row]
 
 
 def breakdown(quick: bool) -> dict:

@@ -24,12 +24,12 @@ MiB = 1 << 20
 
 # name -> environment overrides
 SETTINGS: dict[str, dict[str, str]] = {
-    "tail=16M": {"PINXFER_CACHED_TAIL": str(16 << 20)},
-    "demote": {"PINXFER_STAGE_COPY": "demote"},
-    "demote tail=16M": {"PINXFER_DEMOTE": "1", "PINXFER_CACHED_TAIL": str(16 << 20)},
-    "demote tail=4M": {"PINXFER_DEMOTE": "1", "PINXFER_CACHED_TAIL": str(4 << 20)},
-    "tail=8M": {"PINXFER_CACHED_TAIL": str(8 << 20)},
-    "nt": {"PINXFER_STAGE_COPY": "nt"},
+    "default": {},
+    "all nt": {"PINXFER_STAGE_COPY": "nt"},
+    "all movsb": {"PINXFER_STAGE_COPY": "movsb"},
+    "tail 32M": {"PINXFER_CACHED_TAIL": str(32 << 20)},
+    "16 threads": {"PINXFER_NUM_THREADS": "16"},
+    "no spin": {"PINXFER_SPIN_US": "0"},
 }
 
 
@@ -105,36 +105,7 @@ def child() -> list[dict]:
             torch.cuda.synchronize()
             results.append(time.perf_counter() - t0)
         row(f"prefetch {label}", sum(t.nbytes for t in seq_), statistics.median(results[1:]))
-    if os.environ.get("SWEEP_TRACE"):
-        trace_8mib(torch, pinxfer)
     return rows
-
-
-def trace_8mib(torch, pinxfer) -> None:
-    """Prints (to stderr) the timeline of three 8 MiB to_device calls: CPU ranges, DMAs."""
-    src = torch.rand(2 * MiB)
-    for _ in range(5):
-        pinxfer.to_device(src, "cuda")
-    torch.cuda.synchronize()
-    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=acts) as prof:
-        for _ in range(3):
-            pinxfer.to_device(src, "cuda")
-            torch.cuda.synchronize()
-    events = []
-    for e in prof.events():
-        name = e.name
-        if not (name.startswith("pinxfer") or "Memcpy" in name or "Synchronize" in name
-                or "cudaMemcpy" in name or "to_device" in name):
-            continue
-        start = e.time_range.start
-        events.append((start, e.time_range.end, name, e.thread))
-    if not events:
-        return
-    t0 = min(ev[0] for ev in events)
-    for start, end, name, thread in sorted(events):
-        print(f"trace {start - t0:9.1f} {end - t0:9.1f} {end - start:7.1f}us  t{thread % 1000:<4} {name}",
-              file=sys.stderr)
 
 
 def main() -> int:
@@ -156,10 +127,6 @@ def main() -> int:
             print(f"{name}: FAILED\n{proc.stderr[-2000:]}")
             continue
         rows = json.loads(proc.stdout.strip().splitlines()[-1])
-        trace = [line for line in proc.stderr.splitlines() if line.startswith("trace ")]
-        if trace:
-            with open(os.path.splitext(args.out)[0] + "_trace.txt", "w") as f:
-                f.write("\n".join(trace) + "\n")
         table[name] = {r["what"]: (r["us"] if "latency" in r["what"] else r["gbps"])
                        for r in rows}
         print(name, "done", flush=True)

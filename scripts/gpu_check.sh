@@ -4,9 +4,11 @@
 # benchmarks, and leave logs and JSON under $OUT (default: ./gpu_out).
 #
 #   bash scripts/gpu_check.sh [all|test|bench|sweep] [pytest -k expression]
-#   (sweep: to_device/prefetch settings swept by benchmarks/sweep_to_device.py, for tuning)
+#   (sweep: to_device/prefetch settings swept by benchmarks/sweep_to_device.py; all runs it too)
 #
-# Files written: build.log, pytest.log, junit.xml, env.txt, bench_*.json, bench.log
+# Files written under $OUT (at most 8 come back from the device): env.txt, junit.xml,
+# bench_{allocator,pin_memory,transfer,cli}.json, bench.log, sweep.json. Build and pytest
+# logs stay in /tmp (their tails are printed).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}
@@ -24,9 +26,9 @@ cat "$OUT/env.txt"
 build() {  # $1: C++ compiler
   t0=$(date +%s)
   rm -rf build
-  CXX=$1 MAX_JOBS=16 python3 -m pip install --no-build-isolation --no-deps -v . > "$OUT/build.log" 2>&1 \
-    || { tail -50 "$OUT/build.log"; echo "BUILD FAILED"; exit 1; }
-  grep -A5 "pinxfer build configuration" "$OUT/build.log" | head -6
+  CXX=$1 MAX_JOBS=16 python3 -m pip install --no-build-isolation --no-deps -v . > /tmp/pinxfer_build.log 2>&1 \
+    || { tail -50 /tmp/pinxfer_build.log; echo "BUILD FAILED"; exit 1; }
+  grep -A5 "pinxfer build configuration" /tmp/pinxfer_build.log | head -6
   echo "build with $1 ($($1 --version | head -1)): $(( $(date +%s) - t0 )) s"
   # Tests and benchmarks run from the checkout (tests import tests.conftest), so
   # put the freshly built extension beside the sources as an in-place build would.
@@ -56,10 +58,9 @@ for cxx in ${CXX:-} g++-12 c++ /usr/bin/g++ /usr/bin/c++ g++-13; do
 done
 REPO=$PWD
 
-if [ "$what" = sweep ]; then
+if [ "$what" = all ] || [ "$what" = sweep ]; then
   t0=$(date +%s)
   timeout 400 python3 "$REPO/benchmarks/sweep_to_device.py" --out "$OUT/sweep.json" 2>&1 | tail -40
-  head -70 "$OUT/sweep_trace.txt" 2>/dev/null
   echo "sweep: $(( $(date +%s) - t0 )) s"
 fi
 
@@ -81,7 +82,7 @@ for where in ('before CUDA use', 'after CUDA use'):
   xdist=$(python3 -c "import xdist" 2>/dev/null && echo "-n 1")
   kexpr=${2:-}
   python3 -m pytest -q -rs $xdist -p no:cacheprovider --junitxml "$OUT/junit.xml" \
-    ${kexpr:+-k "$kexpr"} tests 2>&1 | tee "$OUT/pytest.log" | tail -40
+    ${kexpr:+-k "$kexpr"} tests 2>&1 | tee /tmp/pinxfer_pytest.log | tail -40
   echo "tests: $(( $(date +%s) - t0 )) s"
 fi
 

@@ -61,6 +61,38 @@ def test_odd_chunk_sizes_and_single_buffer(chunk_bytes, num_buffers):
     _check(pinxfer.to_device(x, chunk_bytes=chunk_bytes, num_buffers=num_buffers), x)
 
 
+@pytest.mark.parametrize("kind", ["nt", "movsb"])
+@pytest.mark.parametrize("nbytes", [4097, 300_001, 9 * MiB + 5, 40 * MiB + 3])
+def test_forced_staging_copy_kinds(monkeypatch, kind, nbytes):
+    monkeypatch.setenv("PINXFER_STAGE_COPY", kind)
+    x = _random_bytes(nbytes, seed=nbytes + len(kind))
+    _check(pinxfer.to_device(x), x)
+    _check(pinxfer.to_device(x, chunk_bytes=CHUNK, num_buffers=2), x)  # ring mode
+
+
+def test_mixed_staging_kinds_in_one_transfer(monkeypatch):
+    # Chunks more than 3 MiB + 1 from the end are staged cached, the rest
+    # nontemporal: both kinds in one transfer, in one block and in a ring.
+    monkeypatch.setenv("PINXFER_CACHED_TAIL", str(3 * MiB + 1))
+    x = _random_bytes(20 * MiB + 7, seed=5)
+    _check(pinxfer.to_device(x), x)
+    _check(pinxfer.to_device(x, chunk_bytes=CHUNK, num_buffers=3), x)
+
+
+def test_streaming_policy_while_copy_stream_busy():
+    # With the copy stream still busy, a >= 32 MiB tensor is staged all cached.
+    x = _random_bytes(48 * MiB + 1, seed=6)
+    with torch.cuda.stream(pinxfer.copy_stream()):
+        torch.cuda._sleep(SLEEP)
+    _check(pinxfer.to_device(x), x)
+
+
+def test_bad_staging_copy_setting_is_explained(monkeypatch):
+    monkeypatch.setenv("PINXFER_STAGE_COPY", "fast")
+    with pytest.raises(RuntimeError, match="expected 'nt' or 'movsb'"):
+        pinxfer.to_device(torch.randn(1 << 20))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64,
                                    torch.int64, torch.int8, torch.uint8, torch.bool,
                                    torch.complex64])

@@ -104,53 +104,57 @@ class Range {
   at::RecordFunction record_;
 };
 
-// How pageable bytes are copied into staging memory. Measured on an H200 host
-// (benchmarks/sweep_to_device.py, results in benchmarks/results/h200/):
-//  * nontemporal stores: the staging lines go straight to DRAM, and the DMA
-//    engine reads them there at once. Lowest latency: 8 MiB 31 GB/s against 15
-//    for cached stores, 64 MiB with a sync after each 40 against 34.
-//  * cached stores (rep movsb): lines stay in the CPU caches until evicted; a
-//    DMA read of a line still dirty in a core's cache is slow, but for long
-//    streams the staging side runs faster: 1 GiB 53 GB/s against 46, 64 MiB
-//    batches back to back (prefetch) 51 against 44.
-// Why: a DMA read of a line that is still dirty in a core's L2 is slow. A line
-// staged with cached stores leaves the writer's L2 once that thread has written
-// another ~2 MiB, i.e. once ~24 MiB more has been staged by 12 threads. Lines
-// staged early in a long transfer are read by the DMA after that; the last
-// ones are read at once, and that final drain is on the critical path.
+// How pageable bytes are copied into staging memory. Measured on the H200 host
+// (16 vCPUs, 2 MiB L2 per core, 300 MiB L3; benchmarks/sweep_to_device.py, the
+// figures in benchmarks/results/h200/sweep.json):
+//  * nontemporal stores: lines go straight to DRAM and the DMA engine reads
+//    them there at once. Lowest latency: 8 MiB 31 GB/s against 15 for cached
+//    stores. But with the DMA reading DRAM too they top out near 43 GB/s.
+//  * cached stores (rep movsb): faster for long streams (1 GiB 53 GB/s), but a
+//    DMA read of a line still dirty in a core's L2 is slow, and the last lines
+//    staged are read at once: that final drain is on the critical path.
 // So each chunk is staged with cached stores if at least `cached_tail` bytes
-// are staged after it (PINXFER_CACHED_TAIL, default 32 MiB), with nontemporal
-// stores otherwise: an 8 MiB tensor is all nontemporal, 1 GiB almost all
-// cached. PINXFER_STAGE_COPY=nt|movsb forces one kind (benchmarks).
-enum class StageCopy { kNontemporal, kCached, kCachedDemote };
+// (16 MiB) are staged after it, nontemporal otherwise: an 8 MiB tensor is all
+// nontemporal, 1 GiB almost all cached. When the copy stream is still busy
+// with earlier transfers (batches sent back to back, as by prefetch), the
+// next transfer's staging hides the drain, so a tensor of >= 32 MiB is then
+// staged all cached. PINXFER_STAGE_COPY=nt|movsb forces one kind and
+// PINXFER_CACHED_TAIL sets the tail (benchmarks).
+enum class StageCopy { kNontemporal, kCached };
 
 struct StagePolicy {
-  size_t cached_tail = 32 * kMiB;  // SIZE_MAX: never cached; 0: always
-  bool demote = false;
+  size_t cached_tail = 16 * kMiB;  // SIZE_MAX: never cached; 0: always
   StageCopy kind_for(size_t end, size_t nbytes) const {
-    if (nbytes - end < cached_tail) return StageCopy::kNontemporal;
-    return demote ? StageCopy::kCachedDemote : StageCopy::kCached;
+    return nbytes - end >= cached_tail ? StageCopy::kCached : StageCopy::kNontemporal;
   }
 };
 
-StagePolicy stage_policy() {
+constexpr size_t kStreamingCachedMinBytes = 32 * kMiB;
+
+StagePolicy stage_policy(size_t nbytes, const c10::cuda::CUDAStream& copy_stream) {
   StagePolicy policy;
-  if (const char* tail = std::getenv("PINXFER_CACHED_TAIL")) {
-    policy.cached_tail = static_cast<size_t>(std::atoll(tail));
-  }
-  if (const char* demote = std::getenv("PINXFER_DEMOTE")) policy.demote = *demote == '1';
   const char* env = std::getenv("PINXFER_STAGE_COPY");
   if (env != nullptr && *env != '\0') {
     if (std::strcmp(env, "nt") == 0) {
       policy.cached_tail = SIZE_MAX;
     } else if (std::strcmp(env, "movsb") == 0) {
       policy.cached_tail = 0;
-    } else if (std::strcmp(env, "demote") == 0) {
-      policy.cached_tail = 0;
-      policy.demote = true;
     } else {
-      TORCH_CHECK(false, "PINXFER_STAGE_COPY: expected 'nt', 'movsb' or 'demote', got '", env,
+      TORCH_CHECK(false, "PINXFER_STAGE_COPY: expected 'nt' or 'movsb', got '", env,
                   "'. Unset it to let pinxfer choose per chunk.");
+    }
+    return policy;
+  }
+  if (const char* tail = std::getenv("PINXFER_CACHED_TAIL")) {
+    policy.cached_tail = static_cast<size_t>(std::atoll(tail));
+    return policy;
+  }
+  if (nbytes >= kStreamingCachedMinBytes) {
+    const cudaError_t busy = cudaStreamQuery(copy_stream.stream());
+    if (busy == cudaErrorNotReady) {
+      policy.cached_tail = 0;
+    } else {
+      C10_CUDA_CHECK(busy);
     }
   }
   return policy;
@@ -196,20 +200,10 @@ void stream_sse2(char* dst, const char* src, size_t n) {
 // before the caller publishes "piece done" to the thread that queues the DMA.
 void stage_copy(char* dst, const char* src, size_t n, StageCopy kind) {
 #if defined(__x86_64__)
-  if (kind == StageCopy::kCached || kind == StageCopy::kCachedDemote) {
-    char* const begin = dst;
-    const size_t len = n;
+  if (kind == StageCopy::kCached) {
     // Fast-strings microcode picks the widest stores and skips the read for
     // ownership of whole destination lines.
     asm volatile("rep movsb" : "+D"(dst), "+S"(src), "+c"(n) : : "memory");
-    if (kind == StageCopy::kCachedDemote) {
-      // CLDEMOTE moves each line from this core's L2 to the shared L3, where
-      // the DMA engine reads it without snooping the core (a NOP on CPUs
-      // without it).
-      for (size_t off = 0; off < len; off += 64) {
-        asm volatile("cldemote (%0)" : : "r"(begin + off) : "memory");
-      }
-    }
     return;
   }
   if (n >= 4096) {
@@ -554,7 +548,7 @@ void pipelined_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex dev
         std::max(kMinPiece, round_up((end - begin + num_threads - 1) / num_threads, 4 * kKiB));
     for (size_t b = begin; b < end; b += piece) pl.pieces.push_back({c, b, std::min(end, b + piece)});
   }
-  pl.policy = stage_policy();
+  pl.policy = stage_policy(pl.nbytes, stream);
   pl.device = device;
   pl.left.reset(new std::atomic<size_t>[pl.num_chunks]);
   for (size_t c = 0; c < pl.num_chunks; ++c) pl.left[c].store(0);
@@ -645,7 +639,7 @@ std::vector<at::Tensor> to_device_many(at::TensorList tensors, c10::Device devic
     char* base = static_cast<char*>(staging[0].get());
     {
       Range range("pinxfer::stage");
-      const StagePolicy policy = stage_policy();
+      const StagePolicy policy = stage_policy(0, copy);  // small tensors: nontemporal
       auto pack = [&](size_t begin, size_t end) {
         for (size_t i = begin; i < end; ++i) {
           stage_copy(base + offsets[i], static_cast<const char*>(srcs[i].const_data_ptr()),
