@@ -148,7 +148,14 @@ void ThreadPool::parallel_for(size_t n, size_t grain,
     jobs_.push_back(job);
     queued_jobs_.store(jobs_.size(), std::memory_order_relaxed);
   }
-  for (int i = 0; i < job->max_helpers; ++i) wake_.notify_one();
+  // One futex call for many helpers: notify_one in a loop delays the caller's
+  // own share of the work by a system call per helper. Workers woken beyond
+  // max_helpers find the job gone and sleep again.
+  if (job->max_helpers > 1) {
+    wake_.notify_all();
+  } else {
+    wake_.notify_one();
+  }
   run_chunks(*job);
   {
     std::unique_lock<std::mutex> lock(job->done_mutex);
