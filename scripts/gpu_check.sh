@@ -39,17 +39,22 @@ build() {  # $1: C++ compiler
 # extension built by a compiler whose runtime differs from torch's can crash
 # instead; try each compiler there until one passes.
 exception_check() {
+  # Both kinds: a c10::Error (RuntimeError) and a c10::ValueError. With the
+  # wrong compiler the first has been seen to crash while the second worked.
   python3 -X faulthandler -c "
 import torch, pinxfer
-try:
-    torch.ops.pinxfer.parse_cpulist('1-x') if hasattr(torch.ops.pinxfer, 'parse_cpulist') else None
-    torch.ops.pinxfer.empty([-1], torch.float32, None)
-except (RuntimeError, ValueError) as e:
-    print('exceptions OK:', str(e).splitlines()[0][:80])
+caught = 0
+for probe in (lambda: torch.ops.pinxfer.empty([-1], torch.float32, None),
+              lambda: torch.ops.pinxfer.parse_cpulist('1-x')):
+    try:
+        probe()
+    except (RuntimeError, ValueError) as e:
+        caught += 1
+print('exceptions OK' if caught == 2 else 'exceptions MISSING')
 " 2>&1 | tail -3 | grep -q "exceptions OK"
 }
 echo "compilers: $(which -a g++ c++ 2>/dev/null | tr '\n' ' ')"
-for cxx in ${CXX:-} g++-12 c++ /usr/bin/g++ /usr/bin/c++ g++-13; do
+for cxx in g++-12 ${CXX:-} c++ /usr/bin/g++ /usr/bin/c++ g++-13; do
   command -v "$cxx" >/dev/null || continue
   build "$cxx"
   if exception_check; then echo "C++ exceptions reach Python with $cxx"; break; fi

@@ -82,7 +82,7 @@ def test_mixed_staging_kinds_in_one_transfer(monkeypatch):
 def test_streaming_policy_while_copy_stream_busy():
     # With the copy stream still busy, a >= 32 MiB tensor is staged all cached.
     x = _random_bytes(48 * MiB + 1, seed=6)
-    with torch.cuda.stream(pinxfer.copy_stream()):
+    with torch.cuda.stream(pinxfer.transfer.copy_stream()):
         torch.cuda._sleep(SLEEP)
     _check(pinxfer.to_device(x), x)
 
