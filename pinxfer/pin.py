@@ -208,7 +208,7 @@ def pin_memory(
         device: the CUDA device (index, ``'cuda:1'``, ``torch.device``) the batch is
             going to; memory goes to its NUMA node. None: the current device.
         num_threads: most threads for each copy; None or 0: the pool's default
-            (``PINXFER_NUM_THREADS``, else min(16, CPUs of the node)).
+            (``PINXFER_NUM_THREADS``, else 3/4 of the node's CPUs, at most 16).
         numa_node: place memory on this NUMA node instead (-1: no binding).
             Exclusive with ``device``.
 

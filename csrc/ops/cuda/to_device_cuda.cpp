@@ -25,17 +25,20 @@
 // so the pool fences it with an event and never hands it out while a copy may
 // still read it.
 //
-// The pipeline (pageable source). The tensor is cut into chunks (at most
-// chunk_bytes); chunk c is staged in ring slot c % ring. Chunks are cut into
-// pieces; the host threads of the node's ThreadPool claim pieces in order and
-// copy each into its slot (nontemporal stores: the staging bytes are read by the
-// DMA engine, not by this CPU). The thread that finishes the last piece of a
-// chunk queues its cudaMemcpyAsync and records the slot's event. A thread about
-// to write into a slot first waits until the slot's previous chunk has been
-// queued and then synchronizes its event: a staging slot is never refilled
-// while its previous copy may still read it. Claims are in order and each
-// claimed piece is finished by its claimer, so the waits only point backwards
-// and cannot deadlock.
+// The pipeline (pageable source). The tensor is cut into chunks: steady ones
+// of at most chunk_bytes in the middle, halving down to 256 KiB at both ends so
+// the first DMA starts early and the last one, which overlaps nothing, is short
+// (chunk_bounds). A tensor that fits num_buffers x chunk_bytes is staged in one
+// block, each chunk at its own offset; a larger one in a ring, chunk c in slot
+// c % ring. Chunks are cut into pieces, about one per thread; the host threads
+// of the node's ThreadPool claim pieces in order and copy each into staging
+// (nontemporal or cached stores, see StageCopy). The thread that finishes the
+// last piece of a chunk queues its cudaMemcpyAsync (and, in a ring, records the
+// slot's event). A thread about to write into a ring slot first waits until the
+// slot's previous chunk has been queued and then synchronizes its event: a
+// staging slot is never refilled while its previous copy may still read it.
+// Claims are in order and each claimed piece is finished by its claimer, so the
+// waits only point backwards and cannot deadlock.
 #include <ATen/ATen.h>
 #include <ATen/core/CachingHostAllocator.h>
 #include <ATen/record_function.h>
