@@ -199,9 +199,10 @@ def to_device(obj: Any, device: Optional[DeviceLike] = None, non_blocking: bool 
     """Copies a tensor or a nested batch to a GPU at bus speed.
 
     Pageable CPU tensors of >= 1 MiB go through a pipeline: host threads copy
-    chunks into a ring of ``num_buffers`` pinned staging chunks (at most
-    ``chunk_bytes`` each) while a copy stream sends the previous chunks; the tensor
-    is never pinned whole. Pinned CPU tensors (pinxfer's pool or torch's) go with
+    chunks (at most ``chunk_bytes`` each) into pinned staging memory while a copy
+    stream sends the chunks already staged. A tensor of up to ``num_buffers *
+    chunk_bytes`` is staged in one pooled block; a larger one through a ring of
+    ``num_buffers`` chunks, so it is never pinned whole. Pinned CPU tensors (pinxfer's pool or torch's) go with
     one DMA. In a batch, the CPU tensors under 1 MiB are packed into one staging
     buffer and sent with one copy; they come back as views of one device buffer.
     Non-contiguous CPU tensors are made contiguous on the host first, and results
