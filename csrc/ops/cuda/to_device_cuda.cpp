@@ -399,6 +399,7 @@ struct Pipeline {
   std::vector<Piece> pieces;    // in chunk order: claimed front to back
   size_t num_chunks = 0;
   size_t ring = 0;              // staging slots; 0: one block for the whole tensor
+  size_t slot_bytes = 0;        // capacity of each ring slot
   StagePolicy policy;
   c10::DeviceIndex device = 0;
   c10::cuda::CUDAStream stream;
@@ -458,6 +459,8 @@ struct Pipeline {
   }
 
   void copy_piece(const Piece& p) {
+    TORCH_INTERNAL_ASSERT(ring == 0 || p.end - bounds[p.chunk] <= slot_bytes,
+                          "pinxfer: staging chunk larger than its ring slot");
     if (ring != 0 && p.chunk >= ring && !wait_slot_free(p.chunk)) return;
     {
       Range range("pinxfer::stage");
@@ -510,9 +513,10 @@ void return_staging(std::vector<c10::DataPtr>& blocks, PinnedPool& pool,
 // Steady chunk size for a tensor of nbytes: at most chunk_bytes, and about a
 // sixteenth of the tensor so that a tensor is cut into enough chunks to
 // pipeline; but >= 1 MiB, so each DMA is long next to its launch gap.
+// A multiple of 4 KiB (chunk_bytes is rounded down), as chunk_bounds expects.
 size_t steady_chunk(size_t nbytes, size_t chunk_bytes) {
   const size_t sixteenth = round_up((nbytes + 15) / 16, 64 * kKiB);
-  return std::min(chunk_bytes, std::max(kMinChunk, sixteenth));
+  return std::min(chunk_bytes / (4 * kKiB) * (4 * kKiB), std::max(kMinChunk, sixteenth));
 }
 
 // First (and last) chunk of the ramp: PINXFER_FIRST_CHUNK bytes (benchmarks),
@@ -561,7 +565,13 @@ void pipelined_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex dev
   } else {
     pl.queued.assign(pl.ring, -1);
     pl.events.assign(pl.ring, cuda::Event{});
-    for (size_t s = 0; s < pl.ring; ++s) pl.slots.push_back(pool.allocate(steady));
+    // A slot holds the longest chunk: not always `steady`, since the sub-4 KiB
+    // end of the tensor joins the last chunk, and a small chunk_bytes makes the
+    // ramp's chunks as long as the steady ones.
+    for (size_t c = 0; c < pl.num_chunks; ++c) {
+      pl.slot_bytes = std::max(pl.slot_bytes, pl.bounds[c + 1] - pl.bounds[c]);
+    }
+    for (size_t s = 0; s < pl.ring; ++s) pl.slots.push_back(pool.allocate(pl.slot_bytes));
   }
 
   const size_t helpers = std::min(num_threads, pl.pieces.size());
