@@ -39,18 +39,10 @@ def child() -> list[dict]:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import pinxfer
 
+    from bench_transfer import timed as timed_once  # this script's directory is on sys.path
+
     def timed(fn, repeats: int) -> float:
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(repeats):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            fn()
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+        return timed_once(fn, repeats, warmup=3)
 
     rows = []
 

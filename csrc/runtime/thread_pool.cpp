@@ -64,7 +64,6 @@ ThreadPool::~ThreadPool() {
     std::lock_guard<std::mutex> lock(mutex_);
     stopping_ = true;
   }
-  stop_spinning_.store(true);
   wake_.notify_all();
   for (auto& t : workers_) {
     if (t.joinable()) t.join();
@@ -94,7 +93,7 @@ void ThreadPool::spin_for_work() const {
   const auto deadline = Clock::now() + std::chrono::microseconds(spin_us_);
   for (unsigned i = 1;; ++i) {
     if (queued_jobs_.load(std::memory_order_relaxed) > 0 ||
-        stop_spinning_.load(std::memory_order_relaxed)) {
+        stopping_.load(std::memory_order_relaxed)) {
       return;
     }
     cpu_relax();

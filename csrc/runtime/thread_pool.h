@@ -59,10 +59,11 @@ class ThreadPool {
   std::mutex mutex_;
   std::condition_variable wake_;
   std::deque<std::shared_ptr<Job>> jobs_;  // LOCK: mutex_
-  bool stopping_ = false;                  // LOCK: mutex_
+  // Written under mutex_ (so sleeping workers cannot miss it), also read
+  // without it by spinning workers.
+  std::atomic<bool> stopping_{false};
   // jobs_.size(), written under mutex_, read without it by spinning workers.
   std::atomic<size_t> queued_jobs_{0};
-  std::atomic<bool> stop_spinning_{false};
   int spin_us_ = 0;
 };
 

@@ -85,6 +85,9 @@ constexpr size_t kSerialBytes = 256 * kKiB;
 // thread copies; both keep per-copy and per-claim overheads under a few %.
 constexpr size_t kMinChunk = 1 * kMiB;
 constexpr size_t kMinPiece = 64 * kKiB;
+// First (and last) chunk of a pipelined transfer: a few microseconds of
+// staging before the first DMA starts, and as little after the last one.
+constexpr size_t kFirstChunk = 256 * kKiB;
 // Offsets inside to_device_many's packed buffer: enough for every dtype's
 // alignment and for vectorised kernels reading the views.
 constexpr size_t kPackAlign = 256;
@@ -519,16 +522,6 @@ size_t steady_chunk(size_t nbytes, size_t chunk_bytes) {
   return std::min(chunk_bytes / (4 * kKiB) * (4 * kKiB), std::max(kMinChunk, sixteenth));
 }
 
-// First (and last) chunk of the ramp: PINXFER_FIRST_CHUNK bytes (benchmarks),
-// else 256 KiB: a few microseconds of staging before the first DMA starts.
-size_t first_chunk_bytes() {
-  if (const char* env = std::getenv("PINXFER_FIRST_CHUNK")) {
-    const long long n = std::atoll(env);
-    if (n >= 4096) return static_cast<size_t>(n);
-  }
-  return 256 * kKiB;
-}
-
 void pipelined_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex device,
                     const c10::cuda::CUDAStream& stream, size_t chunk_bytes, size_t num_buffers) {
   const int node = numa_node_for_device(device);
@@ -542,7 +535,7 @@ void pipelined_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex dev
   const bool serial = pl.nbytes <= kSerialBytes;
   const size_t steady = serial ? pl.nbytes : steady_chunk(pl.nbytes, chunk_bytes);
   pl.bounds = serial ? std::vector<size_t>{0, pl.nbytes}
-                     : chunk_bounds(pl.nbytes, steady, first_chunk_bytes());
+                     : chunk_bounds(pl.nbytes, steady, kFirstChunk);
   pl.num_chunks = pl.bounds.size() - 1;
   const bool one_block = pl.nbytes <= chunk_bytes * num_buffers || pl.num_chunks <= num_buffers;
   pl.ring = one_block ? 0 : num_buffers;
