@@ -43,6 +43,8 @@ TORCH_LIBRARY(pinxfer, m) {
   m.def("build_info() -> (bool, str, bool)");
   // NUMA node of each page of a CPU tensor (negative errno if not present).
   m.def("page_nodes(Tensor self) -> int[]");
+  // Test-only: allocate/free sleep this many microseconds between their critical sections.
+  m.def("_set_debug_pause_us(int us) -> ()");
 
   // ---- pin_memory and topology (csrc/ops/cpu/pin_memory_cpu.cpp, pin_inplace_cpu.cpp,
   //      csrc/ops/topology_ops.cpp) ----

@@ -6,7 +6,9 @@
 #include <atomic>
 #include <cctype>
 #include <cstdlib>
+#include <chrono>
 #include <map>
+#include <thread>
 
 #include <c10/util/Exception.h>
 
@@ -64,7 +66,18 @@ std::string human(int64_t bytes) {
 
 std::atomic<bool> g_warned_event_error{false};
 
+// Test-only: sleep between the critical sections of one allocate/free call so
+// thread storms interleave there (tests/test_allocator.py, the regression test
+// of the allocate/free race).
+std::atomic<int64_t> g_debug_pause_us{0};
+void debug_pause() {
+  const int64_t us = g_debug_pause_us.load(std::memory_order_relaxed);
+  if (us > 0) std::this_thread::sleep_for(std::chrono::microseconds(us));
+}
+
 }  // namespace
+
+void set_debug_pause_us(int64_t us) { g_debug_pause_us.store(us < 0 ? 0 : us); }
 
 int64_t parse_byte_size(const std::string& text) {
   size_t i = 0;
@@ -114,125 +127,134 @@ c10::DataPtr PinnedPool::allocate(size_t size) {
   if (size == 0) return c10::DataPtr(nullptr, c10::Device(c10::DeviceType::CPU));
   const size_t rounded = rounded_size(size);
   const bool small = size <= kSmallMax;
-  Block* block = nullptr;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     process_events_locked();
-    block = take_free_block_locked(rounded, small);
-    if (block) ++num_hits_;
+    if (Block* block = take_free_block_locked(rounded, small)) {
+      ++num_hits_;
+      return hand_out_locked(block, size);
+    }
   }
-  if (!block) {
-    // A miss in the large pool merges: fully free large segments (each too
-    // small for this request, or best fit would have found it) are unmapped
-    // and their bytes become part of one new segment. Reserved memory then
-    // grows only by what the request needs beyond the free bytes, and the pool
-    // tends towards few large segments in which splitting and coalescing work.
-    size_t segment_size = small ? kSmallSegment : rounded;
-    if (!small) {
-      std::vector<Segment*> merged;
+  debug_pause();
+  // A miss in the large pool merges: fully free large segments (each too
+  // small for this request, or best fit would have found it) are unmapped
+  // and their bytes become part of one new segment. Reserved memory then
+  // grows only by what the request needs beyond the free bytes, and the pool
+  // tends towards few large segments in which splitting and coalescing work.
+  size_t segment_size = small ? kSmallSegment : rounded;
+  if (!small) {
+    std::vector<Segment*> merged;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      merged = collect_free_segments_locked(/*small=*/false);
+      if (!merged.empty()) ++num_merges_;
+    }
+    size_t merged_bytes = 0;
+    for (Segment* s : merged) merged_bytes += s->region.size;
+    segment_size = std::max(segment_size, round_up(merged_bytes, kLargeGranule));
+    unmap_segments(std::move(merged));
+  }
+  // Under the cap: first give back fully free segments of every pool, then
+  // wait for blocks whose copies are still in flight, then give up.
+  for (int attempt = 0; !try_reserve(static_cast<int64_t>(segment_size)); ++attempt) {
+    if (attempt == 0) {
+      for (PinnedPool* p : all_pools()) p->release_cached();
+    } else if (attempt == 1) {
+      for (PinnedPool* p : all_pools()) p->synchronize_pending();
+      for (PinnedPool* p : all_pools()) p->release_cached();
+    } else {
+      // Retry the free set once more: the steps above may have freed a fit.
       {
         std::lock_guard<std::mutex> lock(mutex_);
-        merged = collect_free_segments_locked(/*small=*/false);
-      }
-      size_t merged_bytes = 0;
-      for (Segment* s : merged) merged_bytes += s->region.size;
-      segment_size = std::max(segment_size, round_up(merged_bytes, kLargeGranule));
-      if (!merged.empty()) {
-        std::lock_guard<std::mutex> lock(mutex_);
-        ++num_merges_;
-      }
-      unmap_segments(std::move(merged));
-    }
-    // Under the cap: first give back fully free segments of every pool, then
-    // wait for blocks whose copies are still in flight, then give up.
-    for (int attempt = 0; !try_reserve(static_cast<int64_t>(segment_size)); ++attempt) {
-      if (attempt == 0) {
-        for (PinnedPool* p : all_pools()) p->release_cached();
-      } else if (attempt == 1) {
-        for (PinnedPool* p : all_pools()) p->synchronize_pending();
-        for (PinnedPool* p : all_pools()) p->release_cached();
-      } else {
-        // Retry the free set once more: the steps above may have freed a fit.
-        std::unique_lock<std::mutex> lock(mutex_);
-        block = take_free_block_locked(rounded, small);
-        if (block) {
+        if (Block* block = take_free_block_locked(rounded, small)) {
           ++num_hits_;
-          break;
+          return hand_out_locked(block, size);
         }
         ++num_ooms_;
-        const int64_t reserved = g_reserved_total.load();
-        int64_t cached = 0, requested = 0;
-        lock.unlock();
-        for (PinnedPool* p : all_pools()) {
-          for (const auto& [name, value] : p->stats().items) {
-            if (name == "cached_bytes.current") cached += value;
-            if (name == "requested_bytes.current") requested += value;
-          }
-        }
-        TORCH_CHECK_WITH(
-            OutOfMemoryError, false, "pinxfer: out of pinned memory. Asked for ", human(size),
-            ", which needs a new segment of ", human(segment_size), ", but the cap is ",
-            human(limit_now()), ". Pinned now: ", human(reserved), ", of which cached (free) ",
-            human(cached), "; requested by live tensors: ", human(requested),
-            ". Free pinned tensors, call pinxfer.empty_cache(), or raise the cap "
-            "(pinxfer.set_max_pinned_bytes() or PINXFER_MAX_PINNED_BYTES).");
       }
-    }
-    if (!block) {
-      HostRegion region;
-      RegionTimings timings;
-      try {
-        region = map_locked_region(segment_size, numa_node_, &timings);
-      } catch (...) {
-        g_reserved_total.fetch_sub(static_cast<int64_t>(segment_size));
-        throw;
-      }
-      auto* segment = new Segment{region, this, small, generation_};
-      auto* whole = new Block();
-      whole->ptr = static_cast<char*>(region.ptr);
-      whole->size = region.size;
-      whole->segment = segment;
-      // map_locked_region rounds to whole pages; keep the cap accounting exact.
-      g_reserved_total.fetch_add(static_cast<int64_t>(region.size) -
-                                 static_cast<int64_t>(segment_size));
-      std::lock_guard<std::mutex> lock(mutex_);
-      segments_.insert(segment);
-      segments_count_.add(1);
-      reserved_bytes_.add(static_cast<int64_t>(region.size));
-      reserved_by_kind_[static_cast<int>(region.kind)] += static_cast<int64_t>(region.size);
-      ++num_maps_;
-      ++num_misses_;
-      map_ns_ += timings.map_ns;
-      touch_ns_ += timings.touch_ns;
-      lock_ns_ += timings.lock_ns;
-      auto& free_set = small ? free_small_ : free_large_;
-      free_set.insert(whole);
-      // Take exactly this block (another thread cannot have taken it: we
-      // still hold the lock since inserting it).
-      free_set.erase(whole);
-      block = whole;
-      if (block->size - rounded >= (small ? kSmallGranule : kLargeGranule)) {
-        auto* rest = new Block();
-        rest->ptr = block->ptr + rounded;
-        rest->size = block->size - rounded;
-        rest->segment = segment;
-        rest->prev = block;
-        block->next = rest;
-        block->size = rounded;
-        free_set.insert(rest);
-      }
+      throw_out_of_memory(size, segment_size);
     }
   }
+  HostRegion region;
+  RegionTimings timings;
+  try {
+    region = map_locked_region(segment_size, numa_node_, &timings);
+  } catch (...) {
+    g_reserved_total.fetch_sub(static_cast<int64_t>(segment_size));
+    throw;
+  }
+  // map_locked_region rounds to whole pages; keep the cap accounting exact.
+  g_reserved_total.fetch_add(static_cast<int64_t>(region.size) -
+                             static_cast<int64_t>(segment_size));
+  debug_pause();
+  // The new segment's first block goes straight to the caller, in the same
+  // critical section that makes the segment visible: no other thread ever sees
+  // it free (see the invariants in pinned_pool.h).
   std::lock_guard<std::mutex> lock(mutex_);
+  auto* segment = new Segment{region, this, small, generation_, nullptr};
+  auto* block = new Block();
+  block->ptr = static_cast<char*>(region.ptr);
+  block->size = region.size;
+  block->segment = segment;
   block->in_use = true;
+  segment->head = block;
+  segments_.insert(segment);
+  segments_count_.add(1);
+  reserved_bytes_.add(static_cast<int64_t>(region.size));
+  reserved_by_kind_[static_cast<int>(region.kind)] += static_cast<int64_t>(region.size);
+  ++num_maps_;
+  ++num_misses_;
+  map_ns_ += timings.map_ns;
+  touch_ns_ += timings.touch_ns;
+  lock_ns_ += timings.lock_ns;
+  split_locked(block, rounded);
+  return hand_out_locked(block, size);
+}
+
+c10::DataPtr PinnedPool::hand_out_locked(Block* block, size_t size) {
+  TORCH_INTERNAL_ASSERT(block->in_use && block->pending_events == 0 && block->stream_uses.empty());
   block->requested = size;
   live_.insert(block);
   ++num_allocs_;
   requested_bytes_.add(static_cast<int64_t>(size));
   allocated_bytes_.add(static_cast<int64_t>(block->size));
   active_blocks_.add(1);
+  check_invariants_locked();
   return c10::DataPtr(block->ptr, block, &PinnedPool::delete_block,
                       c10::Device(c10::DeviceType::CPU));
+}
+
+void PinnedPool::throw_out_of_memory(size_t size, size_t segment_size) {
+  const int64_t reserved = g_reserved_total.load();
+  int64_t cached = 0, requested = 0;
+  for (PinnedPool* p : all_pools()) {
+    for (const auto& [name, value] : p->stats().items) {
+      if (name == "cached_bytes.current") cached += value;
+      if (name == "requested_bytes.current") requested += value;
+    }
+  }
+  TORCH_CHECK_WITH(
+      OutOfMemoryError, false, "pinxfer: out of pinned memory. Asked for ", human(size),
+      ", which needs a new segment of ", human(segment_size), ", but the cap is ",
+      human(limit_now()), ". Pinned now: ", human(reserved), ", of which cached (free) ",
+      human(cached), "; requested by live tensors: ", human(requested),
+      ". Free pinned tensors, call pinxfer.empty_cache(), or raise the cap "
+      "(pinxfer.set_max_pinned_bytes() or PINXFER_MAX_PINNED_BYTES).");
+}
+
+void PinnedPool::split_locked(Block* block, size_t rounded) {
+  const bool small = block->segment->small;
+  if (block->size - rounded < (small ? kSmallGranule : kLargeGranule)) return;
+  auto* rest = new Block();
+  rest->ptr = block->ptr + rounded;
+  rest->size = block->size - rounded;
+  rest->segment = block->segment;
+  rest->prev = block;
+  rest->next = block->next;
+  if (block->next) block->next->prev = rest;
+  block->next = rest;
+  block->size = rounded;
+  (small ? free_small_ : free_large_).insert(rest);  // rest->in_use is false: free
 }
 
 Block* PinnedPool::take_free_block_locked(size_t rounded, bool small) {
@@ -244,19 +266,10 @@ Block* PinnedPool::take_free_block_locked(size_t rounded, bool small) {
   if (it == free_set.end()) return nullptr;
   Block* block = *it;
   free_set.erase(it);
-  const size_t granule = small ? kSmallGranule : kLargeGranule;
-  if (block->size - rounded >= granule) {
-    auto* rest = new Block();
-    rest->ptr = block->ptr + rounded;
-    rest->size = block->size - rounded;
-    rest->segment = block->segment;
-    rest->prev = block;
-    rest->next = block->next;
-    if (block->next) block->next->prev = rest;
-    block->next = rest;
-    block->size = rounded;
-    free_set.insert(rest);
-  }
+  // Same critical section as the erase: a concurrent free of a neighbour must
+  // never see this block as free and merge into it.
+  block->in_use = true;
+  split_locked(block, rounded);
   return block;
 }
 
@@ -264,6 +277,7 @@ void PinnedPool::return_to_free_locked(Block* block) {
   auto& free_set = block->segment->small ? free_small_ : free_large_;
   block->in_use = false;
   block->requested = 0;
+  block->pending_events = 0;
   block->stream_uses.clear();
   if (Block* prev = block->prev; prev && !prev->in_use) {
     free_set.erase(prev);
@@ -283,6 +297,39 @@ void PinnedPool::return_to_free_locked(Block* block) {
   free_set.insert(block);
 }
 
+#if PINXFER_DEBUG_INVARIANTS
+void PinnedPool::check_invariants_locked() {
+  // Walks every segment's block list; O(blocks), so debug/sanitizer builds only.
+  size_t live_seen = 0, free_seen = 0;
+  for (Segment* seg : segments_) {
+    auto& free_set = seg->small ? free_small_ : free_large_;
+    auto& other_set = seg->small ? free_large_ : free_small_;
+    size_t bytes = 0;
+    const Block* prev = nullptr;
+    TORCH_INTERNAL_ASSERT(seg->head && seg->head->prev == nullptr, "segment without a head");
+    for (const Block* b = seg->head; b; prev = b, b = b->next) {
+      TORCH_INTERNAL_ASSERT(b->segment == seg && b->prev == prev, "broken block list");
+      TORCH_INTERNAL_ASSERT(b->ptr == static_cast<char*>(seg->region.ptr) + bytes,
+                            "blocks of a segment are not contiguous");
+      const bool in_free = free_set.count(const_cast<Block*>(b)) != 0;
+      TORCH_INTERNAL_ASSERT(!other_set.count(const_cast<Block*>(b)), "block in the wrong free set");
+      TORCH_INTERNAL_ASSERT(b->in_use != in_free, "in_use must equal 'not in a free set'");
+      const bool live = live_.count(const_cast<Block*>(b)) != 0;
+      TORCH_INTERNAL_ASSERT(!live || b->in_use, "a live block is marked free");
+      TORCH_INTERNAL_ASSERT(!(live && b->pending_events > 0), "a live block waits on events");
+      TORCH_INTERNAL_ASSERT(!(prev && !prev->in_use && !b->in_use), "two free neighbours");
+      live_seen += live;
+      free_seen += in_free;
+      bytes += b->size;
+    }
+    TORCH_INTERNAL_ASSERT(bytes == seg->region.size, "blocks do not cover their segment");
+  }
+  TORCH_INTERNAL_ASSERT(live_seen == live_.size(), "a live block outside every segment");
+  TORCH_INTERNAL_ASSERT(free_seen == free_small_.size() + free_large_.size(),
+                        "a free set holds a block of no segment");
+}
+#endif
+
 void PinnedPool::delete_block(void* ctx) {
   auto* block = static_cast<Block*>(ctx);
   // A block inherited across fork() belongs to an abandoned pool whose lock
@@ -292,18 +339,25 @@ void PinnedPool::delete_block(void* ctx) {
 }
 
 void PinnedPool::free(Block* block) {
+  // State "freeing": out of live_, still in_use, in no free set and no FIFO,
+  // so neither a neighbour's free nor empty_cache can touch it meanwhile.
   std::vector<c10::Stream> streams;
   LockKind kind;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    live_.erase(block);
+    TORCH_INTERNAL_ASSERT(live_.erase(block) == 1, "pinxfer: freeing a block that is not live");
     ++num_frees_;
     requested_bytes_.add(-static_cast<int64_t>(block->requested));
     allocated_bytes_.add(-static_cast<int64_t>(block->size));
     active_blocks_.add(-1);
-    streams = block->stream_uses;
+    streams.swap(block->stream_uses);
     kind = block->segment->region.kind;
   }
+  debug_pause();
+  // Only CUDA-registered memory can be read by a copy still in flight: without
+  // a usable CUDA device (CPU build, no GPU, forked child) no CUDA work exists
+  // in this process, and recording an event would be an error.
+  if (kind != LockKind::kCudaRegistered && !cuda::cuda_usable()) streams.clear();
   bool fenced = false;
   // Once installed, torch's copy_(non_blocking=True) records its streams with
   // us, exactly as it does with its own allocator; the fence is then redundant.
@@ -329,22 +383,25 @@ void PinnedPool::free(Block* block) {
   if (fenced) ++num_fenced_frees_;
   if (event_failed) {
     // We cannot prove the copies reading this block are done: never reuse it.
-    // Its events (if any) are dropped; the memory stays reserved.
+    // It stays in_use (poisoned) and its memory stays reserved.
     ++num_event_errors_;
+    block->pending_events = kPoisoned;
     if (!g_warned_event_error.exchange(true)) {
       TORCH_WARN("pinxfer: could not record a CUDA event for a freed pinned block (", error,
                  "); the block is kept out of the cache so no copy can read reused memory.");
     }
     for (auto& u : uses) cuda::release_event(u.event);
+    check_invariants_locked();
     return;
   }
   if (uses.empty()) {
     return_to_free_locked(block);
-    return;
+  } else {
+    block->pending_events = static_cast<int>(uses.size());
+    pending_blocks_.add(1);
+    for (size_t i = 0; i < uses.size(); ++i) pending_[streams[i]].push_back(uses[i]);
   }
-  block->pending_events = static_cast<int>(uses.size());
-  pending_blocks_.add(1);
-  for (size_t i = 0; i < uses.size(); ++i) pending_[streams[i]].push_back(uses[i]);
+  check_invariants_locked();
 }
 
 void PinnedPool::process_events_locked() {
@@ -359,7 +416,8 @@ void PinnedPool::process_events_locked() {
       queue.pop_front();
       if (!error.empty()) {
         ++num_event_errors_;
-        block->pending_events = -1;  // poisoned: never returns to the cache
+        if (block->pending_events > 0) pending_blocks_.add(-1);
+        block->pending_events = kPoisoned;  // never returns to the cache
         continue;
       }
       if (block->pending_events > 0 && --block->pending_events == 0) {

@@ -28,7 +28,8 @@
 //
 // Thread safety: every public member may be called from any thread. One mutex
 // per pool guards blocks, free sets, event queues and stats; mmap, first touch,
-// cudaHostRegister/Unregister, munmap and event recording run outside it.
+// cudaHostRegister/Unregister, munmap and event recording run outside it. The
+// block states and the rule that keeps them consistent are at `struct Block`.
 // Ownership: the pool owns segments; a Block is owned by its segment and lent to
 // exactly one DataPtr at a time. Pools are never destroyed (safe at exit). In a
 // forked child all pools of the parent are abandoned (never touched again) and
@@ -58,23 +59,45 @@ namespace pinxfer {
 class PinnedPool;
 struct Segment;
 
+// A run of bytes inside a segment. Every field is guarded by the owning pool's
+// mutex_ (LOCK: segment->pool->mutex_), except `ptr` and `segment`, which never
+// change while the block exists and may be read by the DataPtr's holder.
+//
+// States and invariants (asserted by check_invariants_locked() in builds with
+// PINXFER_DEBUG_INVARIANTS, i.e. the sanitizer builds):
+//   free     in its pool's free set;      in_use == false; not in live_
+//   live     handed to exactly one DataPtr; in_use == true; in live_
+//   freeing  between free()'s two critical sections; in_use == true; in no set
+//   pending  in_use == true; pending_events > 0 entries in the stream FIFOs
+//   poisoned an event could not be recorded/queried; in_use == true forever
+// A block is in exactly one of these states; in_use <=> not in a free set.
+// Every state change happens in the same critical section as the free-set,
+// live_ or FIFO change that goes with it (a block taken from the free set is
+// marked in_use before the lock is dropped), so a neighbour being freed never
+// merges into a block that some thread holds, and empty_cache() never unmaps a
+// segment with a block that is not free. No two free blocks are neighbours.
 struct Block {
-  char* ptr = nullptr;
-  size_t size = 0;       // bytes this block spans (rounded)
-  size_t requested = 0;  // bytes the caller asked for (0 while free)
-  Segment* segment = nullptr;
-  Block* prev = nullptr;  // address-order neighbours inside the segment
-  Block* next = nullptr;
-  bool in_use = false;     // handed out, or freed but waiting on events
-  int pending_events = 0;  // events still to complete before reuse
-  std::vector<c10::Stream> stream_uses;  // streams that used it since allocation
+  char* ptr = nullptr;   // immutable
+  size_t size = 0;       // bytes this block spans (rounded). LOCK: pool mutex_
+  size_t requested = 0;  // bytes the caller asked for (0 unless live). LOCK: pool mutex_
+  Segment* segment = nullptr;  // immutable
+  Block* prev = nullptr;  // address-order neighbours in the segment. LOCK: pool mutex_
+  Block* next = nullptr;  // LOCK: pool mutex_
+  bool in_use = false;    // not in a free set. LOCK: pool mutex_
+  int pending_events = 0;  // events still to complete before reuse, or kPoisoned. LOCK: pool mutex_
+  std::vector<c10::Stream> stream_uses;  // streams that used it while live. LOCK: pool mutex_
 };
+constexpr int kPoisoned = -1;
 
+// One region from the upstream resource, carved into blocks. Immutable after
+// creation except `head`'s block contents (the head block is never deleted:
+// merges delete the later of two neighbours).
 struct Segment {
   HostRegion region;
   PinnedPool* pool = nullptr;
   bool small = false;
   uint64_t generation = 0;  // fork generation it was mapped in
+  Block* head = nullptr;    // first block by address
 };
 
 // Counters behind pinxfer.memory_stats(). Byte figures are exact.
@@ -117,6 +140,19 @@ class PinnedPool {
  private:
   static void delete_block(void* ctx);
   void free(Block* block);
+
+  // Marks a block taken from the free set (or a new segment's first block)
+  // live for a caller who asked for `size` bytes; returns its DataPtr.
+  c10::DataPtr hand_out_locked(Block* block, size_t size);
+  // Splits an in-use block at `rounded` bytes when the rest is at least one
+  // granule; the rest goes to the free set.
+  void split_locked(Block* block, size_t rounded);
+  [[noreturn]] void throw_out_of_memory(size_t size, size_t segment_size);
+#if PINXFER_DEBUG_INVARIANTS
+  void check_invariants_locked();
+#else
+  void check_invariants_locked() {}
+#endif
 
   Block* take_free_block_locked(size_t rounded, bool small);
   void return_to_free_locked(Block* block);
@@ -171,6 +207,10 @@ std::vector<PinnedPool*> all_pools();
 // Hard cap on reserved bytes over all pools; 0 = unlimited.
 void set_max_pinned_bytes(int64_t bytes);
 int64_t max_pinned_bytes();
+// Test-only: every allocate/free sleeps this long between its critical
+// sections (0: off), to widen interleavings in thread-storm tests.
+void set_debug_pause_us(int64_t us);
+
 // Parses "1073741824", "512MiB", "8G", "2GB" (binary units). Throws on junk.
 int64_t parse_byte_size(const std::string& text);
 

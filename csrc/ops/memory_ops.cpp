@@ -104,6 +104,7 @@ int64_t empty_cache() {
 }
 void set_max_pinned_bytes_op(int64_t bytes) { set_max_pinned_bytes(bytes); }
 int64_t max_pinned_bytes_op() { return max_pinned_bytes(); }
+void set_debug_pause_us_op(int64_t us) { set_debug_pause_us(us); }
 bool install_op(bool enable) { return install_host_allocator(enable); }
 bool installed_op() { return host_allocator_installed(); }
 
@@ -138,6 +139,7 @@ TORCH_LIBRARY_IMPL(pinxfer, CompositeExplicitAutograd, m) {
   m.impl("install_host_allocator", &install_op);
   m.impl("host_allocator_installed", &installed_op);
   m.impl("build_info", &build_info);
+  m.impl("_set_debug_pause_us", &set_debug_pause_us_op);
 }
 
 }  // namespace pinxfer::ops
