@@ -34,21 +34,19 @@ class PoolHostAllocator final : public at::HostAllocator {
   }
 
   at::HostStats get_stats() override {
+    PoolStats sum;
+    for (PinnedPool* pool : all_pools()) sum += pool->stats();
     at::HostStats out;
-    for (PinnedPool* pool : all_pools()) {
-      for (const auto& [name, value] : pool->stats().items) {
-        if (name == "active_blocks.current") out.active_requests.current += value;
-        if (name == "active_blocks.peak") out.active_requests.peak += value;
-        if (name == "allocated_bytes.current") out.active_bytes.current += value;
-        if (name == "allocated_bytes.peak") out.active_bytes.peak += value;
-        if (name == "segments.current") out.allocations.current += value;
-        if (name == "segments.peak") out.allocations.peak += value;
-        if (name == "reserved_bytes.current") out.allocated_bytes.current += value;
-        if (name == "reserved_bytes.peak") out.allocated_bytes.peak += value;
-        if (name == "num_segment_maps") out.num_host_alloc += value;
-        if (name == "num_segment_unmaps") out.num_host_free += value;
-      }
-    }
+    out.active_requests.current = sum.active_blocks.current;
+    out.active_requests.peak = sum.active_blocks.peak;
+    out.active_bytes.current = sum.allocated_bytes.current;
+    out.active_bytes.peak = sum.allocated_bytes.peak;
+    out.allocations.current = sum.segments.current;
+    out.allocations.peak = sum.segments.peak;
+    out.allocated_bytes.current = sum.reserved_bytes.current;
+    out.allocated_bytes.peak = sum.reserved_bytes.peak;
+    out.num_host_alloc = sum.num_segment_maps;
+    out.num_host_free = sum.num_segment_unmaps;
     return out;
   }
 

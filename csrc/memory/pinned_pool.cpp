@@ -131,7 +131,7 @@ c10::DataPtr PinnedPool::allocate(size_t size) {
     std::lock_guard<std::mutex> lock(mutex_);
     process_events_locked();
     if (Block* block = take_free_block_locked(rounded, small)) {
-      ++num_hits_;
+      ++stats_.num_cache_hits;
       return hand_out_locked(block, size);
     }
   }
@@ -147,7 +147,7 @@ c10::DataPtr PinnedPool::allocate(size_t size) {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       merged = collect_free_segments_locked(/*small=*/false);
-      if (!merged.empty()) ++num_merges_;
+      if (!merged.empty()) ++stats_.num_segment_merges;
     }
     size_t merged_bytes = 0;
     for (Segment* s : merged) merged_bytes += s->region.size;
@@ -167,10 +167,10 @@ c10::DataPtr PinnedPool::allocate(size_t size) {
       {
         std::lock_guard<std::mutex> lock(mutex_);
         if (Block* block = take_free_block_locked(rounded, small)) {
-          ++num_hits_;
+          ++stats_.num_cache_hits;
           return hand_out_locked(block, size);
         }
-        ++num_ooms_;
+        ++stats_.num_ooms;
       }
       throw_out_of_memory(size, segment_size);
     }
@@ -199,14 +199,14 @@ c10::DataPtr PinnedPool::allocate(size_t size) {
   block->in_use = true;
   segment->head = block;
   segments_.insert(segment);
-  segments_count_.add(1);
-  reserved_bytes_.add(static_cast<int64_t>(region.size));
-  reserved_by_kind_[static_cast<int>(region.kind)] += static_cast<int64_t>(region.size);
-  ++num_maps_;
-  ++num_misses_;
-  map_ns_ += timings.map_ns;
-  touch_ns_ += timings.touch_ns;
-  lock_ns_ += timings.lock_ns;
+  stats_.segments.add(1);
+  stats_.reserved_bytes.add(static_cast<int64_t>(region.size));
+  stats_.reserved_by_kind[static_cast<int>(region.kind)] += static_cast<int64_t>(region.size);
+  ++stats_.num_segment_maps;
+  ++stats_.num_cache_misses;
+  stats_.map_time_ns += timings.map_ns;
+  stats_.touch_time_ns += timings.touch_ns;
+  stats_.lock_time_ns += timings.lock_ns;
   split_locked(block, rounded);
   return hand_out_locked(block, size);
 }
@@ -215,10 +215,10 @@ c10::DataPtr PinnedPool::hand_out_locked(Block* block, size_t size) {
   TORCH_INTERNAL_ASSERT(block->in_use && block->pending_events == 0 && block->stream_uses.empty());
   block->requested = size;
   live_.insert(block);
-  ++num_allocs_;
-  requested_bytes_.add(static_cast<int64_t>(size));
-  allocated_bytes_.add(static_cast<int64_t>(block->size));
-  active_blocks_.add(1);
+  ++stats_.num_allocs;
+  stats_.requested_bytes.add(static_cast<int64_t>(size));
+  stats_.allocated_bytes.add(static_cast<int64_t>(block->size));
+  stats_.active_blocks.add(1);
   check_invariants_locked();
   return c10::DataPtr(block->ptr, block, &PinnedPool::delete_block,
                       c10::Device(c10::DeviceType::CPU));
@@ -228,10 +228,9 @@ void PinnedPool::throw_out_of_memory(size_t size, size_t segment_size) {
   const int64_t reserved = g_reserved_total.load();
   int64_t cached = 0, requested = 0;
   for (PinnedPool* p : all_pools()) {
-    for (const auto& [name, value] : p->stats().items) {
-      if (name == "cached_bytes.current") cached += value;
-      if (name == "requested_bytes.current") requested += value;
-    }
+    const PoolStats s = p->stats();
+    cached += s.cached_bytes();
+    requested += s.requested_bytes.current;
   }
   TORCH_CHECK_WITH(
       OutOfMemoryError, false, "pinxfer: out of pinned memory. Asked for ", human(size),
@@ -346,10 +345,10 @@ void PinnedPool::free(Block* block) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     TORCH_INTERNAL_ASSERT(live_.erase(block) == 1, "pinxfer: freeing a block that is not live");
-    ++num_frees_;
-    requested_bytes_.add(-static_cast<int64_t>(block->requested));
-    allocated_bytes_.add(-static_cast<int64_t>(block->size));
-    active_blocks_.add(-1);
+    ++stats_.num_frees;
+    stats_.requested_bytes.add(-static_cast<int64_t>(block->requested));
+    stats_.allocated_bytes.add(-static_cast<int64_t>(block->size));
+    stats_.active_blocks.add(-1);
     streams.swap(block->stream_uses);
     kind = block->segment->region.kind;
   }
@@ -380,11 +379,11 @@ void PinnedPool::free(Block* block) {
     }
   }
   std::lock_guard<std::mutex> lock(mutex_);
-  if (fenced) ++num_fenced_frees_;
+  if (fenced) ++stats_.num_fenced_frees;
   if (event_failed) {
     // We cannot prove the copies reading this block are done: never reuse it.
     // It stays in_use (poisoned) and its memory stays reserved.
-    ++num_event_errors_;
+    ++stats_.num_event_errors;
     block->pending_events = kPoisoned;
     if (!g_warned_event_error.exchange(true)) {
       TORCH_WARN("pinxfer: could not record a CUDA event for a freed pinned block (", error,
@@ -398,7 +397,7 @@ void PinnedPool::free(Block* block) {
     return_to_free_locked(block);
   } else {
     block->pending_events = static_cast<int>(uses.size());
-    pending_blocks_.add(1);
+    stats_.pending_blocks.add(1);
     for (size_t i = 0; i < uses.size(); ++i) pending_[streams[i]].push_back(uses[i]);
   }
   check_invariants_locked();
@@ -415,13 +414,13 @@ void PinnedPool::process_events_locked() {
       Block* block = front.block;
       queue.pop_front();
       if (!error.empty()) {
-        ++num_event_errors_;
-        if (block->pending_events > 0) pending_blocks_.add(-1);
+        ++stats_.num_event_errors;
+        if (block->pending_events > 0) stats_.pending_blocks.add(-1);
         block->pending_events = kPoisoned;  // never returns to the cache
         continue;
       }
       if (block->pending_events > 0 && --block->pending_events == 0) {
-        pending_blocks_.add(-1);
+        stats_.pending_blocks.add(-1);
         return_to_free_locked(block);
       }
     }
@@ -447,7 +446,7 @@ void PinnedPool::synchronize_pending() {
     for (auto& [stream, queue] : pending_) {
       if (!queue.empty()) events.push_back(queue.back().event);
     }
-    num_event_waits_ += static_cast<int64_t>(events.size());
+    stats_.num_event_waits += static_cast<int64_t>(events.size());
   }
   // The last event of each stream covers the earlier ones (stream order).
   // An event may be recycled meanwhile; waiting on it then is merely early.
@@ -473,10 +472,10 @@ std::vector<Segment*> PinnedPool::collect_free_segments_locked(std::optional<boo
   }
   for (Segment* s : out) {
     segments_.erase(s);
-    segments_count_.add(-1);
-    reserved_bytes_.add(-static_cast<int64_t>(s->region.size));
-    reserved_by_kind_[static_cast<int>(s->region.kind)] -= static_cast<int64_t>(s->region.size);
-    ++num_unmaps_;
+    stats_.segments.add(-1);
+    stats_.reserved_bytes.add(-static_cast<int64_t>(s->region.size));
+    stats_.reserved_by_kind[static_cast<int>(s->region.kind)] -= static_cast<int64_t>(s->region.size);
+    ++stats_.num_segment_unmaps;
   }
   return out;
 }
@@ -489,7 +488,7 @@ void PinnedPool::unmap_segments(std::vector<Segment*> segments) {
     delete s;
   }
   std::lock_guard<std::mutex> lock(mutex_);
-  unmap_ns_ += ns;
+  stats_.unpin_time_ns += ns;
 }
 
 size_t PinnedPool::release_cached() {
@@ -507,57 +506,86 @@ size_t PinnedPool::release_cached() {
 
 PoolStats PinnedPool::stats() {
   std::lock_guard<std::mutex> lock(mutex_);
-  PoolStats s;
-  auto& v = s.items;
-  auto counter = [&](const char* name, const Counter& c) {
-    v.emplace_back(std::string(name) + ".current", c.current);
-    v.emplace_back(std::string(name) + ".peak", c.peak);
-  };
-  counter("requested_bytes", requested_bytes_);
-  counter("allocated_bytes", allocated_bytes_);
-  counter("reserved_bytes", reserved_bytes_);
-  v.emplace_back("cached_bytes.current", reserved_bytes_.current - allocated_bytes_.current);
-  counter("active_blocks", active_blocks_);
-  counter("pending_blocks", pending_blocks_);
-  counter("segments", segments_count_);
-  v.emplace_back("reserved_bytes.cuda_registered",
-                 reserved_by_kind_[static_cast<int>(LockKind::kCudaRegistered)]);
-  v.emplace_back("reserved_bytes.mlocked", reserved_by_kind_[static_cast<int>(LockKind::kMlocked)]);
-  v.emplace_back("reserved_bytes.pageable",
-                 reserved_by_kind_[static_cast<int>(LockKind::kPageable)]);
-  v.emplace_back("num_allocs", num_allocs_);
-  v.emplace_back("num_frees", num_frees_);
-  v.emplace_back("num_cache_hits", num_hits_);
-  v.emplace_back("num_cache_misses", num_misses_);
-  v.emplace_back("num_segment_maps", num_maps_);
-  v.emplace_back("num_segment_unmaps", num_unmaps_);
-  v.emplace_back("num_segment_merges", num_merges_);
-  v.emplace_back("num_ooms", num_ooms_);
-  v.emplace_back("num_event_waits", num_event_waits_);
-  v.emplace_back("num_fenced_frees", num_fenced_frees_);
-  v.emplace_back("num_event_errors", num_event_errors_);
-  v.emplace_back("pin_time_ns", map_ns_ + touch_ns_ + lock_ns_);
-  v.emplace_back("map_time_ns", map_ns_);
-  v.emplace_back("touch_time_ns", touch_ns_);
-  v.emplace_back("lock_time_ns", lock_ns_);
-  v.emplace_back("unpin_time_ns", unmap_ns_);
-  return s;
+  return stats_;
 }
 
 void PinnedPool::reset_peak_stats() {
   std::lock_guard<std::mutex> lock(mutex_);
-  for (Counter* c : {&requested_bytes_, &allocated_bytes_, &reserved_bytes_, &active_blocks_,
-                     &pending_blocks_, &segments_count_}) {
+  for (StatCounter* c : {&stats_.requested_bytes, &stats_.allocated_bytes, &stats_.reserved_bytes,
+                         &stats_.active_blocks, &stats_.pending_blocks, &stats_.segments}) {
     c->peak = c->current;
   }
 }
 
 void PinnedPool::reset_accumulated_stats() {
   std::lock_guard<std::mutex> lock(mutex_);
-  num_allocs_ = num_frees_ = num_hits_ = num_misses_ = 0;
-  num_maps_ = num_unmaps_ = num_merges_ = num_ooms_ = num_event_waits_ = 0;
-  num_fenced_frees_ = num_event_errors_ = 0;
-  map_ns_ = touch_ns_ = lock_ns_ = unmap_ns_ = 0;
+  PoolStats& s = stats_;
+  s.num_allocs = s.num_frees = s.num_cache_hits = s.num_cache_misses = 0;
+  s.num_segment_maps = s.num_segment_unmaps = s.num_segment_merges = 0;
+  s.num_ooms = s.num_event_waits = s.num_fenced_frees = s.num_event_errors = 0;
+  s.map_time_ns = s.touch_time_ns = s.lock_time_ns = s.unpin_time_ns = 0;
+}
+
+PoolStats& PoolStats::operator+=(const PoolStats& o) {
+  for (auto [mine, theirs] : {std::pair{&requested_bytes, &o.requested_bytes},
+                              {&allocated_bytes, &o.allocated_bytes},
+                              {&reserved_bytes, &o.reserved_bytes},
+                              {&active_blocks, &o.active_blocks},
+                              {&pending_blocks, &o.pending_blocks}, {&segments, &o.segments}}) {
+    mine->current += theirs->current;
+    mine->peak += theirs->peak;
+  }
+  for (size_t k = 0; k < reserved_by_kind.size(); ++k) reserved_by_kind[k] += o.reserved_by_kind[k];
+  for (auto [mine, theirs] :
+       {std::pair{&num_allocs, &o.num_allocs}, {&num_frees, &o.num_frees},
+        {&num_cache_hits, &o.num_cache_hits}, {&num_cache_misses, &o.num_cache_misses},
+        {&num_segment_maps, &o.num_segment_maps}, {&num_segment_unmaps, &o.num_segment_unmaps},
+        {&num_segment_merges, &o.num_segment_merges}, {&num_ooms, &o.num_ooms},
+        {&num_event_waits, &o.num_event_waits}, {&num_fenced_frees, &o.num_fenced_frees},
+        {&num_event_errors, &o.num_event_errors}, {&map_time_ns, &o.map_time_ns},
+        {&touch_time_ns, &o.touch_time_ns}, {&lock_time_ns, &o.lock_time_ns},
+        {&unpin_time_ns, &o.unpin_time_ns}}) {
+    *mine += *theirs;
+  }
+  return *this;
+}
+
+std::vector<std::pair<const char*, int64_t>> PoolStats::items() const {
+  auto kind = [&](LockKind k) { return reserved_by_kind[static_cast<int>(k)]; };
+  return {
+      {"requested_bytes.current", requested_bytes.current},
+      {"requested_bytes.peak", requested_bytes.peak},
+      {"allocated_bytes.current", allocated_bytes.current},
+      {"allocated_bytes.peak", allocated_bytes.peak},
+      {"reserved_bytes.current", reserved_bytes.current},
+      {"reserved_bytes.peak", reserved_bytes.peak},
+      {"cached_bytes.current", cached_bytes()},
+      {"active_blocks.current", active_blocks.current},
+      {"active_blocks.peak", active_blocks.peak},
+      {"pending_blocks.current", pending_blocks.current},
+      {"pending_blocks.peak", pending_blocks.peak},
+      {"segments.current", segments.current},
+      {"segments.peak", segments.peak},
+      {"reserved_bytes.cuda_registered", kind(LockKind::kCudaRegistered)},
+      {"reserved_bytes.mlocked", kind(LockKind::kMlocked)},
+      {"reserved_bytes.pageable", kind(LockKind::kPageable)},
+      {"num_allocs", num_allocs},
+      {"num_frees", num_frees},
+      {"num_cache_hits", num_cache_hits},
+      {"num_cache_misses", num_cache_misses},
+      {"num_segment_maps", num_segment_maps},
+      {"num_segment_unmaps", num_segment_unmaps},
+      {"num_segment_merges", num_segment_merges},
+      {"num_ooms", num_ooms},
+      {"num_event_waits", num_event_waits},
+      {"num_fenced_frees", num_fenced_frees},
+      {"num_event_errors", num_event_errors},
+      {"pin_time_ns", map_time_ns + touch_time_ns + lock_time_ns},
+      {"map_time_ns", map_time_ns},
+      {"touch_time_ns", touch_time_ns},
+      {"lock_time_ns", lock_time_ns},
+      {"unpin_time_ns", unpin_time_ns},
+  };
 }
 
 LockKind PinnedPool::lock_kind_of(void* ctx) {

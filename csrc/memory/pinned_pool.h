@@ -100,10 +100,35 @@ struct Segment {
   Block* head = nullptr;    // first block by address
 };
 
-// Counters behind pinxfer.memory_stats(). Byte figures are exact.
+// A gauge with its high-water mark since the last reset_peak_stats().
+struct StatCounter {
+  int64_t current = 0, peak = 0;
+  void add(int64_t v) {
+    current += v;
+    if (current > peak) peak = current;
+  }
+};
+
+// Counters behind pinxfer.memory_stats() and torch's HostStats. Byte figures
+// are exact. Named fields for C++ readers; items() gives the names Python sees.
 struct PoolStats {
-  // name -> value, in a fixed order; see PinnedPool::stats().
-  std::vector<std::pair<std::string, int64_t>> items;
+  StatCounter requested_bytes;  // what live tensors asked for
+  StatCounter allocated_bytes;  // what live blocks span (rounded)
+  StatCounter reserved_bytes;   // mapped and locked by the pool
+  StatCounter active_blocks;
+  StatCounter pending_blocks;   // freed, waiting on events
+  StatCounter segments;
+  std::array<int64_t, 3> reserved_by_kind{};  // indexed by LockKind
+  int64_t num_allocs = 0, num_frees = 0, num_cache_hits = 0, num_cache_misses = 0;
+  int64_t num_segment_maps = 0, num_segment_unmaps = 0, num_segment_merges = 0;
+  int64_t num_ooms = 0, num_event_waits = 0, num_fenced_frees = 0, num_event_errors = 0;
+  int64_t map_time_ns = 0, touch_time_ns = 0, lock_time_ns = 0, unpin_time_ns = 0;
+
+  int64_t cached_bytes() const { return reserved_bytes.current - allocated_bytes.current; }
+  // Sums counters; peaks of different pools add up to an upper bound.
+  PoolStats& operator+=(const PoolStats& other);
+  // (name, value) in memory_stats() order, e.g. ("reserved_bytes.current", n).
+  std::vector<std::pair<const char*, int64_t>> items() const;
 };
 
 class PinnedPool {
@@ -182,21 +207,7 @@ class PinnedPool {
   std::unordered_map<c10::Stream, std::deque<PendingUse>> pending_;  // LOCK: mutex_
   std::unordered_set<Segment*> segments_;    // LOCK: mutex_
 
-  // LOCK: mutex_ for all counters below.
-  struct Counter {
-    int64_t current = 0, peak = 0;
-    void add(int64_t v) {
-      current += v;
-      if (current > peak) peak = current;
-    }
-  };
-  Counter requested_bytes_, allocated_bytes_, reserved_bytes_, active_blocks_, segments_count_;
-  Counter pending_blocks_;
-  int64_t num_allocs_ = 0, num_frees_ = 0, num_hits_ = 0, num_misses_ = 0;
-  int64_t num_maps_ = 0, num_unmaps_ = 0, num_merges_ = 0, num_ooms_ = 0, num_event_waits_ = 0;
-  int64_t num_fenced_frees_ = 0, num_event_errors_ = 0;
-  int64_t map_ns_ = 0, touch_ns_ = 0, lock_ns_ = 0, unmap_ns_ = 0;
-  std::array<int64_t, 3> reserved_by_kind_{};  // indexed by LockKind
+  PoolStats stats_;  // LOCK: mutex_
 };
 
 // The pool for a NUMA node (-1: unbound). Created on first use; rebuilt after fork.

@@ -76,17 +76,13 @@ std::tuple<std::vector<std::string>, std::vector<int64_t>> memory_stats(
   }
   // An empty process still reports every key, with zeros.
   if (pools.empty()) pools.push_back(&pool_for_node(-1));
-  for (size_t p = 0; p < pools.size(); ++p) {
-    const auto items = pools[p]->stats().items;
-    for (size_t i = 0; i < items.size(); ++i) {
-      if (p == 0) {
-        names.push_back(items[i].first);
-        values.push_back(0);
-      }
-      // Peaks of different pools happened at different times; their sum is an
-      // upper bound of the process peak, documented in memory_stats().
-      values[i] += items[i].second;
-    }
+  // Peaks of different pools happened at different times; their sum is an
+  // upper bound of the process peak, documented in memory_stats().
+  PoolStats sum;
+  for (PinnedPool* pool : pools) sum += pool->stats();
+  for (const auto& [name, value] : sum.items()) {
+    names.emplace_back(name);
+    values.push_back(value);
   }
   return {names, values};
 }
