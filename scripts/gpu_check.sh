@@ -1,38 +1,127 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build pinxfer from source against the torch that
-# is there (no network), run the whole test suite including GPU tests, run the
-# benchmarks, and leave logs and JSON under $OUT (default: ./gpu_out).
+# is there (no network), then run the chosen steps and leave logs and JSON under
+# $OUT (default: ./gpu_out). Exits non-zero if the build or any step failed; the
+# last lines printed are a per-step summary (also appended to $OUT/env.txt).
 #
-#   bash scripts/gpu_check.sh [all|test|bench|sweep] [pytest -k expression]
-#   (sweep: to_device/prefetch settings swept by benchmarks/sweep_to_device.py; all runs it too)
+#   bash scripts/gpu_check.sh [STEP...] [-k PYTEST_EXPR]
+#   bash scripts/gpu_check.sh "test stress memcheck"     # one quoted list works too
+#   bash scripts/gpu_check.sh test "not prefetch"        # old form: a non-step word is -k
 #
-# Files written under $OUT (at most 8 come back from the device): env.txt, junit.xml,
-# bench_{allocator,pin_memory,transfer,cli}.json, bench.log, sweep.json. Build and pytest
-# logs stay in /tmp (their tails are printed).
+# Steps (run in this order whatever the order given; default: all):
+#   sweep     to_device/prefetch settings swept by benchmarks/sweep_to_device.py
+#   test      smoke check, then the whole suite with plain pytest (no xdist: a crash fails
+#             the step loudly, with faulthandler's stacks), "PYTEST EXIT n"
+#   stress    scripts/stress_gpu.py --mode both (plain, then pinxfer.install())
+#   memcheck  compute-sanitizer memcheck over tests/test_transfer_gpu.py and
+#             tests/test_allocator_gpu.py; error count in memcheck.txt
+#   bench     benchmarks/bench_{allocator,pin_memory,transfer}.py and `pinxfer bench`
+#   all       all of the above (more than one 10-minute device call: pick subsets)
+#
+# Environment:
+#   OUT                   output folder (default ./gpu_out)
+#   SKIP_BUILD            1: use the pinxfer/_C*.so already in the checkout (a second call
+#                         on a warm machine); the C++ exception check still runs
+#   PYTEST_K              pytest -k expression for the test step (or -k on the command line)
+#   STRESS_SECONDS        seconds per stress mode (default 90)
+#   STRESS_MIN_TRANSFERS  fewest checked tensors per mode (default 100000)
+#   STRESS_ARGS           more stress_gpu.py arguments (e.g. "--threads 4 --seed 3")
+#   MEMCHECK_TIMEOUT      seconds for the memcheck step (default 540)
+#   MEMCHECK_K            pytest -k expression under memcheck
+#   MEMCHECK_SKIP_TIMING  1: deselect the tests that assert a copy is still queued behind a
+#                         sleep kernel (in case the sanitizer serialises launches)
+#   MEMCHECK_PYTEST_ARGS  pytest options under memcheck (default "-x")
+#   MEMCHECK_API_ERRORS   compute-sanitizer --report-api-errors value (default "no": torch
+#                         and pinxfer check every CUDA return code themselves)
+#   MEMCHECK_FLAGS        more compute-sanitizer flags
+#   MEMCHECK_NO_CACHING   1: PYTORCH_NO_CUDA_MEMORY_CACHING=1 (a cudaMalloc per tensor, so
+#                         out-of-bounds accesses between tensors are caught; slower)
+#
+# Files written under $OUT (at most 8 come back from the device; `all` writes exactly 8):
+# env.txt (environment + step summary), junit.xml, stress.json, memcheck.txt,
+# bench.json ({"allocator": ..., "pin_memory": ..., "transfer": ...}: the three bench
+# scripts' JSON; split with
+#   python3 -c "import json; d = json.load(open('bench.json'))
+#   [json.dump(v, open(f'bench_{k}.json', 'w'), indent=1) for k, v in d.items()]"),
+# bench_cli.json, bench.log, sweep.json. Build, pytest, stress and memcheck logs stay
+# in /tmp (their tails are printed).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
-what=${1:-all}
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
+
+# ---- arguments: step names (separate or in one quoted list), -k EXPR, else a -k expression
+STEP_WORDS="all sweep test stress memcheck bench"
+steps=""
+kexpr=${PYTEST_K:-}
+while [ $# -gt 0 ]; do
+  if [ "$1" = "-k" ]; then
+    kexpr=${2:-}
+    shift 2 || shift
+    continue
+  fi
+  read -ra words <<< "$1"
+  all_steps=${#words[@]}
+  for w in "${words[@]}"; do
+    case " $STEP_WORDS " in *" $w "*) ;; *) all_steps=0 ;; esac
+  done
+  if [ "$all_steps" -gt 0 ]; then steps="$steps ${words[*]}"; else kexpr=$1; fi
+  shift
+done
+[ -z "${steps// /}" ] && steps=all
+want() { case " $steps " in *" all "* | *" $1 "*) return 0 ;; esac; return 1; }
+echo "steps:$steps${kexpr:+ (pytest -k \"$kexpr\")}"
+
+# ---- step bookkeeping: every step records OK or FAILED (why); the summary decides the exit
+STEP_NAMES=()
+STEP_STATUS=()
+record() {
+  STEP_NAMES+=("$1")
+  STEP_STATUS+=("$2")
+  echo "== step $1: $2"
+}
+status_of() {  # $1: exit code -> words
+  if [ "$1" -eq 0 ]; then echo "OK"
+  elif [ "$1" -eq 124 ] || [ "$1" -eq 137 ]; then echo "FAILED (timed out, exit $1)"
+  elif [ "$1" -gt 128 ]; then echo "FAILED (crashed: signal $(( $1 - 128 )), exit $1)"
+  else echo "FAILED (exit $1)"
+  fi
+}
+finish() {
+  local failed=0 i
+  {
+    echo "== summary ($(date -u +%FT%TZ))"
+    for i in "${!STEP_NAMES[@]}"; do
+      printf '  %-9s %s\n' "${STEP_NAMES[$i]}" "${STEP_STATUS[$i]}"
+    done
+  } | tee -a "$OUT/env.txt"
+  for i in "${!STEP_STATUS[@]}"; do
+    case "${STEP_STATUS[$i]}" in OK*) ;; *) failed=1 ;; esac
+  done
+  echo "GPU CHECK $([ $failed -eq 0 ] && echo PASSED || echo FAILED)" | tee -a "$OUT/env.txt"
+  exit $failed
+}
 
 {
   nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv
   python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
   nproc; ulimit -l; cat /sys/kernel/mm/transparent_hugepage/enabled
+  echo "steps:$steps${kexpr:+ (pytest -k \"$kexpr\")}"
 } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 
-build() {  # $1: C++ compiler
+# ---- build
+build() {  # $1: C++ compiler; returns non-zero if the build or the import fails
   t0=$(date +%s)
   rm -rf build
   CXX=$1 MAX_JOBS=16 python3 -m pip install --no-build-isolation --no-deps -v . > /tmp/pinxfer_build.log 2>&1 \
-    || { tail -50 /tmp/pinxfer_build.log; echo "BUILD FAILED"; exit 1; }
+    || { tail -50 /tmp/pinxfer_build.log; echo "BUILD FAILED with $1"; return 1; }
   grep -A5 "pinxfer build configuration" /tmp/pinxfer_build.log | head -6
   echo "build with $1 ($($1 --version | head -1)): $(( $(date +%s) - t0 )) s"
   # Tests and benchmarks run from the checkout (tests import tests.conftest), so
   # put the freshly built extension beside the sources as an in-place build would.
-  so=$(cd /tmp && python3 -c "import pinxfer._C as c; print(c.__file__)") || { echo "IMPORT FAILED"; exit 1; }
+  so=$(cd /tmp && python3 -c "import pinxfer._C as c; print(c.__file__)") || { echo "IMPORT FAILED"; return 1; }
   cp "$so" pinxfer/
 }
 # A C++ exception thrown in the extension must reach Python as an error. An
@@ -54,22 +143,39 @@ print('exceptions OK' if caught == 2 else 'exceptions MISSING')
 " 2>&1 | tail -3 | grep -q "exceptions OK"
 }
 echo "compilers: $(which -a g++ c++ 2>/dev/null | tr '\n' ' ')"
+built=""
+if [ "${SKIP_BUILD:-0}" = 1 ]; then
+  if ls pinxfer/_C*.so >/dev/null 2>&1 && exception_check; then
+    built="the existing $(ls pinxfer/_C*.so | head -1) (SKIP_BUILD=1)"
+  else
+    echo "SKIP_BUILD=1: no pinxfer/_C*.so here, or its C++ exceptions do not reach Python"
+  fi
+fi
 for cxx in g++-12 ${CXX:-} c++ /usr/bin/g++ /usr/bin/c++ g++-13; do
+  [ -n "$built" ] && break
   command -v "$cxx" >/dev/null || continue
-  build "$cxx"
-  if exception_check; then echo "C++ exceptions reach Python with $cxx"; break; fi
+  build "$cxx" || continue
+  if exception_check; then echo "C++ exceptions reach Python with $cxx"; built=$cxx; break; fi
   echo "C++ exceptions CRASH with $cxx; ldd:"; ldd pinxfer/_C*.so | grep -E "stdc|gcc"
   cuda-gdb -batch -ex run -ex bt --args python3 -c "import torch, pinxfer; torch.ops.pinxfer.empty([-1], torch.float32, None)" 2>&1 | grep -E "^#" | head -12
 done
+if [ -z "$built" ]; then
+  record build "FAILED (no compiler built an extension whose C++ exceptions reach Python)"
+  finish
+fi
+record build "OK ($built)"
 REPO=$PWD
+xdist_off=$(python3 -c "import xdist" 2>/dev/null && echo "-p no:xdist")
 
-if [ "$what" = all ] || [ "$what" = sweep ]; then
+if want sweep; then
   t0=$(date +%s)
   timeout 400 python3 "$REPO/benchmarks/sweep_to_device.py" --out "$OUT/sweep.json" 2>&1 | tail -40
+  rc=${PIPESTATUS[0]}
   echo "sweep: $(( $(date +%s) - t0 )) s"
+  record sweep "$(status_of "$rc")"
 fi
 
-if [ "$what" = all ] || [ "$what" = test ]; then
+if want test; then
   t0=$(date +%s)
   echo "== smoke"
   python3 -X faulthandler -c "
@@ -82,22 +188,130 @@ for where in ('before CUDA use', 'after CUDA use'):
         print(where, 'error raised as expected:', str(e).splitlines()[0])
     t = pinxfer.empty(1 << 20); t.fill_(1); print(t.is_pinned(), pinxfer.lock_kind(t))
 " 2>&1 | tail -8
-  # pytest-xdist (on the device image) replaces a crashed worker and goes on,
-  # so one crash does not hide the rest of the suite.
-  xdist=$(python3 -c "import xdist" 2>/dev/null && echo "-n 1")
-  kexpr=${2:-}
-  python3 -m pytest -q -rs $xdist -p no:cacheprovider --junitxml "$OUT/junit.xml" \
-    ${kexpr:+-k "$kexpr"} tests 2>&1 | tee /tmp/pinxfer_pytest.log | tail -40
+  rc=${PIPESTATUS[0]}
+  record smoke "$(status_of "$rc")"
+  # Plain pytest in this process: a crash ends the run and fails the step (xdist
+  # would replace the crashed worker and go on, hiding it).
+  python3 -X faulthandler -m pytest -q -rs $xdist_off -p no:cacheprovider --junitxml "$OUT/junit.xml" \
+    ${kexpr:+-k "$kexpr"} tests > /tmp/pinxfer_pytest.log 2>&1
+  rc=$?
+  if [ "$rc" -gt 128 ] && grep -q "Fatal Python error" /tmp/pinxfer_pytest.log; then
+    grep -B8 -A60 -m1 "Fatal Python error" /tmp/pinxfer_pytest.log | head -80  # the crash
+  else
+    tail -40 /tmp/pinxfer_pytest.log
+  fi
+  echo "PYTEST EXIT $rc"
   echo "tests: $(( $(date +%s) - t0 )) s"
+  record test "$(status_of "$rc")"
 fi
 
-if [ "$what" = all ] || [ "$what" = bench ]; then
+if want stress; then
   t0=$(date +%s)
+  secs=${STRESS_SECONDS:-90}
+  # stress_gpu.py has its own watchdog (stacks, exit 1) at 2 x (secs + 90) + 120 s.
+  timeout -k 30 $(( 2 * (${secs%.*} + 90) + 240 )) \
+    python3 -X faulthandler "$REPO/scripts/stress_gpu.py" --mode both --seconds "$secs" \
+    --min-transfers "${STRESS_MIN_TRANSFERS:-100000}" --json "$OUT/stress.json" ${STRESS_ARGS:-} \
+    > /tmp/pinxfer_stress.log 2>&1
+  rc=$?
+  if [ "$rc" -ne 0 ]; then
+    grep -E "MISMATCH|ERROR|CONTRACT|FATAL|Fatal Python|Traceback|Error:" /tmp/pinxfer_stress.log | head -40
+  fi
+  tail -40 /tmp/pinxfer_stress.log
+  echo "STRESS EXIT $rc"
+  echo "stress: $(( $(date +%s) - t0 )) s"
+  record stress "$(status_of "$rc")"
+fi
+
+if want memcheck; then
+  t0=$(date +%s)
+  cs=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer \
+       /usr/local/cuda-*/bin/compute-sanitizer /usr/local/cuda/compute-sanitizer/compute-sanitizer \
+       2>/dev/null | head -1)
+  if [ -z "$cs" ]; then
+    echo "compute-sanitizer not found (PATH, /usr/local/cuda*/bin)" | tee "$OUT/memcheck.txt"
+    record memcheck "FAILED (compute-sanitizer not found)"
+  else
+    mk=${MEMCHECK_K:-}
+    if [ "${MEMCHECK_SKIP_TIMING:-0}" = 1 ]; then
+      timing="not busy_current_stream and not cannot_be_read_early and not slow_copy_on_another_stream"
+      timing="$timing and not head_of_line and not cap_waits and not install_routes and not fenced_on_the_current"
+      mk=${mk:+($mk) and }$timing
+    fi
+    nocache=()
+    [ "${MEMCHECK_NO_CACHING:-0}" = 1 ] && nocache=(env PYTORCH_NO_CUDA_MEMORY_CACHING=1)
+    cmd=("${nocache[@]}" timeout -k 30 "${MEMCHECK_TIMEOUT:-540}"
+         "$cs" --tool memcheck --error-exitcode 1 --target-processes all
+         --report-api-errors "${MEMCHECK_API_ERRORS:-no}" ${MEMCHECK_FLAGS:-}
+         python3 -X faulthandler -m pytest -q -rs ${MEMCHECK_PYTEST_ARGS--x} $xdist_off
+         -p no:cacheprovider ${mk:+-k "$mk"}
+         tests/test_transfer_gpu.py tests/test_allocator_gpu.py)
+    echo "${cmd[*]}"
+    "${cmd[@]}" > /tmp/pinxfer_memcheck.log 2>&1
+    rc=$?
+    summaries=$(grep -c "ERROR SUMMARY" /tmp/pinxfer_memcheck.log)
+    errors=$(grep -Eo "ERROR SUMMARY: [0-9]+ error" /tmp/pinxfer_memcheck.log | awk '{s += $3} END {print s + 0}')
+    outcome=$(grep -E "[0-9]+ (passed|failed|skipped|deselected)|[0-9]+ errors? in|no tests ran" \
+      /tmp/pinxfer_memcheck.log | tail -1)
+    {
+      echo "compute-sanitizer: $cs ($("$cs" --version 2>/dev/null | tail -1))"
+      echo "command: ${cmd[*]}"
+      echo "exit code: $rc"
+      echo "memcheck errors: $errors (in $summaries ERROR SUMMARY lines)"
+      echo "pytest: ${outcome:-no result line}"
+      grep "ERROR SUMMARY" /tmp/pinxfer_memcheck.log
+      echo "--- first sanitizer reports"
+      grep -E "^========= " /tmp/pinxfer_memcheck.log | grep -v "ERROR SUMMARY" | head -80
+      echo "--- pytest failures"
+      grep -E "^(FAILED|ERROR) |Fatal Python error" /tmp/pinxfer_memcheck.log | head -20
+    } > "$OUT/memcheck.txt"
+    tail -30 /tmp/pinxfer_memcheck.log
+    cat "$OUT/memcheck.txt" | head -20
+    echo "MEMCHECK EXIT $rc, errors $errors"
+    echo "memcheck: $(( $(date +%s) - t0 )) s"
+    if [ "$summaries" -eq 0 ]; then
+      record memcheck "FAILED (no ERROR SUMMARY: the sanitizer did not finish; $(status_of "$rc"))"
+    elif [ "$errors" -gt 0 ]; then
+      record memcheck "FAILED ($errors memcheck errors)"
+    elif [ "$rc" -ne 0 ]; then
+      record memcheck "FAILED (0 memcheck errors, but pytest failed under the sanitizer: $(status_of "$rc"); ${outcome:-})"
+    else
+      record memcheck "OK (0 memcheck errors; ${outcome:-})"
+    fi
+  fi
+fi
+
+if want bench; then
+  t0=$(date +%s)
+  bench_rc=0
   for b in allocator pin_memory transfer; do
     echo "== bench_$b"
-    timeout 240 python3 "$REPO/benchmarks/bench_$b.py" --out "$OUT/bench_$b.json" 2>&1 | tail -25
+    rm -f "/tmp/pinxfer_bench_$b.json"
+    timeout 240 python3 "$REPO/benchmarks/bench_$b.py" --out "/tmp/pinxfer_bench_$b.json" 2>&1 | tail -25
+    rc=${PIPESTATUS[0]}
+    [ "$rc" -ne 0 ] && { echo "bench_$b: $(status_of "$rc")"; bench_rc=$rc; }
   done 2>&1 | tee "$OUT/bench.log"
+  # the loop ran in a pipeline's subshell: take its failures from the log
+  grep -q "^bench_[a-z_]*: FAILED" "$OUT/bench.log" && bench_rc=1
+  python3 - "$OUT/bench.json" <<'EOF'
+import json, os, sys
+out = {}
+for b in ("allocator", "pin_memory", "transfer"):
+    path = f"/tmp/pinxfer_bench_{b}.json"
+    try:
+        with open(path) as f:
+            out[b] = json.load(f)
+    except (OSError, ValueError) as err:
+        out[b] = {"error": f"{path}: {err}"}
+with open(sys.argv[1], "w") as f:
+    json.dump(out, f, indent=1)
+EOF
   echo "== pinxfer bench (CLI)"
   timeout 120 python3 -m pinxfer bench --json "$OUT/bench_cli.json" --no-progress 2>&1 | tail -30
+  rc=${PIPESTATUS[0]}
+  [ "$rc" -ne 0 ] && bench_rc=$rc
   echo "benchmarks: $(( $(date +%s) - t0 )) s"
+  record bench "$(status_of "$bench_rc")"
 fi
+
+finish
