@@ -138,7 +138,14 @@ def install() -> None:
     Afterwards ``Tensor.pin_memory()``, ``torch.empty(..., pin_memory=True)``, the
     DataLoader's pin thread and the event that ``copy_(non_blocking=True)``
     records all go to pinxfer's pool. Undo with :func:`uninstall`. Tensors
-    allocated before either call stay valid."""
+    allocated before either call stay valid, and copies of tensors that torch's
+    own allocator pinned before ``install()`` are still reported to it.
+
+    Call it at start-up, before other threads copy: torch swaps its allocator
+    pointer without a lock. After :func:`uninstall`, torch reports copies only to
+    its own allocator again, so a pool tensor made while installed is then
+    protected like any pool tensor (fence on free; :func:`record_stream` for
+    copies on side streams)."""
     if not _ops.install_host_allocator(True):
         raise RuntimeError(
             "pinxfer.install(): this pinxfer was built without CUDA, so there is no CUDA host "

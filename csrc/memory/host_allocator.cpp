@@ -22,12 +22,11 @@ class PoolHostAllocator final : public at::HostAllocator {
     default_copy_data(dest, src, count);
   }
 
-  // Called by copy_(non_blocking=True) for every host tensor it copies, ours
-  // or not: an unknown ctx answers false, as torch's own allocator does.
-  bool record_event(void* ptr, void* ctx, c10::Stream stream) override {
-    PinnedPool* pool = PinnedPool::owner_of(ctx);
-    return pool != nullptr && pool->record_stream(ctx, stream);
-  }
+  // Called by copy_(non_blocking=True) for every host tensor it copies. A
+  // tensor pinned by torch's own allocator before install() is still cached
+  // there: pass its copy on, or torch could reuse its block while the copy
+  // reads it. Anything else answers false, as torch's own allocator does.
+  bool record_event(void* ptr, void* ctx, c10::Stream stream) override;
 
   void empty_cache() override {
     for (PinnedPool* pool : all_pools()) pool->release_cached();
@@ -63,8 +62,18 @@ class PoolHostAllocator final : public at::HostAllocator {
 // when the new priority is >= the current one, so we restore torch's at ours.
 constexpr uint8_t kPriority = 64;
 std::mutex g_install_mutex;
-at::HostAllocator* g_torch_allocator = nullptr;  // LOCK: g_install_mutex
+// Written under g_install_mutex, read lock-free by record_event.
+std::atomic<at::HostAllocator*> g_torch_allocator{nullptr};
 std::atomic<bool> g_installed{false};
+
+
+bool PoolHostAllocator::record_event(void* ptr, void* ctx, c10::Stream stream) {
+  if (PinnedPool* pool = PinnedPool::owner_of(ctx)) {
+    if (pool->record_stream(ctx, stream)) return true;
+  }
+  at::HostAllocator* previous = g_torch_allocator.load();
+  return previous != nullptr && previous->record_event(ptr, ctx, stream);
+}
 
 }  // namespace
 
@@ -74,10 +83,10 @@ bool install_host_allocator(bool enable) {
   std::lock_guard<std::mutex> lock(g_install_mutex);
   if (enable == g_installed.load()) return true;
   if (enable) {
-    g_torch_allocator = at::getHostAllocator(at::kCUDA);
+    if (g_torch_allocator.load() == nullptr) g_torch_allocator = at::getHostAllocator(at::kCUDA);
     at::setHostAllocator(at::kCUDA, ours, kPriority);
   } else {
-    at::setHostAllocator(at::kCUDA, g_torch_allocator, kPriority);
+    at::setHostAllocator(at::kCUDA, g_torch_allocator.load(), kPriority);
   }
   g_installed.store(enable);
   return true;
