@@ -43,6 +43,10 @@ TORCH_LIBRARY(pinxfer, m) {
   m.def("build_info() -> (bool, str, bool)");
   // NUMA node of each page of a CPU tensor (negative errno if not present).
   m.def("page_nodes(Tensor self) -> int[]");
+  // TEST-ONLY fault injection, not an API: the next n cudaHostRegister calls of the pool's
+  // segment mapping fail (as cudaErrorMemoryAllocation), so tests can check the documented
+  // fallback (mlock, one warning). Returns the injected failures still pending before the call.
+  m.def("_inject_host_register_failures(int n) -> int");
 
   // ---- pin_memory and topology (csrc/ops/cpu/pin_memory_cpu.cpp, pin_inplace_cpu.cpp,
   //      csrc/ops/topology_ops.cpp) ----
