@@ -45,6 +45,10 @@ TORCH_LIBRARY(pinxfer, m) {
   m.def("page_nodes(Tensor self) -> int[]");
   // Test-only: allocate/free sleep this many microseconds between their critical sections.
   m.def("_set_debug_pause_us(int us) -> ()");
+  // TEST-ONLY fault injection, not an API: the next n cudaHostRegister calls of the pool's
+  // segment mapping fail (as cudaErrorMemoryAllocation), so tests can check the documented
+  // fallback (mlock, one warning). Returns the injected failures still pending before the call.
+  m.def("_inject_host_register_failures(int n) -> int");
 
   // ---- pin_memory and topology (csrc/ops/cpu/pin_memory_cpu.cpp, pin_inplace_cpu.cpp,
   //      csrc/ops/topology_ops.cpp) ----

@@ -1,7 +1,9 @@
 """pinxfer: move data between host memory and NVIDIA GPUs at the speed of the bus.
 
 Importing pinxfer loads its C++ operators (``torch.ops.pinxfer.*``) and never
-initialises CUDA.
+initialises CUDA. The first call that pins (``empty``, ``pin_memory``, ``pin_``)
+where CUDA is usable initialises torch's CUDA state, as torch's own pinning does,
+so that ``Tensor.is_pinned()`` answers True for pinxfer's memory.
 """
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ from pinxfer.memory import (  # noqa: E402
     set_max_pinned_bytes,
     uninstall,
 )
-from pinxfer.pin import pin_, pin_memory, unpin_  # noqa: E402
+from pinxfer.pin import is_pinned, pin_, pin_memory, unpin_  # noqa: E402
 from pinxfer.topology import GpuTopology, numa_nodes, topology  # noqa: E402
 
 from pinxfer.prefetch import Prefetcher, prefetch  # noqa: E402
@@ -61,6 +63,7 @@ __all__ = [
     "get_max_pinned_bytes",
     "install",
     "is_installed",
+    "is_pinned",
     "is_pool_tensor",
     "lock_kind",
     "memory_stats",

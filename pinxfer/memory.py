@@ -26,6 +26,30 @@ def build_info() -> BuildInfo:
     return BuildInfo(*_ops.build_info())
 
 
+# True once torch's CUDA state is initialised, or once pinxfer knows it cannot use
+# CUDA in this process (then nothing is registered with CUDA and there is nothing to
+# initialise). Checked on every pinning call; _ensure_torch_cuda() runs once.
+_torch_cuda_ready = False
+
+
+def _ensure_torch_cuda() -> None:
+    """Leaves torch in the state its own pinning leaves it in.
+
+    torch answers ``Tensor.is_pinned()`` (``Context::isPinnedPtr``) False for every
+    pointer until its CUDA state is initialised, and ``Tensor.pin_memory()`` /
+    ``torch.empty(pin_memory=True)`` initialise it. pinxfer registers memory with
+    CUDA itself, so in a fresh process its tensors would read as not pinned. The
+    first pinxfer call that pins while CUDA is usable therefore runs
+    ``torch.cuda.init()``: torch's Python lazy init, which also arms torch's
+    checks against using CUDA in a forked child. ``import pinxfer`` never gets here;
+    a forked child (where pinxfer never uses CUDA) never initialises it.
+    """
+    global _torch_cuda_ready
+    if _ops.build_info()[2] and not torch.cuda.is_initialized():
+        torch.cuda.init()
+    _torch_cuda_ready = True
+
+
 def _size_tuple(size: Sequence[int] | tuple) -> list[int]:
     if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)):
         size = size[0]
@@ -44,7 +68,9 @@ def empty(*size: int, dtype: Optional[torch.dtype] = None, numa_node: Optional[i
 
     Like ``torch.empty(size, pin_memory=True)``: contents are uninitialised,
     ``is_pinned()`` is True when a CUDA device is usable (the memory is
-    cudaHostRegister'ed; without CUDA it is mlock'ed). The memory returns to the
+    cudaHostRegister'ed; without CUDA it is mlock'ed), and, as torch's pinned
+    factory does, the first call initialises torch's CUDA state where CUDA is
+    usable (``torch.cuda.init()``). The memory returns to the
     pool when the tensor is freed, and is reused only after the CUDA work
     recorded against it has finished (see :func:`record_stream`).
 
@@ -54,6 +80,8 @@ def empty(*size: int, dtype: Optional[torch.dtype] = None, numa_node: Optional[i
         numa_node: NUMA node for the pages. None: the current GPU's node; -1: no binding.
     """
     dims = _size_tuple(size)
+    if not _torch_cuda_ready:
+        _ensure_torch_cuda()
     return _ops.empty(dims, dtype or torch.get_default_dtype(), numa_node)
 
 

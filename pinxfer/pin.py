@@ -15,6 +15,8 @@ from typing import Any, Optional, Union
 
 import torch
 
+from pinxfer import memory as _memory
+
 _ops = torch.ops.pinxfer
 
 DeviceLike = Union[int, str, torch.device]
@@ -57,17 +59,43 @@ def _threads(num_threads: Optional[int]) -> int:
     return num_threads
 
 
+def _own_layout(tensor: torch.Tensor) -> bool:
+    """True for the tensors pinxfer pins itself: dense (strided), not nested, not
+    quantized. Every other layout (sparse COO/CSR/CSC/BSR/BSC, nested strided or
+    jagged, quantized) goes to torch's ``Tensor.pin_memory()``."""
+    return tensor.layout == torch.strided and not tensor.is_nested and not tensor.is_quantized
+
+
+# True in a forked child of a process that initialised CUDA: torch can no longer
+# query CUDA there (Tensor.is_pinned() may raise), and no memory is pinned for this
+# process's CUDA context (it has none). pinxfer's pool mlocks in such a child.
+_in_bad_fork = getattr(torch._C, "_cuda_isInBadFork", lambda: False)
+
+
+def _torch_is_pinned(tensor: torch.Tensor) -> bool:
+    return False if _in_bad_fork() else bool(tensor.is_pinned())
+
+
 def is_pinned(tensor: torch.Tensor) -> bool:
     """True if ``tensor``'s memory is page-locked by torch, CUDA, pinxfer's pool or
-    :func:`pin_`. Unlike ``Tensor.is_pinned()`` this also counts memory pinxfer
-    mlock'ed where no CUDA device is usable."""
-    if tensor.device.type != "cpu" or tensor.layout != torch.strided:
+    :func:`pin_`.
+
+    Unlike ``Tensor.is_pinned()`` this also counts memory pinxfer mlock'ed where
+    no CUDA device is usable; a pool block that could not be locked at all (the
+    memlock limit refused, see :func:`pinxfer.lock_kind`) answers False. Tensors
+    on a device answer False. For layouts pinxfer hands to torch (sparse, nested,
+    quantized) this is ``Tensor.is_pinned()``. In a forked child of a process that
+    used CUDA, torch's answer is taken as False (torch cannot query CUDA there)."""
+    if tensor.device.type != "cpu":
         return False
-    return bool(
-        tensor.is_pinned()
-        or _ops.is_pool_tensor(tensor)
-        or _ops.inplace_lock_kind(tensor) is not None
-    )
+    if not _own_layout(tensor):
+        return _torch_is_pinned(tensor)
+    if _torch_is_pinned(tensor):
+        return True
+    if _ops.is_pool_tensor(tensor):
+        # A pool block is locked unless locking failed (memlock limit): 'pageable'.
+        return str(_ops.lock_kind(tensor)) != "pageable"
+    return _ops.inplace_lock_kind(tensor) is not None
 
 
 class _PinMemoryGrad(torch.autograd.Function):
@@ -89,8 +117,14 @@ def _pin_tensor(tensor: torch.Tensor, node: Optional[int], threads: int) -> torc
             f"pinxfer.pin_memory: expected a CPU tensor, got a tensor on {tensor.device}. Only "
             "host memory can be pinned; a tensor already on a device needs no pinning."
         )
+    if not _own_layout(tensor):
+        # torch's own pin: same result, and where torch raises (no CUDA, say),
+        # the same error. It returns the tensor itself if it is already pinned.
+        return tensor.pin_memory()
     if is_pinned(tensor):
         return tensor
+    if not _memory._torch_cuda_ready:
+        _memory._ensure_torch_cuda()
     if tensor.requires_grad and torch.is_grad_enabled():
         return _PinMemoryGrad.apply(tensor, node, threads)
     return _ops.pin_memory(tensor, node, threads)
@@ -191,7 +225,12 @@ def pin_memory(
     Same results as ``Tensor.pin_memory()``: equal values bit for bit, same sizes
     and strides (storage offset 0), an already-pinned tensor comes back as the
     same object, and ``Tensor.is_pinned()`` is True for the result where CUDA is
-    usable. Differences: the memory comes from pinxfer's pool on the GPU's NUMA
+    usable (the first call initialises torch's CUDA state there, as torch's own
+    pin does). Tensors pinxfer does not pin itself -- sparse (COO, CSR, CSC, BSR,
+    BSC), nested (strided or jagged) and quantized ones -- are pinned by
+    ``Tensor.pin_memory()`` (torch's allocator; ``device``, ``numa_node`` and
+    ``num_threads`` do not apply), with torch's result or torch's error.
+    Differences for dense tensors: the memory comes from pinxfer's pool on the GPU's NUMA
     node; the copy is split over that node's persistent threads (fast from a
     DataLoader pin thread with ``torch.set_num_threads(1)``); an internally
     overlapping view (e.g. ``expand``), which torch refuses, gives a contiguous
@@ -225,7 +264,8 @@ def pin_(tensor: torch.Tensor) -> torch.Tensor:
 
     The whole storage is registered (so every view of it is pinned):
     ``cudaHostRegister`` where a CUDA device is usable (``is_pinned()`` becomes
-    True and copies are DMA transfers), else ``mlock``. Until :func:`unpin_`,
+    True and copies are DMA transfers; torch's CUDA state is initialised for
+    that, once), else ``mlock``. Until :func:`unpin_`,
     pinxfer keeps the storage alive and non-resizable.
 
     Raises RuntimeError, saying why, for memory that cannot be registered: not
@@ -239,6 +279,8 @@ def pin_(tensor: torch.Tensor) -> torch.Tensor:
     Returns:
         ``tensor`` itself.
     """
+    if not _memory._torch_cuda_ready:
+        _memory._ensure_torch_cuda()
     _ops.pin_(tensor)
     return tensor
 

@@ -14,6 +14,9 @@ import dataclasses
 import mmap
 import os
 import platform
+import subprocess
+import sys
+import textwrap
 import threading
 from typing import NamedTuple
 
@@ -282,10 +285,12 @@ def test_leaves_untouched():
 def test_errors_say_what_arrived():
     with pytest.raises(RuntimeError, match="expected a CPU tensor, got a tensor on meta"):
         pinxfer.pin_memory(torch.empty(3, device="meta"))
+    # The op itself takes dense tensors only; pinxfer.pin_memory hands the rest to torch
+    # (test_other_layouts_behave_as_torch_pin_memory).
     with pytest.raises(RuntimeError, match="expected a dense .strided. CPU tensor, got layout"):
-        pinxfer.pin_memory(torch.randn(4, 4).to_sparse())
+        ops.pin_memory(torch.randn(4, 4).to_sparse())
     with pytest.raises(RuntimeError, match="expected a dense"):
-        pinxfer.pin_memory(torch.randn(4, 4).to_sparse_csr())
+        ops.pin_memory(torch.randn(4, 4).to_sparse_csr())
     with pytest.raises(ValueError, match="num_threads"):
         pinxfer.pin_memory(torch.randn(3), num_threads=-1)
     with pytest.raises(ValueError, match="numa_node"):
@@ -301,9 +306,200 @@ def test_errors_deep_inside_a_batch_name_the_path():
     with pytest.raises(RuntimeError, match=r"cannot pin batch\['x'\]\[2\]: expected a CPU"):
         pinxfer.pin_memory(batch)
     with pytest.raises(RuntimeError, match=r"batch\.a\[0\]\['s'\]"):
-        pinxfer.pin_memory(Pair([{"s": torch.randn(3).to_sparse()}], None))
+        pinxfer.pin_memory(Pair([{"s": torch.empty(3, device="meta")}], None))
     with pytest.raises(RuntimeError, match=r"batch\[1\]\.x"):
         pinxfer.pin_memory((1, Sample(torch.empty(1, device="meta"), 0)))
+
+
+# ---- layouts pinxfer hands to torch: sparse, nested, quantized ----
+
+def _sparse_source() -> torch.Tensor:
+    d = torch.randn(6, 8, generator=torch.Generator().manual_seed(11))
+    d[d.abs() < 0.7] = 0
+    return d
+
+
+_OTHER_LAYOUTS = {
+    "sparse_coo": lambda: _sparse_source().to_sparse(),
+    "sparse_coo_uncoalesced": lambda: torch.sparse_coo_tensor(
+        torch.tensor([[0, 0, 2], [1, 1, 3]]), torch.tensor([1.0, 2.0, 3.0]), (4, 5),
+        check_invariants=True),
+    "sparse_csr": lambda: _sparse_source().to_sparse_csr(),
+    "sparse_csc": lambda: _sparse_source().to_sparse_csc(),
+    "sparse_bsr": lambda: _sparse_source().to_sparse_bsr((2, 2)),
+    "sparse_bsc": lambda: _sparse_source().to_sparse_bsc((2, 4)),
+    "nested_strided": lambda: torch.nested.nested_tensor([torch.randn(2, 3), torch.randn(5, 3)]),
+    "nested_jagged": lambda: torch.nested.nested_tensor([torch.randn(2, 3), torch.randn(5, 3)],
+                                                        layout=torch.jagged),
+    "quantized": lambda: torch.quantize_per_tensor(torch.randn(10), 0.1, 3, torch.quint8),
+}
+
+
+def _outcome(fn):
+    try:
+        return "ok", fn()
+    except Exception as err:  # noqa: BLE001 - compared with torch's outcome
+        return "raised", err
+
+
+def _components(t: torch.Tensor) -> list:
+    """Plain tensors that carry t's values and structure, for exact comparison."""
+    if t.layout == torch.sparse_coo:
+        return [t._indices(), t._values(), torch.tensor(t.shape)]
+    if t.layout in (torch.sparse_csr, torch.sparse_bsr):
+        return [t.crow_indices(), t.col_indices(), t.values(), torch.tensor(t.shape)]
+    if t.layout in (torch.sparse_csc, torch.sparse_bsc):
+        return [t.ccol_indices(), t.row_indices(), t.values(), torch.tensor(t.shape)]
+    if t.is_nested:
+        return list(t.unbind())
+    if t.is_quantized:
+        return [t.int_repr(), torch.tensor(t.q_scale()), torch.tensor(t.q_zero_point())]
+    return [t]
+
+
+def _assert_same_tensor(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert type(a) is type(b)
+    assert a.layout == b.layout and a.is_nested == b.is_nested and a.dtype == b.dtype
+    assert a.is_quantized == b.is_quantized
+    ca, cb = _components(a), _components(b)
+    assert len(ca) == len(cb)
+    for x, y in zip(ca, cb):
+        assert x.shape == y.shape and x.dtype == y.dtype and torch.equal(x, y)
+
+
+@pytest.mark.filterwarnings("ignore:.*(beta|prototype|deprecated).*:UserWarning")
+@pytest.mark.parametrize("name", list(_OTHER_LAYOUTS))
+def test_other_layouts_behave_as_torch_pin_memory(name):
+    """Tensors pinxfer does not pin itself go to Tensor.pin_memory(): the same
+    result where torch pins them (CUDA), torch's own error where it refuses (here,
+    without CUDA). pinxfer.is_pinned agrees with Tensor.is_pinned()."""
+    t = _OTHER_LAYOUTS[name]()
+    theirs = _outcome(lambda: t.pin_memory())
+    ours = _outcome(lambda: pinxfer.pin_memory(t))
+    assert ours[0] == theirs[0], (ours, theirs)
+    if ours[0] == "raised":
+        assert type(ours[1]) is type(theirs[1])
+        assert str(ours[1]) == str(theirs[1])  # torch's error, not a pinxfer one
+        # Inside a batch: the same type, with the path added.
+        with pytest.raises(type(theirs[1]), match=r"cannot pin batch\['x'\]"):
+            pinxfer.pin_memory({"x": t, "y": torch.randn(3)})
+    else:
+        _assert_same_tensor(ours[1], theirs[1])
+        _assert_same_tensor(ours[1], t)
+        if t.layout == torch.sparse_coo:
+            assert ours[1].is_coalesced() == theirs[1].is_coalesced()
+        assert ours[1].is_pinned() and is_pinned(ours[1])
+        assert pinxfer.pin_memory(ours[1]) is ours[1]  # pinned: the same object, as torch
+    assert is_pinned(t) == t.is_pinned() == False  # noqa: E712
+    assert pinxfer.is_pinned is is_pinned
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.filterwarnings("ignore:.*(beta|prototype|deprecated).*:UserWarning")
+@pytest.mark.parametrize("name", list(_OTHER_LAYOUTS))
+def test_gpu_other_layouts_are_pinned(name):
+    """With CUDA: every layout pins (values, indices, layout, shape, nesting kept),
+    is_pinned() is True, alone and inside a batch, and the pinned tensor copies to
+    the GPU intact."""
+    t = _OTHER_LAYOUTS[name]()
+    if name == "quantized":
+        theirs = _outcome(lambda: t.pin_memory())
+        if theirs[0] == "raised":  # torch itself does not pin quantized tensors here
+            with pytest.raises(type(theirs[1])):
+                pinxfer.pin_memory(t)
+            return
+    out = pinxfer.pin_memory(t)
+    _assert_same_tensor(out, t)
+    assert out.is_pinned() and is_pinned(out) and not is_pinned(t)
+    assert pinxfer.pin_memory(out) is out
+    batch = pinxfer.pin_memory({"x": t, "n": 3})
+    _assert_same_tensor(batch["x"], t)
+    assert batch["x"].is_pinned() and batch["n"] == 3
+    if t.layout != torch.jagged and not t.is_quantized:
+        back = out.to("cuda", non_blocking=True).cpu()
+        if t.is_nested:
+            assert all(torch.equal(x, y) for x, y in zip(back.unbind(), t.unbind()))
+        else:
+            assert back.layout == t.layout and torch.equal(back.to_dense(), t.to_dense())
+
+
+def test_import_and_queries_do_not_initialise_cuda():
+    """import pinxfer, its queries, and pinning where pinxfer does not use CUDA
+    (PINXFER_DISABLE_CUDA=1; on a machine without a GPU also without it) leave
+    torch's CUDA state alone."""
+    code = textwrap.dedent("""
+        import torch, pinxfer
+        states = [torch.cuda.is_initialized()]
+        pinxfer.build_info(); pinxfer.memory_stats(); pinxfer.get_max_pinned_bytes()
+        pinxfer.is_pinned(torch.randn(3))
+        states.append(torch.cuda.is_initialized())
+        a = pinxfer.empty(1000)
+        p = pinxfer.pin_memory({"x": torch.randn(100)})["x"]
+        states.append(torch.cuda.is_initialized())
+        print(states, pinxfer.lock_kind(a), pinxfer.lock_kind(p), pinxfer.is_pinned(p))
+    """)
+    # Without a GPU both runs would take the same path: one is enough there.
+    for env in ({"PINXFER_DISABLE_CUDA": "1"}, {}) if HAS_CUDA else ({},):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             env=dict(os.environ, **env), timeout=120)
+        assert out.returncode == 0, out.stderr
+        states, kind_a, kind_p, pinned = out.stdout.strip().rsplit(" ", 3)
+        if env or not HAS_CUDA:
+            assert states == "[False, False, False]", (env, out.stdout)
+            # mlocked, or pageable where the machine's memlock limit refuses.
+            assert kind_a == kind_p and kind_a in ("mlocked", "pageable"), out.stdout
+            assert pinned == str(kind_a == "mlocked")
+        else:  # pinning with CUDA initialises torch's CUDA state, as torch's own pin does
+            assert states == "[False, False, True]", out.stdout
+            assert kind_a == kind_p == "cuda_registered" and pinned == "True"
+
+
+_FIRST_THING = {
+    "pin_memory": "t = pinxfer.pin_memory(torch.randn(1000))",
+    "pin_memory_batch": "t = pinxfer.pin_memory({'a': [torch.randn(10, 10).t()]})['a'][0]",
+    "empty": "t = pinxfer.empty(1000)",
+    "empty_large": "t = pinxfer.empty(16 << 20, dtype=torch.uint8)",
+    "pin_": "t = pinxfer.pin_(torch.randn(1 << 16))",
+    "pin_memory_in_thread": (
+        "import threading\n"
+        "box = []\n"
+        "th = threading.Thread(target=lambda: box.append(pinxfer.pin_memory(torch.randn(1000))))\n"
+        "th.start(); th.join()\n"
+        "t = box[0]"),
+}
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("first", list(_FIRST_THING))
+def test_gpu_is_pinned_in_a_fresh_process(first):
+    """In a fresh process where nothing used CUDA yet, the first pinxfer call that
+    pins leaves torch in the state torch's own pinning leaves it in: is_pinned()
+    is True at once (torch's isPinnedPtr answers False before torch initialised
+    CUDA), and torch.cuda.is_initialized() is True, as after x.pin_memory()."""
+    code = textwrap.dedent("""
+        import torch, pinxfer
+        assert not torch.cuda.is_initialized()
+        {first}
+        ours = [t.is_pinned(), pinxfer.is_pinned(t), torch.cuda.is_initialized()]
+        ref = torch.randn(10).pin_memory()
+        print(ours, [ref.is_pinned(), torch.cuda.is_initialized()])
+    """).format(first=_FIRST_THING[first])
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[True, True, True] [True, True]", out.stdout
+
+
+def test_is_pinned_is_exported():
+    assert "is_pinned" in pinxfer.__all__ and pinxfer.is_pinned is is_pinned
+    assert pinxfer.is_pinned.__doc__
+    assert not is_pinned(torch.randn(3)) and not is_pinned(torch.empty(3, device="meta"))
+    e = pinxfer.empty(10)
+    assert is_pinned(e) == (pinxfer.lock_kind(e) != "pageable")
+    assert is_pinned(e[3:]) == is_pinned(e)  # a view of a pool block
+    with open(os.path.join(os.path.dirname(__file__), "..", "README.md")) as f:
+        assert "| `is_pinned(t)` |" in f.read()
 
 
 # ---- threads ----

@@ -114,6 +114,10 @@ std::vector<int64_t> page_nodes_op(const at::Tensor& self) {
   return std::vector<int64_t>(nodes.begin(), nodes.end());
 }
 
+int64_t inject_host_register_failures_op(int64_t n) {
+  return cuda::inject_host_register_failures(n);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(pinxfer, CPU, m) {
@@ -136,6 +140,7 @@ TORCH_LIBRARY_IMPL(pinxfer, CompositeExplicitAutograd, m) {
   m.impl("host_allocator_installed", &installed_op);
   m.impl("build_info", &build_info);
   m.impl("_set_debug_pause_us", &set_debug_pause_us_op);
+  m.impl("_inject_host_register_failures", &inject_host_register_failures_op);
 }
 
 }  // namespace pinxfer::ops

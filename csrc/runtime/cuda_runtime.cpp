@@ -1,7 +1,11 @@
 #include "runtime/cuda_runtime.h"
 
+#include <pthread.h>
+
+#include <atomic>
 #include <cstdlib>
 #include <mutex>
+#include <new>
 #include <vector>
 
 #include <c10/util/Exception.h>
@@ -27,6 +31,24 @@ std::string built_cuda_version() {
 #endif
 }
 
+namespace {
+std::atomic<int64_t> g_injected_register_failures{0};
+
+// Consumes one injected host_register() failure, if any is pending.
+[[maybe_unused]] bool take_injected_register_failure() {
+  int64_t n = g_injected_register_failures.load();
+  while (n > 0) {
+    if (g_injected_register_failures.compare_exchange_weak(n, n - 1)) return true;
+  }
+  return false;
+}
+}  // namespace
+
+int64_t inject_host_register_failures(int64_t n) {
+  TORCH_CHECK(n >= 0, "pinxfer._inject_host_register_failures: n must be >= 0, got ", n);
+  return g_injected_register_failures.exchange(n);
+}
+
 #if PINXFER_WITH_CUDA
 
 namespace {
@@ -43,15 +65,29 @@ uint64_t g_events_generation = 0;  // LOCK: g_events_mutex
 std::string error_text(cudaError_t err) {
   return std::string(cudaGetErrorName(err)) + ": " + cudaGetErrorString(err);
 }
+
+// A thread of the parent may have held one of these locks at fork(); in the
+// child that thread does not exist, so the locks are rebuilt (the state they
+// guard is generation-checked: the child never uses the parent's events).
+void cuda_runtime_child_after_fork() {
+  new (&g_probe_mutex) std::mutex();
+  new (&g_events_mutex) std::mutex();
+}
+
+struct CudaRuntimeForkHandlerInstaller {
+  CudaRuntimeForkHandlerInstaller() {
+    pthread_atfork(nullptr, nullptr, &cuda_runtime_child_after_fork);
+  }
+} g_cuda_runtime_fork_handler;
 }  // namespace
 
 bool cuda_usable() {
-  std::lock_guard<std::mutex> lock(g_probe_mutex);
   const uint64_t gen = fork_generation();
+  if (gen != 0) return false;  // forked child: never touch the parent's CUDA state
+  std::lock_guard<std::mutex> lock(g_probe_mutex);
   if (g_probed_generation == gen) return g_usable;
   g_probed_generation = gen;
   g_usable = false;
-  if (gen != 0) return false;  // forked child: never touch the parent's CUDA state
   const char* disable = std::getenv("PINXFER_DISABLE_CUDA");
   if (disable && std::string(disable) == "1") return false;
   int count = 0;
@@ -65,6 +101,10 @@ bool cuda_usable() {
 }
 
 std::string host_register(void* ptr, size_t size) {
+  if (take_injected_register_failure()) {
+    return error_text(cudaErrorMemoryAllocation) +
+           " [injected by pinxfer._inject_host_register_failures, a test-only fault]";
+  }
   const cudaError_t err = cudaHostRegister(ptr, size, cudaHostRegisterPortable);
   if (err == cudaSuccess) return "";
   (void)cudaGetLastError();

@@ -12,6 +12,7 @@
 
 #include <c10/core/Stream.h>
 
+#include <cstdint>
 #include <string>
 
 namespace pinxfer::cuda {
@@ -25,8 +26,17 @@ std::string built_cuda_version();
 bool cuda_usable();
 
 // Page-locks host memory for DMA by every device (cudaHostRegisterPortable).
-// Returns "" on success, else the CUDA error text.
+// Returns "" on success, else the CUDA error text. Used by the pool's segments
+// (map_locked_region); honours inject_host_register_failures().
 std::string host_register(void* ptr, size_t size);
+
+// TEST-ONLY fault injection: the next n calls of host_register() fail, without
+// calling CUDA, with the text of cudaErrorMemoryAllocation marked as injected.
+// Process-wide and thread-safe (each failing call consumes one). Returns the
+// number of injected failures that were still pending (so n = 0 cancels and
+// reports). Only host_register() is affected: not pin_ (host_register_user),
+// and nothing where CUDA is not usable, since host_register() is then not called.
+int64_t inject_host_register_failures(int64_t n);
 std::string host_unregister(void* ptr);
 
 // host_register for memory the caller does not own (pinxfer.pin_): also says

@@ -48,14 +48,16 @@ void check_input(const at::Tensor& self) {
               ". Only host memory can be pinned; a tensor already on a device needs no pinning.");
   TORCH_CHECK(self.layout() == at::kStrided,
               "pinxfer.pin_memory: expected a dense (strided) CPU tensor, got layout ",
-              self.layout(), ". Pin the values of sparse tensors separately (e.g. t.values(), "
-              "t.indices()) or convert with t.to_dense().");
+              self.layout(), ". The Python function pinxfer.pin_memory() hands such tensors "
+              "to torch's Tensor.pin_memory(); this op takes dense tensors only.");
   TORCH_CHECK(!self.is_quantized(),
-              "pinxfer.pin_memory: quantized tensors are not supported (got ", self.toString(),
-              "); pin t.int_repr() and keep the scale and zero point aside.");
+              "pinxfer.pin_memory: quantized tensors are not supported by this op (got ",
+              self.toString(), "); the Python function pinxfer.pin_memory() hands them to "
+              "torch's Tensor.pin_memory().");
   TORCH_CHECK(self.has_storage(),
               "pinxfer.pin_memory: expected a tensor with storage, got ", self.toString(),
-              " (a wrapper or nested tensor); pin its plain components instead.");
+              " (a wrapper or nested tensor); the Python function pinxfer.pin_memory() hands "
+              "nested tensors to torch's Tensor.pin_memory().");
 }
 
 void check_threads(int64_t num_threads) {
