@@ -8,6 +8,16 @@ Configuration (printed at build time):
       -> error, unless PINXFER_CPU_ONLY=1 asks for the CPU-only variant on purpose.
   * torch is a CPU build, or PINXFER_CPU_ONLY=1
       -> CPU-only variant: the allocator page-locks with mlock, CUDA ops are absent.
+
+Sanitizer builds (orthogonal to the above), PINXFER_SANITIZE=...:
+  * address -> ASan + UBSan (-fsanitize=address,undefined); any UBSan report aborts
+               (-fno-sanitize-recover=all), like an ASan report.
+  * thread  -> TSan (-fsanitize=thread).
+  Both compile with -g -O1 -fno-omit-frame-pointer -UNDEBUG, link the sanitizer
+  runtime, and define PINXFER_DEBUG_INVARIANTS=1 (the pool's invariant checks).
+  The extension then loads only into a process that starts with that runtime:
+  run Python with LD_PRELOAD=$(g++ -print-file-name=libasan.so) (or libtsan.so).
+  scripts/sanitize.sh does all of it, on the CPU-only variant, in a scratch copy.
 """
 import glob
 import os
@@ -70,10 +80,42 @@ def _configure():
     return with_cuda, why
 
 
+# PINXFER_SANITIZE value -> (banner text, compile flags, link flags).
+_SANITIZERS = {
+    "address": (
+        "address (ASan + UBSan, reports abort)",
+        ["-fsanitize=address,undefined", "-fno-sanitize-recover=all"],
+        ["-fsanitize=address,undefined"],
+    ),
+    "thread": ("thread (TSan)", ["-fsanitize=thread"], ["-fsanitize=thread"]),
+}
+
+
+def _sanitizer():
+    value = os.environ.get("PINXFER_SANITIZE", "").strip().lower()
+    if value in ("", "0", "none", "off"):
+        return None
+    if value not in _SANITIZERS:
+        sys.exit(
+            f"pinxfer: unknown PINXFER_SANITIZE={os.environ['PINXFER_SANITIZE']!r}: use "
+            f"{' or '.join(sorted(_SANITIZERS))} (or leave it unset for a normal build)."
+        )
+    return value
+
+
 with_cuda, why = _configure()
+sanitize = _sanitizer()
 sources = _sources(with_cuda)
 cxx_flags = ["-O3", "-Wno-interference-size", "-Wall", "-Wno-unused-parameter"]
+link_flags = []
 define_macros = [("PINXFER_WITH_CUDA", "1" if with_cuda else "0")]
+if sanitize:
+    _, san_compile, san_link = _SANITIZERS[sanitize]
+    # -O1 keeps stacks readable and runs fast enough; -UNDEBUG undoes Python's
+    # -DNDEBUG so assert()s run too.
+    cxx_flags = ["-g", "-O1", "-fno-omit-frame-pointer", "-UNDEBUG"] + san_compile + cxx_flags[1:]
+    link_flags = san_link
+    define_macros.append(("PINXFER_DEBUG_INVARIANTS", "1"))
 if with_cuda:
     # Record which toolkit we compiled against so Python can report it.
     import subprocess
@@ -93,6 +135,8 @@ print(
     "pinxfer build configuration:\n"
     f"  torch        {torch.__version__} (CUDA {torch.version.cuda})\n"
     f"  variant      {'CUDA' if with_cuda else 'CPU-only'} ({why})\n"
+    f"  sanitizer    {_SANITIZERS[sanitize][0] if sanitize else 'none'}"
+    f"{'' if not sanitize else ', PINXFER_DEBUG_INVARIANTS=1'}\n"
     f"  sources      {len(sources)} files under csrc/\n"
     f"  CUDA_HOME    {cpp_extension.CUDA_HOME}\n",
     flush=True,
@@ -106,6 +150,7 @@ setup(
             include_dirs=[os.path.join(HERE, "csrc")],
             define_macros=define_macros,
             extra_compile_args={"cxx": cxx_flags},
+            extra_link_args=link_flags,
             libraries=["pthread"],
         )
     ],

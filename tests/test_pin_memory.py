@@ -26,7 +26,7 @@ import torch
 import pinxfer
 from pinxfer.pin import inplace_lock_kind, is_pinned
 
-from .conftest import HAS_CUDA, requires_cuda, vm_locked_kib
+from .conftest import HAS_CUDA, MLOCK_IS_REAL, requires_cuda, vm_locked_kib
 
 ops = torch.ops.pinxfer
 
@@ -575,7 +575,7 @@ def test_pin_inplace_mlock_path():
     before = vm_locked_kib()
     assert pinxfer.pin_(t) is t
     assert inplace_lock_kind(t) == "mlocked"
-    assert vm_locked_kib() - before >= 1024
+    assert vm_locked_kib() - before >= 1024 or not MLOCK_IS_REAL  # ASan/TSan: mlock is a no-op
     assert is_pinned(t) and is_pinned(t[5:])
     assert pinxfer.pin_memory(t) is t  # already pinned: same object
     with pytest.raises(RuntimeError, match="already pinned by pinxfer.pin_"):
@@ -606,13 +606,16 @@ def test_unpin_keeps_pages_shared_with_another_pinned_tensor():
     # a covers page 0 and the start of page 1; b the rest of page 1 and page 2.
     a = torch.frombuffer(buf, dtype=torch.uint8, count=page + 100, offset=page)
     b = torch.frombuffer(buf, dtype=torch.uint8, count=2 * page - 200, offset=2 * page + 200)
+    # Under ASan/TSan mlock is a no-op (MLOCK_IS_REAL): the calls still run, the
+    # kernel's page counts are not checked.
     pinxfer.pin_(a)
     pinxfer.pin_(b)
-    assert locked_kib_in(addr, addr + 3 * page) == 3 * page // 1024
+    assert not MLOCK_IS_REAL or locked_kib_in(addr, addr + 3 * page) == 3 * page // 1024
     pinxfer.unpin_(a)
-    assert locked_kib_in(addr, addr + 3 * page) == 2 * page // 1024  # page 1 still locked for b
+    # page 1 stays locked for b
+    assert not MLOCK_IS_REAL or locked_kib_in(addr, addr + 3 * page) == 2 * page // 1024
     pinxfer.unpin_(b)
-    assert locked_kib_in(addr, addr + 3 * page) == 0
+    assert not MLOCK_IS_REAL or locked_kib_in(addr, addr + 3 * page) == 0
     del a, b
 
 

@@ -155,21 +155,37 @@ bool try_record_event(const c10::Stream& stream, Event* out, std::string* error)
       list.pop_back();
     }
   }
-  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
-  if (ev == nullptr) {
-    const cudaError_t err = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming);
+  // Callers are deleters (PinnedPool::free): nothing may escape. CUDAGuard
+  // throws when the device cannot be set (no GPU, a stream of a device this
+  // process cannot use); report that like a CUDA error.
+  try {
+    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+    if (ev == nullptr) {
+      const cudaError_t err = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming);
+      if (err != cudaSuccess) {
+        (void)cudaGetLastError();
+        *error = "cudaEventCreateWithFlags failed: " + error_text(err);
+        return false;
+      }
+    }
+    const c10::cuda::CUDAStream cuda_stream(c10::cuda::CUDAStream::UNCHECKED, stream);
+    const cudaError_t err = cudaEventRecord(ev, cuda_stream.stream());
     if (err != cudaSuccess) {
       (void)cudaGetLastError();
-      *error = "cudaEventCreateWithFlags failed: " + error_text(err);
+      *error = "cudaEventRecord failed: " + error_text(err);
+      cudaEventDestroy(ev);
       return false;
     }
-  }
-  const c10::cuda::CUDAStream cuda_stream(c10::cuda::CUDAStream::UNCHECKED, stream);
-  const cudaError_t err = cudaEventRecord(ev, cuda_stream.stream());
-  if (err != cudaSuccess) {
-    (void)cudaGetLastError();
-    *error = "cudaEventRecord failed: " + error_text(err);
-    cudaEventDestroy(ev);
+  } catch (const std::exception& e) {
+    const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
+    *error = "cannot use CUDA device " + std::to_string(device) + ": " +
+             (c10_error ? c10_error->what_without_backtrace() : e.what());
+    if (ev != nullptr) {  // from the free list, untouched: give it back
+      Event unused;
+      unused.handle = ev;
+      unused.device = device;
+      release_event(unused);
+    }
     return false;
   }
   out->handle = ev;
