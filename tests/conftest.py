@@ -5,6 +5,9 @@ is usable (CI); they run on the device machine through scripts/gpu_check.sh.
 """
 from __future__ import annotations
 
+import gc
+import os
+
 import pytest
 import torch
 
@@ -71,7 +74,10 @@ MLOCK_IS_REAL = _mlock_is_real()
 
 @pytest.fixture
 def fresh_pool():
-    """Each test starts from an empty cache and zeroed counters, and leaves no cap."""
+    """Each test starts from an empty cache and zeroed counters, and leaves no cap.
+    gc first: pool tensors that earlier tests left in reference cycles are freed
+    before the cache is emptied."""
+    gc.collect()
     pinxfer.set_max_pinned_bytes(0)
     pinxfer.empty_cache()
     pinxfer.reset_accumulated_memory_stats()
@@ -79,3 +85,26 @@ def fresh_pool():
     yield
     pinxfer.set_max_pinned_bytes(0)
     pinxfer.empty_cache()
+
+
+_LEAK_REPORT = os.environ.get("PINXFER_TEST_LEAK_REPORT")
+
+
+@pytest.fixture(autouse=True)
+def _report_pool_growth(request):
+    """With PINXFER_TEST_LEAK_REPORT=FILE, appends a line to FILE for every test after
+    which the pool holds more bytes for live tensors than before it (after gc): the
+    way to find which test left pinned tensors alive."""
+    if not _LEAK_REPORT:
+        yield
+        return
+    gc.collect()
+    before = pinxfer.memory_stats()["allocated_bytes.current"]
+    yield
+    gc.collect()
+    if HAS_CUDA:
+        torch.cuda.synchronize()
+    after = pinxfer.memory_stats()["allocated_bytes.current"]
+    if after != before:
+        with open(_LEAK_REPORT, "a") as f:
+            f.write(f"{request.node.nodeid}: allocated_bytes {before} -> {after} ({after - before:+d})\n")
