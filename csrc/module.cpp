@@ -1,20 +1,11 @@
-// Every operator pinxfer exposes, declared in one place. Kernels live in
+// Every operator pinxfer exposes, declared in one place (the Python module
+// itself, with its eager fast calls, is csrc/python/fast_calls.cpp). Kernels live in
 // csrc/ops/ and register themselves at the bottom of their files; Python calls
 // them as torch.ops.pinxfer.<name> through the typed wrappers in pinxfer/_ops.py.
 //
 // Streams cross the op boundary as (stream_id, device_index, device_type), the
 // triple torch.Stream packs itself into; c10::Stream::unpack3 rebuilds it.
-#include <Python.h>
 #include <torch/library.h>
-
-extern "C" {
-// An empty module: importing pinxfer._C loads the library, whose static
-// initialisers run the TORCH_LIBRARY registrations below.
-PyMODINIT_FUNC PyInit__C(void) {
-  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
-  return PyModule_Create(&module_def);
-}
-}
 
 TORCH_LIBRARY(pinxfer, m) {
   // ---- the pinned pool (csrc/ops/memory_ops.cpp) ----

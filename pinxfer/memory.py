@@ -10,7 +10,9 @@ from typing import NamedTuple, Optional, Sequence, Union
 
 import torch
 
-_ops = torch.ops.pinxfer
+from pinxfer._ops import eager as _eager
+from pinxfer._ops import fast as _fast
+from pinxfer._ops import ops as _ops
 
 StreamLike = Union[torch.cuda.Stream, torch.Stream]
 
@@ -82,6 +84,8 @@ def empty(*size: int, dtype: Optional[torch.dtype] = None, numa_node: Optional[i
     dims = _size_tuple(size)
     if not _torch_cuda_ready:
         _ensure_torch_cuda()
+    if _eager():
+        return _fast.empty(dims, dtype or torch.get_default_dtype(), numa_node)
     return _ops.empty(dims, dtype or torch.get_default_dtype(), numa_node)
 
 

@@ -8,16 +8,13 @@ page-lock an existing tensor's memory without copying.
 """
 from __future__ import annotations
 
-import collections.abc
-import copy
-import dataclasses
 from typing import Any, Optional, Union
 
 import torch
 
+from pinxfer import _batch
 from pinxfer import memory as _memory
-
-_ops = torch.ops.pinxfer
+from pinxfer._ops import eager, fast, in_bad_fork, ops as _ops, plain_dense_cpu
 
 DeviceLike = Union[int, str, torch.device]
 
@@ -66,14 +63,8 @@ def _own_layout(tensor: torch.Tensor) -> bool:
     return tensor.layout == torch.strided and not tensor.is_nested and not tensor.is_quantized
 
 
-# True in a forked child of a process that initialised CUDA: torch can no longer
-# query CUDA there (Tensor.is_pinned() may raise), and no memory is pinned for this
-# process's CUDA context (it has none). pinxfer's pool mlocks in such a child.
-_in_bad_fork = getattr(torch._C, "_cuda_isInBadFork", lambda: False)
-
-
 def _torch_is_pinned(tensor: torch.Tensor) -> bool:
-    return False if _in_bad_fork() else bool(tensor.is_pinned())
+    return False if in_bad_fork() else bool(tensor.is_pinned())
 
 
 def is_pinned(tensor: torch.Tensor) -> bool:
@@ -90,6 +81,8 @@ def is_pinned(tensor: torch.Tensor) -> bool:
         return False
     if not _own_layout(tensor):
         return _torch_is_pinned(tensor)
+    if type(tensor) is torch.Tensor and eager():
+        return fast.is_pinned(tensor, not in_bad_fork())
     if _torch_is_pinned(tensor):
         return True
     if _ops.is_pool_tensor(tensor):
@@ -130,75 +123,35 @@ def _pin_tensor(tensor: torch.Tensor, node: Optional[int], threads: int) -> torc
     return _ops.pin_memory(tensor, node, threads)
 
 
-def _is_namedtuple(obj: Any) -> bool:
-    return isinstance(obj, tuple) and hasattr(type(obj), "_fields")
-
-
-def _pin_any(obj: Any, node: Optional[int], threads: int, path: str) -> Any:
-    if isinstance(obj, torch.Tensor):
-        try:
-            return _pin_tensor(obj, node, threads)
-        except Exception as err:  # noqa: BLE001 - re-raised with the path, same type
-            if path == "batch":
-                raise
-            raise _with_path(err, path) from err
-    if isinstance(obj, (str, bytes, bytearray)):
-        return obj
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type) and not _has_own_pin(obj):
-        # copy + object.__setattr__ instead of dataclasses.replace: keeps init=False
-        # fields, works for frozen dataclasses, and does not re-run __post_init__.
-        clone = copy.copy(obj)
-        for f in dataclasses.fields(obj):
-            if hasattr(obj, f.name):
-                value = getattr(obj, f.name)
-                object.__setattr__(clone, f.name, _pin_any(value, node, threads, f"{path}.{f.name}"))
-        return clone
-    if _has_own_pin(obj):
-        try:
-            return obj.pin_memory()
-        except Exception as err:  # noqa: BLE001
-            raise _with_path(err, f"{path}.pin_memory()") from err
-    if isinstance(obj, collections.abc.Mapping):
-        pinned = {k: _pin_any(v, node, threads, f"{path}[{k!r}]") for k, v in obj.items()}
-        if isinstance(obj, collections.abc.MutableMapping):
-            # copy.copy keeps the mapping's type and extra state (defaultdict's factory).
-            try:
-                clone = copy.copy(obj)
-                clone.update(pinned)
-                return clone
-            except TypeError:
-                return pinned
-        try:
-            return type(obj)(pinned)  # type: ignore[call-arg]
-        except TypeError:
-            return pinned
-    if _is_namedtuple(obj):
-        return type(obj)(*(_pin_any(getattr(obj, f), node, threads, f"{path}.{f}")
-                           for f in obj._fields))
-    if isinstance(obj, tuple):
-        items = [_pin_any(v, node, threads, f"{path}[{i}]") for i, v in enumerate(obj)]
-        if type(obj) is tuple:
-            return tuple(items)
-        try:
-            return type(obj)(items)
-        except TypeError:
-            return tuple(items)
-    if isinstance(obj, collections.abc.MutableSequence):
-        items = [_pin_any(v, node, threads, f"{path}[{i}]") for i, v in enumerate(obj)]
-        if type(obj) is list:
-            return items
-        try:
-            clone = copy.copy(obj)
-            for i, v in enumerate(items):
-                clone[i] = v
-            return clone
-        except TypeError:
-            return items
-    return obj
-
-
 def _has_own_pin(obj: Any) -> bool:
     return not isinstance(obj, torch.Tensor) and callable(getattr(type(obj), "pin_memory", None))
+
+
+def _pin_by_itself(obj: Any) -> Any:
+    """Objects with their own ``pin_memory()`` are asked to pin themselves."""
+    return obj.pin_memory() if _has_own_pin(obj) else _batch.PASS
+
+
+def _pin_batch(obj: Any, node: Optional[int], threads: int) -> Any:
+    """Pins every tensor of a batch. The plain dense CPU tensors go to C++ in one
+    call (fast path); the rest one by one through :func:`_pin_tensor`."""
+    if eager():
+        leaves = _batch.tensors_in(obj, other=_has_own_pin)
+        dense = [t for t in leaves if plain_dense_cpu(t)]
+        if dense:
+            if not _memory._torch_cuda_ready:
+                _memory._ensure_torch_cuda()
+            try:
+                pinned = iter(fast.pin_memory_many(dense, node, threads, not in_bad_fork()))
+            except Exception:  # noqa: BLE001 - pinned one by one below, for a path-named error
+                pinned = None
+            if pinned is not None:
+                def take(t: torch.Tensor) -> torch.Tensor:
+                    return next(pinned) if plain_dense_cpu(t) else _pin_tensor(t, node, threads)
+
+                return _batch.map_tensors(obj, take, other=_pin_by_itself, describe=_with_path)
+    return _batch.map_tensors(obj, lambda t: _pin_tensor(t, node, threads),
+                              other=_pin_by_itself, describe=_with_path)
 
 
 def _with_path(err: Exception, path: str) -> Exception:
@@ -254,9 +207,17 @@ def pin_memory(
     Returns:
         The same structure with every tensor pinned.
     """
-    node = _node_for(device, numa_node)
-    threads = _threads(num_threads)
-    return _pin_any(obj, node, threads, "batch")
+    node = None if device is None and numa_node is None else _node_for(device, numa_node)
+    threads = 0 if num_threads is None else _threads(num_threads)
+    if type(obj) is torch.Tensor:
+        if plain_dense_cpu(obj) and eager():
+            if not _memory._torch_cuda_ready:
+                _memory._ensure_torch_cuda()
+            return fast.pin_memory(obj, node, threads, not in_bad_fork())
+        return _pin_tensor(obj, node, threads)
+    if isinstance(obj, torch.Tensor):
+        return _pin_tensor(obj, node, threads)
+    return _pin_batch(obj, node, threads)
 
 
 def pin_(tensor: torch.Tensor) -> torch.Tensor:
@@ -305,11 +266,3 @@ def inplace_lock_kind(tensor: torch.Tensor) -> Optional[str]:
     ``'mlocked'``; None if ``pin_`` did not pin it."""
     kind = _ops.inplace_lock_kind(tensor)
     return None if kind is None else str(kind)
-
-
-@torch.library.register_fake("pinxfer::pin_memory")
-def _pin_memory_fake(self: torch.Tensor, numa_node: Optional[int] = None,
-                     num_threads: int = 0) -> torch.Tensor:
-    if torch._debug_has_internal_overlap(self) == 1:
-        return torch.empty(self.shape, dtype=self.dtype, device=self.device)
-    return torch.empty_strided(self.shape, self.stride(), dtype=self.dtype, device=self.device)

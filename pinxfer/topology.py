@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 
 import torch
 
-_ops = torch.ops.pinxfer
+from pinxfer._ops import ops as _ops
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,7 +24,7 @@ import torch
 from pinxfer._batch import map_tensors, tensors_in
 from pinxfer.memory import build_info, empty, record_stream
 
-_ops = torch.ops.pinxfer
+from pinxfer._ops import ops as _ops
 
 DeviceLike = Union[torch.device, str, int]
 
@@ -55,11 +55,6 @@ def _to_device_op(tensor: torch.Tensor, device: torch.device, chunk_bytes: int,
     return _ops.to_device(tensor, device, int(chunk_bytes), int(num_buffers))
 
 
-@torch.library.register_fake("pinxfer::to_device")
-def _to_device_fake(tensor, device, chunk_bytes, num_buffers):
-    return torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
-
-
 def _to_device_many_op(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
     """Several CPU tensors to ``device`` packed in one pinned buffer and one copy.
 
@@ -71,11 +66,6 @@ def _to_device_many_op(tensors: list[torch.Tensor], device: torch.device) -> lis
         Contiguous tensors on ``device``, views into one device buffer, same order.
     """
     return list(_ops.to_device_many(tensors, device))
-
-
-@torch.library.register_fake("pinxfer::to_device_many")
-def _to_device_many_fake(tensors, device):
-    return [torch.empty(t.shape, dtype=t.dtype, device=device) for t in tensors]
 
 
 def copy_stream(device: Optional[DeviceLike] = None) -> torch.cuda.Stream:

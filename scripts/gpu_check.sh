@@ -284,7 +284,7 @@ fi
 if want bench; then
   t0=$(date +%s)
   bench_rc=0
-  for b in allocator pin_memory transfer; do
+  for b in allocator pin_memory transfer small_calls; do
     echo "== bench_$b"
     rm -f "/tmp/pinxfer_bench_$b.json"
     timeout 240 python3 "$REPO/benchmarks/bench_$b.py" --out "/tmp/pinxfer_bench_$b.json" 2>&1 | tail -25
@@ -296,7 +296,7 @@ if want bench; then
   python3 - "$OUT/bench.json" <<'EOF'
 import json, os, sys
 out = {}
-for b in ("allocator", "pin_memory", "transfer"):
+for b in ("allocator", "pin_memory", "transfer", "small_calls"):
     path = f"/tmp/pinxfer_bench_{b}.json"
     try:
         with open(path) as f:

@@ -36,10 +36,10 @@ echo "== pinxfer sanitizer job: $MODE, in $WORK"
 # A fresh copy of the tree; $WORK/src/build survives a rerun in the same
 # PINXFER_SANITIZE_DIR, and cp -a keeps modification times, so only changed
 # sources recompile there.
-rm -rf "$WORK/logs" "$WORK/src/setup.py" "$WORK/src/pyproject.toml" "$WORK/src/csrc" \
+rm -rf "$WORK/logs" "$WORK/src/setup.py" "$WORK/src/pyproject.toml" "$WORK/src/README.md" "$WORK/src/csrc" \
   "$WORK/src/pinxfer" "$WORK/src/tests"
 mkdir -p "$WORK/src" "$WORK/logs"
-cp -a "$ROOT/setup.py" "$ROOT/pyproject.toml" "$ROOT/csrc" "$ROOT/pinxfer" "$ROOT/tests" "$WORK/src/"
+cp -a "$ROOT/setup.py" "$ROOT/pyproject.toml" "$ROOT/README.md" "$ROOT/csrc" "$ROOT/pinxfer" "$ROOT/tests" "$WORK/src/"
 # Never pick up the checkout's own build or caches.
 find "$WORK/src/pinxfer" "$WORK/src/tests" \( -name '*.so' -o -name __pycache__ \) -prune \
   -exec rm -rf {} +
@@ -60,6 +60,11 @@ SO="$(ls "$WORK"/src/pinxfer/_C*.so)"
 RT="$(ldd "$SO" | awk -v r="${RUNTIME%.so}" '$1 ~ r {print $3; exit}')"
 [ -n "$RT" ] || RT="$(${CXX:-g++} -print-file-name="$RUNTIME")"
 [ -e "$RT" ] || { echo "sanitizer runtime $RUNTIME not found ($RT)" >&2; exit 1; }
+# ASan intercepts __cxa_throw by looking up the real one when it starts; python
+# itself does not load libstdc++, so without preloading it too the interceptor
+# has nothing to call and the first C++ throw aborts ("real___cxa_throw != 0").
+STDCXX="$(ldd "$SO" | awk '$1 ~ /^libstdc\+\+/ {print $3; exit}')"
+[ -n "$STDCXX" ] && RT="$RT $STDCXX"
 echo "== runtime: LD_PRELOAD=$RT"
 
 SUPP="$ROOT/scripts/sanitizers"

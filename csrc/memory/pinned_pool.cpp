@@ -3,6 +3,7 @@
 #include <pthread.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cctype>
 #include <cstdlib>
@@ -592,10 +593,20 @@ LockKind PinnedPool::lock_kind_of(void* ctx) {
   return static_cast<Block*>(ctx)->segment->region.kind;
 }
 
+std::optional<LockKind> PinnedPool::lock_kind_if_pool(const c10::DataPtr& data) {
+  if (data.get_deleter() != &PinnedPool::delete_block) return std::nullopt;
+  return static_cast<Block*>(data.get_context())->segment->region.kind;
+}
+
 namespace {
 std::mutex g_pools_mutex;
 // Leaked on purpose (safe at exit). LOCK: g_pools_mutex
 std::map<int, PinnedPool*>* g_pools = new std::map<int, PinnedPool*>();
+// Lock-free lookup for the usual nodes (slot node + 1); a pool, once made,
+// lives for the process, so a published pointer never dangles. Cleared in a
+// forked child together with g_pools.
+constexpr int kMaxFastNode = 63;
+std::array<std::atomic<PinnedPool*>, kMaxFastNode + 2> g_pool_by_node{};
 
 void pools_child_after_fork() {
   // Abandon the parent's pools: their locks may be held by threads that do
@@ -603,6 +614,7 @@ void pools_child_after_fork() {
   // CUDA context. The child starts empty and (cuda_usable() is false) mlocks.
   new (&g_pools_mutex) std::mutex();
   g_pools = new std::map<int, PinnedPool*>();
+  for (auto& slot : g_pool_by_node) slot.store(nullptr);
   g_reserved_total.store(0);
 }
 
@@ -612,11 +624,21 @@ struct PoolForkHandlerInstaller {
 }  // namespace
 
 PinnedPool& pool_for_node(int numa_node) {
+  // Every allocation asks: nodes -1..kMaxFastNode are answered without the lock.
+  const bool cached = numa_node >= -1 && numa_node <= kMaxFastNode;
+  if (cached) {
+    if (PinnedPool* pool = g_pool_by_node[numa_node + 1].load(std::memory_order_acquire)) {
+      return *pool;
+    }
+  }
   std::lock_guard<std::mutex> lock(g_pools_mutex);
   auto it = g_pools->find(numa_node);
-  if (it != g_pools->end()) return *it->second;
-  auto* pool = new PinnedPool(numa_node);
-  g_pools->emplace(numa_node, pool);
+  PinnedPool* pool = it != g_pools->end() ? it->second : nullptr;
+  if (pool == nullptr) {
+    pool = new PinnedPool(numa_node);
+    g_pools->emplace(numa_node, pool);
+  }
+  if (cached) g_pool_by_node[numa_node + 1].store(pool, std::memory_order_release);
   return *pool;
 }
 

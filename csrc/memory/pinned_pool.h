@@ -161,6 +161,10 @@ class PinnedPool {
   static PinnedPool* owner_of(void* ctx);
   // Lock kind of the block behind a DataPtr context of this pool.
   LockKind lock_kind_of(void* ctx);
+  // The lock kind if `data` is a pool block (its deleter is the pool's), else
+  // nullopt. Lock-free: a DataPtr that still holds the pool's deleter owns a
+  // live block, whose segment cannot be unmapped meanwhile.
+  static std::optional<LockKind> lock_kind_if_pool(const c10::DataPtr& data);
 
  private:
   static void delete_block(void* ctx);

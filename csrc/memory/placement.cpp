@@ -1,8 +1,8 @@
 #include "memory/placement.h"
 
+#include <array>
+#include <atomic>
 #include <cstdlib>
-#include <map>
-#include <mutex>
 #include <string>
 
 #include "runtime/cuda_runtime.h"
@@ -11,32 +11,52 @@
 namespace pinxfer {
 
 namespace {
-bool env_override(int* node) {
-  const char* env = std::getenv("PINXFER_NUMA_NODE");
-  if (!env || !*env) return false;
-  const std::string v(env);
-  *node = (v == "none" || v == "-1") ? -1 : std::atoi(env);
-  return true;
+
+constexpr int kUnknown = -2;  // cache slot not filled yet
+constexpr int kMaxCachedDevices = 256;
+
+// PINXFER_NUMA_NODE, read once: every allocation resolves a node, and getenv
+// scans the whole environment. kUnknown: not set.
+int env_override() {
+  static const int node = [] {
+    const char* env = std::getenv("PINXFER_NUMA_NODE");
+    if (!env || !*env) return kUnknown;
+    const std::string v(env);
+    return (v == "none" || v == "-1") ? -1 : std::atoi(env);
+  }();
+  return node;
 }
+
+// device -> node, filled on first use; a race fills a slot twice with the same
+// answer, which is harmless, so no lock is needed.
+std::array<std::atomic<int>, kMaxCachedDevices>& node_cache() {
+  static auto* cache = [] {
+    auto* c = new std::array<std::atomic<int>, kMaxCachedDevices>();  // leaked: used at exit
+    for (auto& slot : *c) slot.store(kUnknown, std::memory_order_relaxed);
+    return c;
+  }();
+  return *cache;
+}
+
 }  // namespace
 
 int numa_node_for_device(int device) {
-  int node = -1;
-  if (env_override(&node)) return node;
+  const int forced = env_override();
+  if (forced != kUnknown) return forced;
   if (device < 0 || !cuda::cuda_usable()) return -1;
-  static std::mutex mutex;
-  static std::map<int, int>* cache = new std::map<int, int>();  // LOCK: mutex
-  std::lock_guard<std::mutex> lock(mutex);
-  auto it = cache->find(device);
-  if (it != cache->end()) return it->second;
-  node = pci_numa_node(cuda::pci_bus_id(device), sysfs_root());
-  cache->emplace(device, node);
+  if (device >= kMaxCachedDevices) return pci_numa_node(cuda::pci_bus_id(device), sysfs_root());
+  std::atomic<int>& slot = node_cache()[device];
+  int node = slot.load(std::memory_order_acquire);
+  if (node == kUnknown) {
+    node = pci_numa_node(cuda::pci_bus_id(device), sysfs_root());
+    slot.store(node, std::memory_order_release);
+  }
   return node;
 }
 
 int numa_node_for_current_device() {
-  int node = -1;
-  if (env_override(&node)) return node;
+  const int forced = env_override();
+  if (forced != kUnknown) return forced;
   return numa_node_for_device(cuda::current_device());
 }
 

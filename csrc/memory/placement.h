@@ -2,7 +2,8 @@
 //
 // Resolution order: PINXFER_NUMA_NODE (a number, or "none"/-1 to disable) >
 // the node sysfs reports for the GPU's PCI bus id > -1 (no binding). Results
-// per device are cached. Thread-safe.
+// per device are cached (PINXFER_NUMA_NODE is read once, at first use).
+// Thread-safe, lock-free after the first call per device.
 #pragma once
 
 namespace pinxfer {

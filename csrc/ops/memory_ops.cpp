@@ -3,6 +3,7 @@
 #include <torch/library.h>
 
 #include "memory/host_allocator.h"
+#include "ops/kernels.h"
 #include "memory/pinned_pool.h"
 #include "memory/placement.h"
 #include "runtime/cuda_runtime.h"
@@ -10,26 +11,31 @@
 
 namespace pinxfer::ops {
 
-namespace {
-
-int resolve_node(std::optional<int64_t> numa_node) {
-  return numa_node.has_value() ? static_cast<int>(*numa_node) : numa_node_for_current_device();
+at::Tensor tensor_over(c10::DataPtr data, size_t nbytes, at::IntArrayRef sizes,
+                       at::IntArrayRef strides, at::ScalarType dtype) {
+  c10::Storage storage(c10::Storage::use_byte_size_t(), nbytes, std::move(data),
+                       /*allocator=*/nullptr, /*resizable=*/false);
+  at::Tensor out = at::detail::make_tensor<c10::TensorImpl>(
+      std::move(storage), c10::DispatchKeySet(c10::DispatchKey::CPU),
+      c10::scalarTypeToTypeMeta(dtype));
+  out.unsafeGetTensorImpl()->set_sizes_and_strides(sizes, strides);
+  return out;
 }
 
-// A storage-deleting allocator is not needed: the DataPtr carries the pool's
-// deleter, so the tensor owns its block outright.
-at::Tensor empty(at::IntArrayRef size, at::ScalarType dtype, std::optional<int64_t> numa_node) {
+// The DataPtr carries the pool's deleter, so the tensor owns its block outright.
+at::Tensor pool_empty(at::IntArrayRef size, at::ScalarType dtype, std::optional<int64_t> numa_node) {
   for (int64_t d : size) {
     TORCH_CHECK(d >= 0, "pinxfer.empty: sizes must be non-negative, got ", size);
   }
   const int64_t numel = c10::multiply_integers(size);
   const size_t nbytes = static_cast<size_t>(numel) * c10::elementSize(dtype);
-  c10::DataPtr data = pool_for_node(resolve_node(numa_node)).allocate(nbytes);
-  auto storage = c10::Storage(c10::Storage::use_byte_size_t(), nbytes, std::move(data),
-                              /*allocator=*/nullptr, /*resizable=*/false);
-  return at::empty({0}, at::TensorOptions().dtype(dtype).device(at::kCPU))
-      .set_(storage, 0, size, c10::contiguous_strides(size));
+  const int node = numa_node.has_value() ? static_cast<int>(*numa_node)
+                                         : numa_node_for_current_device();
+  return tensor_over(pool_for_node(node).allocate(nbytes), nbytes, size,
+                     c10::contiguous_strides(size), dtype);
 }
+
+namespace {
 
 void* pool_ctx(const at::Tensor& t) {
   return t.storage().data_ptr().get_context();
@@ -129,7 +135,7 @@ TORCH_LIBRARY_IMPL(pinxfer, CPU, m) {
 
 // Operators without tensor arguments dispatch to their composite kernel.
 TORCH_LIBRARY_IMPL(pinxfer, CompositeExplicitAutograd, m) {
-  m.impl("empty", &empty);
+  m.impl("empty", &pool_empty);
   m.impl("memory_stats", &memory_stats);
   m.impl("reset_peak_stats", &reset_peak_stats);
   m.impl("reset_accumulated_stats", &reset_accumulated_stats);

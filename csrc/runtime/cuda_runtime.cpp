@@ -61,6 +61,10 @@ std::mutex g_events_mutex;
 // gone when static destructors run). LOCK: g_events_mutex
 std::vector<std::vector<cudaEvent_t>>* g_free_events = new std::vector<std::vector<cudaEvent_t>>();
 uint64_t g_events_generation = 0;  // LOCK: g_events_mutex
+// The probe's answer for the parent process (generation 0): -1 not probed yet,
+// 0 no, 1 yes. Written once under g_probe_mutex, read without it. A forked
+// child never reads it (cuda_usable() answers false there first).
+std::atomic<int> g_usable_answer{-1};
 
 std::string error_text(cudaError_t err) {
   return std::string(cudaGetErrorName(err)) + ": " + cudaGetErrorString(err);
@@ -84,19 +88,27 @@ struct CudaRuntimeForkHandlerInstaller {
 bool cuda_usable() {
   const uint64_t gen = fork_generation();
   if (gen != 0) return false;  // forked child: never touch the parent's CUDA state
+  // Every allocation asks: once probed, answer without the lock.
+  const int answered = g_usable_answer.load(std::memory_order_acquire);
+  if (answered >= 0) return answered == 1;
   std::lock_guard<std::mutex> lock(g_probe_mutex);
   if (g_probed_generation == gen) return g_usable;
   g_probed_generation = gen;
   g_usable = false;
   const char* disable = std::getenv("PINXFER_DISABLE_CUDA");
-  if (disable && std::string(disable) == "1") return false;
+  if (disable && std::string(disable) == "1") {
+    g_usable_answer.store(0, std::memory_order_release);
+    return false;
+  }
   int count = 0;
   const cudaError_t err = cudaGetDeviceCount(&count);
   if (err != cudaSuccess) {
     (void)cudaGetLastError();  // clear the sticky-free error so torch does not see it
+    g_usable_answer.store(0, std::memory_order_release);
     return false;
   }
   g_usable = count > 0;
+  g_usable_answer.store(g_usable ? 1 : 0, std::memory_order_release);
   return g_usable;
 }
 

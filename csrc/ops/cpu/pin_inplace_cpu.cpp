@@ -38,6 +38,7 @@
 
 #include "memory/host_region.h"
 #include "memory/pinned_pool.h"
+#include "ops/kernels.h"
 #include "runtime/cuda_runtime.h"
 #include "runtime/thread_pool.h"
 
@@ -216,6 +217,8 @@ void unpin_(const at::Tensor& self) {
   reg.storage.unsafeGetStorageImpl()->set_resizable(reg.was_resizable);
 }
 
+}  // namespace
+
 // How pin_ locked the tensor's storage ("cuda_registered" / "mlocked"), or
 // None if pin_ did not (pool tensors included: see pinxfer.lock_kind).
 std::optional<std::string> inplace_lock_kind(const at::Tensor& self) {
@@ -230,7 +233,6 @@ std::optional<std::string> inplace_lock_kind(const at::Tensor& self) {
   return std::string(lock_kind_name(it->second.kind));
 }
 
-}  // namespace
 
 TORCH_LIBRARY_IMPL(pinxfer, CompositeExplicitAutograd, m) {
   m.impl("pin_", &pin_);

@@ -29,6 +29,7 @@
 
 #include "memory/pinned_pool.h"
 #include "memory/placement.h"
+#include "ops/kernels.h"
 #include "runtime/thread_pool.h"
 
 namespace pinxfer::ops {
@@ -111,8 +112,10 @@ void parallel_elementwise_copy(at::Tensor& dst, const at::Tensor& src, ThreadPoo
       max_threads);
 }
 
-at::Tensor pin_memory(const at::Tensor& self, std::optional<int64_t> numa_node,
-                      int64_t num_threads) {
+}  // namespace
+
+at::Tensor pin_memory_copy(const at::Tensor& self, std::optional<int64_t> numa_node,
+                           int64_t num_threads) {
   check_input(self);
   check_threads(num_threads);
   const int node = resolve_node(numa_node);
@@ -123,12 +126,10 @@ at::Tensor pin_memory(const at::Tensor& self, std::optional<int64_t> numa_node,
   const size_t nbytes = at::detail::computeStorageNbytes(self.sizes(), strides,
                                                          self.dtype().itemsize());
 
-  c10::DataPtr data = pool_for_node(node).allocate(nbytes);
-  auto storage = c10::Storage(c10::Storage::use_byte_size_t(), nbytes, std::move(data),
-                              /*allocator=*/nullptr, /*resizable=*/false);
-  // self.options() carries dtype and device, not the conj/neg bits: the result
-  // holds resolved values, as torch's does.
-  at::Tensor out = at::empty({0}, self.options()).set_(storage, 0, self.sizes(), strides);
+  // Built from dtype alone, without the conj/neg bits: the result holds
+  // resolved values, as torch's does.
+  at::Tensor out = tensor_over(pool_for_node(node).allocate(nbytes), nbytes, self.sizes(),
+                               strides, self.scalar_type());
   if (nbytes == 0 || self.numel() == 0) return out;
 
   ThreadPool& pool = thread_pool_for_node(node);
@@ -142,12 +143,26 @@ at::Tensor pin_memory(const at::Tensor& self, std::optional<int64_t> numa_node,
   return out;
 }
 
-}  // namespace
+
+bool is_pinned_dense(const at::Tensor& self, bool ask_torch) {
+  if (!self.defined() || !self.device().is_cpu() || !self.has_storage()) return false;
+  if (const auto kind = PinnedPool::lock_kind_if_pool(self.storage().data_ptr())) {
+    return *kind != LockKind::kPageable;  // a block the memlock limit left unlocked
+  }
+  if (ask_torch && self.is_pinned()) return true;
+  return inplace_lock_kind(self).has_value();
+}
+
+at::Tensor pin_or_self(const at::Tensor& self, std::optional<int64_t> numa_node,
+                       int64_t num_threads, bool ask_torch) {
+  if (is_pinned_dense(self, ask_torch)) return self;
+  return pin_memory_copy(self, numa_node, num_threads);
+}
 
 // CompositeExplicitAutograd rather than CPU: CUDA, sparse and other inputs then
 // reach check_input() and get its explanation instead of a dispatcher error.
 TORCH_LIBRARY_IMPL(pinxfer, CompositeExplicitAutograd, m) {
-  m.impl("pin_memory", &pin_memory);
+  m.impl("pin_memory", &pin_memory_copy);
 }
 
 }  // namespace pinxfer::ops

@@ -1,0 +1,41 @@
+// Kernels shared by two callers: the operators (registered with TORCH_LIBRARY_IMPL
+// at the bottom of the file that defines each kernel) and the eager fast calls
+// of csrc/python/fast_calls.cpp, which reach the same code without the
+// dispatcher's per-call Python cost. Same behaviour, same errors, either way.
+#pragma once
+
+#include <optional>
+#include <string>
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Storage.h>
+
+namespace pinxfer::ops {
+
+// A CPU tensor over `data` (pool memory of `nbytes` bytes) with these sizes and
+// strides, built directly as at::detail::empty_generic does (no dispatcher
+// call). The storage is not resizable: its bytes belong to a pool block.
+at::Tensor tensor_over(c10::DataPtr data, size_t nbytes, at::IntArrayRef sizes,
+                       at::IntArrayRef strides, at::ScalarType dtype);
+
+// pinxfer.empty: contiguous, uninitialised, from the pool of `numa_node`
+// (None: the current GPU's node). csrc/ops/memory_ops.cpp
+at::Tensor pool_empty(at::IntArrayRef size, at::ScalarType dtype, std::optional<int64_t> numa_node);
+
+// pinxfer.pin_memory's copy: always a new pool tensor. csrc/ops/cpu/pin_memory_cpu.cpp
+at::Tensor pin_memory_copy(const at::Tensor& self, std::optional<int64_t> numa_node,
+                           int64_t num_threads);
+
+// How pin_ locked self's storage, None if it did not. csrc/ops/cpu/pin_inplace_cpu.cpp
+std::optional<std::string> inplace_lock_kind(const at::Tensor& self);
+
+// pinxfer.is_pinned for a dense CPU tensor: a pool block that was locked, a
+// storage pin_ locked, or (ask_torch) memory torch reports pinned. ask_torch is
+// false where torch cannot be asked (a forked child of a CUDA process).
+bool is_pinned_dense(const at::Tensor& self, bool ask_torch);
+
+// pin_memory for one dense CPU tensor: self if is_pinned_dense, else a copy.
+at::Tensor pin_or_self(const at::Tensor& self, std::optional<int64_t> numa_node,
+                       int64_t num_threads, bool ask_torch);
+
+}  // namespace pinxfer::ops

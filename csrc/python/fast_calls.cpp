@@ -1,0 +1,55 @@
+// The Python module pinxfer._C: importing it loads this library, whose static
+// initialisers run the TORCH_LIBRARY registrations (csrc/module.cpp and the
+// TORCH_LIBRARY_IMPL blocks in csrc/ops/).
+//
+// It also carries the eager fast calls: the small-call hot paths (pin_memory of
+// one tensor or a batch of leaves, empty), reaching the same kernels as the
+// operators (csrc/ops/kernels.h) through pybind11. A torch.ops call costs about
+// 3 µs of Python-side dispatch, several times the work of pinning a 64 KiB
+// tensor; these cost well under 1 µs. pinxfer/_ops.py decides when they may be
+// used (plain CPU tensors, no autograd, no torch.compile tracing, no
+// __torch_function__ / __torch_dispatch__ mode): everything else goes through
+// torch.ops, so fake tensors, tracing and opcheck see the operators.
+//
+// Errors and warnings reach Python as they would through torch.ops
+// (wrap_pybind_function_no_gil: torch's translation of c10 errors), and the GIL
+// is released for the duration of each call.
+#include <torch/extension.h>
+
+#include <optional>
+#include <vector>
+
+#include "ops/kernels.h"
+
+namespace pinxfer::ops {
+namespace {
+
+std::vector<at::Tensor> pin_many(const std::vector<at::Tensor>& tensors,
+                                 std::optional<int64_t> numa_node, int64_t num_threads,
+                                 bool ask_torch) {
+  std::vector<at::Tensor> out;
+  out.reserve(tensors.size());
+  for (const at::Tensor& t : tensors) out.push_back(pin_or_self(t, numa_node, num_threads, ask_torch));
+  return out;
+}
+
+at::Tensor empty_fast(const std::vector<int64_t>& size, at::ScalarType dtype,
+                      std::optional<int64_t> numa_node) {
+  return pool_empty(size, dtype, numa_node);
+}
+
+}  // namespace
+}  // namespace pinxfer::ops
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "pinxfer's operators (torch.ops.pinxfer) and eager fast calls; see pinxfer/_ops.py";
+  m.def("pin_memory", torch::wrap_pybind_function_no_gil(&pinxfer::ops::pin_or_self),
+        "pin_memory(tensor, numa_node, num_threads, ask_torch): the tensor itself if already "
+        "pinned, else a pinned copy (dense CPU tensors)");
+  m.def("pin_memory_many", torch::wrap_pybind_function_no_gil(&pinxfer::ops::pin_many),
+        "pin_memory over a list of dense CPU tensors, one call for a batch");
+  m.def("is_pinned", torch::wrap_pybind_function_no_gil(&pinxfer::ops::is_pinned_dense),
+        "is_pinned(tensor, ask_torch) for a dense CPU tensor");
+  m.def("empty", torch::wrap_pybind_function_no_gil(&pinxfer::ops::empty_fast),
+        "empty(sizes, dtype, numa_node): contiguous pool tensor");
+}

@@ -1,0 +1,133 @@
+"""The eager fast calls (pinxfer._C, csrc/python/fast_calls.cpp) against the operators.
+
+They reach the same kernels without the dispatcher: results must be the same as
+through torch.ops, and the Python wrappers must fall back to torch.ops wherever
+the dispatcher matters (autograd, subclasses, fake tensors, modes, tracing)."""
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import pinxfer
+from pinxfer import _batch, _ops
+
+ops = torch.ops.pinxfer
+
+
+def test_fast_pin_matches_the_operator_bit_for_bit():
+    g = torch.Generator().manual_seed(1)
+    for x in (torch.randn(7, 5, generator=g), torch.randn(4, 6, generator=g).t(),
+              torch.randint(0, 255, (100_001,), dtype=torch.uint8, generator=g)[3::2],
+              torch.randn(3, generator=g).expand(4, 3), torch.randn(0, 3)):
+        via_fast = _ops.fast.pin_memory(x, None, 0, True)
+        via_op = ops.pin_memory(x, None, 0)
+        assert via_fast.shape == via_op.shape and via_fast.stride() == via_op.stride()
+        assert torch.equal(via_fast, via_op) and torch.equal(via_fast, x)
+        assert pinxfer.is_pool_tensor(via_fast) or via_fast.numel() == 0
+
+
+def test_fast_pin_returns_an_already_pinned_tensor_itself():
+    t = pinxfer.empty(1000)
+    assert _ops.fast.pin_memory(t, None, 0, True) is t
+    assert pinxfer.pin_memory(t) is t
+    out = _ops.fast.pin_memory_many([t, torch.ones(3)], None, 0, True)
+    assert out[0] is t and pinxfer.is_pool_tensor(out[1])
+
+
+def test_fast_empty_matches_the_operator():
+    a = _ops.fast.empty([3, 4], torch.float64, None)
+    b = ops.empty([3, 4], torch.float64, None)
+    assert a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
+    assert pinxfer.is_pool_tensor(a) and not a.requires_grad
+    a.fill_(2.5)
+    assert a.sum().item() == 30.0  # a usable tensor: storage, sizes, strides consistent
+    with pytest.raises(RuntimeError, match="sizes must be non-negative"):
+        _ops.fast.empty([2, -1], torch.float32, None)
+
+
+def test_fast_call_errors_are_the_operators_errors():
+    # (A meta tensor sent to the op reaches its fake, not the kernel.)
+    with pytest.raises(RuntimeError, match="expected a CPU tensor, got a tensor on meta"):
+        _ops.fast.pin_memory(torch.empty(3, device="meta"), None, 0, True)
+    for call in (lambda x, n: _ops.fast.pin_memory(x, None, n, True),
+                 lambda x, n: ops.pin_memory(x, None, n)):
+        with pytest.raises(RuntimeError, match="num_threads must be >= 0"):
+            call(torch.ones(3), -1)
+
+
+def test_modes_and_autograd_take_the_operator():
+    seen = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randn(10)
+    with Record():
+        y = pinxfer.pin_memory(x)
+        z = pinxfer.empty(4)
+        pinxfer.pin_memory({"a": torch.ones(2)})
+    assert torch.equal(y, x) and z.shape == (4,)
+    assert "pinxfer.pin_memory.default" in seen and "pinxfer.empty.default" in seen
+    assert seen.count("pinxfer.pin_memory.default") == 2  # the batch's leaf too
+
+    w = torch.randn(5, requires_grad=True)
+    p = pinxfer.pin_memory(w)
+    assert p.requires_grad and p.grad_fn is not None
+    p.sum().backward()
+    assert torch.equal(w.grad, torch.ones(5))
+
+
+def test_fake_tensors_take_the_operator():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        x = mode.from_tensor(torch.randn(4, 3).t())
+        y = pinxfer.pin_memory(x)
+        e = pinxfer.empty(5, dtype=torch.int16)
+    assert y.shape == (3, 4) and y.stride() == (1, 3)
+    assert e.shape == (5,) and e.dtype == torch.int16
+
+
+def test_empty_opcheck():
+    # Not test_aot_dispatch_dynamic: empty's values are uninitialised, so two runs differ.
+    torch.library.opcheck(ops.empty.default, ([2, 3], torch.float32), {"numa_node": None},
+                          test_utils=("test_schema", "test_autograd_registration",
+                                      "test_faketensor"))
+
+
+@dataclasses.dataclass
+class Sample:
+    x: torch.Tensor
+    meta: str = "m"
+
+
+def test_batch_in_one_call_keeps_structure_and_paths():
+    batch = {"a": [torch.arange(5), (torch.ones(2, 2), "s")],
+             "b": Sample(torch.zeros(3)),
+             "c": collections.OrderedDict(k=torch.full((4,), 7.0)),
+             "n": 3}
+    out = pinxfer.pin_memory(batch)
+    assert type(out["c"]) is collections.OrderedDict and out["n"] == 3
+    assert isinstance(out["b"], Sample) and out["b"].meta == "m"
+    for before, after in zip(_batch.tensors_in(batch), _batch.tensors_in(out)):
+        assert torch.equal(before, after) and pinxfer.is_pinned(after)
+    with pytest.raises(RuntimeError, match=r"cannot pin batch\['a'\]\[1\]\[0\]: expected a CPU tensor"):
+        pinxfer.pin_memory({"a": [torch.ones(1), (torch.empty(2, device="meta"),)]})
+
+
+def test_walker_error_paths_cover_every_container():
+    def boom(t):
+        raise ValueError("no")
+
+    for obj, path in ((Sample(torch.ones(1)), "batch.x"),
+                      ([0, {"k": torch.ones(1)}], "batch[1]['k']"),
+                      (collections.namedtuple("P", "u v")(1, torch.ones(1)), "batch.v")):
+        with pytest.raises(ValueError, match="no") as info:
+            _batch.map_tensors(obj, boom, describe=lambda e, p: ValueError(f"{p}: {e}"))
+        assert str(info.value).startswith(path)
