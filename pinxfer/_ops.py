@@ -42,7 +42,7 @@ def eager() -> bool:
 def plain_dense_cpu(t: torch.Tensor) -> bool:
     """A plain dense CPU tensor that needs no autograd: what the fast calls take."""
     return (type(t) is torch.Tensor and t.layout is torch.strided and not t.requires_grad
-            and not t.is_nested and not t.is_quantized and t.device.type == "cpu")
+            and not t.is_nested and not t.is_quantized and t.is_cpu)
 
 
 # ---- fakes (shape, dtype and strides of the results, no data) ----
