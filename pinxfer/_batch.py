@@ -145,7 +145,10 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any], *,
         return _walk(obj, fn, other)
     except _WhereError as where:
         err = where.err
-        raise describe(err, root + "".join(reversed(where.parts))) from err
+        described = describe(err, root + "".join(reversed(where.parts)))
+        if described is err:
+            raise err from None  # the original, as fn or other raised it
+        raise described from err
 
 
 def tensors_in(obj: Any, *, other: Optional[Callable[[Any], bool]] = None) -> list[torch.Tensor]:
