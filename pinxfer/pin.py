@@ -137,7 +137,8 @@ def _pin_batch(obj: Any, node: Optional[int], threads: int) -> Any:
     call (fast path); the rest one by one through :func:`_pin_tensor`."""
     if eager():
         leaves = _batch.tensors_in(obj, other=_has_own_pin)
-        dense = [t for t in leaves if plain_dense_cpu(t)]
+        is_dense = [plain_dense_cpu(t) for t in leaves]  # map_tensors visits the same order
+        dense = [t for t, d in zip(leaves, is_dense) if d]
         if dense:
             if not _memory._torch_cuda_ready:
                 _memory._ensure_torch_cuda()
@@ -146,8 +147,10 @@ def _pin_batch(obj: Any, node: Optional[int], threads: int) -> Any:
             except Exception:  # noqa: BLE001 - pinned one by one below, for a path-named error
                 pinned = None
             if pinned is not None:
+                dense_flags = iter(is_dense)
+
                 def take(t: torch.Tensor) -> torch.Tensor:
-                    return next(pinned) if plain_dense_cpu(t) else _pin_tensor(t, node, threads)
+                    return next(pinned) if next(dense_flags) else _pin_tensor(t, node, threads)
 
                 return _batch.map_tensors(obj, take, other=_pin_by_itself, describe=_with_path)
     return _batch.map_tensors(obj, lambda t: _pin_tensor(t, node, threads),

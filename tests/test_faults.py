@@ -538,15 +538,18 @@ def _pin(batch: torch.Tensor) -> torch.Tensor:
     return pinxfer.pin_memory(batch, numa_node=-1)  # pool blocks held by the queue
 
 
-def _consume(source, how: str, stop_at: int = 5, device: str = "cpu") -> int:
-    """Iterates over a prefetcher until interrupted. Returns only if it never was."""
+def _consume(source, how: str, stop_at: int = 5, device: str = "cpu", transfer=_pin) -> int:
+    """Iterates over a prefetcher until interrupted. Returns only if it never was.
+    transfer=None: prefetch's own (to_device)."""
     timer = None
     if how == "timer":
         timer = threading.Timer(0.3, signal.raise_signal, args=(signal.SIGINT,))
         timer.start()
     try:
         deadline = time.monotonic() + 20
-        for i, batch in enumerate(pinxfer.prefetch(source, device=device, depth=3, transfer=_pin)):
+        for i, batch in enumerate(pinxfer.prefetch(source, device=device, depth=3,
+                                                   transfer=transfer)):
+            assert batch.device.type == torch.device(device).type
             assert float(batch[0]) == i  # in order
             if i == stop_at and how == "raise":
                 raise KeyboardInterrupt
@@ -608,29 +611,9 @@ def test_gpu_keyboard_interrupt_in_prefetch_loop(fresh_pool, sigint_default, how
     assert not _prefetch_threads()
     base = stats()["active_blocks.current"]
 
-    def gpu_consume():
-        timer = None
-        if how == "timer":
-            timer = threading.Timer(0.3, signal.raise_signal, args=(signal.SIGINT,))
-            timer.start()
-        try:
-            deadline = time.monotonic() + 20
-            for i, batch in enumerate(pinxfer.prefetch(_endless(0.01 if how == "timer" else 0.0),
-                                                       device="cuda", depth=3)):
-                assert batch.is_cuda and float(batch[0]) == i
-                if i == 5 and how == "raise":
-                    raise KeyboardInterrupt
-                if i == 5 and how == "signal":
-                    signal.raise_signal(signal.SIGINT)
-                if time.monotonic() > deadline:
-                    return
-        finally:
-            if timer is not None:
-                timer.join()
-
     interrupted = False
     try:
-        gpu_consume()
+        _consume(_endless(0.01 if how == "timer" else 0.0), how, device="cuda", transfer=None)
     except KeyboardInterrupt:
         interrupted = True
     assert interrupted
