@@ -64,20 +64,6 @@ def gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9 if seconds > 0 else 0.0
 
 
-def with_env(name: str, value: str, fn: Callable[[], Any]) -> Callable[[], Any]:
-    def run() -> Any:
-        old = os.environ.get(name)
-        os.environ[name] = value
-        try:
-            return fn()
-        finally:
-            if old is None:
-                del os.environ[name]
-            else:
-                os.environ[name] = old
-    return run
-
-
 # ---- 1. single tensors ----
 
 
@@ -96,9 +82,9 @@ def section_bandwidth(quick: bool) -> list[dict]:
                 lambda: t.pin_memory().to("cuda", non_blocking=True),
             "pinxfer.to_device": lambda: pinxfer.to_device(t),
             "pinxfer.to_device (all nontemporal staging)":
-                with_env("PINXFER_STAGE_COPY", "nt", lambda: pinxfer.to_device(t)),
+                lambda: pinxfer.to_device(t, staging="nt"),
             "pinxfer.to_device (all cached staging)":
-                with_env("PINXFER_STAGE_COPY", "movsb", lambda: pinxfer.to_device(t)),
+                lambda: pinxfer.to_device(t, staging="movsb"),
         }
         base = None
         for name, fn in ways.items():

@@ -69,11 +69,33 @@ TORCH_LIBRARY(pinxfer, m) {
   // NUMA node pinxfer places memory on for a CUDA device (PINXFER_NUMA_NODE, sysfs, or -1).
   m.def("numa_node_for_device(int device) -> int");
 
-  // ---- transfers (csrc/ops/cuda/to_device_cuda.cpp; CUDA builds only) ----
-  // CPU tensor -> CUDA: pinned sources in one DMA, pageable ones through a pinned chunk ring.
-  m.def("to_device(Tensor self, Device device, int chunk_bytes, int num_buffers) -> Tensor");
+  // ---- settings (csrc/ops/settings_ops.cpp; csrc/runtime/settings.h) ----
+  // Every setting as read once from the environment or derived: names, values, sources
+  // ("env", "derived", "default").
+  m.def("settings() -> (str[], str[], str[])");
+  // Copy threads for a process with these CPUs (affinity, online, cgroup quota in CPUs or 0,
+  // ranks on the host), and the reasoning in one line.
+  m.def("copy_threads_for(int affinity_cpus, int online_cpus, float quota_cpus, "
+        "int local_world_size) -> (int, str)");
+  // CPU quota (in CPUs, 0: none) of the cgroup named by /proc/self/cgroup's text, with the
+  // cgroup filesystems mounted under cgroup_root.
+  m.def("cgroup_quota_cpus(str cgroup_root, str proc_self_cgroup) -> float");
+  // Why CUDA is not usable in this process, None when it is.
+  m.def("cuda_unusable_reason() -> str?");
+
+  // ---- transfers (csrc/ops/cuda/to_device_cuda.cpp, CUDA builds only; csrc/transfer/) ----
+  // CPU tensor -> CUDA: pinned sources in one DMA, pageable ones through pinned staging chunks.
+  // staging: "auto", "nt" or "movsb" (how chunks are staged); cached_tail: bytes at the end
+  // staged nontemporal under "auto" (-1: auto).
+  m.def("to_device(Tensor self, Device device, int chunk_bytes, int num_buffers, "
+        "str staging=\"auto\", int cached_tail=-1) -> Tensor");
   // CPU tensors -> CUDA packed in one pinned buffer and one copy; views of one device buffer.
   m.def("to_device_many(Tensor[] tensors, Device device) -> Tensor[]");
   // The stream pinxfer's H2D copies to a device run on: (stream_id, device_index, device_type).
   m.def("copy_stream(Device device) -> int[]");
+  // TEST-ONLY: how to_device would cut a transfer (csrc/ops/chunk_plan_ops.cpp): chunk
+  // bounds, pieces as (chunk, begin, end) triples, ring slots (0: one block), slot bytes,
+  // threads.
+  m.def("_chunk_plan(int nbytes, int chunk_bytes, int num_buffers, int num_threads) -> "
+        "(int[], int[], int, int, int)");
 }

@@ -63,7 +63,7 @@ def _pin_memory_fake(self: torch.Tensor, numa_node: Optional[int] = None,
 
 @torch.library.register_fake("pinxfer::to_device")
 def _to_device_fake(tensor: torch.Tensor, device: torch.device, chunk_bytes: int,
-                    num_buffers: int) -> torch.Tensor:
+                    num_buffers: int, staging: str = "auto", cached_tail: int = -1) -> torch.Tensor:
     return torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
 
 

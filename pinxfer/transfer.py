@@ -40,7 +40,7 @@ DEFAULT_NUM_BUFFERS = 4
 
 
 def _to_device_op(tensor: torch.Tensor, device: torch.device, chunk_bytes: int,
-                  num_buffers: int) -> torch.Tensor:
+                  num_buffers: int, staging: str = "auto", cached_tail: int = -1) -> torch.Tensor:
     """One CPU tensor to ``device`` (a CUDA device), through pinxfer's staging pipeline.
 
     Args:
@@ -48,11 +48,16 @@ def _to_device_op(tensor: torch.Tensor, device: torch.device, chunk_bytes: int,
         device: the CUDA device.
         chunk_bytes: largest staging chunk (>= 4096); smaller tensors use smaller chunks.
         num_buffers: staging chunks in the ring (>= 1).
+        staging: how chunks are staged: "auto", "nt" (nontemporal stores) or "movsb"
+            (cached stores); see csrc/transfer/stage_copy.h.
+        cached_tail: under "auto", bytes at the end of the transfer staged nontemporal
+            (-1: pinxfer's choice).
 
     Returns:
         A contiguous tensor on ``device`` with the same values, dtype and shape.
     """
-    return _ops.to_device(tensor, device, int(chunk_bytes), int(num_buffers))
+    return _ops.to_device(tensor, device, int(chunk_bytes), int(num_buffers), staging,
+                          int(cached_tail))
 
 
 def _to_device_many_op(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
@@ -158,7 +163,7 @@ def _is_plain_dense(t: torch.Tensor) -> bool:
 
 
 def _send_leaves(tensors: list[torch.Tensor], device: torch.device, non_blocking: bool,
-                 chunk_bytes: int, num_buffers: int) -> list[torch.Tensor]:
+                 chunk_bytes: int, num_buffers: int, staging: str = "auto") -> list[torch.Tensor]:
     out: list[Optional[torch.Tensor]] = [None] * len(tensors)
     small: list[int] = []
     for i, t in enumerate(tensors):
@@ -168,11 +173,12 @@ def _send_leaves(tensors: list[torch.Tensor], device: torch.device, non_blocking
             if t.numel() * t.element_size() < SMALL_TENSOR_BYTES:
                 small.append(i)
             else:
-                out[i] = _to_device_op(t, device, chunk_bytes, num_buffers)
+                out[i] = _to_device_op(t, device, chunk_bytes, num_buffers, staging)
         else:
             out[i] = t.to(device, non_blocking=non_blocking)
     if len(small) == 1:
-        out[small[0]] = _to_device_op(tensors[small[0]], device, chunk_bytes, num_buffers)
+        out[small[0]] = _to_device_op(tensors[small[0]], device, chunk_bytes, num_buffers,
+                                      staging)
     elif small:
         packed = _to_device_many_op([tensors[i] for i in small], device)
         for i, t in zip(small, packed):
@@ -185,7 +191,7 @@ def _send_leaves(tensors: list[torch.Tensor], device: torch.device, non_blocking
 
 def to_device(obj: Any, device: Optional[DeviceLike] = None, non_blocking: bool = True,
               chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-              num_buffers: int = DEFAULT_NUM_BUFFERS) -> Any:
+              num_buffers: int = DEFAULT_NUM_BUFFERS, *, staging: str = "auto") -> Any:
     """Copies a tensor or a nested batch to a GPU at bus speed.
 
     Pageable CPU tensors of >= 1 MiB go through a pipeline: host threads copy
@@ -219,6 +225,10 @@ def to_device(obj: Any, device: Optional[DeviceLike] = None, non_blocking: bool 
         non_blocking: if False, wait for the copies to finish before returning.
         chunk_bytes: largest staging chunk (default 16 MiB).
         num_buffers: staging chunks in the ring (default 4).
+        staging: how pageable bytes are staged: ``"auto"`` (per chunk: cached
+            stores, nontemporal for the last 16 MiB), ``"nt"`` (all nontemporal) or
+            ``"movsb"`` (all cached). For benchmarks; ``PINXFER_STAGE_COPY``
+            overrides ``"auto"``.
 
     Returns:
         The same structure with tensors on ``device``.
@@ -234,10 +244,10 @@ def to_device(obj: Any, device: Optional[DeviceLike] = None, non_blocking: bool 
     _require_cuda("to_device")
     with _range("pinxfer::to_device"):
         if isinstance(obj, torch.Tensor):
-            out = _send_leaves([obj], dev, non_blocking, chunk_bytes, num_buffers)[0]
+            out = _send_leaves([obj], dev, non_blocking, chunk_bytes, num_buffers, staging)[0]
         else:
             results = iter(_send_leaves(tensors_in(obj), dev, non_blocking, chunk_bytes,
-                                        num_buffers))
+                                        num_buffers, staging))
             out = map_tensors(obj, lambda _t: next(results))
     if not non_blocking:
         torch.cuda.current_stream(dev).synchronize()

@@ -15,7 +15,10 @@
 #   stress    scripts/stress_gpu.py --mode both (plain, then pinxfer.install())
 #   memcheck  compute-sanitizer memcheck over tests/test_transfer_gpu.py and
 #             tests/test_allocator_gpu.py; error count in memcheck.txt
-#   bench     benchmarks/bench_{allocator,pin_memory,transfer}.py and `pinxfer bench`
+#   bench     benchmarks/bench_{allocator,pin_memory,transfer,small_calls}.py and `pinxfer bench`
+#   bus       benchmarks/bench_bus.py: ratios to the pinned ceiling (one process; with 2+ GPUs
+#             also 2 torchrun ranks at once); bus.json (+ bus_rank0/1.json). Set
+#             PINXFER_MACHINE_KIND (e.g. nvidia-h100-x1) to name the machine in the JSON.
 #   all       all of the above (more than one 10-minute device call: pick subsets)
 #
 # Environment:
@@ -52,7 +55,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 
 # ---- arguments: step names (separate or in one quoted list), -k EXPR, else a -k expression
-STEP_WORDS="all sweep test stress memcheck bench"
+STEP_WORDS="all sweep test stress memcheck bench bus"
 steps=""
 kexpr=${PYTEST_K:-}
 while [ $# -gt 0 ]; do
@@ -312,6 +315,22 @@ EOF
   [ "$rc" -ne 0 ] && bench_rc=$rc
   echo "benchmarks: $(( $(date +%s) - t0 )) s"
   record bench "$(status_of "$bench_rc")"
+fi
+
+if want bus; then
+  t0=$(date +%s)
+  kind=${PINXFER_MACHINE_KIND:-unknown}
+  echo "== bench_bus ($kind)"
+  timeout 420 python3 "$REPO/benchmarks/bench_bus.py" --kind "$kind" --out "$OUT/bus.json" 2>&1 | tail -20
+  bus_rc=${PIPESTATUS[0]}
+  if [ "$bus_rc" -eq 0 ] && [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
+    echo "== bench_bus, torchrun 2 ranks"
+    timeout 420 torchrun --standalone --nproc-per-node 2 "$REPO/benchmarks/bench_bus.py" \
+      --kind "$kind" --out "$OUT/bus.json" 2>&1 | tail -30
+    bus_rc=${PIPESTATUS[0]}
+  fi
+  echo "bus: $(( $(date +%s) - t0 )) s"
+  record bus "$(status_of "$bus_rc")"
 fi
 
 finish

@@ -170,13 +170,20 @@ def test_malformed_cpulist_names_the_file(tmp_path):
         ops.node_cpus(1, root)
 
 
-def test_env_sysfs_root_is_the_cpp_default(tmp_path, monkeypatch):
+def test_env_sysfs_root_is_the_cpp_default(tmp_path):
+    # Settings are read once per process (runtime/settings.h), so each root is
+    # checked in a fresh process.
     root = make_tree(tmp_path, {0: "0-1", 5: "2-3"})
-    monkeypatch.setenv("PINXFER_SYSFS_ROOT", root)
-    assert ops.sysfs_root() == root
-    assert pinxfer.numa_nodes() == {0: [0, 1], 5: [2, 3]}
-    monkeypatch.delenv("PINXFER_SYSFS_ROOT")
-    assert ops.sysfs_root() == "/sys"
+    code = ("import torch, pinxfer; ops = torch.ops.pinxfer; "
+            "print(repr(ops.sysfs_root()), pinxfer.numa_nodes())")
+    repo = str(Path(__file__).resolve().parent.parent)
+    env = {k: v for k, v in os.environ.items() if k != "PINXFER_SYSFS_ROOT"}
+    for extra, expected in (({"PINXFER_SYSFS_ROOT": root}, f"{root!r} {{0: [0, 1], 5: [2, 3]}}"),
+                            ({}, "'/sys'")):
+        out = subprocess.run([sys.executable, "-c", code], env={**env, **extra}, cwd=repo,
+                             capture_output=True, text=True)
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert out.stdout.startswith(expected), out.stdout
 
 
 # ---- the real machine ----

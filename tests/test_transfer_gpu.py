@@ -63,20 +63,20 @@ def test_odd_chunk_sizes_and_single_buffer(chunk_bytes, num_buffers):
 
 @pytest.mark.parametrize("kind", ["nt", "movsb"])
 @pytest.mark.parametrize("nbytes", [4097, 300_001, 9 * MiB + 5, 40 * MiB + 3])
-def test_forced_staging_copy_kinds(monkeypatch, kind, nbytes):
-    monkeypatch.setenv("PINXFER_STAGE_COPY", kind)
+def test_forced_staging_copy_kinds(kind, nbytes):
     x = _random_bytes(nbytes, seed=nbytes + len(kind))
-    _check(pinxfer.to_device(x), x)
-    _check(pinxfer.to_device(x, chunk_bytes=CHUNK, num_buffers=2), x)  # ring mode
+    _check(pinxfer.to_device(x, staging=kind), x)
+    _check(pinxfer.to_device(x, chunk_bytes=CHUNK, num_buffers=2, staging=kind), x)  # ring mode
 
 
-def test_mixed_staging_kinds_in_one_transfer(monkeypatch):
+def test_mixed_staging_kinds_in_one_transfer():
     # Chunks more than 3 MiB + 1 from the end are staged cached, the rest
     # nontemporal: both kinds in one transfer, in one block and in a ring.
-    monkeypatch.setenv("PINXFER_CACHED_TAIL", str(3 * MiB + 1))
     x = _random_bytes(20 * MiB + 7, seed=5)
-    _check(pinxfer.to_device(x), x)
-    _check(pinxfer.to_device(x, chunk_bytes=CHUNK, num_buffers=3), x)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    tail = 3 * MiB + 1
+    _check(pinxfer.transfer._to_device_op(x, dev, 16 * MiB, 4, "auto", tail), x)
+    _check(pinxfer.transfer._to_device_op(x, dev, CHUNK, 3, "auto", tail), x)
 
 
 def test_streaming_policy_while_copy_stream_busy():
@@ -87,10 +87,9 @@ def test_streaming_policy_while_copy_stream_busy():
     _check(pinxfer.to_device(x), x)
 
 
-def test_bad_staging_copy_setting_is_explained(monkeypatch):
-    monkeypatch.setenv("PINXFER_STAGE_COPY", "fast")
-    with pytest.raises(RuntimeError, match="expected 'nt' or 'movsb'"):
-        pinxfer.to_device(torch.randn(1 << 20))
+def test_bad_staging_copy_setting_is_explained():
+    with pytest.raises(ValueError, match="expected 'auto', 'nt' .* or 'movsb'"):
+        pinxfer.to_device(torch.randn(1 << 20), staging="fast")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64,
@@ -356,3 +355,57 @@ def test_prefetch_exception_and_early_break_with_cuda():
             break
     gc.collect()
     assert not [t for t in threading.enumerate() if t.name.startswith("pinxfer-prefetch-")]
+
+
+# ---- several GPUs in one process (skipped with fewer than 2) ----
+
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+
+
+@two_gpus
+def test_two_gpus_from_two_threads_every_byte():
+    """One process drives each GPU from its own thread at once: pageable tensors
+    (pipelined, ring and one block), pinned ones and packed batches; every byte of
+    every result is checked. The GPUs share the process's copy threads and pools."""
+    devices = [torch.device("cuda", i) for i in range(2)]
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(len(devices))
+
+    def drive(dev: torch.device, seed: int) -> None:
+        try:
+            torch.cuda.set_device(dev)
+            barrier.wait()
+            for step in range(12):
+                x = _random_bytes((3 + step) * MiB + seed, seed=seed * 100 + step)
+                _check(pinxfer.to_device(x, dev), x)
+                _check(pinxfer.to_device(x, dev, chunk_bytes=CHUNK, num_buffers=2), x)
+                assert pinxfer.to_device(x, dev).device == dev
+                batch = {"a": _random_bytes(4096 + step, seed=step), "b": [x[:70_000], x]}
+                out = pinxfer.to_device(batch, dev)
+                _check(out["a"], batch["a"])
+                _check(out["b"][0], batch["b"][0])
+                _check(out["b"][1], x)
+                p = pinxfer.pin_memory(x)
+                _check(pinxfer.to_device(p, dev), x)
+        except BaseException as err:  # noqa: BLE001 - re-raised in the test thread
+            errors.append(err)
+
+    threads = [threading.Thread(target=drive, args=(d, i + 1)) for i, d in enumerate(devices)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    for dev in devices:
+        assert pinxfer.copy_stream(dev).device == dev
+
+
+@two_gpus
+def test_prefetch_to_the_second_gpu():
+    batches = [_random_bytes(5 * MiB + i, seed=i) for i in range(6)]
+    dev = torch.device("cuda", 1)
+    got = list(pinxfer.prefetch(batches, device=dev))
+    for y, x in zip(got, batches):
+        assert y.device == dev
+        _check(y, x)

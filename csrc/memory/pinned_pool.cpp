@@ -14,6 +14,7 @@
 #include <c10/util/Exception.h>
 
 #include "memory/host_allocator.h"
+#include "runtime/settings.h"
 #include "runtime/thread_pool.h"
 
 namespace pinxfer {
@@ -37,8 +38,7 @@ std::atomic<int64_t> g_limit{-1};  // -1: not read from the environment yet
 int64_t limit_now() {
   int64_t limit = g_limit.load();
   if (limit >= 0) return limit;
-  const char* env = std::getenv("PINXFER_MAX_PINNED_BYTES");
-  limit = (env && *env) ? parse_byte_size(env) : 0;
+  limit = settings().max_pinned_bytes;
   int64_t expected = -1;
   g_limit.compare_exchange_strong(expected, limit);
   return g_limit.load();

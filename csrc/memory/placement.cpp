@@ -6,6 +6,7 @@
 #include <string>
 
 #include "runtime/cuda_runtime.h"
+#include "runtime/settings.h"
 #include "runtime/topology.h"
 
 namespace pinxfer {
@@ -15,16 +16,10 @@ namespace {
 constexpr int kUnknown = -2;  // cache slot not filled yet
 constexpr int kMaxCachedDevices = 256;
 
-// PINXFER_NUMA_NODE, read once: every allocation resolves a node, and getenv
-// scans the whole environment. kUnknown: not set.
+// PINXFER_NUMA_NODE (runtime/settings.h; kUnknown: not set).
 int env_override() {
-  static const int node = [] {
-    const char* env = std::getenv("PINXFER_NUMA_NODE");
-    if (!env || !*env) return kUnknown;
-    const std::string v(env);
-    return (v == "none" || v == "-1") ? -1 : std::atoi(env);
-  }();
-  return node;
+  static_assert(kUnknown == -2, "Settings::numa_node uses -2 for 'not set'");
+  return settings().numa_node;
 }
 
 // device -> node, filled on first use; a race fills a slot twice with the same

@@ -10,6 +10,7 @@
 
 #include <c10/util/Exception.h>
 
+#include "runtime/settings.h"
 #include "runtime/thread_pool.h"
 
 #if PINXFER_WITH_CUDA
@@ -55,6 +56,7 @@ namespace {
 std::mutex g_probe_mutex;
 uint64_t g_probed_generation = ~uint64_t{0};  // LOCK: g_probe_mutex
 bool g_usable = false;                        // LOCK: g_probe_mutex
+std::string g_probe_error;                    // why the driver said no. LOCK: g_probe_mutex
 
 std::mutex g_events_mutex;
 // Free events per device; leaked at exit on purpose (the driver may already be
@@ -91,12 +93,14 @@ bool cuda_usable() {
   // Every allocation asks: once probed, answer without the lock.
   const int answered = g_usable_answer.load(std::memory_order_acquire);
   if (answered >= 0) return answered == 1;
+  // Before the lock: a malformed setting throws, and must not leave a
+  // half-made answer behind.
+  const bool disabled = settings().disable_cuda;
   std::lock_guard<std::mutex> lock(g_probe_mutex);
   if (g_probed_generation == gen) return g_usable;
   g_probed_generation = gen;
   g_usable = false;
-  const char* disable = std::getenv("PINXFER_DISABLE_CUDA");
-  if (disable && std::string(disable) == "1") {
+  if (disabled) {
     g_usable_answer.store(0, std::memory_order_release);
     return false;
   }
@@ -104,12 +108,19 @@ bool cuda_usable() {
   const cudaError_t err = cudaGetDeviceCount(&count);
   if (err != cudaSuccess) {
     (void)cudaGetLastError();  // clear the sticky-free error so torch does not see it
+    g_probe_error = "the CUDA driver reports " + error_text(err);
     g_usable_answer.store(0, std::memory_order_release);
     return false;
   }
+  if (count == 0) g_probe_error = "the CUDA driver sees no device (CUDA_VISIBLE_DEVICES?)";
   g_usable = count > 0;
   g_usable_answer.store(g_usable ? 1 : 0, std::memory_order_release);
   return g_usable;
+}
+
+static std::string probe_error() {
+  std::lock_guard<std::mutex> lock(g_probe_mutex);
+  return g_probe_error;
 }
 
 std::string host_register(void* ptr, size_t size) {
@@ -287,6 +298,7 @@ int current_device() { return -1; }
 int device_count() { return 0; }
 
 bool cuda_usable() { return false; }
+static std::string probe_error() { return "pinxfer was built without CUDA (a CPU-only build)"; }
 std::string host_register(void*, size_t) { return "pinxfer was built without CUDA"; }
 std::string host_unregister(void*) { return "pinxfer was built without CUDA"; }
 std::string host_register_user(void*, size_t, bool* already_registered) {
@@ -307,5 +319,17 @@ void release_event(const Event&) {}
 bool current_stream_if_active(c10::Stream*) { return false; }
 
 #endif
+
+std::string cuda_unusable_reason() {
+  if (!built_with_cuda()) return probe_error();
+  if (fork_generation() != 0) {
+    return "this is a forked child process (such as a DataLoader worker), and CUDA belongs to "
+           "its parent";
+  }
+  if (settings().disable_cuda) return "PINXFER_DISABLE_CUDA=1 is set";
+  if (cuda_usable()) return "";
+  const std::string error = probe_error();
+  return error.empty() ? "no CUDA device is usable" : error;
+}
 
 }  // namespace pinxfer::cuda

@@ -24,6 +24,10 @@ std::string built_cuda_version();
 // True if this process can use a CUDA device: compiled with CUDA, not a forked
 // child, PINXFER_DISABLE_CUDA unset, and the driver reports >= 1 device.
 bool cuda_usable();
+// Why cuda_usable() is false, as a clause for error messages ("PINXFER_DISABLE_CUDA=1
+// is set"); "" when CUDA is usable. The one answer every message and
+// pinxfer.build_info() give.
+std::string cuda_unusable_reason();
 
 // Page-locks host memory for DMA by every device (cudaHostRegisterPortable).
 // Returns "" on success, else the CUDA error text. Used by the pool's segments

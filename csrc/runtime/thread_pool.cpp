@@ -9,6 +9,7 @@
 #include <map>
 #include <string>
 
+#include "runtime/settings.h"
 #include "runtime/topology.h"
 
 #if defined(__x86_64__)
@@ -170,30 +171,9 @@ void ThreadPool::parallel_for(size_t n, size_t grain,
   if (job->error) std::rethrow_exception(job->error);
 }
 
-int default_num_threads() {
-  if (const char* env = std::getenv("PINXFER_NUM_THREADS")) {
-    const int n = std::atoi(env);
-    if (n > 0) return n;
-  }
-  cpu_set_t set;
-  int available = static_cast<int>(std::thread::hardware_concurrency());
-  if (sched_getaffinity(0, sizeof(set), &set) == 0) available = CPU_COUNT(&set);
-  // Three quarters of the CPUs, at most 16: the rest stay free for the threads
-  // that feed the copies (Python's main thread, a prefetch producer, CUDA's
-  // own threads). On the 16-CPU H200 host 12 threads beat 16 at every size
-  // (benchmarks/sweep_to_device.py: 8 MiB 31 vs 25 GB/s, 1 GiB 46 vs 44, and
-  // a 4 KiB transfer's latency 45 vs 80 us while 15 workers spin).
-  const int three_quarters = std::max(std::min(2, available), available - available / 4);
-  return std::max(1, std::min(16, three_quarters));
-}
+int default_num_threads() { return settings().copy_threads; }
 
-int default_spin_us() {
-  if (const char* env = std::getenv("PINXFER_SPIN_US")) {
-    const int n = std::atoi(env);
-    if (n >= 0) return n;
-  }
-  return 100;
-}
+int default_spin_us() { return settings().spin_us; }
 
 namespace {
 std::atomic<uint64_t> g_fork_generation{0};
@@ -224,7 +204,7 @@ ThreadPool& thread_pool_for_node(int numa_node) {
   std::vector<int> cpus;
   if (numa_node >= 0) cpus = node_cpus(numa_node, sysfs_root());
   int threads = default_num_threads();
-  if (!cpus.empty() && !std::getenv("PINXFER_NUM_THREADS")) {
+  if (!cpus.empty() && !settings().copy_threads_from_env) {
     threads = std::min<int>(threads, static_cast<int>(cpus.size()));
   }
   auto* pool = new ThreadPool(threads, cpus);

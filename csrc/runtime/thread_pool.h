@@ -67,9 +67,9 @@ class ThreadPool {
   int spin_us_ = 0;
 };
 
-// Default thread count for host copies: PINXFER_NUM_THREADS, else three
-// quarters of the CPUs this process may run on (at least 2 where there are 2),
-// at most 16.
+// Thread count for host copies: PINXFER_NUM_THREADS, else derived from the
+// process's CPUs, cgroup quota and ranks on the host (copy_threads_for() in
+// runtime/settings.h).
 int default_num_threads();
 
 // How long an idle worker spins before sleeping: PINXFER_SPIN_US, else 100.

@@ -1,5 +1,7 @@
 #include "runtime/topology.h"
 
+#include "runtime/settings.h"
+
 #include <dirent.h>
 
 #include <algorithm>
@@ -11,10 +13,7 @@
 
 namespace pinxfer {
 
-std::string sysfs_root() {
-  const char* env = std::getenv("PINXFER_SYSFS_ROOT");
-  return (env && *env) ? std::string(env) : std::string("/sys");
-}
+std::string sysfs_root() { return settings().sysfs_root; }
 
 namespace {
 bool read_first_line(const std::string& path, std::string* out) {

@@ -12,7 +12,7 @@
 
 namespace pinxfer {
 
-// "/sys", or PINXFER_SYSFS_ROOT when set.
+// "/sys", or PINXFER_SYSFS_ROOT when set (read once, runtime/settings.h).
 std::string sysfs_root();
 
 // Parses a kernel CPU list such as "0-3,8,10-11". Throws on malformed text.

@@ -1,0 +1,382 @@
+"""How close pinxfer gets to the bus on this machine: one command, ratios, JSON.
+
+Every figure is a ratio to the *pinned ceiling measured in the same run*: a
+pinned host tensor of the same size copied with ``.to(device, non_blocking=True)``
+(under torchrun, all ranks copy at once, so the ceiling is the shared bus).
+Each measurement is repeated ``--runs`` times (default 5); the JSON keeps the
+median and the minimum seconds, and the GB/s and ratios of both.
+
+Rows:
+  to_device_<size>      pageable tensor -> GPU; ``t.to()`` of the same tensor beside it
+  prefetch_<size>       ``pinxfer.prefetch`` over an in-memory list of pageable batches, and
+                        ``to_device`` of the same batches one after another
+  compute_bound         a step that computes longer than a batch takes to copy, fed by
+                        prefetch, against the same steps on data already on the GPU
+  cpu_seconds_per_gb    getrusage (all threads) per GB moved, pinxfer and ``t.to()``
+  idle_cpu              CPU seconds the process used during 1 s of idle after transfers
+  timeline              one prefetch pass under torch.profiler: how busy the copy engine
+                        was between its first and last H2D copy, and the largest gaps
+  multi_gpu             (2+ GPUs, one process) one thread per GPU, to_device at once
+
+Usage:
+  python3 benchmarks/bench_bus.py --kind nvidia-h100-x1            # results/h100/bus.json
+  torchrun --nproc-per-node 2 benchmarks/bench_bus.py --kind nvidia-h200-x2
+  python3 benchmarks/bench_bus.py --quick --out /tmp/bus.json      # fewer, smaller runs
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+import pinxfer
+
+MiB = 1 << 20
+GiB = 1 << 30
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def cpu_seconds() -> float:
+    """CPU time of every thread of this process so far."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+class Dist:
+    """torchrun ranks (WORLD_SIZE > 1) start every timed run together."""
+
+    def __init__(self) -> None:
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        if self.world > 1:
+            import torch.distributed as dist
+
+            dist.init_process_group("gloo")
+            self._dist = dist
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            self._dist.barrier()
+
+    def close(self) -> None:
+        if self.world > 1:
+            self._dist.destroy_process_group()
+
+
+def measure(fn: Callable[[], Any], nbytes: int, runs: int, dist: Dist, device: torch.device,
+            warmup: int = 1) -> dict[str, float]:
+    """Median and minimum seconds of `runs` calls of fn (each synced), GB/s of
+    both, and CPU seconds per GB over all runs."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize(device)
+    times = []
+    cpu = 0.0
+    for _ in range(runs):
+        dist.barrier()
+        c0, t0 = cpu_seconds(), time.perf_counter()
+        fn()
+        torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+        cpu += cpu_seconds() - c0
+    med, best = statistics.median(times), min(times)
+    return {"median_s": med, "min_s": best, "gbps_median": nbytes / med / 1e9,
+            "gbps_best": nbytes / best / 1e9, "cpu_s_per_gb": cpu / (runs * nbytes / 1e9)}
+
+
+def ratio(a: dict, b: dict) -> dict[str, float]:
+    """a's GB/s over b's: by medians, and by best runs."""
+    return {"median": a["gbps_median"] / b["gbps_median"], "best": a["gbps_best"] / b["gbps_best"]}
+
+
+def section_to_device(sizes: list[int], runs: int, dist: Dist, dev: torch.device) -> list[dict]:
+    rows = []
+    for nbytes in sizes:
+        t = torch.randn(nbytes // 4)  # pageable, touched
+        pinned = t.pin_memory()
+        ceiling = measure(lambda: pinned.to(dev, non_blocking=True), nbytes, runs, dist, dev)
+        ours = measure(lambda: pinxfer.to_device(t, dev), nbytes, runs, dist, dev)
+        torch_to = measure(lambda: t.to(dev), nbytes, runs, dist, dev)
+        assert torch.equal(pinxfer.to_device(t, dev).cpu(), t), "to_device changed the bytes"
+        rows.append({"row": f"to_device_{nbytes // MiB}MiB", "bytes": nbytes,
+                     "ceiling_pinned": ceiling, "pinxfer": ours, "torch_to": torch_to,
+                     "pinxfer_vs_ceiling": ratio(ours, ceiling),
+                     "pinxfer_vs_torch_to": ratio(ours, torch_to)})
+        del t, pinned
+    return rows
+
+
+def section_prefetch(sizes: list[int], total: int, runs: int, dist: Dist,
+                     dev: torch.device) -> list[dict]:
+    rows = []
+    for nbytes in sizes:
+        n = max(4, total // nbytes)
+        batches = [torch.randn(nbytes // 4) for _ in range(n)]
+        pinned = [b.pin_memory() for b in batches[:2]]
+        moved = n * nbytes
+
+        def ceiling_run() -> None:
+            for i in range(n):
+                pinned[i % 2].to(dev, non_blocking=True)
+
+        def prefetch_run() -> None:
+            for _ in pinxfer.prefetch(batches, device=dev):
+                pass
+
+        def sequential_run() -> None:
+            for b in batches:
+                pinxfer.to_device(b, dev)
+
+        ceiling = measure(ceiling_run, moved, runs, dist, dev)
+        pre = measure(prefetch_run, moved, runs, dist, dev)
+        seq = measure(sequential_run, moved, runs, dist, dev)
+        rows.append({"row": f"prefetch_{nbytes // MiB}MiB", "bytes": moved, "batches": n,
+                     "ceiling_pinned": ceiling, "prefetch": pre, "to_device_sequential": seq,
+                     "prefetch_vs_ceiling": ratio(pre, ceiling),
+                     "prefetch_vs_sequential": ratio(pre, seq)})
+        del batches, pinned
+    return rows
+
+
+def section_compute_bound(nbytes: int, steps: int, runs: int, dist: Dist,
+                          dev: torch.device) -> dict:
+    """A step whose compute takes about 2x a batch's copy: prefetch must hide the copies."""
+    batches = [torch.randn(nbytes // 4) for _ in range(4)]
+    on_gpu = [b.to(dev) for b in batches]
+    w = torch.randn(4096, 4096, device=dev)
+    pinned = batches[0].pin_memory()
+    copy = measure(lambda: pinned.to(dev, non_blocking=True), nbytes, 3, dist, dev)["median_s"]
+
+    def matmuls(k: int) -> None:
+        x = w
+        for _ in range(k):
+            x = torch.mm(x, w)
+
+    # Calibrate the number of matmuls per step to ~2x the copy time.
+    probe = measure(lambda: matmuls(10), nbytes, 3, dist, dev)["median_s"] / 10
+    per_step = max(1, round(2 * copy / probe))
+
+    def step(batch: torch.Tensor) -> None:
+        batch.sum()
+        matmuls(per_step)
+
+    source = [batches[i % len(batches)] for i in range(steps)]
+    pure = measure(lambda: [step(on_gpu[i % len(on_gpu)]) for i in range(steps)],
+                   steps * nbytes, runs, dist, dev)
+    fed = measure(lambda: [step(b) for b in pinxfer.prefetch(source, device=dev)],
+                  steps * nbytes, runs, dist, dev)
+    return {"row": "compute_bound", "batch_bytes": nbytes, "steps": steps,
+            "matmuls_per_step": per_step, "copy_s": copy, "pure_compute": pure,
+            "prefetch_fed": fed,
+            "step_time_vs_pure_compute": {"median": fed["median_s"] / pure["median_s"],
+                                          "best": fed["min_s"] / pure["min_s"]}}
+
+
+def section_idle_cpu(dev: torch.device) -> dict:
+    t = torch.randn(64 * MiB // 4)
+    for _ in range(3):
+        pinxfer.to_device(t, dev)
+    torch.cuda.synchronize(dev)
+    c0, t0 = cpu_seconds(), time.perf_counter()
+    time.sleep(1.0)
+    return {"row": "idle_cpu", "wall_s": time.perf_counter() - t0,
+            "cpu_s": cpu_seconds() - c0}
+
+
+def section_timeline(nbytes: int, n: int, dev: torch.device) -> dict:
+    """One prefetch pass under the profiler: copy-engine busy fraction and gaps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    batches = [torch.randn(nbytes // 4) for _ in range(n)]
+    for _ in pinxfer.prefetch(batches[:2], device=dev):
+        pass
+    torch.cuda.synchronize(dev)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in pinxfer.prefetch(batches, device=dev):
+            pass
+        torch.cuda.synchronize(dev)
+    copies, stages = [], []
+    for e in prof.events():
+        name = e.name.lower()
+        if "memcpy htod" in name or "memcpy h2d" in name:
+            copies.append((e.time_range.start, e.time_range.end))
+        elif e.name == "pinxfer::stage":
+            stages.append((e.time_range.start, e.time_range.end))
+    if not copies:
+        return {"row": "timeline", "error": "no H2D copies in the profile"}
+    copies.sort()
+    span = copies[-1][1] - copies[0][0]
+    busy, gaps, end = 0.0, [], copies[0][0]
+    for s, e in copies:
+        if s > end:
+            gaps.append(s - end)
+        busy += max(0.0, e - max(s, end))
+        end = max(end, e)
+    gaps.sort(reverse=True)
+    return {"row": "timeline", "batch_bytes": nbytes, "batches": n, "h2d_copies": len(copies),
+            "span_us": span, "copy_busy_fraction": busy / span if span else 0.0,
+            "gaps_us_total": sum(gaps), "largest_gaps_us": gaps[:8],
+            "gbps_over_span": n * nbytes / (span * 1e-6) / 1e9 if span else 0.0}
+
+
+def section_multi_gpu(nbytes: int, runs: int) -> Optional[dict]:
+    """One process, one thread per GPU, each sending its own tensor at once."""
+    count = torch.cuda.device_count()
+    if count < 2:
+        return None
+    devs = [torch.device("cuda", i) for i in range(count)]
+    srcs = [torch.randn(nbytes // 4) for _ in devs]
+    pinned = [s.pin_memory() for s in srcs]
+
+    def together(fn: Callable[[int], Any]) -> float:
+        barrier = threading.Barrier(count)
+        times = [0.0] * count
+        errors: list[BaseException] = []
+
+        def body(i: int) -> None:
+            try:
+                torch.cuda.set_device(devs[i])
+                barrier.wait()
+                t0 = time.perf_counter()
+                fn(i)
+                torch.cuda.synchronize(devs[i])
+                times[i] = time.perf_counter() - t0
+            except BaseException as err:  # noqa: BLE001 - re-raised below
+                errors.append(err)
+
+        threads = [threading.Thread(target=body, args=(i,)) for i in range(count)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        if errors:
+            raise errors[0]
+        return max(times)
+
+    def rows(fn: Callable[[int], Any]) -> dict[str, float]:
+        together(fn)
+        ts = [together(fn) for _ in range(runs)]
+        med, best = statistics.median(ts), min(ts)
+        return {"median_s": med, "min_s": best, "gbps_per_gpu_median": nbytes / med / 1e9,
+                "gbps_per_gpu_best": nbytes / best / 1e9}
+
+    ceiling = rows(lambda i: pinned[i].to(devs[i], non_blocking=True))
+    ours = rows(lambda i: pinxfer.to_device(srcs[i], devs[i]))
+    for i in range(count):
+        assert torch.equal(pinxfer.to_device(srcs[i], devs[i]).cpu(), srcs[i])
+    return {"row": "multi_gpu", "gpus": count, "bytes_per_gpu": nbytes, "ceiling_pinned": ceiling,
+            "pinxfer": ours,
+            "pinxfer_vs_ceiling": {"median": ours["gbps_per_gpu_median"] /
+                                   ceiling["gbps_per_gpu_median"],
+                                   "best": ours["gbps_per_gpu_best"] /
+                                   ceiling["gbps_per_gpu_best"]}}
+
+
+def print_summary(report: dict) -> None:
+    who = f"{report['kind']} rank {report['rank']}/{report['world_size']}"
+    print(f"== {who}: {report['gpu']}, {report['copy_threads']}")
+    for r in report["rows"]:
+        name = r["row"]
+        if name.startswith("to_device_"):
+            print(f"{name:18s} pinxfer {r['pinxfer']['gbps_median']:6.1f} GB/s  ceiling "
+                  f"{r['ceiling_pinned']['gbps_median']:6.1f}  ratio "
+                  f"{r['pinxfer_vs_ceiling']['median']:.2f} (best {r['pinxfer_vs_ceiling']['best']:.2f})"
+                  f"  t.to {r['torch_to']['gbps_median']:5.1f}  cpu s/GB pinxfer "
+                  f"{r['pinxfer']['cpu_s_per_gb']:.3f} t.to {r['torch_to']['cpu_s_per_gb']:.3f}")
+        elif name.startswith("prefetch_"):
+            print(f"{name:18s} prefetch {r['prefetch']['gbps_median']:6.1f} GB/s  ceiling "
+                  f"{r['ceiling_pinned']['gbps_median']:6.1f}  ratio "
+                  f"{r['prefetch_vs_ceiling']['median']:.2f} (best {r['prefetch_vs_ceiling']['best']:.2f})"
+                  f"  vs sequential to_device {r['prefetch_vs_sequential']['median']:.2f}  cpu s/GB "
+                  f"{r['prefetch']['cpu_s_per_gb']:.3f}")
+        elif name == "compute_bound":
+            print(f"{name:18s} step / pure compute {r['step_time_vs_pure_compute']['median']:.3f} "
+                  f"(best {r['step_time_vs_pure_compute']['best']:.3f})")
+        elif name == "idle_cpu":
+            print(f"{name:18s} {r['cpu_s'] * 1e3:.1f} ms CPU in {r['wall_s']:.2f} s idle")
+        elif name == "timeline":
+            if "error" in r:
+                print(f"{name:18s} {r['error']}")
+            else:
+                print(f"{name:18s} copy engine busy {r['copy_busy_fraction']:.2f} of "
+                      f"{r['span_us'] / 1e3:.1f} ms, gaps {r['gaps_us_total'] / 1e3:.2f} ms, "
+                      f"largest {[round(g) for g in r['largest_gaps_us'][:4]]} us")
+        elif name == "multi_gpu":
+            print(f"{name:18s} {r['gpus']} GPUs at once: {r['pinxfer']['gbps_per_gpu_median']:.1f} "
+                  f"GB/s each, ceiling {r['ceiling_pinned']['gbps_per_gpu_median']:.1f}, ratio "
+                  f"{r['pinxfer_vs_ceiling']['median']:.2f}")
+
+
+def results_dir(kind: str) -> Path:
+    """benchmarks/results/<kind without 'nvidia-' and '-x1'>, as the other results."""
+    short = kind.removeprefix("nvidia-").removesuffix("-x1")
+    return RESULTS / short
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--kind", default=os.environ.get("PINXFER_MACHINE_KIND", "unknown"),
+                    help="machine kind, e.g. nvidia-h100-x1 (names the results folder)")
+    ap.add_argument("--out", help="JSON path (default: benchmarks/results/<kind>/bus[_rankN].json)")
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--quick", action="store_true", help="small sizes, 3 runs (a smoke test)")
+    args = ap.parse_args(argv)
+    reason = pinxfer.cuda_unavailable_reason() if hasattr(pinxfer, "cuda_unavailable_reason") \
+        else (None if torch.cuda.is_available() else "no CUDA device")
+    if reason is not None:
+        print(f"bench_bus: needs a CUDA device ({reason})", file=sys.stderr)
+        return 2
+    dist = Dist()
+    dev = torch.device("cuda", dist.local_rank % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    runs = 3 if args.quick else args.runs
+    sizes = [8 * MiB, 16 * MiB] if args.quick else [8 * MiB, 64 * MiB, GiB]
+    batch_sizes = [16 * MiB] if args.quick else [16 * MiB, 64 * MiB]
+    total = 128 * MiB if args.quick else GiB
+
+    names, values, sources = torch.ops.pinxfer.settings()
+    settings = {n: {"value": v, "source": s} for n, v, s in zip(names, values, sources)}
+    report: dict[str, Any] = {
+        "benchmark": "bench_bus", "kind": args.kind, "rank": dist.rank,
+        "world_size": dist.world, "gpu": torch.cuda.get_device_name(dev),
+        "gpus_visible": torch.cuda.device_count(), "host_cpus": os.cpu_count(),
+        "affinity_cpus": len(os.sched_getaffinity(0)),
+        "copy_threads": settings["PINXFER_NUM_THREADS"]["value"], "settings": settings,
+        "torch": torch.__version__, "python": platform.python_version(), "runs": runs,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "rows": [],
+    }
+    rows = report["rows"]
+    rows += section_to_device(sizes, runs, dist, dev)
+    rows += section_prefetch(batch_sizes, total, runs, dist, dev)
+    rows.append(section_compute_bound(batch_sizes[-1], 8 if args.quick else 24, runs, dist, dev))
+    rows.append(section_idle_cpu(dev))
+    rows.append(section_timeline(batch_sizes[-1], 8 if args.quick else 16, dev))
+    if dist.world == 1:
+        multi = section_multi_gpu(256 * MiB if not args.quick else 16 * MiB, runs)
+        if multi is not None:
+            rows.append(multi)
+    dist.close()
+
+    out = Path(args.out) if args.out else results_dir(args.kind) / "bus.json"
+    if dist.world > 1:
+        out = out.with_name(f"{out.stem}_rank{dist.rank}{out.suffix}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
+    print_summary(report)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,281 @@
+#include "runtime/settings.h"
+
+#include <c10/util/Exception.h>
+#include <sched.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+#include <stdexcept>
+
+namespace pinxfer {
+
+// Defined in runtime/parse.cpp (byte sizes such as "512MiB").
+int64_t parse_byte_size(const std::string& text);
+
+StagingMode parse_staging_mode(const std::string& text, const char* what) {
+  if (text == "auto") return StagingMode::kAuto;
+  if (text == "nt") return StagingMode::kNontemporal;
+  if (text == "movsb") return StagingMode::kCached;
+  TORCH_CHECK_VALUE(false, what, ": expected 'auto', 'nt' (nontemporal stores) or 'movsb' "
+                    "(cached stores), got '", text, "'. Leave it 'auto' to let pinxfer choose "
+                    "per chunk.");
+}
+
+const char* staging_mode_name(StagingMode mode) {
+  switch (mode) {
+    case StagingMode::kNontemporal: return "nt";
+    case StagingMode::kCached: return "movsb";
+    case StagingMode::kAuto: break;
+  }
+  return "auto";
+}
+
+int copy_threads_for(const CpuResources& cpus, std::string* why) {
+  std::ostringstream reason;
+  int usable = std::max(1, cpus.affinity_cpus);
+  reason << cpus.affinity_cpus << " CPUs in the affinity mask";
+  if (cpus.quota_cpus > 0 && std::ceil(cpus.quota_cpus) < usable) {
+    usable = std::max(1, static_cast<int>(std::ceil(cpus.quota_cpus)));
+    reason << ", cgroup quota " << cpus.quota_cpus << " CPUs";
+  }
+  // A launcher that binds each rank to its own CPUs has already divided the
+  // host; one that does not leaves every rank the whole machine, and the
+  // ranks' copy threads would then fight over the same cores.
+  if (cpus.local_world_size > 1 && cpus.affinity_cpus >= cpus.online_cpus) {
+    usable = std::max(1, usable / cpus.local_world_size);
+    reason << ", shared by LOCAL_WORLD_SIZE=" << cpus.local_world_size << " ranks";
+  }
+  // A quarter stays free for Python's main thread, a prefetch producer and
+  // CUDA's own threads (on the 16-CPU H200 host 12 copy threads beat 16 at
+  // every size). Below 4 CPUs none is kept back: the caller copies too, and
+  // a single copy thread would halve a small host's staging bandwidth.
+  const int feeders = usable / 4;
+  const int threads = std::clamp(usable - feeders, 1, kMaxCopyThreads);
+  reason << " -> " << usable << " usable, " << threads << " copy threads";
+  if (why) *why = reason.str();
+  return threads;
+}
+
+namespace {
+
+bool read_text(const std::string& path, std::string* out) {
+  std::ifstream f(path);
+  if (!f) return false;
+  std::stringstream ss;
+  ss << f.rdbuf();
+  *out = ss.str();
+  return true;
+}
+
+// Quota of one cgroup directory in CPUs; 0 when unlimited or unreadable.
+double quota_of_dir(const std::string& dir, bool v2) {
+  std::string text;
+  if (v2) {
+    if (!read_text(dir + "/cpu.max", &text)) return 0;
+    std::istringstream in(text);
+    std::string quota;
+    double period = 0;
+    in >> quota >> period;
+    if (quota == "max" || period <= 0) return 0;
+    try {
+      return std::stod(quota) / period;
+    } catch (const std::exception&) {
+      return 0;
+    }
+  }
+  std::string period_text;
+  if (!read_text(dir + "/cpu.cfs_quota_us", &text) ||
+      !read_text(dir + "/cpu.cfs_period_us", &period_text)) {
+    return 0;
+  }
+  try {
+    const double quota = std::stod(text), period = std::stod(period_text);
+    return (quota > 0 && period > 0) ? quota / period : 0;
+  } catch (const std::exception&) {
+    return 0;
+  }
+}
+
+// The smallest quota of `path` and its ancestors under `mount` (a parent's
+// quota limits its children too; in a container the path is often "/").
+double min_quota_up(const std::string& mount, std::string path, bool v2) {
+  double best = 0;
+  while (true) {
+    const double q = quota_of_dir(mount + (path == "/" ? "" : path), v2);
+    if (q > 0 && (best == 0 || q < best)) best = q;
+    if (path.empty() || path == "/") break;
+    const size_t slash = path.find_last_of('/');
+    path = slash == 0 || slash == std::string::npos ? "/" : path.substr(0, slash);
+  }
+  return best;
+}
+
+}  // namespace
+
+double cgroup_quota_cpus(const std::string& cgroup_root, const std::string& proc_self_cgroup) {
+  std::istringstream lines(proc_self_cgroup);
+  std::string line;
+  double best = 0;
+  while (std::getline(lines, line)) {
+    // "hierarchy-id:controllers:path"; v2's line is "0::/path".
+    const size_t a = line.find(':'), b = line.find(':', a + 1);
+    if (a == std::string::npos || b == std::string::npos) continue;
+    const std::string controllers = line.substr(a + 1, b - a - 1), path = line.substr(b + 1);
+    double q = 0;
+    if (controllers.empty()) {
+      q = min_quota_up(cgroup_root, path, /*v2=*/true);
+    } else {
+      std::istringstream names(controllers);
+      std::string name;
+      bool has_cpu = false;
+      while (std::getline(names, name, ',')) has_cpu = has_cpu || name == "cpu";
+      if (!has_cpu) continue;
+      q = min_quota_up(cgroup_root + "/" + controllers, path, /*v2=*/false);
+      if (q == 0) q = min_quota_up(cgroup_root + "/cpu", path, /*v2=*/false);
+    }
+    if (q > 0 && (best == 0 || q < best)) best = q;
+  }
+  return best;
+}
+
+namespace {
+
+[[noreturn]] void bad_env(const char* name, const std::string& value, const char* expected) {
+  TORCH_CHECK_VALUE(false, name, ": expected ", expected, ", got '", value,
+                    "'. Fix or unset it (pinxfer reads its environment once, at first use).");
+}
+
+// A non-negative integer, or bad_env.
+int64_t env_int(const char* name, const std::string& value, int64_t min) {
+  size_t used = 0;
+  int64_t n = -1;
+  try {
+    n = std::stoll(value, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used != value.size() || n < min) {
+    bad_env(name, value, min > 0 ? "a positive integer" : "a non-negative integer");
+  }
+  return n;
+}
+
+Settings read_settings() {
+  Settings s;
+  auto add = [&s](const char* name, std::string value, const char* source) {
+    s.items.push_back({name, std::move(value), source});
+  };
+  auto env = [](const char* name) -> const char* {
+    const char* v = std::getenv(name);
+    return (v && *v) ? v : nullptr;
+  };
+
+  if (const char* v = env("PINXFER_SYSFS_ROOT")) s.sysfs_root = v;
+  add("PINXFER_SYSFS_ROOT", s.sysfs_root, env("PINXFER_SYSFS_ROOT") ? "env" : "default");
+
+  if (const char* v = env("PINXFER_DISABLE_CUDA")) {
+    const std::string t(v);
+    if (t != "0" && t != "1") bad_env("PINXFER_DISABLE_CUDA", t, "1 (never touch CUDA) or 0");
+    s.disable_cuda = t == "1";
+  }
+  add("PINXFER_DISABLE_CUDA", s.disable_cuda ? "1" : "0",
+      env("PINXFER_DISABLE_CUDA") ? "env" : "default");
+
+  if (const char* v = env("PINXFER_NUMA_NODE")) {
+    const std::string t(v);
+    s.numa_node = (t == "none" || t == "-1") ? -1 : static_cast<int>(env_int(
+        "PINXFER_NUMA_NODE", t, 0));
+    add("PINXFER_NUMA_NODE", t, "env");
+  } else {
+    add("PINXFER_NUMA_NODE", "the GPU's node (sysfs)", "default");
+  }
+
+  if (const char* v = env("PINXFER_MAX_PINNED_BYTES")) {
+    try {
+      s.max_pinned_bytes = parse_byte_size(v);
+    } catch (const std::exception&) {
+      bad_env("PINXFER_MAX_PINNED_BYTES", v, "a byte size such as 8GiB, 512MiB or 1073741824");
+    }
+    add("PINXFER_MAX_PINNED_BYTES", std::to_string(s.max_pinned_bytes), "env");
+  } else {
+    add("PINXFER_MAX_PINNED_BYTES", "0 (no cap)", "default");
+  }
+
+  s.cpus = current_cpu_resources();
+  if (const char* v = env("PINXFER_NUM_THREADS")) {
+    s.copy_threads = static_cast<int>(env_int("PINXFER_NUM_THREADS", v, 1));
+    s.copy_threads_from_env = true;
+    add("PINXFER_NUM_THREADS", v, "env");
+  } else {
+    std::string why;
+    s.copy_threads = copy_threads_for(s.cpus, &why);
+    add("PINXFER_NUM_THREADS", std::to_string(s.copy_threads) + " (" + why + ")", "derived");
+  }
+
+  if (const char* v = env("PINXFER_SPIN_US")) s.spin_us = static_cast<int>(env_int(
+      "PINXFER_SPIN_US", v, 0));
+  add("PINXFER_SPIN_US", std::to_string(s.spin_us), env("PINXFER_SPIN_US") ? "env" : "default");
+
+  if (const char* v = env("PINXFER_STAGE_COPY")) {
+    const std::string t(v);
+    if (t != "auto" && t != "nt" && t != "movsb") {
+      bad_env("PINXFER_STAGE_COPY", t, "'auto', 'nt' (nontemporal stores) or 'movsb' (cached stores)");
+    }
+    s.staging = parse_staging_mode(t, "PINXFER_STAGE_COPY");
+  }
+  add("PINXFER_STAGE_COPY", staging_mode_name(s.staging),
+      env("PINXFER_STAGE_COPY") ? "env" : "default");
+
+  if (const char* v = env("PINXFER_CACHED_TAIL")) {
+    try {
+      s.cached_tail = parse_byte_size(v);
+    } catch (const std::exception&) {
+      bad_env("PINXFER_CACHED_TAIL", v, "a byte size such as 16MiB or 0");
+    }
+    add("PINXFER_CACHED_TAIL", std::to_string(s.cached_tail), "env");
+  } else {
+    add("PINXFER_CACHED_TAIL", "16MiB (0 while the copy stream is busy)", "default");
+  }
+  return s;
+}
+
+}  // namespace
+
+CpuResources current_cpu_resources() {
+  CpuResources r;
+  const long online = sysconf(_SC_NPROCESSORS_ONLN);
+  r.online_cpus = online > 0 ? static_cast<int>(online) : 1;
+  cpu_set_t set;
+  r.affinity_cpus =
+      sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : r.online_cpus;
+  std::string self;
+  if (read_text("/proc/self/cgroup", &self)) r.quota_cpus = cgroup_quota_cpus("/sys/fs/cgroup", self);
+  if (const char* v = std::getenv("LOCAL_WORLD_SIZE")) {
+    // torchrun's variable: not ours to reject; a value we cannot read means 1.
+    const int n = std::atoi(v);
+    if (n > 1) r.local_world_size = n;
+  }
+  return r;
+}
+
+const Settings& settings() {
+  // Built once; a malformed variable is reported at every call, never replaced
+  // by a default.
+  static const auto* result = [] {
+    auto* r = new std::pair<Settings, std::string>();  // leaked: used at exit
+    try {
+      r->first = read_settings();
+    } catch (const c10::Error& e) {
+      r->second = e.what_without_backtrace();
+    }
+    return r;
+  }();
+  TORCH_CHECK_VALUE(result->second.empty(), result->second);
+  return result->first;
+}
+
+}  // namespace pinxfer

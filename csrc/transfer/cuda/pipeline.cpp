@@ -1,0 +1,236 @@
+#include "transfer/cuda/pipeline.h"
+
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <memory>
+#include <mutex>
+
+#include "memory/pinned_pool.h"
+#include "memory/placement.h"
+#include "runtime/cuda_runtime.h"
+#include "runtime/thread_pool.h"
+#include "transfer/chunk_plan.h"
+#include "transfer/cuda/copy_streams.h"
+#include "transfer/cuda/source_use.h"
+#include "transfer/stage_copy.h"
+
+namespace pinxfer::transfer {
+
+namespace {
+
+// Shared state of one pipelined transfer; lives on the caller's stack for the
+// duration of the parallel_for.
+struct Pipeline {
+  const char* src = nullptr;
+  char* dst = nullptr;
+  size_t nbytes = 0;
+  ChunkPlan plan;
+  StagePolicy policy;
+  c10::DeviceIndex device = 0;
+  c10::cuda::CUDAStream stream;
+  std::vector<c10::DataPtr> slots;              // the staging block(s)
+  std::unique_ptr<std::atomic<size_t>[]> left;  // pieces of each chunk not yet copied
+  std::atomic<size_t> next_piece{0};
+  std::atomic<bool> failed{false};
+
+  std::mutex mutex;
+  std::condition_variable queued_cv;
+  std::vector<int64_t> queued;      // last chunk queued from each slot, -1: none. LOCK: mutex
+  std::vector<cuda::Event> events;  // event after that chunk's copy. LOCK: mutex
+
+  explicit Pipeline(c10::cuda::CUDAStream s) : stream(s) {}
+
+  // Where chunk c is staged.
+  char* staging_of(size_t c) const {
+    if (plan.ring == 0) return static_cast<char*>(slots[0].get()) + plan.bounds[c];
+    return static_cast<char*>(slots[c % plan.ring].get());
+  }
+
+  // Blocks until ring slot c % ring may be overwritten with chunk c (c >= ring).
+  // Returns false if the transfer failed meanwhile.
+  bool wait_slot_free(size_t c) {
+    const size_t slot = c % plan.ring;
+    cuda::Event ev;
+    {
+      std::unique_lock<std::mutex> lock(mutex);
+      const int64_t previous = static_cast<int64_t>(c - plan.ring);
+      queued_cv.wait(lock, [&] { return failed.load() || queued[slot] >= previous; });
+      if (failed.load()) return false;
+      // The slot's event is replaced only when chunk c is queued, which needs
+      // this piece first: the handle stays valid while we wait on it.
+      ev = events[slot];
+    }
+    cuda::event_synchronize(ev);
+    return true;
+  }
+
+  void queue_chunk(size_t c) {
+    const size_t len = plan.bounds[c + 1] - plan.bounds[c];
+    Range range("pinxfer::h2d");
+    C10_CUDA_CHECK(cudaMemcpyAsync(dst + plan.bounds[c], staging_of(c), len,
+                                   cudaMemcpyHostToDevice, stream.stream()));
+    if (plan.ring == 0) return;  // nobody waits for single-block chunks
+    const cuda::Event ev = cuda::record_event(stream.unwrap());
+    const size_t slot = c % plan.ring;
+    cuda::Event old;
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      old = events[slot];
+      events[slot] = ev;
+      queued[slot] = static_cast<int64_t>(c);
+    }
+    queued_cv.notify_all();
+    if (old.handle) cuda::release_event(old);
+  }
+
+  void copy_piece(const ChunkPlan::Piece& p) {
+    const auto& b = plan.bounds;
+    TORCH_INTERNAL_ASSERT(plan.ring == 0 || p.end - b[p.chunk] <= plan.slot_bytes,
+                          "pinxfer: staging chunk larger than its ring slot");
+    if (plan.ring != 0 && p.chunk >= plan.ring && !wait_slot_free(p.chunk)) return;
+    {
+      Range range("pinxfer::stage");
+      stage_copy(staging_of(p.chunk) + (p.begin - b[p.chunk]), src + p.begin, p.end - p.begin,
+                 policy.kind_for(b[p.chunk + 1], nbytes));
+    }
+    // acq_rel: the thread that queues the chunk sees every piece's bytes.
+    if (left[p.chunk].fetch_sub(1, std::memory_order_acq_rel) == 1) queue_chunk(p.chunk);
+  }
+
+  // Body run by each participating thread: claim pieces in order until none
+  // are left or the transfer failed.
+  void run() {
+    c10::cuda::CUDAGuard guard(device);
+    try {
+      while (!failed.load(std::memory_order_relaxed)) {
+        const size_t p = next_piece.fetch_add(1, std::memory_order_relaxed);
+        if (p >= plan.pieces.size()) return;
+        copy_piece(plan.pieces[p]);
+      }
+    } catch (...) {
+      {
+        std::lock_guard<std::mutex> lock(mutex);
+        failed.store(true);
+      }
+      queued_cv.notify_all();
+      throw;
+    }
+  }
+
+  void release_events() {
+    std::lock_guard<std::mutex> lock(mutex);
+    for (auto& ev : events) {
+      if (ev.handle) cuda::release_event(ev);
+      ev = cuda::Event{};
+    }
+  }
+};
+
+// Hands staging blocks back to the pool, marked as read by `stream`, so the
+// pool reuses them only after the copies queued so far have finished.
+void return_staging(std::vector<c10::DataPtr>& blocks, PinnedPool& pool,
+                    const c10::cuda::CUDAStream& stream) {
+  for (auto& b : blocks) {
+    if (b.get_context()) pool.record_stream(b.get_context(), stream.unwrap());
+  }
+  blocks.clear();
+}
+
+StagePolicy policy_for(const StagingOptions& o, size_t nbytes,
+                       const c10::cuda::CUDAStream& stream) {
+  const bool busy =
+      stage_policy_needs_stream_state(o.mode, o.cached_tail, nbytes) && stream_busy(stream);
+  return stage_policy(o.mode, o.cached_tail, nbytes, busy);
+}
+
+}  // namespace
+
+void pipelined_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex device,
+                    const c10::cuda::CUDAStream& stream, const StagingOptions& options) {
+  const int node = numa_node_for_device(device);
+  PinnedPool& pool = pool_for_node(node);
+  ThreadPool& threads = thread_pool_for_node(node);
+
+  Pipeline pl(stream);
+  pl.src = static_cast<const char*>(src.const_data_ptr());
+  pl.dst = static_cast<char*>(out.data_ptr());
+  pl.nbytes = src.nbytes();
+  pl.plan = plan_chunks(pl.nbytes, options.chunk_bytes, options.num_buffers,
+                        static_cast<size_t>(threads.num_threads()));
+  pl.policy = policy_for(options, pl.nbytes, stream);
+  pl.device = device;
+  const size_t chunks = pl.plan.num_chunks();
+  pl.left.reset(new std::atomic<size_t>[chunks]);
+  for (size_t c = 0; c < chunks; ++c) pl.left[c].store(0);
+  for (const auto& p : pl.plan.pieces) pl.left[p.chunk].fetch_add(1, std::memory_order_relaxed);
+  if (pl.plan.ring == 0) {
+    pl.slots.push_back(pool.allocate(pl.nbytes));
+  } else {
+    pl.queued.assign(pl.plan.ring, -1);
+    pl.events.assign(pl.plan.ring, cuda::Event{});
+    for (size_t s = 0; s < pl.plan.ring; ++s) pl.slots.push_back(pool.allocate(pl.plan.slot_bytes));
+  }
+
+  try {
+    threads.parallel_for(pl.plan.threads, 1, [&pl](size_t begin, size_t end) {
+      for (size_t i = begin; i < end; ++i) pl.run();
+    });
+  } catch (...) {
+    pl.release_events();
+    return_staging(pl.slots, pool, stream);
+    throw;
+  }
+  pl.release_events();
+  return_staging(pl.slots, pool, stream);
+}
+
+void direct_copy(const at::Tensor& src, at::Tensor& out, const c10::cuda::CUDAStream& stream) {
+  Range range("pinxfer::h2d");
+  C10_CUDA_CHECK(cudaMemcpyAsync(out.data_ptr(), src.const_data_ptr(), src.nbytes(),
+                                 cudaMemcpyHostToDevice, stream.stream()));
+  record_source_use(src, stream);
+}
+
+void packed_copy(const std::vector<at::Tensor>& srcs, const std::vector<size_t>& offsets,
+                 size_t total, at::Tensor& packed, c10::DeviceIndex device,
+                 const c10::cuda::CUDAStream& stream) {
+  const int node = numa_node_for_device(device);
+  PinnedPool& pool = pool_for_node(node);
+  std::vector<c10::DataPtr> staging;
+  staging.push_back(pool.allocate(total));
+  char* base = static_cast<char*>(staging[0].get());
+  {
+    Range range("pinxfer::stage");
+    // Small tensors, read by the DMA at once: nontemporal unless overridden.
+    const StagePolicy policy = stage_policy(StagingMode::kAuto, -1, 0, false);
+    auto pack = [&](size_t begin, size_t end) {
+      for (size_t i = begin; i < end; ++i) {
+        stage_copy(base + offsets[i], static_cast<const char*>(srcs[i].const_data_ptr()),
+                   srcs[i].nbytes(), policy.kind_for(total, total));
+      }
+    };
+    if (total <= kSerialBytes) {
+      pack(0, srcs.size());
+    } else {
+      // Grain: about 64 KiB of average payload per claim.
+      const size_t grain = std::max<size_t>(1, srcs.size() * 64 * kKiB / total);
+      thread_pool_for_node(node).parallel_for(srcs.size(), grain, pack);
+    }
+  }
+  try {
+    Range range("pinxfer::h2d");
+    C10_CUDA_CHECK(cudaMemcpyAsync(packed.data_ptr(), base, total, cudaMemcpyHostToDevice,
+                                   stream.stream()));
+  } catch (...) {
+    return_staging(staging, pool, stream);
+    throw;
+  }
+  return_staging(staging, pool, stream);
+}
+
+}  // namespace pinxfer::transfer

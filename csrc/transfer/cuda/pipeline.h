@@ -1,0 +1,57 @@
+// Host -> device copies through pinned staging memory: the chunked pipeline
+// for one pageable tensor, one packed copy for many small ones, and the direct
+// copy of a pinned one. Tensors are already checked and made dense by the ops
+// (csrc/ops/cuda/to_device_cuda.cpp); these functions only move bytes.
+//
+// The pipeline (ChunkPlan in transfer/chunk_plan.h says how a tensor is cut).
+// The host threads of the node's ThreadPool claim pieces in order and copy
+// each into staging (transfer/stage_copy.h). The thread that finishes the last
+// piece of a chunk queues its cudaMemcpyAsync on the copy stream (and, in a
+// ring, records the slot's event). A thread about to write into a ring slot
+// first waits until the slot's previous chunk has been queued, then
+// synchronizes its event: a staging slot is never refilled while its previous
+// copy may still read it. Claims are in order and each claimed piece is
+// finished by its claimer, so the waits only point backwards and cannot
+// deadlock.
+//
+// Staging memory comes from pinxfer's pool for the device's NUMA node, a fresh
+// set of blocks per call (the pool caches them: a second call is a cache hit).
+// Before a block goes back to the pool it is marked as used by the copy
+// stream, so the pool's event FIFO keeps it from reuse until the DMA has read
+// it.
+//
+// Thread safety: any number of transfers may run at once from any threads;
+// each has its own staging blocks, and their pieces share the node's threads.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <vector>
+
+#include "runtime/settings.h"
+
+namespace pinxfer::transfer {
+
+// How one transfer stages its bytes (the op's arguments).
+struct StagingOptions {
+  size_t chunk_bytes = 0;   // steady chunk at most this (>= 4096)
+  size_t num_buffers = 0;   // ring slots for tensors larger than num_buffers chunks (>= 1)
+  StagingMode mode = StagingMode::kAuto;
+  int64_t cached_tail = -1;  // < 0: auto
+};
+
+// Copies a pageable tensor's bytes to `dst` (device memory of out's size) on
+// `stream`, staged through pinned chunks.
+void pipelined_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex device,
+                    const c10::cuda::CUDAStream& stream, const StagingOptions& options);
+
+// Copies a DMA-readable (pinned) source with one DMA, and tells its owner.
+void direct_copy(const at::Tensor& src, at::Tensor& out, const c10::cuda::CUDAStream& stream);
+
+// Copies each src to packed[offsets[i]:] with one staging block and one DMA.
+void packed_copy(const std::vector<at::Tensor>& srcs, const std::vector<size_t>& offsets,
+                 size_t total, at::Tensor& packed, c10::DeviceIndex device,
+                 const c10::cuda::CUDAStream& stream);
+
+}  // namespace pinxfer::transfer

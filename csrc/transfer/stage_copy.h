@@ -1,0 +1,52 @@
+// Copying pageable bytes into pinned staging memory, and choosing how.
+//
+// Two kinds of stores, measured on the H200 host (16 vCPUs, 2 MiB L2 per core,
+// 300 MiB L3; benchmarks/sweep_to_device.py, benchmarks/results/h200/sweep.json):
+//  * nontemporal stores: lines go straight to DRAM and the DMA engine reads
+//    them there at once. Lowest latency (8 MiB: 31 GB/s against 15 for cached
+//    stores), but with the DMA reading DRAM too they top out near 43 GB/s.
+//  * cached stores (rep movsb): faster for long streams (1 GiB: 53 GB/s), but a
+//    DMA read of a line still dirty in a core's L2 is slow, and the last lines
+//    staged are read at once: that final drain is on the critical path.
+// So by default (StagingMode::kAuto) a chunk is staged with cached stores if at
+// least `cached_tail` bytes (16 MiB) are staged after it, nontemporal
+// otherwise: an 8 MiB tensor is all nontemporal, 1 GiB almost all cached. When
+// the copy stream is still busy with earlier transfers (batches sent back to
+// back, as by prefetch), the next transfer's staging hides the drain, so a
+// tensor of >= 32 MiB is then staged all cached.
+//
+// Pure CPU code, no CUDA: stateless and thread-safe.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "runtime/settings.h"
+
+namespace pinxfer::transfer {
+
+enum class StageCopy { kNontemporal, kCached };
+
+struct StagePolicy {
+  size_t cached_tail = 16 << 20;  // SIZE_MAX: never cached; 0: always
+  // The store kind for a chunk ending at `end` of a transfer of `nbytes`.
+  StageCopy kind_for(size_t end, size_t nbytes) const {
+    return nbytes - end >= cached_tail ? StageCopy::kCached : StageCopy::kNontemporal;
+  }
+};
+
+// The policy for one transfer. `mode` is the caller's argument; kAuto defers
+// to PINXFER_STAGE_COPY when that is set (an override for benchmarks), else
+// chooses per chunk. cached_tail < 0 means "auto": PINXFER_CACHED_TAIL, else
+// 16 MiB, or 0 when copy_stream_busy and nbytes >= 32 MiB.
+StagePolicy stage_policy(StagingMode mode, int64_t cached_tail, size_t nbytes,
+                         bool copy_stream_busy);
+// Whether stage_policy() would look at copy_stream_busy for these arguments
+// (so callers query the stream only when it matters).
+bool stage_policy_needs_stream_state(StagingMode mode, int64_t cached_tail, size_t nbytes);
+
+// Copies n bytes; after nontemporal stores an sfence makes them visible before
+// the caller publishes "piece done" to the thread that queues the DMA.
+void stage_copy(char* dst, const char* src, size_t n, StageCopy kind);
+
+}  // namespace pinxfer::transfer

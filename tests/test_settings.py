@@ -1,0 +1,234 @@
+"""Settings (csrc/runtime/settings.h) and the transfer layer's chunk planning.
+
+Settings are read from the environment once per process, so every check of an
+environment variable runs in a fresh Python process. The derivations (copy
+threads from CPUs, cgroup quota) take their inputs as arguments and are checked
+against hand-computed answers and fake cgroup trees.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import pinxfer  # noqa: F401  (registers torch.ops.pinxfer)
+
+ops = torch.ops.pinxfer
+REPO = str(Path(__file__).resolve().parent.parent)
+MiB = 1 << 20
+PINXFER_VARS = ["PINXFER_SYSFS_ROOT", "PINXFER_DISABLE_CUDA", "PINXFER_NUMA_NODE",
+                "PINXFER_MAX_PINNED_BYTES", "PINXFER_NUM_THREADS", "PINXFER_SPIN_US",
+                "PINXFER_STAGE_COPY", "PINXFER_CACHED_TAIL"]
+
+
+def run_fresh(code: str, **env: str) -> subprocess.CompletedProcess:
+    base = {k: v for k, v in os.environ.items()
+            if not k.startswith("PINXFER_") and k != "LOCAL_WORLD_SIZE"}
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env={**base, **env},
+                          cwd=REPO, capture_output=True, text=True)
+
+
+# ---- copy threads from what the process has ----
+
+@pytest.mark.parametrize("affinity,online,quota,ranks,expected", [
+    (1, 1, 0.0, 1, 1),
+    (2, 2, 0.0, 1, 2),      # below 4 CPUs none is kept back
+    (4, 4, 0.0, 1, 3),
+    (16, 16, 0.0, 1, 12),   # the 16-CPU H100/H200 hosts
+    (32, 32, 0.0, 1, 16),   # capped: memory bandwidth, not threads, limits
+    (32, 32, 0.0, 2, 12),   # two torchrun ranks on an unpartitioned host: 16 CPUs each
+    (32, 32, 0.0, 8, 3),    # eight ranks: 4 CPUs each
+    (8, 32, 0.0, 4, 6),     # the launcher bound this rank to 8 CPUs: not divided again
+    (16, 16, 4.0, 1, 3),    # cgroup quota of 4 CPUs
+    (16, 16, 2.5, 1, 3),    # a fractional quota rounds up
+    (16, 16, 64.0, 1, 12),  # a quota above the affinity changes nothing
+    (3, 64, 0.0, 8, 3),
+])
+def test_copy_threads_follow_the_process_cpus(affinity, online, quota, ranks, expected):
+    threads, why = ops.copy_threads_for(affinity, online, quota, ranks)
+    assert threads == expected, why
+    assert f"{threads} copy threads" in why
+    if quota and quota < affinity:
+        assert "cgroup quota" in why
+    if ranks > 1 and affinity >= online:
+        assert f"LOCAL_WORLD_SIZE={ranks}" in why
+
+
+def test_copy_threads_reject_nonsense():
+    with pytest.raises(ValueError, match="expected affinity_cpus"):
+        ops.copy_threads_for(0, 4, 0.0, 1)
+
+
+def _cgroup_v2(root: Path, path: str, cpu_max: dict[str, str]) -> str:
+    for rel, text in cpu_max.items():
+        d = root / rel.lstrip("/")
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "cpu.max").write_text(text + "\n")
+    return f"0::{path}\n"
+
+
+def test_cgroup_v2_quota_is_the_smallest_on_the_path(tmp_path):
+    self_cgroup = _cgroup_v2(tmp_path, "/kubepods/pod1/ctr", {
+        "/": "max 100000",
+        "/kubepods": "800000 100000",          # 8 CPUs for all pods
+        "/kubepods/pod1": "250000 100000",     # 2.5 CPUs for this pod
+        "/kubepods/pod1/ctr": "max 100000",
+    })
+    assert ops.cgroup_quota_cpus(str(tmp_path), self_cgroup) == pytest.approx(2.5)
+
+
+def test_cgroup_v2_without_quota_or_files_is_zero(tmp_path):
+    assert ops.cgroup_quota_cpus(str(tmp_path), _cgroup_v2(tmp_path, "/", {"/": "max 100000"})) == 0
+    assert ops.cgroup_quota_cpus(str(tmp_path / "missing"), "0::/a/b\n") == 0
+    assert ops.cgroup_quota_cpus(str(tmp_path), "garbage\n") == 0
+
+
+def test_cgroup_v1_cpu_controller(tmp_path):
+    d = tmp_path / "cpu,cpuacct" / "docker" / "abc"
+    d.mkdir(parents=True)
+    (d / "cpu.cfs_quota_us").write_text("300000\n")
+    (d / "cpu.cfs_period_us").write_text("100000\n")
+    self_cgroup = "12:memory:/docker/abc\n4:cpu,cpuacct:/docker/abc\n"
+    assert ops.cgroup_quota_cpus(str(tmp_path), self_cgroup) == pytest.approx(3.0)
+    (d / "cpu.cfs_quota_us").write_text("-1\n")  # v1's "no quota"
+    assert ops.cgroup_quota_cpus(str(tmp_path), self_cgroup) == 0
+
+
+# ---- the settings object ----
+
+def test_settings_list_every_variable_with_its_source():
+    out = run_fresh("""
+        import torch, pinxfer
+        names, values, sources = torch.ops.pinxfer.settings()
+        for n, v, s in zip(names, values, sources):
+            print(n, "|", v, "|", s)
+    """, PINXFER_SPIN_US="7", PINXFER_MAX_PINNED_BYTES="1GiB")
+    assert out.returncode == 0, out.stderr
+    rows = {line.split(" | ")[0]: line.split(" | ")[1:] for line in out.stdout.splitlines()}
+    assert sorted(rows) == sorted(PINXFER_VARS)
+    assert rows["PINXFER_SPIN_US"] == ["7", "env"]
+    assert rows["PINXFER_MAX_PINNED_BYTES"] == [str(1 << 30), "env"]
+    assert rows["PINXFER_NUM_THREADS"][1] == "derived"
+    assert "copy threads" in rows["PINXFER_NUM_THREADS"][0]
+    assert rows["PINXFER_STAGE_COPY"] == ["auto", "default"]
+
+
+def test_settings_are_read_once():
+    out = run_fresh("""
+        import os, torch, pinxfer
+        pinxfer.set_max_pinned_bytes  # noqa
+        first = torch.ops.pinxfer.settings()
+        os.environ["PINXFER_SPIN_US"] = "999"
+        os.environ["PINXFER_STAGE_COPY"] = "bogus"
+        assert torch.ops.pinxfer.settings() == first
+        assert torch.ops.pinxfer.max_pinned_bytes() == 3 << 20
+        print("ok")
+    """, PINXFER_MAX_PINNED_BYTES="3MiB")
+    assert out.returncode == 0 and "ok" in out.stdout, out.stdout + out.stderr
+
+
+def test_derived_threads_follow_local_world_size_and_affinity():
+    code = """
+        import os, torch, pinxfer
+        names, values, _ = torch.ops.pinxfer.settings()
+        print(dict(zip(names, values))["PINXFER_NUM_THREADS"])
+    """
+    alone = run_fresh(code)
+    shared = run_fresh(code, LOCAL_WORLD_SIZE="2")
+    assert alone.returncode == 0 and shared.returncode == 0, alone.stderr + shared.stderr
+    cpus = len(os.sched_getaffinity(0))
+    expected_alone, _ = ops.copy_threads_for(cpus, os.cpu_count(), 0.0, 1)
+    assert alone.stdout.startswith(f"{expected_alone} (")
+    if cpus >= os.cpu_count() and cpus >= 2:
+        assert "LOCAL_WORLD_SIZE=2" in shared.stdout
+
+
+@pytest.mark.parametrize("name,value,expected", [
+    ("PINXFER_NUM_THREADS", "many", "a positive integer"),
+    ("PINXFER_NUM_THREADS", "0", "a positive integer"),
+    ("PINXFER_SPIN_US", "-5", "a non-negative integer"),
+    ("PINXFER_MAX_PINNED_BYTES", "lots", "a byte size"),
+    ("PINXFER_STAGE_COPY", "fast", "expected 'auto', 'nt'"),
+    ("PINXFER_DISABLE_CUDA", "yes", "1 \\(never touch CUDA\\) or 0"),
+    ("PINXFER_NUMA_NODE", "first", "a non-negative integer"),
+])
+def test_malformed_variable_is_a_clear_error_at_every_call(name, value, expected):
+    out = run_fresh("""
+        import torch, pinxfer
+        for _ in range(2):
+            try:
+                torch.ops.pinxfer.settings()
+            except ValueError as e:
+                print("ERROR", e)
+            else:
+                print("NO ERROR")
+    """, **{name: value})
+    assert out.returncode == 0, out.stderr
+    lines = [l for l in out.stdout.splitlines() if l.startswith(("ERROR", "NO ERROR"))]
+    assert len(lines) == 2 and all(l.startswith("ERROR") for l in lines), out.stdout
+    import re
+    assert name in lines[0] and f"'{value}'" in lines[0] and re.search(expected, lines[0])
+    assert "unset it" in lines[0]
+
+
+def test_cuda_unusable_reason_is_one_answer():
+    out = run_fresh("""
+        import torch, pinxfer
+        print(torch.ops.pinxfer.cuda_unusable_reason())
+    """, PINXFER_DISABLE_CUDA="1")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "PINXFER_DISABLE_CUDA=1 is set"
+    reason = ops.cuda_unusable_reason()
+    assert (reason is None) == pinxfer.build_info().cuda_usable
+
+
+# ---- chunk planning (transfer/chunk_plan.h) ----
+
+@pytest.mark.parametrize("nbytes", [1, 4095, 4096, 256 << 10, (256 << 10) + 1, 3 * MiB + 7,
+                                    40 * MiB + 3, 64 * MiB, 1 << 30, (1 << 30) + 12345])
+@pytest.mark.parametrize("chunk_bytes,num_buffers", [(16 * MiB, 4), (4096, 1), (70_001, 3),
+                                                     (5 * MiB + 13, 2)])
+@pytest.mark.parametrize("threads", [1, 3, 12])
+def test_chunk_plan_covers_every_byte_once(nbytes, chunk_bytes, num_buffers, threads):
+    bounds, flat, ring, slot_bytes, used_threads = ops._chunk_plan(nbytes, chunk_bytes,
+                                                                   num_buffers, threads)
+    assert bounds[0] == 0 and bounds[-1] == nbytes
+    assert all(a < b for a, b in zip(bounds, bounds[1:]))
+    assert all(b % 4096 == 0 for b in bounds[1:-1])
+    pieces = [tuple(flat[i:i + 3]) for i in range(0, len(flat), 3)]
+    # Pieces are in chunk order, each inside its chunk, and tile the tensor exactly.
+    pos = 0
+    for chunk, begin, end in pieces:
+        assert begin == pos and begin < end
+        assert bounds[chunk] <= begin and end <= bounds[chunk + 1]
+        pos = end
+    assert pos == nbytes
+    assert [c for c, _, _ in pieces] == sorted(c for c, _, _ in pieces)
+    chunks = len(bounds) - 1
+    if nbytes <= 256 << 10:
+        assert chunks == 1 and len(pieces) == 1 and used_threads == 1
+    if ring:
+        assert ring == num_buffers and chunks > num_buffers
+        assert slot_bytes == max(b - a for a, b in zip(bounds, bounds[1:]))
+    else:
+        assert slot_bytes == 0
+        assert nbytes <= chunk_bytes * num_buffers or chunks <= num_buffers
+    assert 1 <= used_threads <= max(1, min(threads, len(pieces)))
+
+
+def test_chunk_plan_ramps_up_and_down():
+    bounds, *_ = ops._chunk_plan(1 << 30, 16 * MiB, 4, 12)
+    sizes = [b - a for a, b in zip(bounds, bounds[1:])]
+    assert sizes[0] == sizes[-1] == 256 << 10
+    assert max(sizes) == 16 * MiB
+    assert sizes[:4] == [256 << 10, 512 << 10, 1 * MiB, 2 * MiB]
+
+
+def test_chunk_plan_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="chunk_bytes >= 4096"):
+        ops._chunk_plan(MiB, 1000, 4, 1)
