@@ -18,9 +18,11 @@ import pytest
 import torch
 
 import pinxfer
-from pinxfer import _bench, _doctor
+from pinxfer.cli import bench as _bench
+from pinxfer.cli import doctor as _doctor
+from pinxfer.topology import parse_cpulist
 
-HAS_CUDA = torch.cuda.is_available() and pinxfer.build_info().cuda_usable
+HAS_CUDA = pinxfer.cuda_unavailable_reason() is None
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ["train_loop.py", "dataloader_workers.py", "lightning_hook.py", "ddp_torchrun.py"]
@@ -296,7 +298,8 @@ def test_doctor_runs_on_this_machine():
 
 
 def test_parse_cpulist_and_compact():
-    assert _doctor.parse_cpulist("0-3,8,10-11\n") == [0, 1, 2, 3, 8, 10, 11]
+    # doctor reads node CPU lists with pinxfer's parser (the op) and writes them with _compact.
+    assert parse_cpulist("0-3,8,10-11\n") == [0, 1, 2, 3, 8, 10, 11]
     assert _doctor._compact([0, 1, 2, 3, 8, 10, 11]) == "0-3,8,10-11"
 
 
