@@ -71,6 +71,13 @@ def record_stream(tensor: torch.Tensor, stream_id: int, device_index: int, devic
     _lib.record_stream(tensor, stream_id, device_index, device_type)
 
 
+# Marks memory, not data: nothing about a fake tensor changes.
+@torch.library.register_fake("pinxfer::record_stream")
+def _record_stream_fake(tensor: torch.Tensor, stream_id: int, device_index: int,
+                        device_type: int) -> None:
+    return None
+
+
 def is_pool_tensor(tensor: torch.Tensor) -> bool:
     """True if ``tensor``'s storage is a live block of pinxfer's pool."""
     return bool(_lib.is_pool_tensor(tensor))
@@ -262,9 +269,20 @@ def pin_(tensor: torch.Tensor) -> None:
     _lib.pin_(tensor)
 
 
+# Locks pages, not data: a fake tensor's sizes, strides and dtype stay as they are.
+@torch.library.register_fake("pinxfer::pin_")
+def _pin__fake(tensor: torch.Tensor) -> None:
+    return None
+
+
 def unpin_(tensor: torch.Tensor) -> None:
     """Undoes exactly what :func:`pin_` did to ``tensor``'s storage."""
     _lib.unpin_(tensor)
+
+
+@torch.library.register_fake("pinxfer::unpin_")
+def _unpin__fake(tensor: torch.Tensor) -> None:
+    return None
 
 
 def inplace_lock_kind(tensor: torch.Tensor) -> Optional[str]:

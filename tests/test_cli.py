@@ -60,6 +60,14 @@ def _check_bench_json(data: dict) -> None:
         assert set(s) == {"section", "reason"} and s["reason"]
 
 
+def test_library_import_leaves_the_command_line_out():
+    # The command line is a package of its own: the library never pulls it in.
+    proc = _run(["-c", "import sys, pinxfer; "
+                       "print(sorted(m for m in sys.modules if m.startswith('pinxfer.cli')))"])
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
+
+
 # ---------------------------------------------------------------- bench (CPU)
 
 
