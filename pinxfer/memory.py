@@ -30,6 +30,13 @@ from pinxfer._ops import (  # noqa: F401
 )
 from pinxfer._util import parse_bytes
 
+__all__ = [
+    "BuildInfo", "build_info", "cuda_unavailable_reason", "empty", "empty_cache",
+    "get_max_pinned_bytes", "install", "is_installed", "is_pool_tensor", "lock_kind",
+    "memory_stats", "record_stream", "reset_accumulated_memory_stats", "reset_peak_memory_stats",
+    "set_max_pinned_bytes", "uninstall",
+]
+
 StreamLike = Union[torch.cuda.Stream, torch.Stream]
 
 

@@ -18,6 +18,8 @@ from pinxfer import _batch, _ops
 from pinxfer._ops import inplace_lock_kind  # noqa: F401
 from pinxfer._ops import eager, fast, in_bad_fork, plain_dense_cpu
 
+__all__ = ["inplace_lock_kind", "is_pinned", "pin_", "pin_memory", "unpin_"]
+
 DeviceLike = Union[int, str, torch.device]
 
 

@@ -15,12 +15,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional, Sequence
 
-import torch
-
 from pinxfer import _ops
 
 # The CPU-list parser is its operator as it stands.
 from pinxfer._ops import parse_cpulist  # noqa: F401
+
+
+__all__ = ["GpuTopology", "node_cpus", "numa_nodes", "parse_cpulist", "resolve_sysfs_root",
+           "topology"]
 
 
 @dataclasses.dataclass(frozen=True)
