@@ -1,12 +1,15 @@
 """The boundary between pinxfer's Python and its C++: one typed wrapper per operator.
 
 Every operator (schemas in csrc/module.cpp, one ``TORCH_LIBRARY`` block) has a
-wrapper here with the operator's own name, and, if it takes or returns tensors,
+wrapper here with the operator's own name. Each operator that returns tensors has
 its fake right beneath it, so ``torch.compile``, FakeTensor and
-``torch.library.opcheck`` see it. The rest of the package calls these wrappers
-and never ``torch.ops.pinxfer`` itself; the public modules (memory, pin,
-topology, transfer) re-export a wrapper where the public function is the
-operator, and add argument handling where it is not.
+``torch.library.opcheck`` see it; so do the two queries ``pinxfer.pin_memory`` asks
+about a tensor it may be tracing (is_pool_tensor, inplace_lock_kind). The ops that
+act on memory and return nothing (record_stream, pin_, unpin_) have none on
+purpose: a fake is also an op's Meta kernel, and pinning a meta tensor must raise.
+The rest of the package calls these wrappers and never ``torch.ops.pinxfer``
+itself; the public modules (memory, pin, topology, transfer) re-export a wrapper
+where the public function is the operator, and add argument handling where it is not.
 
 ``fast`` is the extension module ``pinxfer._C``: eager fast calls into the same
 C++ kernels (csrc/python/fast_calls.cpp) for the small-call hot paths
@@ -69,13 +72,6 @@ def record_stream(tensor: torch.Tensor, stream_id: int, device_index: int, devic
     """Marks that the CUDA stream packed as (stream_id, device_index, device_type)
     uses pool tensor ``tensor``: its block is not reused before that stream's work so far."""
     _lib.record_stream(tensor, stream_id, device_index, device_type)
-
-
-# Marks memory, not data: nothing about a fake tensor changes.
-@torch.library.register_fake("pinxfer::record_stream")
-def _record_stream_fake(tensor: torch.Tensor, stream_id: int, device_index: int,
-                        device_type: int) -> None:
-    return None
 
 
 def is_pool_tensor(tensor: torch.Tensor) -> bool:
@@ -269,20 +265,9 @@ def pin_(tensor: torch.Tensor) -> None:
     _lib.pin_(tensor)
 
 
-# Locks pages, not data: a fake tensor's sizes, strides and dtype stay as they are.
-@torch.library.register_fake("pinxfer::pin_")
-def _pin__fake(tensor: torch.Tensor) -> None:
-    return None
-
-
 def unpin_(tensor: torch.Tensor) -> None:
     """Undoes exactly what :func:`pin_` did to ``tensor``'s storage."""
     _lib.unpin_(tensor)
-
-
-@torch.library.register_fake("pinxfer::unpin_")
-def _unpin__fake(tensor: torch.Tensor) -> None:
-    return None
 
 
 def inplace_lock_kind(tensor: torch.Tensor) -> Optional[str]:
