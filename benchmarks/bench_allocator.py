@@ -112,7 +112,7 @@ def main() -> None:
         torch.cuda.init()
         return child_main(args)
 
-    has_cuda = torch.cuda.is_available() and pinxfer.build_info().cuda_usable
+    has_cuda = pinxfer.cuda_unavailable_reason() is None
     report = {"benchmark": "allocator", "device": torch.cuda.get_device_name() if has_cuda else None,
               "torch": torch.__version__, "pinxfer": pinxfer.__version__,
               "date": time.strftime("%Y-%m-%d"), "results": {}, "skipped": []}

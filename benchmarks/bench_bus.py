@@ -14,8 +14,8 @@ Rows:
                         prefetch, against the same steps on data already on the GPU
   cpu_seconds_per_gb    getrusage (all threads) per GB moved, pinxfer and ``t.to()``
   idle_cpu              CPU seconds the process used during 1 s of idle after transfers
-  timeline              one prefetch pass under torch.profiler: how busy the copy engine
-                        was between its first and last H2D copy, and the largest gaps
+  timeline              per batch, prefetch and one-after-another: host time in to_device and
+                        between calls, copy-stream time per batch and idle between batches
   multi_gpu             (2+ GPUs, one process) one thread per GPU, to_device at once
 
 Usage:
@@ -113,7 +113,6 @@ def section_to_device(sizes: list[int], runs: int, dist: Dist, dev: torch.device
                      "ceiling_pinned": ceiling, "pinxfer": ours, "torch_to": torch_to,
                      "pinxfer_vs_ceiling": ratio(ours, ceiling),
                      "pinxfer_vs_torch_to": ratio(ours, torch_to)})
-        del t, pinned
     return rows
 
 
@@ -145,7 +144,6 @@ def section_prefetch(sizes: list[int], total: int, runs: int, dist: Dist,
                      "ceiling_pinned": ceiling, "prefetch": pre, "to_device_sequential": seq,
                      "prefetch_vs_ceiling": ratio(pre, ceiling),
                      "prefetch_vs_sequential": ratio(pre, seq)})
-        del batches, pinned
     return rows
 
 
@@ -195,39 +193,63 @@ def section_idle_cpu(dev: torch.device) -> dict:
 
 
 def section_timeline(nbytes: int, n: int, dev: torch.device) -> dict:
-    """One prefetch pass under the profiler: copy-engine busy fraction and gaps."""
-    from torch.profiler import ProfilerActivity, profile
+    """Where the time of a batch goes, prefetch against to_device one after another.
 
+    No profiler (its per-range overhead on 12 copy threads doubles the time). Each
+    batch's to_device is bracketed by host timestamps and by timing events on pinxfer's
+    copy stream: the event before a batch completes when the stream has finished the
+    earlier batches, so elapsed(end of batch k, start of batch k+1) is how long the copy
+    engine sat idle between batches, and host time between two to_device calls is the
+    caller's own overhead (Python, the prefetch queue and slots, the source).
+    """
     batches = [torch.randn(nbytes // 4) for _ in range(n)]
-    for _ in pinxfer.prefetch(batches[:2], device=dev):
+    copy = pinxfer.copy_stream(dev)
+
+    def instrumented(marks: list) -> Callable[[Any], Any]:
+        def transfer(batch: torch.Tensor) -> torch.Tensor:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(copy)
+            h0 = time.perf_counter()
+            out = pinxfer.to_device(batch, dev)
+            h1 = time.perf_counter()
+            end.record(copy)
+            marks.append((h0, h1, start, end))
+            return out
+        return transfer
+
+    def summarize(marks: list, wall: float) -> dict[str, Any]:
+        torch.cuda.synchronize(dev)
+        med = statistics.median
+        host_call = [(h1 - h0) * 1e6 for h0, h1, _, _ in marks]
+        between_calls = [(b[0] - a[1]) * 1e6 for a, b in zip(marks, marks[1:])]
+        engine_batch = [s.elapsed_time(e) * 1e3 for _, _, s, e in marks]
+        engine_idle = [a[3].elapsed_time(b[2]) * 1e3 for a, b in zip(marks, marks[1:])]
+        return {"gbps": n * nbytes / wall / 1e9,
+                "host_to_device_call_us_median": med(host_call),
+                "host_between_calls_us_median": med(between_calls),
+                "host_between_calls_us_max": max(between_calls),
+                "copy_stream_batch_us_median": med(engine_batch),
+                "copy_stream_idle_between_batches_us_median": med(engine_idle),
+                "copy_stream_idle_between_batches_us_total": sum(engine_idle)}
+
+    for _ in pinxfer.prefetch(batches[:2], device=dev):  # warm the pools and the thread
+        pass
+    result: dict[str, Any] = {"row": "timeline", "batch_bytes": nbytes, "batches": n}
+    marks: list = []
+    torch.cuda.synchronize(dev)
+    t0 = time.perf_counter()
+    for _ in pinxfer.prefetch(batches, device=dev, transfer=instrumented(marks)):
         pass
     torch.cuda.synchronize(dev)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in pinxfer.prefetch(batches, device=dev):
-            pass
-        torch.cuda.synchronize(dev)
-    copies, stages = [], []
-    for e in prof.events():
-        name = e.name.lower()
-        if "memcpy htod" in name or "memcpy h2d" in name:
-            copies.append((e.time_range.start, e.time_range.end))
-        elif e.name == "pinxfer::stage":
-            stages.append((e.time_range.start, e.time_range.end))
-    if not copies:
-        return {"row": "timeline", "error": "no H2D copies in the profile"}
-    copies.sort()
-    span = copies[-1][1] - copies[0][0]
-    busy, gaps, end = 0.0, [], copies[0][0]
-    for s, e in copies:
-        if s > end:
-            gaps.append(s - end)
-        busy += max(0.0, e - max(s, end))
-        end = max(end, e)
-    gaps.sort(reverse=True)
-    return {"row": "timeline", "batch_bytes": nbytes, "batches": n, "h2d_copies": len(copies),
-            "span_us": span, "copy_busy_fraction": busy / span if span else 0.0,
-            "gaps_us_total": sum(gaps), "largest_gaps_us": gaps[:8],
-            "gbps_over_span": n * nbytes / (span * 1e-6) / 1e9 if span else 0.0}
+    result["prefetch"] = summarize(marks, time.perf_counter() - t0)
+    marks = []
+    send = instrumented(marks)
+    t0 = time.perf_counter()
+    for b in batches:
+        send(b)
+    torch.cuda.synchronize(dev)
+    result["sequential"] = summarize(marks, time.perf_counter() - t0)
+    return result
 
 
 def section_multi_gpu(nbytes: int, runs: int) -> Optional[dict]:
@@ -306,12 +328,14 @@ def print_summary(report: dict) -> None:
         elif name == "idle_cpu":
             print(f"{name:18s} {r['cpu_s'] * 1e3:.1f} ms CPU in {r['wall_s']:.2f} s idle")
         elif name == "timeline":
-            if "error" in r:
-                print(f"{name:18s} {r['error']}")
-            else:
-                print(f"{name:18s} copy engine busy {r['copy_busy_fraction']:.2f} of "
-                      f"{r['span_us'] / 1e3:.1f} ms, gaps {r['gaps_us_total'] / 1e3:.2f} ms, "
-                      f"largest {[round(g) for g in r['largest_gaps_us'][:4]]} us")
+            for way in ("prefetch", "sequential"):
+                w = r[way]
+                print(f"timeline {way:10s} {w['gbps']:5.1f} GB/s  to_device call "
+                      f"{w['host_to_device_call_us_median']:.0f} us, between calls "
+                      f"{w['host_between_calls_us_median']:.0f} us (max "
+                      f"{w['host_between_calls_us_max']:.0f}); copy stream per batch "
+                      f"{w['copy_stream_batch_us_median']:.0f} us, idle between batches "
+                      f"{w['copy_stream_idle_between_batches_us_median']:.0f} us")
         elif name == "multi_gpu":
             print(f"{name:18s} {r['gpus']} GPUs at once: {r['pinxfer']['gbps_per_gpu_median']:.1f} "
                   f"GB/s each, ceiling {r['ceiling_pinned']['gbps_per_gpu_median']:.1f}, ratio "
@@ -332,8 +356,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="small sizes, 3 runs (a smoke test)")
     args = ap.parse_args(argv)
-    reason = pinxfer.cuda_unavailable_reason() if hasattr(pinxfer, "cuda_unavailable_reason") \
-        else (None if torch.cuda.is_available() else "no CUDA device")
+    reason = pinxfer.cuda_unavailable_reason()
     if reason is not None:
         print(f"bench_bus: needs a CUDA device ({reason})", file=sys.stderr)
         return 2

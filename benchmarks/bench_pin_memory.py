@@ -38,7 +38,7 @@ except ImportError:  # run from a checkout with the extension built in place
     import pinxfer
 
 MiB = 1 << 20
-HAS_CUDA = torch.cuda.is_available() and pinxfer.build_info().cuda_usable
+HAS_CUDA = pinxfer.cuda_unavailable_reason() is None
 
 
 def median_seconds(fn: Callable[[], Any], repeats: int, warmup: int = 2,

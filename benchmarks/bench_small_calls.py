@@ -42,7 +42,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten  # noqa: E402
 from pinxfer import _batch  # noqa: E402
 
 KiB = 1 << 10
-HAS_CUDA = torch.cuda.is_available() and pinxfer.build_info().cuda_usable
+HAS_CUDA = pinxfer.cuda_unavailable_reason() is None
 
 
 def per_call_us(fn: Callable[[], Any], calls: int, repeats: int,

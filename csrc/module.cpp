@@ -21,15 +21,21 @@ TORCH_LIBRARY(pinxfer, m) {
   m.def("lock_kind(Tensor self) -> str");
   // Counters of one pool (numa_node) or the sum of all (None): names, values.
   m.def("memory_stats(int? numa_node=None) -> (str[], int[])");
-  m.def("reset_peak_stats() -> ()");
-  m.def("reset_accumulated_stats() -> ()");
+  // Sets every .peak counter to its .current value, in every pool.
+  m.def("reset_peak_memory_stats() -> ()");
+  // Zeroes the num_* counters and the timers, in every pool.
+  m.def("reset_accumulated_memory_stats() -> ()");
   // Unmaps every fully free cached segment; returns the bytes released.
   m.def("empty_cache() -> int");
+  // Hard cap on the bytes reserved by all pools (0: no cap), and its current value.
   m.def("set_max_pinned_bytes(int bytes) -> ()");
-  m.def("max_pinned_bytes() -> int");
-  // Makes the pool torch's CUDA host allocator (True) or restores torch's (False).
-  m.def("install_host_allocator(bool enable) -> bool");
-  m.def("host_allocator_installed() -> bool");
+  m.def("get_max_pinned_bytes() -> int");
+  // Makes the pool torch's CUDA host allocator; raises in a build without CUDA.
+  m.def("install() -> ()");
+  // Gives torch its own CUDA host allocator back.
+  m.def("uninstall() -> ()");
+  // True while the pool is torch's CUDA host allocator.
+  m.def("is_installed() -> bool");
   // Build and runtime facts: built with CUDA, toolkit version, CUDA usable now.
   m.def("build_info() -> (bool, str, bool)");
   // NUMA node of each page of a CPU tensor (negative errno if not present).

@@ -40,8 +40,9 @@ def main() -> int:
     p.add_argument("--workers", type=int, default=2, help="DataLoader worker processes (default 2)")
     args = p.parse_args()
 
-    if not torch.cuda.is_available():
-        print("dataloader_workers: needs a CUDA device (torch.cuda.is_available() is False); skipping")
+    reason = pinxfer.cuda_unavailable_reason()
+    if reason is not None:
+        print(f"dataloader_workers: needs a CUDA device ({reason}); skipping")
         return 0
     device = torch.device("cuda", torch.cuda.current_device())
     loader = DataLoader(

@@ -34,8 +34,9 @@ def main() -> int:
     p.add_argument("--features", type=int, default=4096)
     args = p.parse_args()
 
-    if not torch.cuda.is_available():
-        print("ddp_torchrun: needs a CUDA device (torch.cuda.is_available() is False); skipping")
+    reason = pinxfer.cuda_unavailable_reason()
+    if reason is not None:
+        print(f"ddp_torchrun: needs a CUDA device ({reason}); skipping")
         return 0
     # Outside torchrun: a world of one on this host.
     if "RANK" not in os.environ:

@@ -62,8 +62,9 @@ def main() -> int:
     if pl is None:
         print("lightning_hook: Lightning not installed, skipping (pip install lightning)")
         return 0
-    if not torch.cuda.is_available():
-        print("lightning_hook: needs a CUDA device (torch.cuda.is_available() is False); skipping")
+    reason = pinxfer.cuda_unavailable_reason()
+    if reason is not None:
+        print(f"lightning_hook: needs a CUDA device ({reason}); skipping")
         return 0
 
     classes = 16

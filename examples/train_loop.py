@@ -39,8 +39,9 @@ def main() -> int:
     p.add_argument("--depth", type=int, default=2, help="batches in flight (prefetch depth)")
     args = p.parse_args()
 
-    if not torch.cuda.is_available():
-        print("train_loop: needs a CUDA device (torch.cuda.is_available() is False); skipping")
+    reason = pinxfer.cuda_unavailable_reason()
+    if reason is not None:
+        print(f"train_loop: needs a CUDA device ({reason}); skipping")
         return 0
     device = torch.device("cuda", torch.cuda.current_device())
     classes = 16

@@ -1,7 +1,7 @@
 """pinxfer: move data between host memory and NVIDIA GPUs at the speed of the bus.
 
 Importing pinxfer loads its C++ operators (``torch.ops.pinxfer.*``) and never
-initialises CUDA. The first call that pins (``empty``, ``pin_memory``, ``pin_``)
+initialises CUDA; it does not import the command line (``pinxfer.cli``). The first call that pins (``empty``, ``pin_memory``, ``pin_``)
 where CUDA is usable initialises torch's CUDA state, as torch's own pinning does,
 so that ``Tensor.is_pinned()`` answers True for pinxfer's memory.
 """
@@ -26,6 +26,7 @@ _load_extension()
 
 from pinxfer.memory import (  # noqa: E402
     build_info,
+    cuda_unavailable_reason,
     empty,
     empty_cache,
     get_max_pinned_bytes,
@@ -52,6 +53,7 @@ __all__ = [
     "HostTransfer",
     "Prefetcher",
     "build_info",
+    "cuda_unavailable_reason",
     "empty",
     "empty_cache",
     "GpuTopology",

@@ -1,4 +1,4 @@
-"""``python -m pinxfer``: the bench and doctor commands (see pinxfer/cli.py)."""
+"""``python -m pinxfer``: the bench and doctor commands (see pinxfer/cli/)."""
 from pinxfer.cli import main
 
 if __name__ == "__main__":

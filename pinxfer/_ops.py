@@ -1,8 +1,15 @@
-"""The boundary between pinxfer's Python and its C++.
+"""The boundary between pinxfer's Python and its C++: one typed wrapper per operator.
 
-``ops`` is ``torch.ops.pinxfer``: every operator (schemas in csrc/module.cpp).
-The fakes of the operators that return tensors are registered here, so
-``torch.compile``, FakeTensor and ``torch.library.opcheck`` see them.
+Every operator (schemas in csrc/module.cpp, one ``TORCH_LIBRARY`` block) has a
+wrapper here with the operator's own name. Each operator that returns tensors has
+its fake right beneath it, so ``torch.compile``, FakeTensor and
+``torch.library.opcheck`` see it; so do the two queries ``pinxfer.pin_memory`` asks
+about a tensor it may be tracing (is_pool_tensor, inplace_lock_kind). The ops that
+act on memory and return nothing (record_stream, pin_, unpin_) have none on
+purpose: a fake is also an op's Meta kernel, and pinning a meta tensor must raise.
+The rest of the package calls these wrappers and never ``torch.ops.pinxfer``
+itself; the public modules (memory, pin, topology, transfer) re-export a wrapper
+where the public function is the operator, and add argument handling where it is not.
 
 ``fast`` is the extension module ``pinxfer._C``: eager fast calls into the same
 C++ kernels (csrc/python/fast_calls.cpp) for the small-call hot paths
@@ -12,17 +19,19 @@ call costs a fraction of a microsecond. They bypass the dispatcher, so callers
 use them only where the dispatcher would add nothing: :func:`eager` must be
 true (no tracing, no ``__torch_function__`` or ``__torch_dispatch__`` mode) and
 the tensors are plain (``type(t) is torch.Tensor``), dense, on the CPU and need
-no autograd (:func:`plain_dense_cpu`). Everything else takes ``ops``.
+no autograd (:func:`plain_dense_cpu`). Everything else takes the operators.
 """
 from __future__ import annotations
 
-from typing import Optional
+import collections
+from typing import NamedTuple, Optional
 
 import torch
 
 from pinxfer import _C as fast  # noqa: F401  (loading it registers torch.ops.pinxfer)
 
-ops = torch.ops.pinxfer
+# The only place the package names the operator namespace.
+_lib = torch.ops.pinxfer
 
 _len_dispatch_modes = torch._C._len_torch_dispatch_stack
 _function_mode_on = torch._C._is_torch_function_mode_enabled
@@ -45,7 +54,13 @@ def plain_dense_cpu(t: torch.Tensor) -> bool:
             and not t.is_nested and not t.is_quantized and t.is_cpu)
 
 
-# ---- fakes (shape, dtype and strides of the results, no data) ----
+# ---- the pinned pool (kernels: csrc/ops/memory_ops.cpp) ----
+
+
+def empty(size: list[int], dtype: torch.dtype, numa_node: Optional[int] = None) -> torch.Tensor:
+    """A CPU tensor of ``size`` and ``dtype`` from the pinned pool of ``numa_node``
+    (None: the current GPU's node; -1: unbound). Sizes must be non-negative."""
+    return _lib.empty(size, dtype, numa_node)
 
 
 @torch.library.register_fake("pinxfer::empty")
@@ -53,12 +68,317 @@ def _empty_fake(size: list[int], dtype: torch.dtype, numa_node: Optional[int] = 
     return torch.empty(size, dtype=dtype, device="cpu")
 
 
+def record_stream(tensor: torch.Tensor, stream_id: int, device_index: int, device_type: int) -> None:
+    """Marks that the CUDA stream packed as (stream_id, device_index, device_type)
+    uses pool tensor ``tensor``: its block is not reused before that stream's work so far."""
+    _lib.record_stream(tensor, stream_id, device_index, device_type)
+
+
+def is_pool_tensor(tensor: torch.Tensor) -> bool:
+    """True if ``tensor``'s storage is a live block of pinxfer's pool."""
+    return bool(_lib.is_pool_tensor(tensor))
+
+
+# Queries about a tensor's memory: a fake tensor has none, so it is neither a pool
+# block nor pinned in place (pinxfer.pin_memory of a fake tensor then traces the copy).
+@torch.library.register_fake("pinxfer::is_pool_tensor")
+def _is_pool_tensor_fake(tensor: torch.Tensor) -> bool:
+    return False
+
+
+def lock_kind(tensor: torch.Tensor) -> str:
+    """How a pool tensor's memory is locked: ``cuda_registered``, ``mlocked`` or ``pageable``."""
+    return str(_lib.lock_kind(tensor))
+
+
+def memory_stats(numa_node: Optional[int] = None) -> "collections.OrderedDict[str, int]":
+    """Counters of the pinned pool, shaped like ``torch.cuda.memory_stats()``.
+
+    Keys (bytes are exact): ``requested_bytes`` (what live tensors asked for),
+    ``allocated_bytes`` (their rounded blocks), ``reserved_bytes`` (pinned from
+    the OS), ``cached_bytes`` (reserved but not allocated), ``active_blocks``,
+    ``pending_blocks`` (freed, waiting on CUDA events), ``segments``, each with
+    ``.current`` and ``.peak``; ``reserved_bytes.{cuda_registered,mlocked,pageable}``;
+    counts ``num_allocs``, ``num_frees``, ``num_cache_hits``, ``num_cache_misses``,
+    ``num_segment_maps``, ``num_segment_unmaps``, ``num_ooms``, ``num_event_waits``,
+    ``num_fenced_frees``, ``num_event_errors``; times in ns ``pin_time_ns`` (=
+    ``map_time_ns`` + ``touch_time_ns`` + ``lock_time_ns``) and ``unpin_time_ns``.
+
+    Args:
+        numa_node: one node's pool; None sums all pools (peaks then add up per
+            pool, an upper bound of the process peak).
+    """
+    names, values = _lib.memory_stats(numa_node)
+    return collections.OrderedDict(zip(names, values))
+
+
+def reset_peak_memory_stats() -> None:
+    """Sets every ``.peak`` counter to its ``.current`` value."""
+    _lib.reset_peak_memory_stats()
+
+
+def reset_accumulated_memory_stats() -> None:
+    """Zeroes the ``num_*`` counters and the timers."""
+    _lib.reset_accumulated_memory_stats()
+
+
+def empty_cache() -> int:
+    """Returns every fully free cached segment to the OS; returns the bytes released.
+    Blocks still in use, or waiting on CUDA events, are kept."""
+    return int(_lib.empty_cache())
+
+
+def set_max_pinned_bytes(limit: int) -> None:
+    """Hard cap on pinned bytes reserved by all pools, in bytes (0: no cap)."""
+    _lib.set_max_pinned_bytes(limit)
+
+
+def get_max_pinned_bytes() -> int:
+    """The cap in bytes (0: no cap)."""
+    return int(_lib.get_max_pinned_bytes())
+
+
+def install() -> None:
+    """Makes pinxfer's pool torch's CUDA host allocator.
+
+    Afterwards ``Tensor.pin_memory()``, ``torch.empty(..., pin_memory=True)``, the
+    DataLoader's pin thread and the event that ``copy_(non_blocking=True)``
+    records all go to pinxfer's pool. Undo with :func:`uninstall`. Tensors
+    allocated before either call stay valid, and copies of tensors that torch's
+    own allocator pinned before ``install()`` are still reported to it.
+
+    Call it at start-up, before other threads copy: torch swaps its allocator
+    pointer without a lock. After :func:`uninstall`, torch reports copies only to
+    its own allocator again, so a pool tensor made while installed is then
+    protected like any pool tensor (fence on free; :func:`record_stream` for
+    copies on side streams).
+
+    Raises:
+        RuntimeError: this pinxfer was built without CUDA (no CUDA host allocator to replace).
+    """
+    _lib.install()
+
+
+def uninstall() -> None:
+    """Gives torch its own CUDA host allocator back."""
+    _lib.uninstall()
+
+
+def is_installed() -> bool:
+    """True while pinxfer's pool is torch's CUDA host allocator."""
+    return bool(_lib.is_installed())
+
+
+class BuildInfo(NamedTuple):
+    with_cuda: bool  # compiled with the CUDA paths
+    cuda_version: str  # toolkit the extension was compiled with, "" if none
+    cuda_usable: bool  # a CUDA device can be used by this process right now
+
+
+def build_info() -> BuildInfo:
+    """What the extension was built with and whether CUDA is usable now."""
+    return BuildInfo(*_lib.build_info())
+
+
+def page_nodes(tensor: torch.Tensor) -> list[int]:
+    """NUMA node of each page of CPU tensor ``tensor`` (negative errno where a page is absent)."""
+    return list(_lib.page_nodes(tensor))
+
+
+def _set_debug_pause_us(us: int) -> None:
+    """Test only: allocate and free sleep ``us`` microseconds between their critical sections."""
+    _lib._set_debug_pause_us(us)
+
+
+def _inject_host_register_failures(n: int) -> int:
+    """Test only: the next ``n`` cudaHostRegister calls of segment mapping fail.
+    Returns the injected failures still pending before the call."""
+    return int(_lib._inject_host_register_failures(n))
+
+
+# True once torch's CUDA state is initialised, or once pinxfer knows it cannot use
+# CUDA in this process (then nothing is registered with CUDA and there is nothing to
+# initialise). Callers on hot paths test it before calling ensure_torch_cuda(), which
+# does the work once.
+torch_cuda_ready = False
+
+
+def ensure_torch_cuda() -> None:
+    """Leaves torch in the state its own pinning leaves it in.
+
+    torch answers ``Tensor.is_pinned()`` (``Context::isPinnedPtr``) False for every
+    pointer until its CUDA state is initialised, and ``Tensor.pin_memory()`` /
+    ``torch.empty(pin_memory=True)`` initialise it. pinxfer registers memory with
+    CUDA itself, so in a fresh process its tensors would read as not pinned. The
+    first pinxfer call that pins while CUDA is usable therefore runs
+    ``torch.cuda.init()``: torch's Python lazy init, which also arms torch's
+    checks against using CUDA in a forked child. ``import pinxfer`` never gets here;
+    a forked child (where pinxfer never uses CUDA) never initialises it.
+    """
+    global torch_cuda_ready
+    if build_info().cuda_usable and not torch.cuda.is_initialized():
+        torch.cuda.init()
+    torch_cuda_ready = True
+
+
+def cuda_unavailable_reason() -> Optional[str]:
+    """Why pinxfer cannot use a CUDA device in this process, or None if it can.
+
+    The one answer the library's errors, ``pinxfer bench``, ``pinxfer doctor``,
+    the examples and the tests give.
+    """
+    reason = cuda_unusable_reason()  # C++'s answer: build, fork, setting, driver
+    if reason is None and not torch.cuda.is_available():
+        reason = (f"torch sees no CUDA device (torch {torch.__version__}, CUDA "
+                  f"{torch.version.cuda or 'none'}): none is present, or CUDA_VISIBLE_DEVICES "
+                  "hides them")
+    return reason
+
+
+# ---- settings (kernels: csrc/ops/settings_ops.cpp) ----
+
+
+def settings() -> list[tuple[str, str, str]]:
+    """Every setting as read once from the environment or derived: (name, value, source),
+    source being "env", "derived" or "default". Raises ValueError if a variable is malformed."""
+    names, values, sources = _lib.settings()
+    return list(zip(names, values, sources))
+
+
+def copy_threads_for(affinity_cpus: int, online_cpus: int, quota_cpus: float,
+                     local_world_size: int) -> tuple[int, str]:
+    """Copy threads for a process with these CPUs, and the reasoning in one line."""
+    threads, why = _lib.copy_threads_for(affinity_cpus, online_cpus, float(quota_cpus),
+                                         local_world_size)
+    return int(threads), str(why)
+
+
+def cgroup_quota_cpus(cgroup_root: str, proc_self_cgroup: str) -> float:
+    """CPU quota in CPUs (0: none) of the cgroup named by /proc/self/cgroup's text."""
+    return float(_lib.cgroup_quota_cpus(cgroup_root, proc_self_cgroup))
+
+
+def cuda_unusable_reason() -> Optional[str]:
+    """C++'s reason CUDA is not usable in this process (None when it is)."""
+    return _lib.cuda_unusable_reason()
+
+
+# ---- pin_memory and in-place pinning (kernels: csrc/ops/cpu/) ----
+
+
+def pin_memory(tensor: torch.Tensor, numa_node: Optional[int] = None,
+               num_threads: int = 0) -> torch.Tensor:
+    """``tensor.pin_memory()`` into the pool of ``numa_node`` (None: the current GPU's):
+    same sizes and strides, copied by the node's threads, at most ``num_threads`` (0: all)."""
+    return _lib.pin_memory(tensor, numa_node, num_threads)
+
+
 @torch.library.register_fake("pinxfer::pin_memory")
-def _pin_memory_fake(self: torch.Tensor, numa_node: Optional[int] = None,
+def _pin_memory_fake(tensor: torch.Tensor, numa_node: Optional[int] = None,
                      num_threads: int = 0) -> torch.Tensor:
-    if torch._debug_has_internal_overlap(self) == 1:
-        return torch.empty(self.shape, dtype=self.dtype, device=self.device)
-    return torch.empty_strided(self.shape, self.stride(), dtype=self.dtype, device=self.device)
+    # An internally overlapping view (expand) is pinned as a contiguous copy.
+    if torch._debug_has_internal_overlap(tensor) == 1:
+        return torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
+    return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype,
+                               device=tensor.device)
+
+
+def pin_(tensor: torch.Tensor) -> None:
+    """Page-locks ``tensor``'s whole storage in place (cudaHostRegister, else mlock)."""
+    _lib.pin_(tensor)
+
+
+def unpin_(tensor: torch.Tensor) -> None:
+    """Undoes exactly what :func:`pin_` did to ``tensor``'s storage."""
+    _lib.unpin_(tensor)
+
+
+def inplace_lock_kind(tensor: torch.Tensor) -> Optional[str]:
+    """How :func:`pin_` locked ``tensor``'s storage: ``'cuda_registered'`` or
+    ``'mlocked'``; None if ``pin_`` did not pin it."""
+    kind = _lib.inplace_lock_kind(tensor)
+    return None if kind is None else str(kind)
+
+
+@torch.library.register_fake("pinxfer::inplace_lock_kind")
+def _inplace_lock_kind_fake(tensor: torch.Tensor) -> Optional[str]:
+    return None
+
+
+# ---- topology (kernels: csrc/ops/topology_ops.cpp) ----
+
+
+def sysfs_root() -> str:
+    """The sysfs root C++ reads by default: ``PINXFER_SYSFS_ROOT``, else ``/sys``."""
+    return str(_lib.sysfs_root())
+
+
+def parse_cpulist(text: str) -> list[int]:
+    """CPU ids of a kernel CPU list such as ``"0-3,8,10-11"`` (sorted, unique).
+
+    Raises:
+        ValueError: the text is not such a list.
+    """
+    return list(_lib.parse_cpulist(text))
+
+
+def node_cpus(node: int, sysfs_root: str) -> list[int]:
+    """CPUs of NUMA node ``node`` under ``sysfs_root``; [] if the node or its cpulist is missing.
+
+    Raises:
+        ValueError: the node's cpulist is malformed (the message names the file).
+    """
+    return list(_lib.node_cpus(node, sysfs_root))
+
+
+def online_nodes(sysfs_root: str) -> list[int]:
+    """NUMA nodes present under ``sysfs_root``; [] if none."""
+    return list(_lib.online_nodes(sysfs_root))
+
+
+def pci_numa_node(pci_bus_id: str, sysfs_root: str) -> int:
+    """NUMA node of a PCI device (``"0000:1b:00.0"``) under ``sysfs_root``; -1 if unknown."""
+    return int(_lib.pci_numa_node(pci_bus_id, sysfs_root))
+
+
+def cuda_pci_bus_id(device: int) -> str:
+    """PCI bus id CUDA reports for ``device``, without creating a context."""
+    return str(_lib.cuda_pci_bus_id(device))
+
+
+def cuda_device_count() -> int:
+    """CUDA devices this process can use (0 without CUDA, in a forked child, or when disabled)."""
+    return int(_lib.cuda_device_count())
+
+
+def numa_node_for_device(device: int) -> int:
+    """NUMA node pinxfer places memory on for CUDA ``device`` (PINXFER_NUMA_NODE, sysfs, or -1)."""
+    return int(_lib.numa_node_for_device(device))
+
+
+# ---- transfers (kernels: csrc/ops/cuda/to_device_cuda.cpp; CUDA builds only) ----
+
+
+def to_device(tensor: torch.Tensor, device: torch.device, chunk_bytes: int,
+              num_buffers: int, staging: str = "auto", cached_tail: int = -1) -> torch.Tensor:
+    """One CPU tensor to ``device`` (a CUDA device), through pinxfer's staging pipeline.
+
+    Args:
+        tensor: a dense CPU tensor, pageable or pinned, any dtype and strides.
+        device: the CUDA device.
+        chunk_bytes: largest staging chunk (>= 4096); smaller tensors use smaller chunks.
+        num_buffers: staging chunks in the ring (>= 1).
+        staging: how chunks are staged: "auto", "nt" (nontemporal stores) or "movsb"
+            (cached stores); see csrc/transfer/stage_copy.h. ``PINXFER_STAGE_COPY``
+            overrides "auto".
+        cached_tail: under "auto", bytes at the end of the transfer staged nontemporal
+            (-1: pinxfer's choice).
+
+    Returns:
+        A contiguous tensor on ``device`` with the same values, dtype and shape.
+    """
+    return _lib.to_device(tensor, device, int(chunk_bytes), int(num_buffers), staging,
+                          int(cached_tail))
 
 
 @torch.library.register_fake("pinxfer::to_device")
@@ -67,18 +387,33 @@ def _to_device_fake(tensor: torch.Tensor, device: torch.device, chunk_bytes: int
     return torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
 
 
+def to_device_many(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """Several CPU tensors to ``device`` packed in one pinned buffer and one copy.
+
+    Args:
+        tensors: dense CPU tensors (at least one), pageable or pinned.
+        device: the CUDA device.
+
+    Returns:
+        Contiguous tensors on ``device``, views into one device buffer, same order.
+    """
+    return list(_lib.to_device_many(tensors, device))
+
+
 @torch.library.register_fake("pinxfer::to_device_many")
 def _to_device_many_fake(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
     return [torch.empty(t.shape, dtype=t.dtype, device=device) for t in tensors]
 
 
-# Queries about a tensor's memory: a fake tensor has none, so it is neither a pool
-# block nor pinned in place (pinxfer.pin_memory of a fake tensor then traces the copy).
-@torch.library.register_fake("pinxfer::is_pool_tensor")
-def _is_pool_tensor_fake(self: torch.Tensor) -> bool:
-    return False
+def copy_stream(device: torch.device) -> tuple[int, int, int]:
+    """The stream pinxfer's H2D copies to ``device`` run on, packed as
+    (stream_id, device_index, device_type)."""
+    stream_id, device_index, device_type = _lib.copy_stream(device)
+    return int(stream_id), int(device_index), int(device_type)
 
 
-@torch.library.register_fake("pinxfer::inplace_lock_kind")
-def _inplace_lock_kind_fake(self: torch.Tensor) -> Optional[str]:
-    return None
+def _chunk_plan(nbytes: int, chunk_bytes: int, num_buffers: int,
+                num_threads: int) -> tuple[list[int], list[int], int, int, int]:
+    """TEST-ONLY: how to_device would cut a transfer: chunk bounds, pieces as flattened
+    (chunk, begin, end) triples, ring slots (0: one block), slot bytes, threads."""
+    return _lib._chunk_plan(nbytes, chunk_bytes, num_buffers, num_threads)

@@ -12,9 +12,13 @@ from typing import Any, Optional, Union
 
 import torch
 
-from pinxfer import _batch
-from pinxfer import memory as _memory
-from pinxfer._ops import eager, fast, in_bad_fork, ops as _ops, plain_dense_cpu
+from pinxfer import _batch, _ops
+
+# The in-place query is its operator as it stands.
+from pinxfer._ops import inplace_lock_kind  # noqa: F401
+from pinxfer._ops import eager, fast, in_bad_fork, plain_dense_cpu
+
+__all__ = ["inplace_lock_kind", "is_pinned", "pin_", "pin_memory", "unpin_"]
 
 DeviceLike = Union[int, str, torch.device]
 
@@ -42,7 +46,7 @@ def _node_for(device: Optional[DeviceLike], numa_node: Optional[int]) -> Optiona
         )
     if dev.index is None:
         return None
-    return int(_ops.numa_node_for_device(dev.index))
+    return _ops.numa_node_for_device(dev.index)
 
 
 def _threads(num_threads: Optional[int]) -> int:
@@ -87,7 +91,7 @@ def is_pinned(tensor: torch.Tensor) -> bool:
         return True
     if _ops.is_pool_tensor(tensor):
         # A pool block is locked unless locking failed (memlock limit): 'pageable'.
-        return str(_ops.lock_kind(tensor)) != "pageable"
+        return _ops.lock_kind(tensor) != "pageable"
     return _ops.inplace_lock_kind(tensor) is not None
 
 
@@ -116,8 +120,8 @@ def _pin_tensor(tensor: torch.Tensor, node: Optional[int], threads: int) -> torc
         return tensor.pin_memory()
     if is_pinned(tensor):
         return tensor
-    if not _memory._torch_cuda_ready:
-        _memory._ensure_torch_cuda()
+    if not _ops.torch_cuda_ready:
+        _ops.ensure_torch_cuda()
     if tensor.requires_grad and torch.is_grad_enabled():
         return _PinMemoryGrad.apply(tensor, node, threads)
     return _ops.pin_memory(tensor, node, threads)
@@ -140,8 +144,8 @@ def _pin_batch(obj: Any, node: Optional[int], threads: int) -> Any:
         is_dense = [plain_dense_cpu(t) for t in leaves]  # map_tensors visits the same order
         dense = [t for t, d in zip(leaves, is_dense) if d]
         if dense:
-            if not _memory._torch_cuda_ready:
-                _memory._ensure_torch_cuda()
+            if not _ops.torch_cuda_ready:
+                _ops.ensure_torch_cuda()
             try:
                 pinned = iter(fast.pin_memory_many(dense, node, threads, not in_bad_fork()))
             except Exception:  # noqa: BLE001 - pinned one by one below, for a path-named error
@@ -214,8 +218,8 @@ def pin_memory(
     threads = 0 if num_threads is None else _threads(num_threads)
     if type(obj) is torch.Tensor:
         if plain_dense_cpu(obj) and eager():
-            if not _memory._torch_cuda_ready:
-                _memory._ensure_torch_cuda()
+            if not _ops.torch_cuda_ready:
+                _ops.ensure_torch_cuda()
             return fast.pin_memory(obj, node, threads, not in_bad_fork())
         return _pin_tensor(obj, node, threads)
     if isinstance(obj, torch.Tensor):
@@ -243,8 +247,8 @@ def pin_(tensor: torch.Tensor) -> torch.Tensor:
     Returns:
         ``tensor`` itself.
     """
-    if not _memory._torch_cuda_ready:
-        _memory._ensure_torch_cuda()
+    if not _ops.torch_cuda_ready:
+        _ops.ensure_torch_cuda()
     _ops.pin_(tensor)
     return tensor
 
@@ -262,10 +266,3 @@ def unpin_(tensor: torch.Tensor) -> torch.Tensor:
     """
     _ops.unpin_(tensor)
     return tensor
-
-
-def inplace_lock_kind(tensor: torch.Tensor) -> Optional[str]:
-    """How :func:`pin_` locked ``tensor``'s storage: ``'cuda_registered'`` or
-    ``'mlocked'``; None if ``pin_`` did not pin it."""
-    kind = _ops.inplace_lock_kind(tensor)
-    return None if kind is None else str(kind)

@@ -41,8 +41,8 @@ from pinxfer.transfer import (
     DEFAULT_CHUNK_BYTES,
     DEFAULT_NUM_BUFFERS,
     DeviceLike,
-    _range,
     cuda_unavailable_reason,
+    profiler_range,
     resolve_device,
     to_device,
 )
@@ -75,7 +75,7 @@ class _Pass:
     def next(self) -> Any:
         if self.finished:
             raise StopIteration
-        with _range("pinxfer::prefetch::wait"):
+        with profiler_range("pinxfer::prefetch::wait"):
             kind, payload, event = self.queue.get()
         if kind == _ITEM:
             self.slots.release()
@@ -142,7 +142,7 @@ def _produce(p: _Pass) -> None:
             if p.stop.is_set():
                 return
             try:
-                with _range("pinxfer::prefetch::fetch"):
+                with profiler_range("pinxfer::prefetch::fetch"):
                     batch = next(p.iterator)  # type: ignore[arg-type]
             except StopIteration:
                 p.queue.put((_END, None, None))
@@ -156,12 +156,12 @@ def _produce(p: _Pass) -> None:
             try:
                 event = None
                 if stream is not None:
-                    with torch.cuda.stream(stream), _range("pinxfer::prefetch::transfer"):
+                    with torch.cuda.stream(stream), profiler_range("pinxfer::prefetch::transfer"):
                         out = p.transfer(batch)
                         event = torch.cuda.Event()
                         event.record(stream)
                 else:
-                    with _range("pinxfer::prefetch::transfer"):
+                    with profiler_range("pinxfer::prefetch::transfer"):
                         out = p.transfer(batch)
             except BaseException as err:  # noqa: BLE001 - re-raised in the consumer
                 _note(err, f"raised while pinxfer.prefetch transferred batch {step}")

@@ -15,9 +15,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional, Sequence
 
-import torch
+from pinxfer import _ops
 
-from pinxfer._ops import ops as _ops
+# The CPU-list parser is its operator as it stands.
+from pinxfer._ops import parse_cpulist  # noqa: F401
+
+
+__all__ = ["GpuTopology", "node_cpus", "numa_nodes", "parse_cpulist", "resolve_sysfs_root",
+           "topology"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,17 +33,20 @@ class GpuTopology:
     cpus: tuple[int, ...]  # CPUs of that node; () when numa_node is -1 or unreadable
 
 
-def _root(sysfs_root: Optional[str]) -> str:
-    return str(sysfs_root) if sysfs_root is not None else str(_ops.sysfs_root())
+def resolve_sysfs_root(sysfs_root: Optional[str] = None) -> str:
+    """The sysfs root a query reads: ``sysfs_root`` if given, else the one C++ reads
+    by default (``PINXFER_SYSFS_ROOT``, else ``/sys``)."""
+    return str(sysfs_root) if sysfs_root is not None else _ops.sysfs_root()
 
 
-def parse_cpulist(text: str) -> list[int]:
-    """CPU ids of a kernel CPU list such as ``"0-3,8,10-11"`` (sorted, unique).
+def node_cpus(node: int, sysfs_root: Optional[str] = None) -> list[int]:
+    """CPUs of NUMA node ``node``; ``[]`` when the node is unknown (-1), absent or has no
+    readable cpulist.
 
     Raises:
-        ValueError: the text is not such a list.
+        ValueError: the node's cpulist is malformed (the message names the file).
     """
-    return list(_ops.parse_cpulist(text))
+    return _ops.node_cpus(node, resolve_sysfs_root(sysfs_root)) if node >= 0 else []
 
 
 def numa_nodes(sysfs_root: Optional[str] = None) -> dict[int, list[int]]:
@@ -54,8 +62,8 @@ def numa_nodes(sysfs_root: Optional[str] = None) -> dict[int, list[int]]:
     Raises:
         ValueError: a node's cpulist is malformed (the message names the file).
     """
-    root = _root(sysfs_root)
-    return {int(n): list(_ops.node_cpus(n, root)) for n in _ops.online_nodes(root)}
+    root = resolve_sysfs_root(sysfs_root)
+    return {node: node_cpus(node, root) for node in _ops.online_nodes(root)}
 
 
 def topology(
@@ -74,13 +82,12 @@ def topology(
     Raises:
         ValueError: a node's cpulist is malformed (the message names the file).
     """
-    root = _root(sysfs_root)
+    root = resolve_sysfs_root(sysfs_root)
     if pci_bus_ids is None:
-        count = int(_ops.cuda_device_count())
-        pci_bus_ids = [str(_ops.cuda_pci_bus_id(i)) for i in range(count)]
+        pci_bus_ids = [_ops.cuda_pci_bus_id(i) for i in range(_ops.cuda_device_count())]
     out = []
     for index, bus_id in enumerate(pci_bus_ids):
-        node = int(_ops.pci_numa_node(bus_id, root))
-        cpus = tuple(_ops.node_cpus(node, root)) if node >= 0 else ()
+        node = _ops.pci_numa_node(bus_id, root)
+        cpus = tuple(node_cpus(node, root))
         out.append(GpuTopology(index=index, pci_bus_id=bus_id, numa_node=node, cpus=cpus))
     return out

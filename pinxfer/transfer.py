@@ -21,10 +21,10 @@ from typing import Any, Iterator, Optional, Union
 
 import torch
 
+from pinxfer import _ops
 from pinxfer._batch import map_tensors, tensors_in
-from pinxfer.memory import build_info, empty, record_stream
-
-from pinxfer._ops import ops as _ops
+from pinxfer._ops import cuda_unavailable_reason
+from pinxfer.memory import empty, record_stream
 
 DeviceLike = Union[torch.device, str, int]
 
@@ -34,43 +34,6 @@ SMALL_TENSOR_BYTES = 1 << 20
 DEFAULT_CHUNK_BYTES = 16 << 20
 #: Staging chunks in the ring.
 DEFAULT_NUM_BUFFERS = 4
-
-
-# ---- op wrappers (schemas in csrc/module.cpp, kernels in csrc/ops/cuda/to_device_cuda.cpp) ----
-
-
-def _to_device_op(tensor: torch.Tensor, device: torch.device, chunk_bytes: int,
-                  num_buffers: int, staging: str = "auto", cached_tail: int = -1) -> torch.Tensor:
-    """One CPU tensor to ``device`` (a CUDA device), through pinxfer's staging pipeline.
-
-    Args:
-        tensor: a dense CPU tensor, pageable or pinned, any dtype and strides.
-        device: the CUDA device.
-        chunk_bytes: largest staging chunk (>= 4096); smaller tensors use smaller chunks.
-        num_buffers: staging chunks in the ring (>= 1).
-        staging: how chunks are staged: "auto", "nt" (nontemporal stores) or "movsb"
-            (cached stores); see csrc/transfer/stage_copy.h.
-        cached_tail: under "auto", bytes at the end of the transfer staged nontemporal
-            (-1: pinxfer's choice).
-
-    Returns:
-        A contiguous tensor on ``device`` with the same values, dtype and shape.
-    """
-    return _ops.to_device(tensor, device, int(chunk_bytes), int(num_buffers), staging,
-                          int(cached_tail))
-
-
-def _to_device_many_op(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-    """Several CPU tensors to ``device`` packed in one pinned buffer and one copy.
-
-    Args:
-        tensors: dense CPU tensors (at least one), pageable or pinned.
-        device: the CUDA device.
-
-    Returns:
-        Contiguous tensors on ``device``, views into one device buffer, same order.
-    """
-    return list(_ops.to_device_many(tensors, device))
 
 
 def copy_stream(device: Optional[DeviceLike] = None) -> torch.cuda.Stream:
@@ -98,7 +61,7 @@ def copy_stream(device: Optional[DeviceLike] = None) -> torch.cuda.Stream:
 
 
 @contextlib.contextmanager
-def _range(name: str) -> Iterator[None]:
+def profiler_range(name: str) -> Iterator[None]:
     """A torch.profiler range while a profiler runs, and an NVTX range when CUDA is in use."""
     # record_function costs a few microseconds even with no profiler running:
     # only pay for it when one is.
@@ -113,18 +76,6 @@ def _range(name: str) -> Iterator[None]:
         finally:
             if nvtx:
                 torch.cuda.nvtx.range_pop()
-
-
-def cuda_unavailable_reason() -> Optional[str]:
-    """Why pinxfer cannot move data to a GPU in this process, or None if it can."""
-    info = build_info()
-    if not info.with_cuda:
-        return ("this pinxfer was built without CUDA (CPU-only variant), so it has no GPU "
-                "transfer kernels; rebuild it against a CUDA build of torch with a CUDA toolkit")
-    if not torch.cuda.is_available() or not info.cuda_usable:
-        return ("no CUDA device is usable in this process (none present, CUDA_VISIBLE_DEVICES "
-                "empty, PINXFER_DISABLE_CUDA=1, or a forked child such as a DataLoader worker)")
-    return None
 
 
 _cuda_usable_in_pid: Optional[int] = None  # the process that found CUDA usable
@@ -173,14 +124,14 @@ def _send_leaves(tensors: list[torch.Tensor], device: torch.device, non_blocking
             if t.numel() * t.element_size() < SMALL_TENSOR_BYTES:
                 small.append(i)
             else:
-                out[i] = _to_device_op(t, device, chunk_bytes, num_buffers, staging)
+                out[i] = _ops.to_device(t, device, chunk_bytes, num_buffers, staging)
         else:
             out[i] = t.to(device, non_blocking=non_blocking)
     if len(small) == 1:
-        out[small[0]] = _to_device_op(tensors[small[0]], device, chunk_bytes, num_buffers,
+        out[small[0]] = _ops.to_device(tensors[small[0]], device, chunk_bytes, num_buffers,
                                       staging)
     elif small:
-        packed = _to_device_many_op([tensors[i] for i in small], device)
+        packed = _ops.to_device_many([tensors[i] for i in small], device)
         for i, t in zip(small, packed):
             out[i] = t
     return out  # type: ignore[return-value]
@@ -242,7 +193,7 @@ def to_device(obj: Any, device: Optional[DeviceLike] = None, non_blocking: bool 
     if dev.type != "cuda":
         raise ValueError(f"pinxfer.to_device: expected a CUDA device or 'cpu', got {dev}")
     _require_cuda("to_device")
-    with _range("pinxfer::to_device"):
+    with profiler_range("pinxfer::to_device"):
         if isinstance(obj, torch.Tensor):
             out = _send_leaves([obj], dev, non_blocking, chunk_bytes, num_buffers, staging)[0]
         else:
@@ -284,7 +235,7 @@ class HostTransfer:
             The pinned CPU tensor, or the batch structure holding them.
         """
         if not self._done:
-            with _range("pinxfer::d2h_wait"):
+            with profiler_range("pinxfer::d2h_wait"):
                 for e in self._events:
                     e.synchronize()
             self._done = True
@@ -333,7 +284,7 @@ def to_host(obj: Any) -> HostTransfer:
         streams[t.device] = stream
         return host
 
-    with _range("pinxfer::d2h"):
+    with profiler_range("pinxfer::d2h"):
         result = map_tensors(obj, copy_one)
         events = []
         for stream in streams.values():

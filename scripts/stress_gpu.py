@@ -1438,7 +1438,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.self_test:
         return self_test(args)
-    from pinxfer.transfer import cuda_unavailable_reason
+    from pinxfer import cuda_unavailable_reason
 
     if args.cpu:
         env = Env(torch.device("cpu"), inject=args.inject_faults,

@@ -13,7 +13,7 @@ import torch
 
 import pinxfer
 
-HAS_CUDA = torch.cuda.is_available() and pinxfer.build_info().cuda_usable
+HAS_CUDA = pinxfer.cuda_unavailable_reason() is None
 
 requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 

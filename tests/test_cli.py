@@ -18,9 +18,11 @@ import pytest
 import torch
 
 import pinxfer
-from pinxfer import _bench, _doctor
+from pinxfer.cli import bench as _bench
+from pinxfer.cli import doctor as _doctor
+from pinxfer.topology import parse_cpulist
 
-HAS_CUDA = torch.cuda.is_available() and pinxfer.build_info().cuda_usable
+HAS_CUDA = pinxfer.cuda_unavailable_reason() is None
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ["train_loop.py", "dataloader_workers.py", "lightning_hook.py", "ddp_torchrun.py"]
@@ -31,7 +33,7 @@ RATIO_KEYS = {"section", "op", "bytes", "torch_seconds", "pinxfer_seconds", "spe
 def _env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    for name in _doctor.ENV_VARS:
+    for name in _doctor.env_vars():
         env.pop(name, None)
     env.update(extra)
     return env
@@ -56,6 +58,14 @@ def _check_bench_json(data: dict) -> None:
         assert q["speedup"] == pytest.approx(q["torch_seconds"] / q["pinxfer_seconds"])
     for s in data["skipped"]:
         assert set(s) == {"section", "reason"} and s["reason"]
+
+
+def test_library_import_leaves_the_command_line_out():
+    # The command line is a package of its own: the library never pulls it in.
+    proc = _run(["-c", "import sys, pinxfer; "
+                       "print(sorted(m for m in sys.modules if m.startswith('pinxfer.cli')))"])
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
 
 
 # ---------------------------------------------------------------- bench (CPU)
@@ -269,8 +279,9 @@ def test_doctor_cli_json_and_memlock_warnings(tmp_path):
                          "thp", "hugepages", "settings", "warnings"}
     assert set(data["gpus"][0]) == {"index", "name", "pci_bus_id", "numa_node", "cpus", "pcie", "source"}
     assert data["memlock"]["soft"] == soft
-    assert set(data["settings"]) == {"env", "max_pinned_bytes", "build_info", "installed"}
-    assert set(data["settings"]["env"]) == set(_doctor.ENV_VARS)
+    assert set(data["settings"]) == {"env", "values", "max_pinned_bytes", "build_info", "installed"}
+    assert set(data["settings"]["env"]) == set(_doctor.env_vars()) == set(data["settings"]["values"])
+    assert data["settings"]["values"]["PINXFER_NUM_THREADS"]["source"] == "derived"
     assert set(data["settings"]["build_info"]) == {"with_cuda", "cuda_version", "cuda_usable"}
     assert "memlock_low" in _codes(data)  # no cap, no CAP_IPC_LOCK in the fixture, 64 KiB
 
@@ -280,6 +291,8 @@ def test_doctor_cli_json_and_memlock_warnings(tmp_path):
     data = json.loads(proc_run.stdout)
     assert data["settings"]["max_pinned_bytes"] == 1 << 30
     assert data["settings"]["env"]["PINXFER_MAX_PINNED_BYTES"] == "1GiB"
+    assert data["settings"]["values"]["PINXFER_MAX_PINNED_BYTES"] == {"value": str(1 << 30),
+                                                                      "source": "env"}
     assert "memlock_below_cap" in _codes(data)
 
     # CAP_IPC_LOCK (bit 14) exempts the process from the limit.
@@ -296,7 +309,8 @@ def test_doctor_runs_on_this_machine():
 
 
 def test_parse_cpulist_and_compact():
-    assert _doctor.parse_cpulist("0-3,8,10-11\n") == [0, 1, 2, 3, 8, 10, 11]
+    # doctor reads node CPU lists with pinxfer's parser (the op) and writes them with _compact.
+    assert parse_cpulist("0-3,8,10-11\n") == [0, 1, 2, 3, 8, 10, 11]
     assert _doctor._compact([0, 1, 2, 3, 8, 10, 11]) == "0-3,8,10-11"
 
 

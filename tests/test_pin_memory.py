@@ -740,13 +740,3 @@ def get_mempolicy(address: int) -> tuple[int, int]:
     assert rc == 0, os.strerror(ctypes.get_errno())
     # The mode may carry flags (MPOL_F_STATIC_NODES...) in its high bits.
     return mode.value & 0xFF, mask[0]
-
-
-# ---- op contract ----
-
-@pytest.mark.parametrize("make", [
-    lambda: torch.randn(5, 4), lambda: torch.randn(5, 4).t(), lambda: torch.randn(20)[::3],
-    lambda: torch.arange(3.0).expand(4, 3), lambda: torch.empty(0, 3),
-], ids=["contiguous", "transpose", "step", "expanded", "empty"])
-def test_opcheck(make):
-    torch.library.opcheck(ops.pin_memory.default, (make(),), {"numa_node": 0})

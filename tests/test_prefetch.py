@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import pinxfer
-from pinxfer.transfer import cuda_unavailable_reason
+from pinxfer import cuda_unavailable_reason
 
 from .conftest import HAS_CUDA
 

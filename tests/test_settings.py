@@ -121,12 +121,11 @@ def test_settings_list_every_variable_with_its_source():
 def test_settings_are_read_once():
     out = run_fresh("""
         import os, torch, pinxfer
-        pinxfer.set_max_pinned_bytes  # noqa
         first = torch.ops.pinxfer.settings()
         os.environ["PINXFER_SPIN_US"] = "999"
         os.environ["PINXFER_STAGE_COPY"] = "bogus"
         assert torch.ops.pinxfer.settings() == first
-        assert torch.ops.pinxfer.max_pinned_bytes() == 3 << 20
+        assert torch.ops.pinxfer.get_max_pinned_bytes() == 3 << 20
         print("ok")
     """, PINXFER_MAX_PINNED_BYTES="3MiB")
     assert out.returncode == 0 and "ok" in out.stdout, out.stdout + out.stderr

@@ -75,8 +75,8 @@ def test_mixed_staging_kinds_in_one_transfer():
     x = _random_bytes(20 * MiB + 7, seed=5)
     dev = torch.device("cuda", torch.cuda.current_device())
     tail = 3 * MiB + 1
-    _check(pinxfer.transfer._to_device_op(x, dev, 16 * MiB, 4, "auto", tail), x)
-    _check(pinxfer.transfer._to_device_op(x, dev, CHUNK, 3, "auto", tail), x)
+    _check(pinxfer._ops.to_device(x, dev, 16 * MiB, 4, "auto", tail), x)
+    _check(pinxfer._ops.to_device(x, dev, CHUNK, 3, "auto", tail), x)
 
 
 def test_streaming_policy_while_copy_stream_busy():

@@ -93,10 +93,10 @@ std::tuple<std::vector<std::string>, std::vector<int64_t>> memory_stats(
   return {names, values};
 }
 
-void reset_peak_stats() {
+void reset_peak_memory_stats() {
   for (PinnedPool* p : all_pools()) p->reset_peak_stats();
 }
-void reset_accumulated_stats() {
+void reset_accumulated_memory_stats() {
   for (PinnedPool* p : all_pools()) p->reset_accumulated_stats();
 }
 int64_t empty_cache() {
@@ -105,10 +105,15 @@ int64_t empty_cache() {
   return bytes;
 }
 void set_max_pinned_bytes_op(int64_t bytes) { set_max_pinned_bytes(bytes); }
-int64_t max_pinned_bytes_op() { return max_pinned_bytes(); }
+int64_t get_max_pinned_bytes_op() { return max_pinned_bytes(); }
 void set_debug_pause_us_op(int64_t us) { set_debug_pause_us(us); }
-bool install_op(bool enable) { return install_host_allocator(enable); }
-bool installed_op() { return host_allocator_installed(); }
+void install_op() {
+  TORCH_CHECK(install_host_allocator(true),
+              "pinxfer.install(): this pinxfer was built without CUDA, so there is no CUDA host "
+              "allocator to replace. Rebuild against a CUDA build of torch with a CUDA toolkit.");
+}
+void uninstall_op() { install_host_allocator(false); }
+bool is_installed_op() { return host_allocator_installed(); }
 
 std::tuple<bool, std::string, bool> build_info() {
   return {cuda::built_with_cuda(), cuda::built_cuda_version(), cuda::cuda_usable()};
@@ -137,13 +142,14 @@ TORCH_LIBRARY_IMPL(pinxfer, CPU, m) {
 TORCH_LIBRARY_IMPL(pinxfer, CompositeExplicitAutograd, m) {
   m.impl("empty", &pool_empty);
   m.impl("memory_stats", &memory_stats);
-  m.impl("reset_peak_stats", &reset_peak_stats);
-  m.impl("reset_accumulated_stats", &reset_accumulated_stats);
+  m.impl("reset_peak_memory_stats", &reset_peak_memory_stats);
+  m.impl("reset_accumulated_memory_stats", &reset_accumulated_memory_stats);
   m.impl("empty_cache", &empty_cache);
   m.impl("set_max_pinned_bytes", &set_max_pinned_bytes_op);
-  m.impl("max_pinned_bytes", &max_pinned_bytes_op);
-  m.impl("install_host_allocator", &install_op);
-  m.impl("host_allocator_installed", &installed_op);
+  m.impl("get_max_pinned_bytes", &get_max_pinned_bytes_op);
+  m.impl("install", &install_op);
+  m.impl("uninstall", &uninstall_op);
+  m.impl("is_installed", &is_installed_op);
   m.impl("build_info", &build_info);
   m.impl("_set_debug_pause_us", &set_debug_pause_us_op);
   m.impl("_inject_host_register_failures", &inject_host_register_failures_op);

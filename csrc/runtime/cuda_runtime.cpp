@@ -298,7 +298,10 @@ int current_device() { return -1; }
 int device_count() { return 0; }
 
 bool cuda_usable() { return false; }
-static std::string probe_error() { return "pinxfer was built without CUDA (a CPU-only build)"; }
+static std::string probe_error() {
+  return "this pinxfer was built without CUDA (the CPU-only variant), so it has no GPU paths; "
+         "rebuild it against a CUDA build of torch with a CUDA toolkit";
+}
 std::string host_register(void*, size_t) { return "pinxfer was built without CUDA"; }
 std::string host_unregister(void*) { return "pinxfer was built without CUDA"; }
 std::string host_register_user(void*, size_t, bool* already_registered) {

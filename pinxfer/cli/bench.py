@@ -1,7 +1,7 @@
 """``pinxfer bench``: torch and pinxfer side by side on this machine.
 
 What each section and op measures, and the JSON shape, are documented in
-pinxfer/cli.py. Timing: wall clock around the operation followed by
+pinxfer/cli/__init__.py. Timing: wall clock around the operation followed by
 ``torch.cuda.synchronize()``, so every figure is "until the bytes are there";
 small sizes run several times inside one timed run so launch overhead does not
 dominate. The median of ``--repeats`` runs is kept.
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 import statistics
 import sys
 import time
@@ -21,8 +20,7 @@ from typing import Any, Callable, Optional
 import torch
 
 import pinxfer
-from pinxfer._doctor import format_table
-from pinxfer._util import format_bytes
+from pinxfer.cli.table import format_bytes, format_table
 
 MiB = 1 << 20
 # Small transfers repeat inside a timed run until about this many bytes moved.
@@ -180,7 +178,7 @@ class Bench:
     def __init__(self, args: Any) -> None:
         self.args = args
         self.repeats = max(1, args.repeats)
-        self.gpu_reason = _gpu_unavailable_reason()
+        self.gpu_reason = pinxfer.cuda_unavailable_reason()
         self.dev: Optional[torch.device] = None
         if self.gpu_reason is None:
             dev = torch.device(args.device) if args.device else torch.device("cuda")
@@ -407,21 +405,6 @@ class Bench:
         self.report.add("prefetch", "loop", "ideal", total, max(s_compute, s_copy), note=note)
         self.report.add("prefetch", "compute_alone", "torch", total, s_compute, note=note)
         self.report.add("prefetch", "copy_alone", "pinxfer", total, s_copy, note=note)
-
-
-def _gpu_unavailable_reason() -> Optional[str]:
-    """Why the GPU sections cannot run here, or None when they can."""
-    if os.environ.get("PINXFER_DISABLE_CUDA"):
-        return "PINXFER_DISABLE_CUDA is set"
-    if not torch.cuda.is_available():
-        return (f"no CUDA device: torch.cuda.is_available() is False (torch {torch.__version__}, "
-                f"CUDA {torch.version.cuda or 'none'})")
-    info = pinxfer.build_info()
-    if not info.with_cuda:
-        return "pinxfer was built without CUDA (rebuild with a CUDA toolkit)"
-    if not info.cuda_usable:
-        return "pinxfer cannot use CUDA in this process (pinxfer.build_info().cuda_usable is False)"
-    return None
 
 
 # ---------------------------------------------------------------- output

@@ -42,18 +42,21 @@ from typing import Any, Iterator, Optional
 import torch
 
 import pinxfer
-from pinxfer._util import format_bytes
+from pinxfer import _ops
+from pinxfer.cli.table import format_bytes, format_table
+from pinxfer.topology import node_cpus, resolve_sysfs_root
 
-ENV_VARS = (
-    "PINXFER_MAX_PINNED_BYTES",
-    "PINXFER_NUM_THREADS",
-    "PINXFER_NUMA_NODE",
-    "PINXFER_SYSFS_ROOT",
-    "PINXFER_DISABLE_CUDA",
-    "PINXFER_SPIN_US",
-    "PINXFER_STAGE_COPY",
-    "PINXFER_CACHED_TAIL",
-)
+
+def pinxfer_settings() -> dict[str, dict[str, str]]:
+    """The settings object of csrc/runtime/settings.h: {name: {"value", "source"}}. Raises
+    ValueError, naming the variable and what it expects, when one is malformed (every
+    pinxfer call would, so doctor says that first)."""
+    return {n: {"value": v, "source": s} for n, v, s in _ops.settings()}
+
+
+def env_vars() -> tuple[str, ...]:
+    """Every variable the settings object reads."""
+    return tuple(pinxfer_settings())
 
 NVIDIA_VENDOR = "0x10de"
 # PCI class codes of GPUs: VGA controller (0x0300xx) and 3D controller (0x0302xx).
@@ -62,10 +65,6 @@ CAP_IPC_LOCK = 14
 # Transfer rate per lane (GT/s) -> PCIe generation.
 GTS_TO_GEN = {2.5: 1, 5.0: 2, 8.0: 3, 16.0: 4, 32.0: 5, 64.0: 6}
 GIB = 1 << 30
-
-
-def default_sysfs_root() -> str:
-    return os.environ.get("PINXFER_SYSFS_ROOT") or "/sys"
 
 
 def _read(path: Path) -> Optional[str]:
@@ -83,26 +82,6 @@ def _read_int(path: Path) -> Optional[int]:
         return int(text, 0)
     except ValueError:
         return None
-
-
-def parse_cpulist(text: str) -> list[int]:
-    """'0-3,8,10-11' -> [0, 1, 2, 3, 8, 10, 11] (the kernel's cpulist format)."""
-    cpus: list[int] = []
-    for part in text.strip().split(","):
-        part = part.strip()
-        if not part:
-            continue
-        lo, _, hi = part.partition("-")
-        cpus.extend(range(int(lo), int(hi or lo) + 1))
-    return cpus
-
-
-def node_cpus(node: int, sysfs_root: str) -> list[int]:
-    """CPUs of a NUMA node; [] when the node is unknown (-1) or absent."""
-    if node < 0:
-        return []
-    text = _read(Path(sysfs_root) / "devices" / "system" / "node" / f"node{node}" / "cpulist")
-    return parse_cpulist(text) if text else []
 
 
 def _speed_gts(text: Optional[str]) -> Optional[float]:
@@ -406,14 +385,15 @@ def collect(sysfs_root: Optional[str] = None, proc_root: str = "/proc",
     """Everything doctor reports, as a JSON-ready dict (see the module docstring).
 
     Args:
-        sysfs_root: root of sysfs (default ``PINXFER_SYSFS_ROOT`` or ``/sys``).
+        sysfs_root: root of sysfs (default ``PINXFER_SYSFS_ROOT`` or ``/sys``, as pinxfer reads it).
         proc_root: root of procfs.
         affinity: the CPUs to check against GPU nodes (default: this process's).
         live: also ask pinxfer.topology(), NVML and torch about this machine's
             GPUs (default: only when the real /sys is read, so a fixture tree is
             never mixed with this machine).
     """
-    sysfs_root = sysfs_root or default_sysfs_root()
+    values = pinxfer_settings()
+    sysfs_root = resolve_sysfs_root(sysfs_root or None)
     if live is None:
         live = os.path.realpath(sysfs_root) == "/sys"
     if affinity is None:
@@ -435,7 +415,8 @@ def collect(sysfs_root: Optional[str] = None, proc_root: str = "/proc",
                 "defrag": _bracketed(_read(thp_dir / "defrag"))},
         "hugepages": meminfo(proc_root),
         "settings": {
-            "env": {name: os.environ.get(name) for name in ENV_VARS},
+            "env": {name: os.environ.get(name) for name in values},
+            "values": values,
             "max_pinned_bytes": pinxfer.get_max_pinned_bytes(),
             "build_info": {"with_cuda": info.with_cuda, "cuda_version": info.cuda_version,
                            "cuda_usable": info.cuda_usable},
@@ -512,13 +493,12 @@ def diagnose(report: dict[str, Any]) -> list[dict[str, str]]:
                         "`pinxfer bench` and look again), check the slot, riser and BIOS PCIe settings.")
             warn("pcie_below_max", head + tail)
 
-    info = report["settings"]["build_info"]
-    if not info["with_cuda"] and torch.cuda.is_available():
-        warn("built_without_cuda",
-             "pinxfer was built without CUDA but torch sees a GPU: memory is mlocked, not "
-             "registered with CUDA. Rebuild with a CUDA toolkit (`pip install --no-build-isolation .`).")
-    if report["settings"]["env"].get("PINXFER_DISABLE_CUDA"):
-        warn("cuda_disabled", "PINXFER_DISABLE_CUDA is set: pinxfer will not use CUDA.")
+    # Only where torch sees a GPU: on a machine without one there is nothing to miss.
+    cuda_reason = pinxfer.cuda_unavailable_reason()
+    if cuda_reason is not None and torch.cuda.is_available():
+        warn("cuda_unusable",
+             f"torch sees a GPU, but {cuda_reason}. Meanwhile pinxfer's memory is mlocked, not "
+             "registered with CUDA, and its transfers are unavailable.")
     return warns
 
 
@@ -594,8 +574,8 @@ def render(report: dict[str, Any]) -> str:
         f"  pinned cap: {format_bytes(st['max_pinned_bytes']) if st['max_pinned_bytes'] else 'none'}",
         f"  torch host allocator installed: {st['installed']}",
     ]
-    for name, value in st["env"].items():
-        lines.append(f"  {name}={value if value is not None else '(unset)'}")
+    for name, setting in st["values"].items():
+        lines.append(f"  {name} = {setting['value']} ({setting['source']})")
     lines.append("")
     if report["warnings"]:
         lines.append(f"warnings ({len(report['warnings'])}):")
@@ -604,18 +584,6 @@ def render(report: dict[str, Any]) -> str:
     else:
         lines.append("no warnings")
     return "\n".join(lines)
-
-
-def format_table(rows: list[tuple[str, ...]], right: Optional[set[int]] = None) -> list[str]:
-    """Plain aligned text: a header row, a rule, the rows. Columns in `right` are right-aligned."""
-    right = right or set()
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-
-    def fmt(r: tuple[str, ...]) -> str:
-        return "  ".join(c.rjust(w) if i in right else c.ljust(w)
-                         for i, (c, w) in enumerate(zip(r, widths))).rstrip()
-
-    return [fmt(rows[0]), "  ".join("-" * w for w in widths)] + [fmt(r) for r in rows[1:]]
 
 
 def main(args: Any) -> int:

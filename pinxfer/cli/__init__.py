@@ -41,7 +41,10 @@ JSON written by ``pinxfer bench --json FILE``::
 
 ``pinxfer doctor`` prints the GPU topology, PCIe links, memlock limit, huge page
 settings and pinxfer's settings, with actionable warnings; its JSON shape is in
-pinxfer/_doctor.py.
+pinxfer/cli/doctor.py.
+
+The command line is a package of its own: ``import pinxfer`` never imports it,
+and it uses only pinxfer's public API and its byte-size parser.
 """
 from __future__ import annotations
 
@@ -115,13 +118,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of the ``pinxfer`` console script; returns the exit status."""
     args = build_parser().parse_args(argv)
+    # Each command imports only its own module: doctor does not pay for the bench.
     if args.command == "bench":
-        from pinxfer import _bench
+        from pinxfer.cli import bench
 
-        return _bench.main(args)
-    from pinxfer import _doctor
+        return bench.main(args)
+    from pinxfer.cli import doctor
 
-    return _doctor.main(args)
+    return doctor.main(args)
 
 
 if __name__ == "__main__":
