@@ -1,7 +1,5 @@
 #include "runtime/cuda_runtime.h"
 
-#include <pthread.h>
-
 #include <atomic>
 #include <cstdlib>
 #include <mutex>
@@ -10,7 +8,7 @@
 
 #include <c10/util/Exception.h>
 
-#include "runtime/thread_pool.h"
+#include "runtime/fork.h"
 
 #if PINXFER_WITH_CUDA
 #include <ATen/detail/CUDAHooksInterface.h>
@@ -80,7 +78,7 @@ void cuda_runtime_child_after_fork() {
 
 struct CudaRuntimeForkHandlerInstaller {
   CudaRuntimeForkHandlerInstaller() {
-    pthread_atfork(nullptr, nullptr, &cuda_runtime_child_after_fork);
+    register_fork_child_handler(ForkChildStep::kCudaRuntime, &cuda_runtime_child_after_fork);
   }
 } g_cuda_runtime_fork_handler;
 }  // namespace
