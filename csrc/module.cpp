@@ -62,6 +62,8 @@ TORCH_LIBRARY(pinxfer, m) {
   m.def("sysfs_root() -> str");
   // CPU ids of a kernel CPU list such as "0-3,8"; raises ValueError when malformed.
   m.def("parse_cpulist(str text) -> int[]");
+  // Bytes in a size such as "512MiB", "8G", "1073741824" (binary units); raises ValueError.
+  m.def("parse_byte_size(str text) -> int");
   // CPUs of a NUMA node under a sysfs root; [] if the node or its cpulist is missing.
   m.def("node_cpus(int node, str sysfs_root) -> int[]");
   // NUMA nodes present under a sysfs root; [] if none.

@@ -313,6 +313,13 @@ def sysfs_root() -> str:
     return str(_lib.sysfs_root())
 
 
+def parse_byte_size(text: str) -> int:
+    """'512MiB' -> 536870912: the one byte-size parser, C++'s (csrc/runtime/parse.h), so
+    Python and PINXFER_MAX_PINNED_BYTES accept the same text. Units are binary; K/M/G/T and
+    KB/MB/GB/TB mean the same. Raises ValueError naming the text and the accepted forms."""
+    return int(_lib.parse_byte_size(text))
+
+
 def parse_cpulist(text: str) -> list[int]:
     """CPU ids of a kernel CPU list such as ``"0-3,8,10-11"`` (sorted, unique).
 
@@ -400,9 +407,21 @@ def to_device_many(tensors: list[torch.Tensor], device: torch.device) -> list[to
     return list(_lib.to_device_many(tensors, device))
 
 
+# Offsets of to_device_many's packed buffer are rounded to this (kPackAlign in
+# csrc/ops/cuda/to_device_cuda.cpp).
+_PACK_ALIGN = 256
+
+
 @torch.library.register_fake("pinxfer::to_device_many")
 def _to_device_many_fake(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-    return [torch.empty(t.shape, dtype=t.dtype, device=device) for t in tensors]
+    # As the kernel: views of one packed byte buffer, so the outputs alias each other.
+    offsets, total = [], 0
+    for t in tensors:
+        offsets.append(total)
+        total = (total + t.numel() * t.element_size() + _PACK_ALIGN - 1) // _PACK_ALIGN * _PACK_ALIGN
+    packed = torch.empty(total, dtype=torch.uint8, device=device)
+    return [packed.narrow(0, off, t.numel() * t.element_size()).view(t.dtype).view(t.shape)
+            for off, t in zip(offsets, tensors)]
 
 
 def copy_stream(device: torch.device) -> tuple[int, int, int]:

@@ -28,7 +28,7 @@ from pinxfer._ops import (  # noqa: F401
     reset_peak_memory_stats,
     uninstall,
 )
-from pinxfer._util import parse_bytes
+from pinxfer._ops import parse_byte_size as parse_bytes
 
 __all__ = [
     "BuildInfo", "build_info", "cuda_unavailable_reason", "empty", "empty_cache",

@@ -151,6 +151,61 @@ def test_cap_from_environment():
         pinxfer.set_max_pinned_bytes(-5)
 
 
+# ---- parse_byte_size: the one byte-size parser (csrc/runtime/parse.cpp) ----
+
+@pytest.mark.parametrize("text,expected", [
+    ("0", 0),
+    ("1073741824", 1 << 30),
+    ("512", 512),
+    ("512B", 512),
+    ("4k", 4 * KiB), ("4KB", 4 * KiB), ("4KiB", 4 * KiB),
+    ("512MiB", 512 * MiB), ("512mb", 512 * MiB), ("512M", 512 * MiB),
+    ("8G", 8 << 30), ("2GB", 2 << 30), ("1.5GiB", 3 << 29),
+    ("1T", 1 << 40), ("1tib", 1 << 40),
+    (" 64 MiB \n", 64 * MiB),
+    ("2.", 2),
+    ("0.5", 0),  # a fraction of a byte is dropped
+])
+def test_parse_byte_size_accepted_forms(text, expected):
+    assert torch.ops.pinxfer.parse_byte_size(text) == expected
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("", "cannot read a byte size from ''"),
+    ("lots", "cannot read a byte size from 'lots'"),
+    ("-5", "cannot read a byte size from '-5'"),
+    (".5G", "cannot read a byte size from '.5G'"),
+    ("1.2.3", "cannot read a byte size from '1.2.3'"),
+    ("8 G B", "cannot read a byte size from '8 G B'"),
+    ("8GiB!", "cannot read a byte size from '8GiB!'"),
+    ("8PB", "unknown unit 'pb'"),
+    ("3xb", "unknown unit 'xb'"),
+    ("8388608TiB", "too large"),
+])
+def test_parse_byte_size_rejects_with_value_error(text, needle):
+    with pytest.raises(ValueError) as info:
+        torch.ops.pinxfer.parse_byte_size(text)
+    msg = str(info.value)
+    assert needle in msg, msg
+    if "too large" not in needle:  # the message says what it accepts
+        assert "512MiB" in msg and "binary" in msg, msg
+
+
+def test_cap_from_malformed_environment_names_the_text():
+    code = textwrap.dedent("""
+        import torch, pinxfer
+        try:
+            pinxfer.empty(4 << 20, dtype=torch.uint8)
+        except ValueError as err:
+            print("rejected:", err)
+    """)
+    env = dict(os.environ, PINXFER_MAX_PINNED_BYTES="8 gigs")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "rejected: PINXFER_MAX_PINNED_BYTES: expected a byte size" in out.stdout, out.stdout
+    assert "got '8 gigs'" in out.stdout, out.stdout
+
+
 def test_stats_exact_after_mixed_sequence(fresh_pool):
     rng = random.Random(1234)
     live: dict[int, torch.Tensor] = {}

@@ -55,6 +55,7 @@ CPU_CASES = {
     "inplace_lock_kind": (lambda: (torch.randn(4),), {}, ALL),
     "sysfs_root": (lambda: (), {}, NO_AOT),
     "parse_cpulist": (lambda: ("0-3,8,10-11",), {}, ALL),
+    "parse_byte_size": (lambda: ("512MiB",), {}, ALL),
     "node_cpus": (lambda: (0, "/sys"), {}, ALL),
     "online_nodes": (lambda: ("/sys",), {}, ALL),
     "pci_numa_node": (lambda: ("0000:00:00.0", "/sys"), {}, ALL),

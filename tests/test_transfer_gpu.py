@@ -196,6 +196,34 @@ def test_pool_source_freed_before_its_copy_ran():
     del others
 
 
+def test_foreign_pinned_source_kept_until_its_copy_ran():
+    """Memory registered by hand (here a numpy buffer, cudaHostRegister'ed): neither
+    pinxfer's pool nor torch's host allocator knows a copy reads it, so to_device
+    must hold the tensor's storage itself until the DMA is done (in the pool's
+    event FIFO of the copy stream), and let it go after."""
+    import numpy as np
+
+    cudart = torch.cuda.cudart()
+    arr = np.random.default_rng(3).integers(0, 256, 8 * MiB, dtype=np.uint8)
+    assert int(cudart.cudaHostRegister(arr.ctypes.data, arr.nbytes, 0)) == 0
+    try:
+        x = torch.from_numpy(arr)
+        ref = x.untyped_storage()._weak_ref()
+        try:
+            _delay_copies()  # the direct DMA below runs late
+            y = pinxfer.to_device(x)
+            del x
+            assert not torch.UntypedStorage._expired(ref), "storage dropped before its copy ran"
+            torch.cuda.synchronize()
+            pinxfer.to_device(torch.zeros(3))  # the next transfer drops finished keeps
+            assert torch.UntypedStorage._expired(ref), "storage kept after its copy finished"
+        finally:
+            torch.UntypedStorage._free_weak_ref(ref)
+        assert torch.equal(y.cpu(), torch.from_numpy(arr))
+    finally:
+        assert int(cudart.cudaHostUnregister(arr.ctypes.data)) == 0
+
+
 def test_staging_not_reused_while_copy_pending():
     xs = [torch.full((8 * MiB,), float(i)) for i in range(6)]
     _delay_copies()  # every copy below is queued behind this: ring slots must wait

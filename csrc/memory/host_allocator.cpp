@@ -7,6 +7,7 @@
 
 #include "memory/pinned_pool.h"
 #include "memory/placement.h"
+#include "memory/pool_registry.h"
 
 namespace pinxfer {
 
@@ -88,6 +89,9 @@ bool install_host_allocator(bool enable) {
   } else {
     at::setHostAllocator(at::kCUDA, g_torch_allocator.load(), kPriority);
   }
+  // Installed, torch's copy_(non_blocking=True) reports every copy from our
+  // blocks through record_event, so a free without recorded uses needs no fence.
+  PinnedPool::set_fence_unrecorded_frees(!enable);
   g_installed.store(enable);
   return true;
 #else

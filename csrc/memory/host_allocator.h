@@ -3,6 +3,10 @@
 // thread and copy_(non_blocking=True)'s record_event all reach it once
 // installed (at::setHostAllocator(kCUDA, ..., priority)).
 //
+// The outermost layer over the pools of memory/pool_registry.h (the pools do
+// not know about it: install tells them through
+// PinnedPool::set_fence_unrecorded_frees()).
+//
 // Opt-in: install_host_allocator(true) takes over; (false) gives torch's own
 // allocator back. Blocks keep their own deleters, so tensors allocated by
 // either allocator stay valid across install/uninstall. Thread-safe.

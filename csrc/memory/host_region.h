@@ -1,4 +1,5 @@
-// The upstream resource: page-locked host memory straight from the OS.
+// Page-locked host memory straight from the OS: what LockedRegionResource
+// (memory/host_resource.h), the pools' upstream, maps and unmaps.
 //
 // map_locked_region() does, in order:
 //   1. mmap anonymous memory (2 MiB-aligned when the region is >= 2 MiB),

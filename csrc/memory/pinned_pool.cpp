@@ -1,21 +1,15 @@
 #include "memory/pinned_pool.h"
 
-#include <pthread.h>
-
 #include <algorithm>
-#include <array>
 #include <atomic>
-#include <cctype>
-#include <cstdlib>
 #include <chrono>
-#include <map>
+#include <cstdio>
+#include <string>
 #include <thread>
 
 #include <c10/util/Exception.h>
 
-#include "memory/host_allocator.h"
-#include "runtime/settings.h"
-#include "runtime/thread_pool.h"
+#include "runtime/fork.h"
 
 namespace pinxfer {
 
@@ -27,31 +21,6 @@ constexpr size_t kSmallGranule = 512;
 constexpr size_t kLargeGranule = size_t{64} << 10;
 
 size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
-
-size_t rounded_size(size_t size) {
-  return size <= kSmallMax ? round_up(size, kSmallGranule) : round_up(size, kLargeGranule);
-}
-
-std::atomic<int64_t> g_reserved_total{0};
-std::atomic<int64_t> g_limit{-1};  // -1: not read from the environment yet
-
-int64_t limit_now() {
-  int64_t limit = g_limit.load();
-  if (limit >= 0) return limit;
-  limit = settings().max_pinned_bytes;
-  int64_t expected = -1;
-  g_limit.compare_exchange_strong(expected, limit);
-  return g_limit.load();
-}
-
-bool try_reserve(int64_t bytes) {
-  const int64_t limit = limit_now();
-  int64_t cur = g_reserved_total.load();
-  do {
-    if (limit > 0 && cur + bytes > limit) return false;
-  } while (!g_reserved_total.compare_exchange_weak(cur, cur + bytes));
-  return true;
-}
 
 std::string human(int64_t bytes) {
   char buf[64];
@@ -65,7 +34,22 @@ std::string human(int64_t bytes) {
   return std::to_string(bytes) + " bytes (" + buf + ")";
 }
 
+// The out-of-memory report, from the figures the cap declined with.
+[[noreturn]] void raise_out_of_memory(size_t size, size_t segment_size, const CapReached& reached) {
+  TORCH_CHECK_WITH(
+      OutOfMemoryError, false, "pinxfer: out of pinned memory. Asked for ", human(size),
+      ", which needs a new segment of ", human(segment_size), ", but the cap is ",
+      human(reached.cap), ". Pinned now: ", human(reached.reserved), ", of which cached (free) ",
+      human(reached.pools.cached_bytes()), "; requested by live tensors: ",
+      human(reached.pools.requested_bytes.current),
+      ". Free pinned tensors, call pinxfer.empty_cache(), or raise the cap "
+      "(pinxfer.set_max_pinned_bytes() or PINXFER_MAX_PINNED_BYTES).");
+}
+
 std::atomic<bool> g_warned_event_error{false};
+
+// On unless the host-allocator adaptor is installed (see the header).
+std::atomic<bool> g_fence_unrecorded_frees{true};
 
 // Test-only: sleep between the critical sections of one allocate/free call so
 // thread storms interleave there (tests/test_allocator.py, the regression test
@@ -80,119 +64,90 @@ void debug_pause() {
 
 void set_debug_pause_us(int64_t us) { g_debug_pause_us.store(us < 0 ? 0 : us); }
 
-int64_t parse_byte_size(const std::string& text) {
-  size_t i = 0;
-  while (i < text.size() && std::isspace(static_cast<unsigned char>(text[i]))) ++i;
-  size_t j = i;
-  while (j < text.size() && (std::isdigit(static_cast<unsigned char>(text[j])) || text[j] == '.')) {
-    ++j;
-  }
-  TORCH_CHECK(j > i, "pinxfer: cannot read a byte size from '", text,
-              "': expected a number with an optional unit, e.g. 1073741824, 512MiB, 8G");
-  const double value = std::stod(text.substr(i, j - i));
-  std::string unit;
-  for (size_t k = j; k < text.size(); ++k) {
-    if (!std::isspace(static_cast<unsigned char>(text[k]))) {
-      unit.push_back(static_cast<char>(std::tolower(static_cast<unsigned char>(text[k]))));
-    }
-  }
-  double scale = 1;
-  if (unit.empty() || unit == "b") {
-    scale = 1;
-  } else if (unit == "k" || unit == "kb" || unit == "kib") {
-    scale = 1024.0;
-  } else if (unit == "m" || unit == "mb" || unit == "mib") {
-    scale = 1024.0 * 1024;
-  } else if (unit == "g" || unit == "gb" || unit == "gib") {
-    scale = 1024.0 * 1024 * 1024;
-  } else if (unit == "t" || unit == "tb" || unit == "tib") {
-    scale = 1024.0 * 1024 * 1024 * 1024;
-  } else {
-    TORCH_CHECK(false, "pinxfer: unknown byte unit '", unit, "' in '", text,
-                "': use B, KiB, MiB, GiB or TiB (K, M, G, T also accepted, all binary)");
-  }
-  return static_cast<int64_t>(value * scale);
+void PinnedPool::set_fence_unrecorded_frees(bool fence) { g_fence_unrecorded_frees.store(fence); }
+
+PinnedPool::PinnedPool(int numa_node, HostResource& upstream)
+    : numa_node_(numa_node), generation_(fork_generation()), upstream_(upstream) {}
+
+// ---- allocate: cache hit, else a new segment, else out of memory ----
+
+PinnedPool::Request PinnedPool::make_request(size_t size) {
+  const bool small = size <= kSmallMax;
+  return {size, round_up(size, small ? kSmallGranule : kLargeGranule), small};
 }
-
-void set_max_pinned_bytes(int64_t bytes) {
-  TORCH_CHECK(bytes >= 0, "pinxfer: the pinned-memory cap must be >= 0 bytes (0 = unlimited), got ",
-              bytes);
-  g_limit.store(bytes);
-}
-
-int64_t max_pinned_bytes() { return limit_now(); }
-
-PinnedPool::PinnedPool(int numa_node) : numa_node_(numa_node), generation_(fork_generation()) {}
 
 c10::DataPtr PinnedPool::allocate(size_t size) {
   if (size == 0) return c10::DataPtr(nullptr, c10::Device(c10::DeviceType::CPU));
-  const size_t rounded = rounded_size(size);
-  const bool small = size <= kSmallMax;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    process_events_locked();
-    if (Block* block = take_free_block_locked(rounded, small)) {
-      ++stats_.num_cache_hits;
-      return hand_out_locked(block, size);
-    }
-  }
+  const Request request = make_request(size);
+  if (c10::DataPtr hit = take_cached(request)) return hit;
   debug_pause();
-  // A miss in the large pool merges: fully free large segments (each too
-  // small for this request, or best fit would have found it) are unmapped
-  // and their bytes become part of one new segment. Reserved memory then
-  // grows only by what the request needs beyond the free bytes, and the pool
-  // tends towards few large segments in which splitting and coalescing work.
-  size_t segment_size = small ? kSmallSegment : rounded;
-  if (!small) {
-    std::vector<Segment*> merged;
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      merged = collect_free_segments_locked(/*small=*/false);
-      if (!merged.empty()) ++stats_.num_segment_merges;
-    }
-    size_t merged_bytes = 0;
-    for (Segment* s : merged) merged_bytes += s->region.size;
-    segment_size = std::max(segment_size, round_up(merged_bytes, kLargeGranule));
-    unmap_segments(std::move(merged));
-  }
-  // Under the cap: first give back fully free segments of every pool, then
-  // wait for blocks whose copies are still in flight, then give up.
-  for (int attempt = 0; !try_reserve(static_cast<int64_t>(segment_size)); ++attempt) {
-    if (attempt == 0) {
-      for (PinnedPool* p : all_pools()) p->release_cached();
-    } else if (attempt == 1) {
-      for (PinnedPool* p : all_pools()) p->synchronize_pending();
-      for (PinnedPool* p : all_pools()) p->release_cached();
-    } else {
-      // Retry the free set once more: the steps above may have freed a fit.
-      {
-        std::lock_guard<std::mutex> lock(mutex_);
-        if (Block* block = take_free_block_locked(rounded, small)) {
-          ++stats_.num_cache_hits;
-          return hand_out_locked(block, size);
-        }
-        ++stats_.num_ooms;
-      }
-      throw_out_of_memory(size, segment_size);
-    }
-  }
+  return allocate_segment(request);
+}
+
+c10::DataPtr PinnedPool::take_cached(const Request& request) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  process_events_locked();
+  return take_cached_locked(request);
+}
+
+c10::DataPtr PinnedPool::take_cached_locked(const Request& request) {
+  Block* block = take_free_block_locked(request.rounded, request.small);
+  if (block == nullptr) return {};
+  ++stats_.num_cache_hits;
+  return hand_out_locked(block, request.size);
+}
+
+c10::DataPtr PinnedPool::allocate_segment(const Request& request) {
+  const size_t segment_size =
+      request.small ? kSmallSegment : absorb_free_large_segments(request.rounded);
   HostRegion region;
   RegionTimings timings;
   try {
-    region = map_locked_region(segment_size, numa_node_, &timings);
-  } catch (...) {
-    g_reserved_total.fetch_sub(static_cast<int64_t>(segment_size));
-    throw;
+    region = upstream_.map(segment_size, numa_node_, &timings);
+  } catch (const CapReached& reached) {
+    return take_cached_or_raise(request, segment_size, reached);
   }
-  // map_locked_region rounds to whole pages; keep the cap accounting exact.
-  g_reserved_total.fetch_add(static_cast<int64_t>(region.size) -
-                             static_cast<int64_t>(segment_size));
   debug_pause();
+  return hand_out_new_segment(request, region, timings);
+}
+
+size_t PinnedPool::absorb_free_large_segments(size_t rounded) {
+  // Fully free large segments are each too small for this request (best fit
+  // would have found them): unmap them and map one segment of their total
+  // instead. Reserved memory then grows only by what the request needs beyond
+  // the free bytes, and the pool tends towards few large segments in which
+  // splitting and coalescing work.
+  std::vector<Segment*> merged;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    merged = collect_free_segments_locked(/*small=*/false);
+    if (!merged.empty()) ++stats_.num_segment_merges;
+  }
+  size_t merged_bytes = 0;
+  for (Segment* s : merged) merged_bytes += s->region.size;
+  unmap_segments(std::move(merged));
+  return std::max(rounded, round_up(merged_bytes, kLargeGranule));
+}
+
+c10::DataPtr PinnedPool::take_cached_or_raise(const Request& request, size_t segment_size,
+                                              const CapReached& reached) {
+  {
+    // The cap's relief may have completed events of this pool and so freed a
+    // fit that is not a whole segment: look once more before giving up.
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (c10::DataPtr hit = take_cached_locked(request)) return hit;
+    ++stats_.num_ooms;
+  }
+  raise_out_of_memory(request.size, segment_size, reached);
+}
+
+c10::DataPtr PinnedPool::hand_out_new_segment(const Request& request, const HostRegion& region,
+                                              const RegionTimings& timings) {
   // The new segment's first block goes straight to the caller, in the same
   // critical section that makes the segment visible: no other thread ever sees
   // it free (see the invariants in pinned_pool.h).
   std::lock_guard<std::mutex> lock(mutex_);
-  auto* segment = new Segment{region, this, small, generation_, nullptr};
+  auto* segment = new Segment{region, this, request.small, generation_, nullptr};
   auto* block = new Block();
   block->ptr = static_cast<char*>(region.ptr);
   block->size = region.size;
@@ -208,8 +163,8 @@ c10::DataPtr PinnedPool::allocate(size_t size) {
   stats_.map_time_ns += timings.map_ns;
   stats_.touch_time_ns += timings.touch_ns;
   stats_.lock_time_ns += timings.lock_ns;
-  split_locked(block, rounded);
-  return hand_out_locked(block, size);
+  split_locked(block, request.rounded);
+  return hand_out_locked(block, request.size);
 }
 
 c10::DataPtr PinnedPool::hand_out_locked(Block* block, size_t size) {
@@ -223,23 +178,6 @@ c10::DataPtr PinnedPool::hand_out_locked(Block* block, size_t size) {
   check_invariants_locked();
   return c10::DataPtr(block->ptr, block, &PinnedPool::delete_block,
                       c10::Device(c10::DeviceType::CPU));
-}
-
-void PinnedPool::throw_out_of_memory(size_t size, size_t segment_size) {
-  const int64_t reserved = g_reserved_total.load();
-  int64_t cached = 0, requested = 0;
-  for (PinnedPool* p : all_pools()) {
-    const PoolStats s = p->stats();
-    cached += s.cached_bytes();
-    requested += s.requested_bytes.current;
-  }
-  TORCH_CHECK_WITH(
-      OutOfMemoryError, false, "pinxfer: out of pinned memory. Asked for ", human(size),
-      ", which needs a new segment of ", human(segment_size), ", but the cap is ",
-      human(limit_now()), ". Pinned now: ", human(reserved), ", of which cached (free) ",
-      human(cached), "; requested by live tensors: ", human(requested),
-      ". Free pinned tensors, call pinxfer.empty_cache(), or raise the cap "
-      "(pinxfer.set_max_pinned_bytes() or PINXFER_MAX_PINNED_BYTES).");
 }
 
 void PinnedPool::split_locked(Block* block, size_t rounded) {
@@ -330,6 +268,8 @@ void PinnedPool::check_invariants_locked() {
 }
 #endif
 
+// ---- free: back to the free set, or to the stream FIFOs until the copies are done ----
+
 void PinnedPool::delete_block(void* ctx) {
   auto* block = static_cast<Block*>(ctx);
   // A block inherited across fork() belongs to an abandoned pool whose lock
@@ -338,10 +278,31 @@ void PinnedPool::delete_block(void* ctx) {
   block->segment->pool->free(block);
 }
 
+std::vector<c10::Stream> PinnedPool::streams_to_wait_for(std::vector<c10::Stream> uses,
+                                                         LockKind kind, bool* fenced) {
+  *fenced = false;
+  // Only CUDA-registered memory can be read by a copy still in flight: without
+  // a usable CUDA device (CPU build, no GPU, forked child) no CUDA work exists
+  // in this process, and recording an event would be an error.
+  if (kind != LockKind::kCudaRegistered && !cuda::cuda_usable()) return {};
+  if (!uses.empty() || kind != LockKind::kCudaRegistered ||
+      !g_fence_unrecorded_frees.load(std::memory_order_relaxed)) {
+    return uses;
+  }
+  // No recorded use: torch's copy_(non_blocking=True) told only its own
+  // allocator. Fence on the current stream, where such a copy most likely ran.
+  c10::Stream current(c10::Stream::DEFAULT, c10::Device(c10::DeviceType::CPU));
+  if (cuda::current_stream_if_active(&current)) {
+    uses.push_back(current);
+    *fenced = true;
+  }
+  return uses;
+}
+
 void PinnedPool::free(Block* block) {
   // State "freeing": out of live_, still in_use, in no free set and no FIFO,
   // so neither a neighbour's free nor empty_cache can touch it meanwhile.
-  std::vector<c10::Stream> streams;
+  std::vector<c10::Stream> uses;
   LockKind kind;
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -350,31 +311,19 @@ void PinnedPool::free(Block* block) {
     stats_.requested_bytes.add(-static_cast<int64_t>(block->requested));
     stats_.allocated_bytes.add(-static_cast<int64_t>(block->size));
     stats_.active_blocks.add(-1);
-    streams.swap(block->stream_uses);
+    uses.swap(block->stream_uses);
     kind = block->segment->region.kind;
   }
   debug_pause();
-  // Only CUDA-registered memory can be read by a copy still in flight: without
-  // a usable CUDA device (CPU build, no GPU, forked child) no CUDA work exists
-  // in this process, and recording an event would be an error.
-  if (kind != LockKind::kCudaRegistered && !cuda::cuda_usable()) streams.clear();
   bool fenced = false;
-  // Once installed, torch's copy_(non_blocking=True) records its streams with
-  // us, exactly as it does with its own allocator; the fence is then redundant.
-  if (streams.empty() && kind == LockKind::kCudaRegistered && !host_allocator_installed()) {
-    c10::Stream current(c10::Stream::DEFAULT, c10::Device(c10::DeviceType::CPU));
-    if (cuda::current_stream_if_active(&current)) {
-      streams.push_back(current);
-      fenced = true;
-    }
-  }
-  std::vector<PendingUse> uses;
+  const std::vector<c10::Stream> streams = streams_to_wait_for(std::move(uses), kind, &fenced);
+  std::vector<PendingUse> pending;
   bool event_failed = false;
   std::string error;
   for (const auto& s : streams) {
     cuda::Event ev;
     if (cuda::try_record_event(s, &ev, &error)) {
-      uses.push_back({ev, block});
+      pending.push_back({ev, block});
     } else {
       event_failed = true;
     }
@@ -390,16 +339,16 @@ void PinnedPool::free(Block* block) {
       TORCH_WARN("pinxfer: could not record a CUDA event for a freed pinned block (", error,
                  "); the block is kept out of the cache so no copy can read reused memory.");
     }
-    for (auto& u : uses) cuda::release_event(u.event);
+    for (auto& p : pending) cuda::release_event(p.event);
     check_invariants_locked();
     return;
   }
-  if (uses.empty()) {
+  if (pending.empty()) {
     return_to_free_locked(block);
   } else {
-    block->pending_events = static_cast<int>(uses.size());
+    block->pending_events = static_cast<int>(pending.size());
     stats_.pending_blocks.add(1);
-    for (size_t i = 0; i < uses.size(); ++i) pending_[streams[i]].push_back(uses[i]);
+    for (size_t i = 0; i < pending.size(); ++i) pending_[streams[i]].push_back(pending[i]);
   }
   check_invariants_locked();
 }
@@ -411,8 +360,20 @@ void PinnedPool::process_events_locked() {
       std::string error;
       PendingUse& front = queue.front();
       if (!cuda::event_done(front.event, &error)) break;
-      cuda::release_event(front.event);
       Block* block = front.block;
+      if (block == nullptr) {
+        // A kept storage: released once its copy is proven done, held forever
+        // (like a poisoned block) if the event reports an error.
+        if (!error.empty()) {
+          ++stats_.num_event_errors;
+          break;
+        }
+        cuda::release_event(front.event);
+        finished_storages_.push_back(std::move(front.kept));
+        queue.pop_front();
+        continue;
+      }
+      cuda::release_event(front.event);
       queue.pop_front();
       if (!error.empty()) {
         ++stats_.num_event_errors;
@@ -427,6 +388,23 @@ void PinnedPool::process_events_locked() {
     }
     it = queue.empty() ? pending_.erase(it) : std::next(it);
   }
+}
+
+void PinnedPool::keep_until_done(c10::Storage storage, const c10::Stream& stream) {
+  const cuda::Event ev = cuda::record_event(stream);
+  std::lock_guard<std::mutex> lock(mutex_);
+  PendingUse use;
+  use.event = ev;
+  use.kept = std::move(storage);
+  pending_[stream].push_back(std::move(use));
+}
+
+void PinnedPool::release_finished() {
+  std::vector<c10::Storage> drop;  // destroyed after the lock is released
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (pending_.empty() && finished_storages_.empty()) return;
+  process_events_locked();
+  drop.swap(finished_storages_);
 }
 
 bool PinnedPool::record_stream(void* ctx, const c10::Stream& stream) {
@@ -456,6 +434,8 @@ void PinnedPool::synchronize_pending() {
   process_events_locked();
 }
 
+// ---- releasing memory, stats, queries ----
+
 std::vector<Segment*> PinnedPool::collect_free_segments_locked(std::optional<bool> small) {
   std::vector<Segment*> out;
   for (auto* set : {&free_small_, &free_large_}) {
@@ -484,8 +464,7 @@ std::vector<Segment*> PinnedPool::collect_free_segments_locked(std::optional<boo
 void PinnedPool::unmap_segments(std::vector<Segment*> segments) {
   int64_t ns = 0;
   for (Segment* s : segments) {
-    ns += unmap_region(s->region);
-    g_reserved_total.fetch_sub(static_cast<int64_t>(s->region.size));
+    ns += upstream_.unmap(s->region);
     delete s;
   }
   std::lock_guard<std::mutex> lock(mutex_);
@@ -512,81 +491,17 @@ PoolStats PinnedPool::stats() {
 
 void PinnedPool::reset_peak_stats() {
   std::lock_guard<std::mutex> lock(mutex_);
-  for (StatCounter* c : {&stats_.requested_bytes, &stats_.allocated_bytes, &stats_.reserved_bytes,
-                         &stats_.active_blocks, &stats_.pending_blocks, &stats_.segments}) {
-    c->peak = c->current;
-  }
+  stats_.reset_peaks();
 }
 
 void PinnedPool::reset_accumulated_stats() {
   std::lock_guard<std::mutex> lock(mutex_);
-  PoolStats& s = stats_;
-  s.num_allocs = s.num_frees = s.num_cache_hits = s.num_cache_misses = 0;
-  s.num_segment_maps = s.num_segment_unmaps = s.num_segment_merges = 0;
-  s.num_ooms = s.num_event_waits = s.num_fenced_frees = s.num_event_errors = 0;
-  s.map_time_ns = s.touch_time_ns = s.lock_time_ns = s.unpin_time_ns = 0;
+  stats_.reset_accumulated();
 }
 
-PoolStats& PoolStats::operator+=(const PoolStats& o) {
-  for (auto [mine, theirs] : {std::pair{&requested_bytes, &o.requested_bytes},
-                              {&allocated_bytes, &o.allocated_bytes},
-                              {&reserved_bytes, &o.reserved_bytes},
-                              {&active_blocks, &o.active_blocks},
-                              {&pending_blocks, &o.pending_blocks}, {&segments, &o.segments}}) {
-    mine->current += theirs->current;
-    mine->peak += theirs->peak;
-  }
-  for (size_t k = 0; k < reserved_by_kind.size(); ++k) reserved_by_kind[k] += o.reserved_by_kind[k];
-  for (auto [mine, theirs] :
-       {std::pair{&num_allocs, &o.num_allocs}, {&num_frees, &o.num_frees},
-        {&num_cache_hits, &o.num_cache_hits}, {&num_cache_misses, &o.num_cache_misses},
-        {&num_segment_maps, &o.num_segment_maps}, {&num_segment_unmaps, &o.num_segment_unmaps},
-        {&num_segment_merges, &o.num_segment_merges}, {&num_ooms, &o.num_ooms},
-        {&num_event_waits, &o.num_event_waits}, {&num_fenced_frees, &o.num_fenced_frees},
-        {&num_event_errors, &o.num_event_errors}, {&map_time_ns, &o.map_time_ns},
-        {&touch_time_ns, &o.touch_time_ns}, {&lock_time_ns, &o.lock_time_ns},
-        {&unpin_time_ns, &o.unpin_time_ns}}) {
-    *mine += *theirs;
-  }
-  return *this;
-}
-
-std::vector<std::pair<const char*, int64_t>> PoolStats::items() const {
-  auto kind = [&](LockKind k) { return reserved_by_kind[static_cast<int>(k)]; };
-  return {
-      {"requested_bytes.current", requested_bytes.current},
-      {"requested_bytes.peak", requested_bytes.peak},
-      {"allocated_bytes.current", allocated_bytes.current},
-      {"allocated_bytes.peak", allocated_bytes.peak},
-      {"reserved_bytes.current", reserved_bytes.current},
-      {"reserved_bytes.peak", reserved_bytes.peak},
-      {"cached_bytes.current", cached_bytes()},
-      {"active_blocks.current", active_blocks.current},
-      {"active_blocks.peak", active_blocks.peak},
-      {"pending_blocks.current", pending_blocks.current},
-      {"pending_blocks.peak", pending_blocks.peak},
-      {"segments.current", segments.current},
-      {"segments.peak", segments.peak},
-      {"reserved_bytes.cuda_registered", kind(LockKind::kCudaRegistered)},
-      {"reserved_bytes.mlocked", kind(LockKind::kMlocked)},
-      {"reserved_bytes.pageable", kind(LockKind::kPageable)},
-      {"num_allocs", num_allocs},
-      {"num_frees", num_frees},
-      {"num_cache_hits", num_cache_hits},
-      {"num_cache_misses", num_cache_misses},
-      {"num_segment_maps", num_segment_maps},
-      {"num_segment_unmaps", num_segment_unmaps},
-      {"num_segment_merges", num_segment_merges},
-      {"num_ooms", num_ooms},
-      {"num_event_waits", num_event_waits},
-      {"num_fenced_frees", num_fenced_frees},
-      {"num_event_errors", num_event_errors},
-      {"pin_time_ns", map_time_ns + touch_time_ns + lock_time_ns},
-      {"map_time_ns", map_time_ns},
-      {"touch_time_ns", touch_time_ns},
-      {"lock_time_ns", lock_time_ns},
-      {"unpin_time_ns", unpin_time_ns},
-  };
+bool PinnedPool::owns_live_block(void* ctx) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return live_.count(static_cast<Block*>(ctx)) != 0;
 }
 
 LockKind PinnedPool::lock_kind_of(void* ctx) {
@@ -596,65 +511,6 @@ LockKind PinnedPool::lock_kind_of(void* ctx) {
 std::optional<LockKind> PinnedPool::lock_kind_if_pool(const c10::DataPtr& data) {
   if (data.get_deleter() != &PinnedPool::delete_block) return std::nullopt;
   return static_cast<Block*>(data.get_context())->segment->region.kind;
-}
-
-namespace {
-std::mutex g_pools_mutex;
-// Leaked on purpose (safe at exit). LOCK: g_pools_mutex
-std::map<int, PinnedPool*>* g_pools = new std::map<int, PinnedPool*>();
-// Lock-free lookup for the usual nodes (slot node + 1); a pool, once made,
-// lives for the process, so a published pointer never dangles. Cleared in a
-// forked child together with g_pools.
-constexpr int kMaxFastNode = 63;
-std::array<std::atomic<PinnedPool*>, kMaxFastNode + 2> g_pool_by_node{};
-
-void pools_child_after_fork() {
-  // Abandon the parent's pools: their locks may be held by threads that do
-  // not exist in the child, and their memory is registered with the parent's
-  // CUDA context. The child starts empty and (cuda_usable() is false) mlocks.
-  new (&g_pools_mutex) std::mutex();
-  g_pools = new std::map<int, PinnedPool*>();
-  for (auto& slot : g_pool_by_node) slot.store(nullptr);
-  g_reserved_total.store(0);
-}
-
-struct PoolForkHandlerInstaller {
-  PoolForkHandlerInstaller() { pthread_atfork(nullptr, nullptr, &pools_child_after_fork); }
-} g_pool_fork_handler;
-}  // namespace
-
-PinnedPool& pool_for_node(int numa_node) {
-  // Every allocation asks: nodes -1..kMaxFastNode are answered without the lock.
-  const bool cached = numa_node >= -1 && numa_node <= kMaxFastNode;
-  if (cached) {
-    if (PinnedPool* pool = g_pool_by_node[numa_node + 1].load(std::memory_order_acquire)) {
-      return *pool;
-    }
-  }
-  std::lock_guard<std::mutex> lock(g_pools_mutex);
-  auto it = g_pools->find(numa_node);
-  PinnedPool* pool = it != g_pools->end() ? it->second : nullptr;
-  if (pool == nullptr) {
-    pool = new PinnedPool(numa_node);
-    g_pools->emplace(numa_node, pool);
-  }
-  if (cached) g_pool_by_node[numa_node + 1].store(pool, std::memory_order_release);
-  return *pool;
-}
-
-std::vector<PinnedPool*> all_pools() {
-  std::lock_guard<std::mutex> lock(g_pools_mutex);
-  std::vector<PinnedPool*> out;
-  for (auto& [node, pool] : *g_pools) out.push_back(pool);
-  return out;
-}
-
-PinnedPool* PinnedPool::owner_of(void* ctx) {
-  for (PinnedPool* pool : all_pools()) {
-    std::lock_guard<std::mutex> lock(pool->mutex_);
-    if (pool->live_.count(static_cast<Block*>(ctx))) return pool;
-  }
-  return nullptr;
 }
 
 }  // namespace pinxfer

@@ -1,8 +1,11 @@
 // The caching pool of page-locked host memory. See csrc/README.md, "Note
 // [pinxfer pool design]", for the whole picture; in short:
 //
-//  * Upstream: segments come from map_locked_region() (mmap, huge pages, NUMA
-//    bind, parallel first touch, cudaHostRegister or mlock).
+//  * Upstream: segments come from the HostResource the pool is built over
+//    (memory/host_resource.h). In the process's composition
+//    (memory/pool_registry.cpp) that is the cap, LimitingResource, over
+//    LockedRegionResource (mmap, huge pages, NUMA bind, parallel first touch,
+//    cudaHostRegister or mlock).
 //  * Sizes: requests <= 1 MiB are rounded to 512 B and carved from 2 MiB
 //    segments (the small pool); larger requests are rounded to 64 KiB and get a
 //    segment of exactly that size on a miss (the large pool). So a live block
@@ -20,11 +23,12 @@
 //    freeing thread's current stream (covers `x.to(dev, non_blocking=True);
 //    del x` on one stream; torch's copy_ only tells its *installed* host
 //    allocator, see host_allocator.cpp). While pinxfer is installed as that
-//    allocator torch reports every copy, so no fence is recorded (as in torch).
-//  * Cap: total reserved bytes over all pools never exceed the limit
-//    (PINXFER_MAX_PINNED_BYTES or set_max_pinned_bytes()). On pressure the
-//    pool releases fully free segments, then waits for pending events, then
-//    raises c10::OutOfMemoryError with pinned, cached and requested bytes.
+//    allocator torch reports every copy, so the adaptor turns the fence off
+//    (set_fence_unrecorded_frees(false)), as torch's own allocator does.
+//  * Cap: enforced by the upstream (memory/limit_adaptor.h), which relieves
+//    pressure through every pool and then declines with CapReached; the pool
+//    looks at its free set once more and raises c10::OutOfMemoryError with the
+//    cap, pinned, cached and requested bytes.
 //
 // Thread safety: every public member may be called from any thread. One mutex
 // per pool guards blocks, free sets, event queues and stats; mmap, first touch,
@@ -33,25 +37,25 @@
 // Ownership: the pool owns segments; a Block is owned by its segment and lent to
 // exactly one DataPtr at a time. Pools are never destroyed (safe at exit). In a
 // forked child all pools of the parent are abandoned (never touched again) and
-// fresh ones are built without CUDA.
+// fresh ones are built without CUDA (memory/pool_registry.h).
 #pragma once
 
 #include <c10/core/Allocator.h>
+#include <c10/core/Storage.h>
 #include <c10/core/Stream.h>
 
-#include <array>
 #include <cstdint>
 #include <deque>
-#include <memory>
 #include <mutex>
 #include <optional>
 #include <set>
-#include <string>
 #include <unordered_map>
 #include <unordered_set>
 #include <vector>
 
 #include "memory/host_region.h"
+#include "memory/host_resource.h"
+#include "memory/pool_stats.h"
 #include "runtime/cuda_runtime.h"
 
 namespace pinxfer {
@@ -100,44 +104,16 @@ struct Segment {
   Block* head = nullptr;    // first block by address
 };
 
-// A gauge with its high-water mark since the last reset_peak_stats().
-struct StatCounter {
-  int64_t current = 0, peak = 0;
-  void add(int64_t v) {
-    current += v;
-    if (current > peak) peak = current;
-  }
-};
-
-// Counters behind pinxfer.memory_stats() and torch's HostStats. Byte figures
-// are exact. Named fields for C++ readers; items() gives the names Python sees.
-struct PoolStats {
-  StatCounter requested_bytes;  // what live tensors asked for
-  StatCounter allocated_bytes;  // what live blocks span (rounded)
-  StatCounter reserved_bytes;   // mapped and locked by the pool
-  StatCounter active_blocks;
-  StatCounter pending_blocks;   // freed, waiting on events
-  StatCounter segments;
-  std::array<int64_t, 3> reserved_by_kind{};  // indexed by LockKind
-  int64_t num_allocs = 0, num_frees = 0, num_cache_hits = 0, num_cache_misses = 0;
-  int64_t num_segment_maps = 0, num_segment_unmaps = 0, num_segment_merges = 0;
-  int64_t num_ooms = 0, num_event_waits = 0, num_fenced_frees = 0, num_event_errors = 0;
-  int64_t map_time_ns = 0, touch_time_ns = 0, lock_time_ns = 0, unpin_time_ns = 0;
-
-  int64_t cached_bytes() const { return reserved_bytes.current - allocated_bytes.current; }
-  // Sums counters; peaks of different pools add up to an upper bound.
-  PoolStats& operator+=(const PoolStats& other);
-  // (name, value) in memory_stats() order, e.g. ("reserved_bytes.current", n).
-  std::vector<std::pair<const char*, int64_t>> items() const;
-};
-
 class PinnedPool {
  public:
-  explicit PinnedPool(int numa_node);
+  // A pool of memory for `numa_node` (-1: unbound) mapped by `upstream`, which
+  // must outlive the pool (both are leaked in practice).
+  PinnedPool(int numa_node, HostResource& upstream);
 
   // A DataPtr to >= size bytes of locked memory (512-byte aligned) whose
   // context is the Block. size 0 gives an empty DataPtr. Throws
-  // c10::OutOfMemoryError past the cap.
+  // c10::OutOfMemoryError when the upstream declines (the cap) or the OS
+  // refuses the memory.
   c10::DataPtr allocate(size_t size);
 
   // Marks that `stream` (a CUDA stream) uses the block behind ctx; returns
@@ -152,12 +128,25 @@ class PinnedPool {
   // those blocks to the free set.
   void synchronize_pending();
 
+  // Holds a reference to `storage` until the work queued on `stream` so far has
+  // completed: for a pinned source whose owner nobody can tell that a copy reads
+  // it (memory registered by hand). The same per-stream event FIFO that gates
+  // freed blocks gates it, so it is released exactly when a block freed at the
+  // same moment would be. Throws c10::Error if the event cannot be recorded.
+  void keep_until_done(c10::Storage storage, const c10::Stream& stream);
+  // Processes completed events now and drops the kept storages they released
+  // (outside the lock). Called before each transfer.
+  void release_finished();
+
   PoolStats stats();
   void reset_peak_stats();
   void reset_accumulated_stats();
   int numa_node() const { return numa_node_; }
 
-  // True if ctx is a live block of some pool (used to validate foreign ctx).
+  // True if ctx is a live block of this pool (validates a foreign ctx).
+  bool owns_live_block(void* ctx);
+  // The pool of which ctx is a live block, or nullptr. Answered by the
+  // registry, which knows every pool (memory/pool_registry.cpp).
   static PinnedPool* owner_of(void* ctx);
   // Lock kind of the block behind a DataPtr context of this pool.
   LockKind lock_kind_of(void* ctx);
@@ -166,17 +155,53 @@ class PinnedPool {
   // live block, whose segment cannot be unmapped meanwhile.
   static std::optional<LockKind> lock_kind_if_pool(const c10::DataPtr& data);
 
+  // Whether a block freed with no recorded stream use, while CUDA is active,
+  // is fenced on the freeing thread's current stream (default: yes). The
+  // host-allocator adaptor turns it off while installed, because torch then
+  // reports every copy through record_stream. Process-wide; lock-free.
+  static void set_fence_unrecorded_frees(bool fence);
+
  private:
+  // Members named *_locked run with mutex_ held; the others take it themselves.
+
+  // One allocate() request: the size asked for, rounded to its pool's
+  // granule, and which pool (small: <= 1 MiB, carved from 2 MiB segments).
+  struct Request {
+    size_t size;
+    size_t rounded;
+    bool small;
+  };
+  static Request make_request(size_t size);
+
+  // The steps of allocate(), in order. Only the first runs on a cache hit.
+  // A fitting free block, live for the caller; an empty DataPtr on a miss.
+  c10::DataPtr take_cached(const Request& request);
+  c10::DataPtr take_cached_locked(const Request& request);
+  // A miss: maps a new segment for the request and hands out its first block.
+  c10::DataPtr allocate_segment(const Request& request);
+  // Large-pool miss: unmaps every fully free large segment and returns the
+  // size of the one segment to map instead: max(rounded, their total).
+  size_t absorb_free_large_segments(size_t rounded);
+  // The upstream declined: the relief may have freed a fit here; else raise.
+  c10::DataPtr take_cached_or_raise(const Request& request, size_t segment_size,
+                                    const CapReached& reached);
+  // Makes a freshly mapped region a segment and hands its first block out.
+  c10::DataPtr hand_out_new_segment(const Request& request, const HostRegion& region,
+                                    const RegionTimings& timings);
+
   static void delete_block(void* ctx);
   void free(Block* block);
+  // Streams a freed block must wait for: its recorded uses, or the fence
+  // (the current stream) when it has none. Sets *fenced for the fence.
+  std::vector<c10::Stream> streams_to_wait_for(std::vector<c10::Stream> uses, LockKind kind,
+                                               bool* fenced);
 
   // Marks a block taken from the free set (or a new segment's first block)
   // live for a caller who asked for `size` bytes; returns its DataPtr.
   c10::DataPtr hand_out_locked(Block* block, size_t size);
   // Splits an in-use block at `rounded` bytes when the rest is at least one
-  // granule; the rest goes to the free set.
+  // granule; the rest goes to the free set. The one place a block is split.
   void split_locked(Block* block, size_t rounded);
-  [[noreturn]] void throw_out_of_memory(size_t size, size_t segment_size);
 #if PINXFER_DEBUG_INVARIANTS
   void check_invariants_locked();
 #else
@@ -193,15 +218,19 @@ class PinnedPool {
 
   const int numa_node_;
   const uint64_t generation_;
+  HostResource& upstream_;
 
   struct BlockOrder {
     bool operator()(const Block* a, const Block* b) const {
       return a->size != b->size ? a->size < b->size : a->ptr < b->ptr;
     }
   };
+  // One event in a stream's FIFO: it gates a freed block (block != nullptr), or
+  // keeps a foreign storage alive (keep_until_done, block == nullptr).
   struct PendingUse {
     cuda::Event event;
-    Block* block;
+    Block* block = nullptr;
+    c10::Storage kept;
   };
 
   std::mutex mutex_;
@@ -211,22 +240,15 @@ class PinnedPool {
   std::unordered_map<c10::Stream, std::deque<PendingUse>> pending_;  // LOCK: mutex_
   std::unordered_set<Segment*> segments_;    // LOCK: mutex_
 
+  // Kept storages whose event has completed, destroyed by release_finished()
+  // outside the lock (a foreign deleter may do anything). LOCK: mutex_
+  std::vector<c10::Storage> finished_storages_;
+
   PoolStats stats_;  // LOCK: mutex_
 };
 
-// The pool for a NUMA node (-1: unbound). Created on first use; rebuilt after fork.
-PinnedPool& pool_for_node(int numa_node);
-// Every pool built so far in this process (this fork generation).
-std::vector<PinnedPool*> all_pools();
-
-// Hard cap on reserved bytes over all pools; 0 = unlimited.
-void set_max_pinned_bytes(int64_t bytes);
-int64_t max_pinned_bytes();
 // Test-only: every allocate/free sleeps this long between its critical
 // sections (0: off), to widen interleavings in thread-storm tests.
 void set_debug_pause_us(int64_t us);
-
-// Parses "1073741824", "512MiB", "8G", "2GB" (binary units). Throws on junk.
-int64_t parse_byte_size(const std::string& text);
 
 }  // namespace pinxfer

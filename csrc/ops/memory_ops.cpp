@@ -3,9 +3,10 @@
 #include <torch/library.h>
 
 #include "memory/host_allocator.h"
-#include "ops/kernels.h"
 #include "memory/pinned_pool.h"
 #include "memory/placement.h"
+#include "memory/pool_registry.h"
+#include "ops/kernels.h"
 #include "runtime/cuda_runtime.h"
 #include "runtime/numa.h"
 

@@ -1,13 +1,13 @@
 // Kernels for the topology operators (schemas in csrc/module.cpp): the C++
 // answers the pool and thread pools act on, exposed so that pinxfer.topology()
 // reports exactly what placement uses, and tests can check them against fake
-// sysfs trees (every op takes the sysfs root).
+// sysfs trees (every op takes the sysfs root). Also the two text parsers of
+// runtime/parse.h, so Python reads CPU lists and byte sizes as C++ does.
 #include <torch/library.h>
-
-#include <stdexcept>
 
 #include "memory/placement.h"
 #include "runtime/cuda_runtime.h"
+#include "runtime/parse.h"
 #include "runtime/topology.h"
 
 namespace pinxfer::ops {
@@ -19,19 +19,18 @@ std::vector<int64_t> widen(const std::vector<int>& v) { return {v.begin(), v.end
 std::string sysfs_root_op() { return sysfs_root(); }
 
 std::vector<int64_t> parse_cpulist_op(const std::string& text) {
-  try {
-    return widen(parse_cpulist(text));
-  } catch (const std::invalid_argument& e) {
-    TORCH_CHECK_VALUE(false, e.what());
-  }
+  return widen(parse_cpulist(text));
 }
+
+int64_t parse_byte_size_op(const std::string& text) { return parse_byte_size(text); }
 
 std::vector<int64_t> node_cpus_op(int64_t node, const std::string& root) {
   try {
     return widen(node_cpus(static_cast<int>(node), root));
-  } catch (const std::invalid_argument& e) {
-    TORCH_CHECK_VALUE(false, e.what(), " (in ", root, "/devices/system/node/node", node,
-                      "/cpulist)");
+  } catch (const c10::ValueError& e) {
+    // Name the file: the text alone does not say which node's list is broken.
+    TORCH_CHECK_VALUE(false, e.what_without_backtrace(), " (in ", root,
+                      "/devices/system/node/node", node, "/cpulist)");
   }
 }
 
@@ -59,6 +58,7 @@ int64_t numa_node_for_device_op(int64_t device) {
 TORCH_LIBRARY_IMPL(pinxfer, CompositeExplicitAutograd, m) {
   m.impl("sysfs_root", &sysfs_root_op);
   m.impl("parse_cpulist", &parse_cpulist_op);
+  m.impl("parse_byte_size", &parse_byte_size_op);
   m.impl("node_cpus", &node_cpus_op);
   m.impl("online_nodes", &online_nodes_op);
   m.impl("pci_numa_node", &pci_numa_node_op);

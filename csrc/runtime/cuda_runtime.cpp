@@ -1,7 +1,5 @@
 #include "runtime/cuda_runtime.h"
 
-#include <pthread.h>
-
 #include <atomic>
 #include <cstdlib>
 #include <mutex>
@@ -10,8 +8,8 @@
 
 #include <c10/util/Exception.h>
 
+#include "runtime/fork.h"
 #include "runtime/settings.h"
-#include "runtime/thread_pool.h"
 
 #if PINXFER_WITH_CUDA
 #include <ATen/detail/CUDAHooksInterface.h>
@@ -82,7 +80,7 @@ void cuda_runtime_child_after_fork() {
 
 struct CudaRuntimeForkHandlerInstaller {
   CudaRuntimeForkHandlerInstaller() {
-    pthread_atfork(nullptr, nullptr, &cuda_runtime_child_after_fork);
+    register_fork_child_handler(ForkChildStep::kCudaRuntime, &cuda_runtime_child_after_fork);
   }
 } g_cuda_runtime_fork_handler;
 }  // namespace

@@ -1,5 +1,7 @@
 #include "runtime/settings.h"
 
+#include "runtime/parse.h"
+
 #include <c10/util/Exception.h>
 #include <sched.h>
 #include <unistd.h>
@@ -13,8 +15,6 @@
 
 namespace pinxfer {
 
-// Defined in runtime/parse.cpp (byte sizes such as "512MiB").
-int64_t parse_byte_size(const std::string& text);
 
 StagingMode parse_staging_mode(const std::string& text, const char* what) {
   if (text == "auto") return StagingMode::kAuto;

@@ -9,6 +9,7 @@
 #include <map>
 #include <string>
 
+#include "runtime/fork.h"
 #include "runtime/settings.h"
 #include "runtime/topology.h"
 
@@ -176,7 +177,6 @@ int default_num_threads() { return settings().copy_threads; }
 int default_spin_us() { return settings().spin_us; }
 
 namespace {
-std::atomic<uint64_t> g_fork_generation{0};
 std::mutex g_pools_mutex;
 // Leaked on purpose: worker threads must not be joined during static
 // destruction at interpreter exit. LOCK: g_pools_mutex
@@ -187,15 +187,14 @@ void child_after_fork() {
   // by threads that no longer exist. Forget them (leaked) and start over.
   new (&g_pools_mutex) std::mutex();
   g_pools = new std::map<int, ThreadPool*>();
-  g_fork_generation.fetch_add(1);
 }
 
 struct ForkHandlerInstaller {
-  ForkHandlerInstaller() { pthread_atfork(nullptr, nullptr, &child_after_fork); }
+  ForkHandlerInstaller() {
+    register_fork_child_handler(ForkChildStep::kThreadPools, &child_after_fork);
+  }
 } g_fork_handler_installer;
 }  // namespace
-
-uint64_t fork_generation() { return g_fork_generation.load(); }
 
 ThreadPool& thread_pool_for_node(int numa_node) {
   std::lock_guard<std::mutex> lock(g_pools_mutex);

@@ -2,7 +2,7 @@
 // of fresh pages, pageable -> pinned copies).
 //
 // Threads are created once and live until the process exits (or a fork: the
-// child builds a new pool on first use, see fork_generation()). Optionally the
+// child builds a new pool on first use, see runtime/fork.h). Optionally the
 // workers are pinned to a CPU set, e.g. the CPUs of the NUMA node that owns the
 // memory they touch.
 //
@@ -79,9 +79,5 @@ int default_spin_us();
 // default_num_threads() workers bound to the node's CPUs. Never destroyed
 // (safe at interpreter exit); rebuilt in a forked child.
 ThreadPool& thread_pool_for_node(int numa_node);
-
-// Incremented in the child after every fork(); objects that hold threads or
-// CUDA state compare it to the value they were built under.
-uint64_t fork_generation();
 
 }  // namespace pinxfer

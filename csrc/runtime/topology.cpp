@@ -8,8 +8,8 @@
 #include <cctype>
 #include <cstdlib>
 #include <fstream>
-#include <sstream>
-#include <stdexcept>
+
+#include "runtime/parse.h"
 
 namespace pinxfer {
 
@@ -22,43 +22,7 @@ bool read_first_line(const std::string& path, std::string* out) {
   std::getline(f, *out);
   return true;
 }
-
-int parse_int(const std::string& s, const std::string& whole) {
-  if (s.empty() || !std::all_of(s.begin(), s.end(), ::isdigit)) {
-    throw std::invalid_argument("pinxfer: malformed CPU list '" + whole +
-                                "': expected comma-separated numbers or ranges like 0-3,8");
-  }
-  return std::stoi(s);
-}
 }  // namespace
-
-std::vector<int> parse_cpulist(const std::string& text) {
-  std::vector<int> cpus;
-  std::string trimmed;
-  for (char c : text) {
-    if (!std::isspace(static_cast<unsigned char>(c))) trimmed.push_back(c);
-  }
-  std::stringstream ss(trimmed);
-  std::string item;
-  while (std::getline(ss, item, ',')) {
-    if (item.empty()) continue;
-    const auto dash = item.find('-');
-    if (dash == std::string::npos) {
-      cpus.push_back(parse_int(item, text));
-    } else {
-      const int lo = parse_int(item.substr(0, dash), text);
-      const int hi = parse_int(item.substr(dash + 1), text);
-      if (hi < lo) {
-        throw std::invalid_argument("pinxfer: malformed CPU list '" + text +
-                                    "': range end below its start");
-      }
-      for (int c = lo; c <= hi; ++c) cpus.push_back(c);
-    }
-  }
-  std::sort(cpus.begin(), cpus.end());
-  cpus.erase(std::unique(cpus.begin(), cpus.end()), cpus.end());
-  return cpus;
-}
 
 std::vector<int> node_cpus(int node, const std::string& root) {
   if (node < 0) return {};

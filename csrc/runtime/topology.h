@@ -15,11 +15,9 @@ namespace pinxfer {
 // "/sys", or PINXFER_SYSFS_ROOT when set (read once, runtime/settings.h).
 std::string sysfs_root();
 
-// Parses a kernel CPU list such as "0-3,8,10-11". Throws on malformed text.
-std::vector<int> parse_cpulist(const std::string& text);
-
-// CPUs of NUMA node `node` (<root>/devices/system/node/node<N>/cpulist);
-// empty if the node or file does not exist.
+// CPUs of NUMA node `node` (<root>/devices/system/node/node<N>/cpulist, read
+// with parse_cpulist() of runtime/parse.h); empty if the node or file does not
+// exist. Throws c10::ValueError if the file is not a CPU list.
 std::vector<int> node_cpus(int node, const std::string& root);
 
 // NUMA nodes present (<root>/devices/system/node/node<N>); empty if none.

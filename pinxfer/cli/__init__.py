@@ -52,7 +52,7 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
-from pinxfer._util import parse_bytes
+from pinxfer._ops import parse_byte_size as parse_bytes
 
 DEFAULT_SIZES = "1MiB,4MiB,16MiB,64MiB,256MiB,1GiB"
 SECTIONS = ("copy", "pin", "to_device", "prefetch")

@@ -26,7 +26,6 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
-#include <pthread.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -38,9 +37,10 @@
 
 #include "memory/host_region.h"
 #include "memory/pinned_pool.h"
+#include "memory/pool_registry.h"
 #include "ops/kernels.h"
 #include "runtime/cuda_runtime.h"
-#include "runtime/thread_pool.h"
+#include "runtime/fork.h"
 
 namespace pinxfer::ops {
 
@@ -65,7 +65,9 @@ void child_after_fork() {
   new (&g_mutex) std::mutex();
 }
 struct ForkHandlerInstaller {
-  ForkHandlerInstaller() { pthread_atfork(nullptr, nullptr, &child_after_fork); }
+  ForkHandlerInstaller() {
+    register_fork_child_handler(ForkChildStep::kPinInplace, &child_after_fork);
+  }
 } g_fork_handler_installer;
 
 uintptr_t page_size() {

@@ -29,6 +29,7 @@
 
 #include "memory/pinned_pool.h"
 #include "memory/placement.h"
+#include "memory/pool_registry.h"
 #include "ops/kernels.h"
 #include "runtime/thread_pool.h"
 

@@ -67,7 +67,7 @@ at::Tensor to_device(const at::Tensor& self, c10::Device device, int64_t chunk_b
   check_cuda_usable("to_device");
   const c10::DeviceIndex index = resolve_device(device, "to_device");
   c10::cuda::CUDAGuard guard(index);
-  transfer::release_finished_sources();
+  transfer::release_finished_sources(index);
 
   const at::Tensor src = dense_source(self, "to_device");
   const c10::cuda::CUDAStream cur = c10::cuda::getCurrentCUDAStream(index);

@@ -12,6 +12,7 @@
 
 #include "memory/pinned_pool.h"
 #include "memory/placement.h"
+#include "memory/pool_registry.h"
 #include "runtime/cuda_runtime.h"
 #include "runtime/thread_pool.h"
 #include "transfer/chunk_plan.h"

@@ -2,37 +2,22 @@
 
 #include <ATen/core/CachingHostAllocator.h>
 
-#include <deque>
-#include <mutex>
-#include <string>
-#include <vector>
-
 #include "memory/pinned_pool.h"
+#include "memory/placement.h"
+#include "memory/pool_registry.h"
 #include "runtime/cuda_runtime.h"
 
 namespace pinxfer::transfer {
 
 namespace {
-struct KeptStorage {
-  cuda::Event event;
-  c10::Storage storage;
-};
-std::mutex g_kept_mutex;
-std::deque<KeptStorage>* g_kept = new std::deque<KeptStorage>();  // LOCK: g_kept_mutex. Leaked.
+// Kept storages wait in the pool of the copy's device: its event FIFOs gate
+// them exactly as they gate freed blocks.
+PinnedPool& keeper_for(c10::DeviceIndex device) {
+  return pool_for_node(numa_node_for_device(device));
+}
 }  // namespace
 
-void release_finished_sources() {
-  std::vector<c10::Storage> drop;  // destroyed outside the lock
-  std::lock_guard<std::mutex> lock(g_kept_mutex);
-  while (!g_kept->empty()) {
-    std::string error;
-    if (!cuda::event_done(g_kept->front().event, &error)) break;
-    if (!error.empty()) break;  // cannot prove the copy finished: keep holding
-    cuda::release_event(g_kept->front().event);
-    drop.push_back(std::move(g_kept->front().storage));
-    g_kept->pop_front();
-  }
-}
+void release_finished_sources(c10::DeviceIndex device) { keeper_for(device).release_finished(); }
 
 void record_source_use(const at::Tensor& src, const c10::cuda::CUDAStream& stream) {
   const c10::DataPtr& data = src.storage().data_ptr();
@@ -44,9 +29,7 @@ void record_source_use(const at::Tensor& src, const c10::cuda::CUDAStream& strea
                                                     stream.unwrap())) {
     return;
   }
-  KeptStorage kept{cuda::record_event(stream.unwrap()), src.storage()};
-  std::lock_guard<std::mutex> lock(g_kept_mutex);
-  g_kept->push_back(std::move(kept));
+  keeper_for(stream.device_index()).keep_until_done(src.storage(), stream.unwrap());
 }
 
 bool is_dma_pinned(const at::Tensor& src) {

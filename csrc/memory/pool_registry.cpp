@@ -1,0 +1,115 @@
+#include "memory/pool_registry.h"
+
+#include <array>
+#include <atomic>
+#include <cstdlib>
+#include <map>
+#include <mutex>
+#include <new>
+
+#include "memory/host_resource.h"
+#include "memory/limit_adaptor.h"
+#include "memory/pinned_pool.h"
+#include "runtime/fork.h"
+#include "runtime/settings.h"
+
+namespace pinxfer {
+
+int64_t max_pinned_bytes_from_environment() { return settings().max_pinned_bytes; }
+
+namespace {
+
+// What the cap asks of the pools when a map would pass it. Runs on the
+// allocating thread, which holds no pool lock at that point.
+class ReleaseFromEveryPool final : public LimitingResource::Relief {
+ public:
+  void release_cached() override {
+    for (PinnedPool* pool : all_pools()) pool->release_cached();
+  }
+  void wait_for_events_then_release() override {
+    for (PinnedPool* pool : all_pools()) pool->synchronize_pending();
+    release_cached();
+  }
+  PoolStats stats() override {
+    PoolStats total;
+    for (PinnedPool* pool : all_pools()) total += pool->stats();
+    return total;
+  }
+};
+
+// The composition below the pools, built while the extension loads (no
+// allocation can come earlier) and leaked (safe at exit). Not a function-local
+// static: its guard could be held by a parent thread at fork(), and the child
+// handler below uses it.
+LimitingResource* make_pinned_cap() {
+  auto* cap = new LimitingResource(*new LockedRegionResource(), &max_pinned_bytes_from_environment);
+  cap->set_relief(new ReleaseFromEveryPool());
+  return cap;
+}
+LimitingResource* const g_pinned_cap = make_pinned_cap();
+
+std::mutex g_pools_mutex;
+// Leaked on purpose (safe at exit). LOCK: g_pools_mutex
+std::map<int, PinnedPool*>* g_pools = new std::map<int, PinnedPool*>();
+// Lock-free lookup for the usual nodes (slot node + 1); a pool, once made,
+// lives for the process, so a published pointer never dangles. Cleared in a
+// forked child together with g_pools.
+constexpr int kMaxFastNode = 63;
+std::array<std::atomic<PinnedPool*>, kMaxFastNode + 2> g_pool_by_node{};
+
+void pools_child_after_fork() {
+  // Abandon the parent's pools: their locks may be held by threads that do
+  // not exist in the child, and their memory is registered with the parent's
+  // CUDA context. The child starts empty and (cuda_usable() is false) mlocks.
+  new (&g_pools_mutex) std::mutex();
+  g_pools = new std::map<int, PinnedPool*>();
+  for (auto& slot : g_pool_by_node) slot.store(nullptr);
+  g_pinned_cap->forget_reserved_after_fork();
+}
+
+struct PoolForkHandlerInstaller {
+  PoolForkHandlerInstaller() {
+    register_fork_child_handler(ForkChildStep::kPinnedPools, &pools_child_after_fork);
+  }
+} g_pool_fork_handler;
+
+}  // namespace
+
+PinnedPool& pool_for_node(int numa_node) {
+  // Every allocation asks: nodes -1..kMaxFastNode are answered without the lock.
+  const bool cached = numa_node >= -1 && numa_node <= kMaxFastNode;
+  if (cached) {
+    if (PinnedPool* pool = g_pool_by_node[numa_node + 1].load(std::memory_order_acquire)) {
+      return *pool;
+    }
+  }
+  std::lock_guard<std::mutex> lock(g_pools_mutex);
+  auto it = g_pools->find(numa_node);
+  PinnedPool* pool = it != g_pools->end() ? it->second : nullptr;
+  if (pool == nullptr) {
+    pool = new PinnedPool(numa_node, *g_pinned_cap);
+    g_pools->emplace(numa_node, pool);
+  }
+  if (cached) g_pool_by_node[numa_node + 1].store(pool, std::memory_order_release);
+  return *pool;
+}
+
+std::vector<PinnedPool*> all_pools() {
+  std::lock_guard<std::mutex> lock(g_pools_mutex);
+  std::vector<PinnedPool*> out;
+  for (auto& [node, pool] : *g_pools) out.push_back(pool);
+  return out;
+}
+
+PinnedPool* PinnedPool::owner_of(void* ctx) {
+  for (PinnedPool* pool : all_pools()) {
+    if (pool->owns_live_block(ctx)) return pool;
+  }
+  return nullptr;
+}
+
+void set_max_pinned_bytes(int64_t bytes) { g_pinned_cap->set_cap(bytes); }
+
+int64_t max_pinned_bytes() { return g_pinned_cap->cap(); }
+
+}  // namespace pinxfer
