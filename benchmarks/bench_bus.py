@@ -203,7 +203,7 @@ def section_timeline(nbytes: int, n: int, dev: torch.device) -> dict:
     caller's own overhead (Python, the prefetch queue and slots, the source).
     """
     batches = [torch.randn(nbytes // 4) for _ in range(n)]
-    copy = pinxfer.copy_stream(dev)
+    copy = pinxfer.transfer.copy_stream(dev)
 
     def instrumented(marks: list) -> Callable[[Any], Any]:
         def transfer(batch: torch.Tensor) -> torch.Tensor:

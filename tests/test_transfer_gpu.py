@@ -426,7 +426,7 @@ def test_two_gpus_from_two_threads_every_byte():
     if errors:
         raise errors[0]
     for dev in devices:
-        assert pinxfer.copy_stream(dev).device == dev
+        assert pinxfer.transfer.copy_stream(dev).device == dev
 
 
 @two_gpus
