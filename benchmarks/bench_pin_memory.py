@@ -196,7 +196,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = ap.parse_args(argv)
     if args.repeats < 5:
         ap.error("--repeats must be >= 5")
-    env_threads = os.environ.get("PINXFER_NUM_THREADS")
+    settings = {name: value for name, value, _ in pinxfer._ops.settings()}
     report = {
         "benchmark": "pin_memory",
         "device": torch.cuda.get_device_name(0) if HAS_CUDA else "no CUDA device",
@@ -205,7 +205,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "pinxfer": pinxfer.__version__,
         "build": pinxfer.build_info()._asdict(),
         "cpus": len(os.sched_getaffinity(0)),
-        "pinxfer_threads": int(env_threads) if env_threads else min(16, len(os.sched_getaffinity(0))),
+        "pinxfer_threads": settings["PINXFER_NUM_THREADS"],  # value (and why, when derived)
         "torch_threads": torch.get_num_threads(),
         "numa_nodes": {str(k): len(v) for k, v in pinxfer.numa_nodes().items()},
         "topology": [g.__dict__ | {"cpus": len(g.cpus)} for g in pinxfer.topology()],

@@ -1,8 +1,9 @@
 """Tuning sweep for pinxfer.to_device and prefetch (not a torch comparison).
 
-Runs one child process per setting of the knobs that are read once per process
-or per call from the environment (staging copy kind, bytes staged nontemporal at
-the tail, host thread count, worker spin time) and, inside each child, a few chunk_bytes /
+Runs one child process per setting of the knobs pinxfer reads once per process
+from its environment (csrc/runtime/settings.h: staging copy kind and bytes staged
+nontemporal at the tail as overrides of to_device's "auto", host thread count,
+worker spin time) and, inside each child, a few chunk_bytes /
 num_buffers choices. Each child measures to_device on pageable 8 MiB, 64 MiB and
 1 GiB tensors and prefetch over an in-memory list of 64 MiB batches, plus the
 pinned-memory DMA ceiling. The figures chose the defaults; bench_transfer.py

@@ -164,6 +164,15 @@ int64_t env_int(const char* name, const std::string& value, int64_t min) {
   return n;
 }
 
+// A byte size (runtime/parse.h forms), or bad_env naming `examples`.
+int64_t env_bytes(const char* name, const std::string& value, const char* examples) {
+  try {
+    return parse_byte_size(value);
+  } catch (const std::exception&) {
+    bad_env(name, value, (std::string("a byte size such as ") + examples).c_str());
+  }
+}
+
 Settings read_settings() {
   Settings s;
   auto add = [&s](const char* name, std::string value, const char* source) {
@@ -195,11 +204,7 @@ Settings read_settings() {
   }
 
   if (const char* v = env("PINXFER_MAX_PINNED_BYTES")) {
-    try {
-      s.max_pinned_bytes = parse_byte_size(v);
-    } catch (const std::exception&) {
-      bad_env("PINXFER_MAX_PINNED_BYTES", v, "a byte size such as 8GiB, 512MiB or 1073741824");
-    }
+    s.max_pinned_bytes = env_bytes("PINXFER_MAX_PINNED_BYTES", v, "8GiB, 512MiB or 1073741824");
     add("PINXFER_MAX_PINNED_BYTES", std::to_string(s.max_pinned_bytes), "env");
   } else {
     add("PINXFER_MAX_PINNED_BYTES", "0 (no cap)", "default");
@@ -231,11 +236,7 @@ Settings read_settings() {
       env("PINXFER_STAGE_COPY") ? "env" : "default");
 
   if (const char* v = env("PINXFER_CACHED_TAIL")) {
-    try {
-      s.cached_tail = parse_byte_size(v);
-    } catch (const std::exception&) {
-      bad_env("PINXFER_CACHED_TAIL", v, "a byte size such as 16MiB or 0");
-    }
+    s.cached_tail = env_bytes("PINXFER_CACHED_TAIL", v, "16MiB or 0");
     add("PINXFER_CACHED_TAIL", std::to_string(s.cached_tail), "env");
   } else {
     add("PINXFER_CACHED_TAIL", "16MiB (0 while the copy stream is busy)", "default");
