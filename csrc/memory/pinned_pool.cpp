@@ -362,14 +362,16 @@ void PinnedPool::process_events_locked() {
       if (!cuda::event_done(front.event, &error)) break;
       Block* block = front.block;
       if (block == nullptr) {
-        // A kept storage: released once its copy is proven done, held forever
-        // (like a poisoned block) if the event reports an error.
-        if (!error.empty()) {
-          ++stats_.num_event_errors;
-          break;
-        }
+        // A kept storage: released once its copy is proven done. If the event
+        // reports an error we cannot prove it, so the reference is leaked on
+        // purpose (held forever, like a poisoned block), and the FIFO goes on.
         cuda::release_event(front.event);
-        finished_storages_.push_back(std::move(front.kept));
+        if (error.empty()) {
+          finished_storages_.push_back(std::move(front.kept));
+        } else {
+          ++stats_.num_event_errors;
+          new c10::Storage(std::move(front.kept));  // never destroyed
+        }
         queue.pop_front();
         continue;
       }
