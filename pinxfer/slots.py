@@ -443,17 +443,29 @@ class _Ring:
             self.epoch += 1
             self.words[_W_EPOCH] = self.epoch
             if fresh_workers:
-                old, self.handle.free_q = self.handle.free_q, self.ctx.Queue()
-                old.close()
-                old.cancel_join_thread()
-                self.last_seq.clear()
-                if self.slot_bytes:
-                    for slot in range(self.num_slots):
-                        if slot not in self.held:
-                            if self._state(slot) == TAKEN:
-                                self.stats["reclaimed"] += 1
-                            self._put_free(slot)
+                self.reset_free()
             return self.epoch
+
+    def reset_free(self) -> None:
+        """Once the workers that took slots are gone: a new free queue (a worker killed
+        inside ``get`` may have left the old one locked) with every slot that is not
+        held by the trainer and not taken by a process still alive."""
+        with self.lock:
+            old, self.handle.free_q = self.handle.free_q, self.ctx.Queue()
+            old.close()
+            old.cancel_join_thread()
+            self.last_seq.clear()
+            if not self.slot_bytes:
+                return
+            for slot in range(self.num_slots):
+                if slot in self.held:
+                    continue
+                i = _SLOT0 + 4 * slot
+                if self.words[i] == TAKEN:
+                    if _process_alive(self.words[i + 2]):
+                        continue  # a worker that did not stop: its slot stays out
+                    self.stats["reclaimed"] += 1
+                self._put_free(slot)
 
     def reclaim_earlier_epochs(self, epoch: int) -> None:
         """After ``iter(loader)`` reset persistent workers: the previous epoch's results
@@ -488,6 +500,7 @@ class _Ring:
                     f"#{w[i + 3]}{' and the trainer still holds it' if slot in self.held else ''}")
             w[i] = HELD
             self.held[slot] = (desc.pid, desc.seq)
+            self.stats["slot_batches"] += 1
             # Each worker's results arrive in its order: its older TAKEN slots are lost.
             if desc.seq != self.last_seq.get(desc.pid, 0) + 1:
                 for other in range(self.num_slots):
@@ -670,15 +683,16 @@ class SlotSource:
 
     def _decode(self, item: Any) -> Any:
         ring = self._ring
-        ring.stats["batches"] += 1
+        with ring.lock:
+            ring.stats["batches"] += 1
         if isinstance(item, SlotBatch):
             ring.receive(item)
-            ring.stats["slot_batches"] += 1
             batch = _batch.map_tensors(item.structure, lambda t: t, other=lambda o: (
                 ring.view_of(item.slot, o) if isinstance(o, _TensorRef) else _batch.PASS))
             return SlotLease(batch, ring, item.slot, (item.pid, item.seq))
         if isinstance(item, _Fallback):
-            ring.stats["fallbacks"][item.reason] += 1
+            with ring.lock:
+                ring.stats["fallbacks"][item.reason] += 1
             if item.reason == "sizing" and not ring.slot_bytes:
                 need = _bytes_in_slot(item.batch)
                 if need:
@@ -711,6 +725,16 @@ def _close(loader: DataLoader, ring: _Ring) -> None:
     ring.close()
 
 
+def _process_alive(pid: int) -> bool:
+    """False for a pid that is gone or a zombie (it can write no memory)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
 def _stop_workers(it: Any) -> None:
     """Shuts a multiprocessing DataLoader iterator's workers down and joins them."""
     shutdown = getattr(it, "_shutdown_workers", None)
@@ -739,15 +763,17 @@ class _SlotPass:
         """End of the pass: copies waited for, slots back; workers stopped unless persistent."""
         it, self.it = self.it, None
         ring = self.source._ring
-        if not ring.closed:
-            ring.release_all()
+        if ring.closed:
+            return  # the ring's finaliser stopped the workers
+        ring.release_all()
         if it is None:
             return
-        workers = getattr(it, "_workers", ())
         if not self.source.persistent:
             _stop_workers(it)
-        elif any(not w.is_alive() for w in workers):
+            ring.reset_free()  # slots of batches the workers never delivered
+        elif any(not w.is_alive() for w in getattr(it, "_workers", ())):
             # A worker died: torch's persistent iterator cannot go on; the next pass
             # starts fresh workers (and reclaims every slot).
             _stop_workers(it)
             self.source._loader.__dict__["_iterator"] = None
+            ring.reset_free()
