@@ -36,8 +36,8 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 
-from pinxfer._batch import map_tensors, tensors_in
-from pinxfer.slots import SlotLease, SlotSource
+from pinxfer._batch import tensors_in
+from pinxfer.slots import SlotLease, SlotSource, SlotTransfer
 from pinxfer.transfer import (
     DEFAULT_CHUNK_BYTES,
     DEFAULT_NUM_BUFFERS,
@@ -154,9 +154,9 @@ def _produce(p: _Pass) -> None:
                 return
             if p.stop.is_set():
                 return  # a lease dropped here is put back when the source's pass closes
-            lease = None
-            if isinstance(batch, SlotLease):  # prefetch(slots=True): views of a pinned slot
-                lease, batch = batch, batch.batch
+            lease = batch if isinstance(batch, SlotLease) else None  # prefetch(slots=True)
+            if lease is not None and not getattr(p.transfer, "takes_slot_lease", False):
+                batch = lease.batch  # a custom transfer gets views of the pinned slot
             try:
                 event = None
                 if stream is not None:
@@ -224,8 +224,13 @@ class Prefetcher:
             if dev.type == "cuda":
                 transfer = functools.partial(to_device, device=dev, non_blocking=True,
                                              chunk_bytes=chunk_bytes, num_buffers=num_buffers)
+                if isinstance(source, SlotSource):  # a slot batch: one copy of its slot
+                    transfer = SlotTransfer(functools.partial(
+                        to_device, device=dev, non_blocking=True, chunk_bytes=chunk_bytes,
+                        num_buffers=num_buffers), transfer)
             elif isinstance(source, SlotSource):
-                transfer = _copy_out  # the slot is reused once the transfer returns
+                # The slot is reused once the transfer returns: one copy of its bytes.
+                transfer = SlotTransfer(torch.clone, _identity)
             else:
                 transfer = _identity
         self._transfer = transfer
@@ -301,10 +306,6 @@ class Prefetcher:
 
 def _identity(batch: Any) -> Any:
     return batch
-
-
-def _copy_out(batch: Any) -> Any:
-    return map_tensors(batch, torch.clone)
 
 
 def prefetch(iterable: Iterable, device: Optional[DeviceLike] = None, depth: int = 2, *,

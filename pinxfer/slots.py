@@ -32,6 +32,12 @@ the writer's pid and sequence number, and the batch's nested structure with each
 tensor replaced by (offset, dtype, shape); non-tensor leaves are pickled as usual).
 The trainer rebuilds the tensors as views of its pinned mapping.
 
+**The copy.** By default (:class:`SlotTransfer`) a slot batch leaves its slot as ONE
+copy of the slot's used bytes -- :func:`pinxfer.to_device` of a pinned uint8 range, a
+single direct DMA, on a GPU; a clone on the CPU -- and the yielded tensors are views
+of that one buffer at their offsets (as with ``to_device_many``'s packed small
+tensors). A custom ``transfer`` gets the views of the pinned slot instead.
+
 **Fallback.** A batch that does not fit -- larger than a slot, a tensor that is not
 plain dense CPU (sparse, nested, quantized, a subclass, requiring grad), no slot
 free within ``wait_s`` (cannot happen with the default count, see below, but a
@@ -67,8 +73,8 @@ a slot handed to two batches at once raises. The slot is put back
 
 * with CUDA: when the event recorded after the batch's copy has completed;
 * on the CPU (``device='cpu'``): right after the transfer step, which by default
-  copies the batch out of the slot (a custom ``transfer`` must not return views of
-  the slot: checked);
+  clones the slot's bytes (a custom ``transfer`` must not return views of the slot:
+  checked);
 * when the worker fails to fill it (error in collate, batch does not fit): at once, by
   the worker.
 
@@ -105,7 +111,7 @@ from pinxfer import _batch
 from pinxfer._ops import inplace_lock_kind, plain_dense_cpu
 from pinxfer.pin import pin_, unpin_
 
-__all__ = ["SlotBatch", "SlotLease", "SlotSource"]
+__all__ = ["SlotBatch", "SlotLease", "SlotSource", "SlotTransfer"]
 
 _MAGIC = 0x746F6C73786E6970  # b"pinxslot" little-endian
 _ALIGN = 64
@@ -580,10 +586,20 @@ class SlotLease:
     """A batch whose tensors are views of a slot; the prefetcher calls :meth:`done`
     once its transfer is queued (CUDA: with the event after the copy) or finished."""
 
-    __slots__ = ("batch", "_ring", "_slot", "_tag")
+    __slots__ = ("batch", "structure", "nbytes", "_ring", "_slot", "_tag")
 
-    def __init__(self, batch: Any, ring: _Ring, slot: int, tag: tuple[int, int]):
-        self.batch, self._ring, self._slot, self._tag = batch, ring, slot, tag
+    def __init__(self, batch: Any, structure: Any, nbytes: int, ring: _Ring, slot: int,
+                 tag: tuple[int, int]):
+        self.batch, self.structure, self.nbytes = batch, structure, nbytes
+        self._ring, self._slot, self._tag = ring, slot, tag
+
+    def send(self, copy: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+        """The batch rebuilt from ONE copy of the slot's used bytes: ``copy`` gets them as
+        a pinned uint8 tensor and returns its copy (on a GPU, or cloned); the batch's
+        tensors are views of that one buffer (64-byte aligned offsets)."""
+        region = self._ring.view_of(self._slot, _TensorRef(0, torch.uint8, (self.nbytes,)))
+        buf = copy(region)
+        return _rebuild(self.structure, buf)
 
     def done(self, event: Any = None, out: Any = None) -> None:
         """Hands the slot back once ``event`` has completed (None: now). ``out``, the
@@ -598,7 +614,7 @@ class SlotLease:
                         raise RuntimeError(
                             "pinxfer.prefetch(slots=True): the transfer returned a view of a batch "
                             "slot, which is reused as soon as the transfer returns on the CPU; "
-                            "return copies (the default transfer clones)")
+                            "return copies (the default transfer clones the slot)")
         finally:
             ring.release(self._slot, event, self._tag)
 
@@ -687,9 +703,11 @@ class SlotSource:
             ring.stats["batches"] += 1
         if isinstance(item, SlotBatch):
             ring.receive(item)
-            batch = _batch.map_tensors(item.structure, lambda t: t, other=lambda o: (
-                ring.view_of(item.slot, o) if isinstance(o, _TensorRef) else _batch.PASS))
-            return SlotLease(batch, ring, item.slot, (item.pid, item.seq))
+            start = ring.data_offset + item.slot * ring.slot_bytes
+            slot_bytes = ring.base.narrow(0, start, ring.slot_bytes)
+            batch = _rebuild(item.structure, slot_bytes)
+            nbytes = max((r.offset + r.nbytes() for r in _refs_in(item.structure)), default=0)
+            return SlotLease(batch, item.structure, nbytes, ring, item.slot, (item.pid, item.seq))
         if isinstance(item, _Fallback):
             with ring.lock:
                 ring.stats["fallbacks"][item.reason] += 1
@@ -706,6 +724,44 @@ class SlotSource:
             self._pass.close()
             self._pass = None
         self._finalizer()
+
+
+def _rebuild(structure: Any, buf: torch.Tensor) -> Any:
+    """A descriptor's structure with each tensor a view of ``buf`` (uint8) at its offset."""
+    def view(o: Any) -> Any:
+        if not isinstance(o, _TensorRef):
+            return _batch.PASS
+        return buf.narrow(0, o.offset, o.nbytes()).view(o.dtype).view(o.shape)
+
+    return _batch.map_tensors(structure, lambda t: t, other=view)
+
+
+def _refs_in(structure: Any) -> list[_TensorRef]:
+    found: list[_TensorRef] = []
+
+    def note(o: Any) -> Any:
+        if isinstance(o, _TensorRef):
+            found.append(o)
+            return o
+        return _batch.PASS
+
+    _batch.map_tensors(structure, lambda t: t, other=note)
+    return found
+
+
+class SlotTransfer:
+    """The prefetcher's default transfer with slots: a slot batch goes as one copy of
+    its slot (:meth:`SlotLease.send`), a fallback batch through ``fallback``."""
+
+    takes_slot_lease = True
+
+    def __init__(self, copy: Callable[[torch.Tensor], torch.Tensor], fallback: Callable[[Any], Any]):
+        self.copy, self.fallback = copy, fallback
+
+    def __call__(self, item: Any) -> Any:
+        if isinstance(item, SlotLease):
+            return item.send(self.copy)
+        return self.fallback(item)
 
 
 def _bytes_in_slot(batch: Any) -> int:

@@ -176,6 +176,9 @@ def test_every_byte_fork_nested(hint):
             assert st["slot_batches"] == 12 - st["fallbacks"]["too_big"]
         assert st["fallbacks"]["no_free_slot"] == 0 and st["fallbacks"]["unsupported"] == 0
         assert states(pf) == {"free": st["num_slots"], "taken": 0, "held": 0}
+        # A slot batch left its slot as one copy: its tensors are views of one buffer.
+        one_buffer = [len({t.untyped_storage().data_ptr() for t in tensors_in(g)}) == 1 for g in got]
+        assert sum(one_buffer) >= st["slot_batches"]
     assert loader.collate_fn is torch.utils.data.default_collate  # the caller's loader untouched
     assert loader.worker_init_fn is None
 
