@@ -338,20 +338,31 @@ def section_workers(quick: bool) -> list[dict]:
         g = torch.randn(ROWS, COLS, device="cuda")
         t_step = timed(lambda: step(g), 10)
         g = None
+        first = len(rows)
         for way in ("DataLoader(pin_memory=True) + non_blocking",
-                    "pinxfer.prefetch(DataLoader(pin_memory=False))"):
+                    "pinxfer.prefetch(DataLoader(pin_memory=False))",
+                    "pinxfer.prefetch(DataLoader(pin_memory=False), slots=True)"):
             torch_way = way.startswith("DataLoader")
+            slots = way.endswith("slots=True)")
             loader = torch.utils.data.DataLoader(Built(steps + warm), batch_size=None,
                                                  num_workers=workers, pin_memory=torch_way)
-            it = iter(loader) if torch_way else iter(pinxfer.prefetch(loader, depth=2))
+            pf = None
+            if not torch_way:  # slots: sized up front so that no warm-up batch falls back
+                pf = pinxfer.prefetch(loader, depth=2, slots=slots,
+                                      slot_bytes=ROWS * COLS * 4 if slots else None)
+            it = iter(loader) if torch_way else iter(pf)
             for _ in range(warm):  # workers started, queues filled: steady state below
                 b = next(it)
                 step(b if not torch_way else b.to("cuda", non_blocking=True))
             s, n = run_loop(it, step, not torch_way)
             del it
+            extra = {"slot_stats": pf.slots.stats()} if slots else {}
+            if slots:
+                pf.slots.close()
             rows.append(e2e_row("3b_workers", bound, way, s, n, t_step, step=desc,
-                                workers=workers, warmup_batches_excluded=warm))
-        rows[-1]["speedup_vs_dataloader"] = rows[-1]["samples_per_s"] / rows[-2]["samples_per_s"]
+                                workers=workers, warmup_batches_excluded=warm, **extra))
+        for r in rows[first + 1:]:
+            r["speedup_vs_dataloader"] = r["samples_per_s"] / rows[first]["samples_per_s"]
     n = 16 if quick else 24
     bd = breakdown(quick)
     bd["loader_only_batches_per_s_pin_false"] = loader_only_rate(workers, False, n)

@@ -6,6 +6,7 @@ the loader as it is and stages each batch to the GPU through pinned buffers on a
 side stream, a batch ahead of the model.
 
     python examples/dataloader_workers.py --steps 50 --workers 4
+    python examples/dataloader_workers.py --slots   # opt-in: workers write into pinned slots
 """
 from __future__ import annotations
 
@@ -38,6 +39,8 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=20, help="batches to consume (default 20)")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--workers", type=int, default=2, help="DataLoader worker processes (default 2)")
+    p.add_argument("--slots", action="store_true",
+                   help="prefetch(loader, slots=True): workers collate into pinned shared-memory slots")
     args = p.parse_args()
 
     reason = pinxfer.cuda_unavailable_reason()
@@ -61,7 +64,8 @@ def main() -> int:
     checksum = torch.zeros((), device=device)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    for images, labels in pinxfer.prefetch(itertools.islice(loader, args.steps), device=device):
+    source = loader if args.slots else itertools.islice(loader, args.steps)  # slots needs the loader
+    for images, labels in pinxfer.prefetch(source, device=device, slots=args.slots):
         assert images.device == device and labels.device == device
         with torch.no_grad():
             checksum += model(images).float().sum() + labels.sum()

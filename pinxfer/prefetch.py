@@ -37,6 +37,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 import torch
 
 from pinxfer._batch import tensors_in
+from pinxfer.slots import SlotLease, SlotSource, SlotTransfer
 from pinxfer.transfer import (
     DEFAULT_CHUNK_BYTES,
     DEFAULT_NUM_BUFFERS,
@@ -152,7 +153,10 @@ def _produce(p: _Pass) -> None:
                 p.queue.put((_ERROR, err, None))
                 return
             if p.stop.is_set():
-                return
+                return  # a lease dropped here is put back when the source's pass closes
+            lease = batch if isinstance(batch, SlotLease) else None  # prefetch(slots=True)
+            if lease is not None and not getattr(p.transfer, "takes_slot_lease", False):
+                batch = lease.batch  # a custom transfer gets views of the pinned slot
             try:
                 event = None
                 if stream is not None:
@@ -163,11 +167,18 @@ def _produce(p: _Pass) -> None:
                 else:
                     with profiler_range("pinxfer::prefetch::transfer"):
                         out = p.transfer(batch)
+                if lease is not None:
+                    # The slot goes back after the copy (CUDA) or now (CPU: out is a copy).
+                    lease.done(event, out)
             except BaseException as err:  # noqa: BLE001 - re-raised in the consumer
+                if lease is not None:
+                    if stream is not None:
+                        torch.cuda.synchronize(p.device)  # no copy may still read the slot
+                    lease.done()
                 _note(err, f"raised while pinxfer.prefetch transferred batch {step}")
                 p.queue.put((_ERROR, err, None))
                 return
-            del batch
+            del batch, lease
             p.queue.put((_ITEM, out, event))
             del out, event
             step += 1
@@ -213,6 +224,13 @@ class Prefetcher:
             if dev.type == "cuda":
                 transfer = functools.partial(to_device, device=dev, non_blocking=True,
                                              chunk_bytes=chunk_bytes, num_buffers=num_buffers)
+                if isinstance(source, SlotSource):  # a slot batch: one copy of its slot
+                    transfer = SlotTransfer(functools.partial(
+                        to_device, device=dev, non_blocking=True, chunk_bytes=chunk_bytes,
+                        num_buffers=num_buffers), transfer)
+            elif isinstance(source, SlotSource):
+                # The slot is reused once the transfer returns: one copy of its bytes.
+                transfer = SlotTransfer(torch.clone, _identity)
             else:
                 transfer = _identity
         self._transfer = transfer
@@ -267,6 +285,14 @@ class Prefetcher:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+        if isinstance(self._source, SlotSource):
+            self._source.close()
+
+    @property
+    def slots(self) -> Optional[SlotSource]:
+        """The slot ring's source with ``prefetch(..., slots=True)`` (``stats()``,
+        ``close()``), else None."""
+        return self._source if isinstance(self._source, SlotSource) else None
 
     def __del__(self) -> None:
         p = getattr(self, "_pass", None)
@@ -285,7 +311,8 @@ def _identity(batch: Any) -> Any:
 def prefetch(iterable: Iterable, device: Optional[DeviceLike] = None, depth: int = 2, *,
              transfer: Optional[Callable[[Any], Any]] = None,
              chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-             num_buffers: int = DEFAULT_NUM_BUFFERS) -> Prefetcher:
+             num_buffers: int = DEFAULT_NUM_BUFFERS, slots: bool = False,
+             slot_bytes: Optional[int] = None, num_slots: Optional[int] = None) -> Prefetcher:
     """Wraps an iterable so that its batches reach the GPU ahead of use.
 
     A background thread pulls batches from ``iterable``, sends them to ``device``
@@ -312,11 +339,25 @@ def prefetch(iterable: Iterable, device: Optional[DeviceLike] = None, depth: int
             stream current when ``device`` is a GPU.
         chunk_bytes: largest staging chunk of ``to_device``.
         num_buffers: staging chunks of ``to_device``'s ring.
+        slots: opt-in, not yet measured on a GPU: ``iterable`` must be a
+            ``DataLoader(num_workers > 0, pin_memory=False)``; its workers write
+            each batch straight into a ring of pinned shared-memory slots and the
+            copy reads it there (see :mod:`pinxfer.slots`). The ring lives until the
+            Prefetcher is collected, leaves a ``with`` block, or ``.slots.close()``;
+            ``.slots.stats()`` counts slot batches and fallbacks. With
+            ``device="cpu"`` the default transfer copies each batch out of its slot.
+        slot_bytes: bytes per slot; None: 1.25x the first batch.
+        num_slots: slots in the ring; None: ``num_workers * prefetch_factor``
+            (twice that with persistent workers) ``+ depth + 2``.
 
     Returns:
         A :class:`Prefetcher`: iterate over it (each ``for`` loop is one pass),
         ``len()`` it when the source has a length, ``close()`` it or use it as a
         context manager.
     """
+    if slots:
+        iterable = SlotSource(iterable, depth=depth, slot_bytes=slot_bytes, num_slots=num_slots)
+    elif slot_bytes is not None or num_slots is not None:
+        raise ValueError("pinxfer.prefetch: slot_bytes and num_slots need slots=True")
     return Prefetcher(iterable, device=device, depth=depth, transfer=transfer,
                       chunk_bytes=chunk_bytes, num_buffers=num_buffers)

@@ -1,0 +1,520 @@
+"""pinxfer.prefetch(loader, slots=True): workers write batches into a pinned memfd slot ring.
+
+Real DataLoader workers (fork and spawn) and real shared memory; every byte of every
+batch is compared with the same loader iterated without slots. GPU assertions are in
+the tests marked ``gpu`` (skipped without CUDA).
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import gc
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+import pinxfer
+from pinxfer import slots as slots_mod
+from pinxfer._batch import map_tensors, tensors_in
+
+from .conftest import HAS_CUDA, MLOCK_IS_REAL, vm_locked_kib
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.uint8,
+          torch.int16, torch.int64, torch.bool, torch.complex64]
+Meta = collections.namedtuple("Meta", ["index", "name"])
+
+
+@dataclasses.dataclass
+class Sample:
+    x: torch.Tensor
+    label: int
+    extra: dict
+
+
+def _random(shape, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    numel = 1
+    for d in shape:
+        numel *= d
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=g, dtype=torch.uint8).bool()
+    size = torch.empty((), dtype=dtype).element_size()
+    return torch.randint(0, 256, (numel * size,), generator=g, dtype=torch.uint8).view(dtype).reshape(shape)
+
+
+class Nested(Dataset):
+    """Sample i: a nested batch whose shapes and dtype change every ``group`` samples
+    (so each batch of ``group`` collates) and whose bytes are random."""
+
+    def __init__(self, n=48, group=4, scale=1, fail_at=None, kill_at=None):
+        self.n, self.group, self.scale, self.fail_at, self.kill_at = n, group, scale, fail_at, kill_at
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if i == self.fail_at:
+            raise ValueError(f"sample {i} is broken")
+        if i == self.kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        b = i // self.group
+        g = torch.Generator().manual_seed(1000 + b)
+        dtype = DTYPES[int(torch.randint(0, len(DTYPES), (1,), generator=g))]
+        rows = int(torch.randint(1, 9, (1,), generator=g)) * self.scale
+        cols = int(torch.randint(1, 33, (1,), generator=g))
+        k = int(torch.randint(0, 5, (1,), generator=g))
+        return {
+            "x": _random((rows, cols), dtype, i),
+            "pair": (_random((3,), torch.int64, 7 * i), [_random((k,), torch.bool, i), float(i) / 3]),
+            "meta": Meta(i, f"s{i}"),
+        }
+
+
+class Samples(Dataset):
+    """For batch_size=None: each item is a whole batch (dataclass, namedtuple, tensors)."""
+
+    def __init__(self, n=12, sparse_every=0, big_every=0):
+        self.n, self.sparse_every, self.big_every = n, sparse_every, big_every
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        rows = 64 if self.big_every and i % self.big_every == 1 else 1 + i % 5
+        item = Sample(_random((rows, 16), torch.float32, i), i,
+                      {"ids": _random((i % 3 + 1,), torch.int64, i + 1), "m": Meta(i, "n")})
+        if self.sparse_every and i % self.sparse_every == 0:
+            item.extra["sp"] = torch.eye(4).to_sparse()
+        return item
+
+
+def collate_to_dataclass(samples):
+    """A custom collate_fn: returns a dataclass with a non-contiguous tensor."""
+    x = torch.stack([s["x"] for s in samples]).transpose(0, 1)
+    return Sample(x, len(samples), {"idx": torch.tensor([s["meta"].index for s in samples])})
+
+
+def _leaves(batch):
+    return tensors_in(batch), map_tensors(batch, lambda t: None)
+
+
+def assert_same(got, want):
+    """Every byte of every tensor, dtypes, shapes and the non-tensor structure equal."""
+    gt, gs = _leaves(got)
+    wt, ws = _leaves(want)
+    assert gs == ws
+    assert len(gt) == len(wt)
+    for a, b in zip(gt, wt):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        ab = a.contiguous().reshape(-1).view(torch.uint8) if a.numel() else a.new_empty(0, dtype=torch.uint8)
+        bb = b.contiguous().reshape(-1).view(torch.uint8) if b.numel() else b.new_empty(0, dtype=torch.uint8)
+        assert torch.equal(ab, bb)
+
+
+def states(pf):
+    """Counts of the slots' header states: FREE, TAKEN, HELD."""
+    ring = pf.slots._ring
+    s = [ring.words[slots_mod._SLOT0 + 4 * i] for i in range(ring.num_slots)]
+    return {name: s.count(v) for name, v in (("free", 0), ("taken", 1), ("held", 2))}
+
+
+def memfds():
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if "memfd:pinxfer-slots" in os.readlink(f"/proc/self/fd/{fd}"):
+                out.append(fd)
+        except OSError:
+            pass
+    return out
+
+
+def shm_files():
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+@pytest.fixture(autouse=True)
+def _no_leaks():
+    gc.collect()
+    before = shm_files()
+    yield
+    gc.collect()
+    left = [f for f in shm_files() - before if f.startswith(("torch_", "pinxfer", "psm_"))]
+    assert not left, f"shared memory left behind: {left}"
+    assert not memfds(), "a slot ring's memfd is still open"
+
+
+def run_slots(loader, **kw):
+    pf = pinxfer.prefetch(loader, slots=True, device="cpu", **kw)
+    return pf, list(pf)
+
+
+@pytest.mark.parametrize("hint", [None, 1 << 16])
+def test_every_byte_fork_nested(hint):
+    loader = DataLoader(Nested(), batch_size=4, num_workers=2, multiprocessing_context="fork")
+    want = list(loader)
+    with pinxfer.prefetch(loader, slots=True, device="cpu", slot_bytes=hint) as pf:
+        got = list(pf)
+        st = pf.slots.stats()
+        assert len(got) == len(want) == 12
+        for g, w in zip(got, want):
+            assert_same(g, w)
+        assert st["batches"] == 12
+        assert st["slot_batches"] + sum(st["fallbacks"].values()) == 12
+        if hint is None:  # the first batches size the ring
+            assert st["fallbacks"]["sizing"] >= 1 and st["slot_bytes"] > 0
+        else:
+            assert st["fallbacks"]["sizing"] == 0 and st["slot_bytes"] == hint
+            assert st["slot_batches"] == 12 - st["fallbacks"]["too_big"]
+        assert st["fallbacks"]["no_free_slot"] == 0 and st["fallbacks"]["unsupported"] == 0
+        assert states(pf) == {"free": st["num_slots"], "taken": 0, "held": 0}
+        # A slot batch left its slot as one copy: its tensors are views of one buffer.
+        one_buffer = [len({t.untyped_storage().data_ptr() for t in tensors_in(g)}) == 1 for g in got]
+        assert sum(one_buffer) >= st["slot_batches"]
+    assert loader.collate_fn is torch.utils.data.default_collate  # the caller's loader untouched
+    assert loader.worker_init_fn is None
+
+
+def test_spawn_persistent_three_epochs():
+    loader = DataLoader(Nested(n=24), batch_size=4, num_workers=2, multiprocessing_context="spawn",
+                        persistent_workers=True)
+    want = list(DataLoader(Nested(n=24), batch_size=4, num_workers=0))
+    with pinxfer.prefetch(loader, slots=True, device="cpu", slot_bytes=1 << 16) as pf:
+        for _ in range(3):
+            got = list(pf)
+            assert len(got) == len(want)
+            for g, w in zip(got, want):
+                assert_same(g, w)
+        st = pf.slots.stats()
+        assert st["slot_batches"] == 3 * 6 - st["fallbacks"]["too_big"]
+        assert st["fallbacks"]["no_free_slot"] == 0
+        assert states(pf)["free"] == st["num_slots"]
+
+
+def test_persistent_early_break_then_full_epochs():
+    loader = DataLoader(Nested(n=64), batch_size=4, num_workers=2, multiprocessing_context="fork",
+                        persistent_workers=True, prefetch_factor=3)
+    want = list(loader)
+    with pinxfer.prefetch(loader, slots=True, device="cpu", slot_bytes=1 << 16) as pf:
+        for stop in (1, 0, 2):  # several early breaks in a row strand slots in discarded results
+            for i, g in enumerate(pf):
+                assert_same(g, want[i])
+                if i == stop:
+                    break
+        for _ in range(2):
+            got = list(pf)
+            assert len(got) == 16
+            for g, w in zip(got, want):
+                assert_same(g, w)
+        st = pf.slots.stats()
+        assert st["reclaimed"] > 0
+        assert st["fallbacks"]["no_free_slot"] == 0
+        assert states(pf) == {"free": st["num_slots"], "taken": 0, "held": 0}
+
+
+def test_early_break_then_new_epoch_not_persistent():
+    loader = DataLoader(Nested(n=64), batch_size=4, num_workers=2, multiprocessing_context="fork")
+    want = list(loader)
+    with pinxfer.prefetch(loader, slots=True, device="cpu", slot_bytes=1 << 16) as pf:
+        for i, g in enumerate(pf):
+            if i == 2:
+                break
+        got = list(pf)
+        for g, w in zip(got, want):
+            assert_same(g, w)
+        assert len(got) == 16
+        assert states(pf)["free"] == pf.slots.stats()["num_slots"]
+
+
+def test_in_order_false():
+    loader = DataLoader(Nested(n=40), batch_size=4, num_workers=2, multiprocessing_context="fork",
+                        in_order=False)
+    want = {int(b["meta"].index[0]): b for b in loader}
+    with pinxfer.prefetch(loader, slots=True, device="cpu", slot_bytes=1 << 16) as pf:
+        got = {int(b["meta"].index[0]): b for b in pf}
+    assert got.keys() == want.keys()
+    for k in got:
+        assert_same(got[k], want[k])
+
+
+def test_batch_size_none_dataclasses_and_custom_collate():
+    loader = DataLoader(Samples(), batch_size=None, num_workers=2, multiprocessing_context="fork")
+    want = list(loader)
+    with pinxfer.prefetch(loader, slots=True, device="cpu", slot_bytes=1 << 14) as pf:
+        got = list(pf)
+        assert pf.slots.stats()["slot_batches"] == len(want)
+    assert all(isinstance(g, Sample) for g in got)
+    for g, w in zip(got, want):
+        assert_same(g, w)
+
+    custom = DataLoader(Nested(n=32), batch_size=4, num_workers=2, multiprocessing_context="fork",
+                        collate_fn=collate_to_dataclass)
+    want = list(custom)
+    with pinxfer.prefetch(custom, slots=True, device="cpu", slot_bytes=1 << 16) as pf:
+        got = list(pf)
+        assert pf.slots.stats()["slot_batches"] == len(want) - pf.slots.stats()["fallbacks"]["too_big"]
+    for g, w in zip(got, want):
+        assert isinstance(g, Sample)
+        assert_same(g, w)  # the transposed (non-contiguous) tensor: same values, stored contiguous
+
+
+def test_fallback_too_big_and_sparse_counted():
+    loader = DataLoader(Samples(n=12, sparse_every=4, big_every=3), batch_size=None, num_workers=2,
+                        multiprocessing_context="fork")
+    want = list(loader)
+    with pinxfer.prefetch(loader, slots=True, device="cpu", slot_bytes=4096) as pf:
+        got = list(pf)
+        st = pf.slots.stats()
+    for g, w in zip(got, want):
+        sp_g, sp_w = g.extra.pop("sp", None), w.extra.pop("sp", None)
+        assert (sp_g is None) == (sp_w is None)
+        if sp_g is not None:
+            assert sp_g.is_sparse and torch.equal(sp_g.to_dense(), sp_w.to_dense())
+        assert_same(g, w)
+    # x (64x16 floats > 4 KiB when i % 3 == 1) is placed before the sparse tensor
+    big = sum(1 for i in range(12) if i % 3 == 1)
+    sparse = sum(1 for i in range(12) if i % 4 == 0 and i % 3 != 1)
+    assert st["fallbacks"]["unsupported"] == sparse
+    assert st["fallbacks"]["too_big"] == big
+    assert st["slot_batches"] == 12 - sparse - big
+
+
+def test_worker_exception_message_and_step():
+    loader = DataLoader(Nested(n=40, fail_at=21), batch_size=4, num_workers=2,
+                        multiprocessing_context="fork")
+    want = list(DataLoader(Nested(n=40), batch_size=4, num_workers=0))
+    got = []
+    with pinxfer.prefetch(loader, slots=True, device="cpu", slot_bytes=1 << 16) as pf:
+        with pytest.raises(ValueError, match="sample 21 is broken") as info:
+            for b in pf:
+                got.append(b)
+        assert len(got) == 5  # batches 0..4; batch 5 holds sample 21
+        for g, w in zip(got, want):
+            assert_same(g, w)
+        notes = getattr(info.value, "__notes__", [])
+        if sys.version_info >= (3, 11):
+            assert any("batch 5" in n for n in notes)
+        assert states(pf)["free"] == pf.slots.stats()["num_slots"]
+
+
+def _iterate_with_timeout(pf, seconds):
+    box = {}
+
+    def run():
+        try:
+            box["got"] = [b for b in pf]
+        except BaseException as err:  # noqa: BLE001
+            box["err"] = err
+
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    th.join(seconds)
+    assert not th.is_alive(), f"iteration hung for {seconds} s"
+    return box
+
+
+def test_worker_killed_raises_then_next_epoch_works():
+    ds = Nested(n=40, kill_at=13)
+    loader = DataLoader(ds, batch_size=4, num_workers=2, multiprocessing_context="fork")
+    with pinxfer.prefetch(loader, slots=True, device="cpu", slot_bytes=1 << 16) as pf:
+        box = _iterate_with_timeout(pf, 40)
+        assert isinstance(box.get("err"), RuntimeError), box
+        assert "exited unexpectedly" in str(box["err"]) or "killed by signal" in str(box["err"])
+        ds.kill_at = None  # the forked workers of the next epoch see the dataset as it is now
+        box = _iterate_with_timeout(pf, 40)
+        assert "err" not in box, box
+        want = list(DataLoader(Nested(n=40), batch_size=4, num_workers=0))
+        assert len(box["got"]) == len(want)
+        for g, w in zip(box["got"], want):
+            assert_same(g, w)
+        assert states(pf)["free"] == pf.slots.stats()["num_slots"]
+
+
+def test_two_loaders_at_once():
+    a = DataLoader(Nested(n=32), batch_size=4, num_workers=2, multiprocessing_context="fork")
+    b = DataLoader(Samples(n=8), batch_size=None, num_workers=1, multiprocessing_context="fork")
+    wa, wb = list(a), list(b)
+    with pinxfer.prefetch(a, slots=True, device="cpu", slot_bytes=1 << 16) as pa, \
+            pinxfer.prefetch(b, slots=True, device="cpu", slot_bytes=1 << 14) as pb:
+        assert pa.slots._ring.ring_id != pb.slots._ring.ring_id
+        n = 0
+        for (ga, gb) in zip(pa, pb):
+            assert_same(ga, wa[n])
+            assert_same(gb, wb[n])
+            n += 1
+        assert n == 8
+        assert pb.slots.stats()["slot_batches"] == 8
+
+
+def test_slot_never_held_by_two_batches():
+    """A tiny ring, slow consumer steps and racing workers: while the trainer holds a slot
+    its bytes do not change, and no slot is received while it is held (the ring checks
+    the writer tag in the header on receipt and on release and would raise)."""
+    loader = DataLoader(Nested(n=120, group=2), batch_size=2, num_workers=2,
+                        multiprocessing_context="fork", prefetch_factor=1)
+    want = list(loader)
+    in_use: set[int] = set()
+    lock = threading.Lock()
+
+    def transfer(batch):
+        ptr = tensors_in(batch)[0].data_ptr()
+        with lock:
+            assert ptr not in in_use
+            in_use.add(ptr)
+        first = [t.clone() for t in tensors_in(batch)]
+        time.sleep(0.003)  # workers keep writing other slots meanwhile
+        for a, t in zip(first, tensors_in(batch)):
+            assert torch.equal(a.view(-1).view(torch.uint8) if a.numel() else a,
+                               t.reshape(-1).view(torch.uint8) if t.numel() else t)
+        out = map_tensors(batch, torch.clone)
+        with lock:
+            in_use.discard(ptr)
+        return out
+
+    with pinxfer.prefetch(loader, slots=True, device="cpu", depth=1, transfer=transfer,
+                          num_slots=3 * 1 + 1 + 2, slot_bytes=1 << 15) as pf:
+        got = list(pf)
+        st = pf.slots.stats()
+    assert st["num_slots"] == 6 and st["slot_batches"] >= 50
+    assert st["fallbacks"]["no_free_slot"] == 0
+    for g, w in zip(got, want):
+        assert_same(g, w)
+
+
+def test_mapping_is_page_locked():
+    loader = DataLoader(Nested(n=16), batch_size=4, num_workers=2, multiprocessing_context="fork")
+    seen = []
+
+    def transfer(batch):
+        seen.append(all(pinxfer.is_pinned(t) for t in tensors_in(batch)))
+        return map_tensors(batch, torch.clone)
+
+    before = vm_locked_kib()
+    pf = pinxfer.prefetch(loader, slots=True, device="cpu", transfer=transfer, slot_bytes=1 << 16)
+    st = pf.slots.stats()
+    assert st["pinned"] and st["lock_kind"] == ("cuda_registered" if HAS_CUDA else "mlocked")
+    if MLOCK_IS_REAL and not HAS_CUDA:
+        assert vm_locked_kib() - before >= pf.slots.ring_bytes // 1024
+    list(pf)
+    assert seen and all(seen)
+    assert pf.slots.stats()["slot_batches"] == len(seen)
+    pf.slots.close()
+    if MLOCK_IS_REAL and not HAS_CUDA:
+        assert vm_locked_kib() - before < pf.slots.ring_bytes // 1024
+
+
+def test_cpu_transfer_returning_slot_views_raises():
+    loader = DataLoader(Nested(n=16), batch_size=4, num_workers=1, multiprocessing_context="fork")
+    with pinxfer.prefetch(loader, slots=True, device="cpu", transfer=lambda b: b,
+                          slot_bytes=1 << 16) as pf:
+        with pytest.raises(RuntimeError, match="view of a batch slot"):
+            list(pf)
+
+
+def test_arguments_checked():
+    ds = Nested(n=8)
+    with pytest.raises(ValueError, match="num_workers > 0"):
+        pinxfer.prefetch(DataLoader(ds, batch_size=4), slots=True, device="cpu")
+    with pytest.raises(ValueError, match="pin_memory=False"):
+        pinxfer.prefetch(DataLoader(ds, batch_size=4, num_workers=1, pin_memory=True), slots=True,
+                         device="cpu")
+    with pytest.raises(ValueError, match="num_slots must be at least"):
+        pinxfer.prefetch(DataLoader(ds, batch_size=4, num_workers=2), slots=True, device="cpu",
+                         num_slots=4)
+    with pytest.raises(TypeError, match="DataLoader"):
+        pinxfer.prefetch([1, 2], slots=True, device="cpu")
+    with pytest.raises(ValueError, match="need slots=True"):
+        pinxfer.prefetch([1, 2], device="cpu", slot_bytes=4096)
+    gc.collect()
+
+
+def test_default_slot_count():
+    loader = DataLoader(Nested(n=8), batch_size=4, num_workers=2, prefetch_factor=2)
+    pf = pinxfer.prefetch(loader, slots=True, device="cpu", depth=2)
+    assert pf.slots.stats()["num_slots"] == 2 * 2 + 2 + 2
+    pf.slots.close()
+    loader = DataLoader(Nested(n=8), batch_size=4, num_workers=2, prefetch_factor=2,
+                        persistent_workers=True)
+    pf = pinxfer.prefetch(loader, slots=True, device="cpu", depth=2)
+    assert pf.slots.stats()["num_slots"] == 2 * 2 * 2 + 2 + 2
+    pf.slots.close()
+
+
+_TRAINER = textwrap.dedent("""
+    import os, signal, sys, time
+    sys.path.insert(0, {root!r})
+    import torch
+    from torch.utils.data import DataLoader
+    import pinxfer
+    from tests.test_slots import Nested
+
+    loader = DataLoader(Nested(n=400), batch_size=4, num_workers=2, multiprocessing_context="fork")
+    pf = pinxfer.prefetch(loader, slots=True, device="cpu", slot_bytes=1 << 16)
+    it = iter(pf)
+    next(it)
+    next(it)
+    os.kill(os.getpid(), signal.SIGKILL)
+""")
+
+
+def test_trainer_killed_leaves_nothing_behind():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    before = shm_files()
+    code = _TRAINER.format(root=root)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    children = set()
+    deadline = time.monotonic() + 30
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
+                children |= {int(p) for p in f.read().split()}
+        except OSError:
+            pass
+        time.sleep(0.02)
+    proc.wait(30)
+    assert proc.returncode == -signal.SIGKILL
+    assert children, "the trainer started no workers"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(os.path.exists(f"/proc/{p}") for p in children):
+        time.sleep(0.1)
+    alive = [p for p in children if os.path.exists(f"/proc/{p}")]
+    assert not alive, f"workers still running after the trainer died: {alive}"
+    left = [f for f in shm_files() - before if f.startswith(("torch_", "pinxfer", "psm_"))]
+    assert not left
+
+
+@pytest.mark.gpu
+def test_gpu_slots_to_device_every_byte():
+    loader = DataLoader(Nested(n=48), batch_size=4, num_workers=2, multiprocessing_context="fork")
+    want = list(loader)
+    with pinxfer.prefetch(loader, slots=True, slot_bytes=1 << 16) as pf:
+        got = [map_tensors(b, lambda t: t.cpu()) for b in pf]
+        st = pf.slots.stats()
+        assert st["lock_kind"] == "cuda_registered"
+        assert st["held"] == 0 and st["pending"] == 0
+    for g, w in zip(got, want):
+        assert_same(g, w)
+
+
+@pytest.mark.gpu
+def test_gpu_slot_views_are_pinned_and_released_after_copy():
+    loader = DataLoader(Nested(n=32), batch_size=4, num_workers=2, multiprocessing_context="fork")
+    pinned = []
+
+    def transfer(batch):
+        pinned.append(all(t.is_pinned() for t in tensors_in(batch)))
+        return pinxfer.to_device(batch)
+
+    with pinxfer.prefetch(loader, slots=True, transfer=transfer, slot_bytes=1 << 16) as pf:
+        for b in pf:
+            assert all(t.is_cuda for t in tensors_in(b))
+            assert pf.slots.stats()["pending"] <= pf.depth + 1
+    assert pinned and all(pinned)
