@@ -18,13 +18,8 @@ StagingMode effective_mode(StagingMode mode) {
 }
 }  // namespace
 
-bool stage_policy_needs_stream_state(StagingMode mode, int64_t cached_tail, size_t nbytes) {
-  return effective_mode(mode) == StagingMode::kAuto && cached_tail < 0 &&
-         settings().cached_tail < 0 && nbytes >= kStreamingCachedMinBytes;
-}
-
 StagePolicy stage_policy(StagingMode mode, int64_t cached_tail, size_t nbytes,
-                         bool copy_stream_busy) {
+                         const std::function<bool()>& copy_stream_busy) {
   StagePolicy policy;
   switch (effective_mode(mode)) {
     case StagingMode::kNontemporal:
@@ -39,7 +34,7 @@ StagePolicy stage_policy(StagingMode mode, int64_t cached_tail, size_t nbytes,
   if (cached_tail < 0) cached_tail = settings().cached_tail;
   if (cached_tail >= 0) {
     policy.cached_tail = static_cast<size_t>(cached_tail);
-  } else if (copy_stream_busy && nbytes >= kStreamingCachedMinBytes) {
+  } else if (nbytes >= kStreamingCachedMinBytes && copy_stream_busy()) {
     policy.cached_tail = 0;
   }
   return policy;

@@ -20,6 +20,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 
 #include "runtime/settings.h"
 
@@ -38,12 +39,10 @@ struct StagePolicy {
 // The policy for one transfer. `mode` is the caller's argument; kAuto defers
 // to PINXFER_STAGE_COPY when that is set (an override for benchmarks), else
 // chooses per chunk. cached_tail < 0 means "auto": PINXFER_CACHED_TAIL, else
-// 16 MiB, or 0 when copy_stream_busy and nbytes >= 32 MiB.
+// 16 MiB, or 0 when nbytes >= 32 MiB and copy_stream_busy() (called only then:
+// it queries the stream).
 StagePolicy stage_policy(StagingMode mode, int64_t cached_tail, size_t nbytes,
-                         bool copy_stream_busy);
-// Whether stage_policy() would look at copy_stream_busy for these arguments
-// (so callers query the stream only when it matters).
-bool stage_policy_needs_stream_state(StagingMode mode, int64_t cached_tail, size_t nbytes);
+                         const std::function<bool()>& copy_stream_busy);
 
 // Copies n bytes; after nontemporal stores an sfence makes them visible before
 // the caller publishes "piece done" to the thread that queues the DMA.

@@ -142,13 +142,6 @@ void return_staging(std::vector<c10::DataPtr>& blocks, PinnedPool& pool,
   blocks.clear();
 }
 
-StagePolicy policy_for(const StagingOptions& o, size_t nbytes,
-                       const c10::cuda::CUDAStream& stream) {
-  const bool busy =
-      stage_policy_needs_stream_state(o.mode, o.cached_tail, nbytes) && stream_busy(stream);
-  return stage_policy(o.mode, o.cached_tail, nbytes, busy);
-}
-
 }  // namespace
 
 void pipelined_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex device,
@@ -163,7 +156,8 @@ void pipelined_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex dev
   pl.nbytes = src.nbytes();
   pl.plan = plan_chunks(pl.nbytes, options.chunk_bytes, options.num_buffers,
                         static_cast<size_t>(threads.num_threads()));
-  pl.policy = policy_for(options, pl.nbytes, stream);
+  pl.policy = stage_policy(options.mode, options.cached_tail, pl.nbytes,
+                           [&stream] { return stream_busy(stream); });
   pl.device = device;
   const size_t chunks = pl.plan.num_chunks();
   pl.left.reset(new std::atomic<size_t>[chunks]);
@@ -208,7 +202,7 @@ void packed_copy(const std::vector<at::Tensor>& srcs, const std::vector<size_t>&
   {
     Range range("pinxfer::stage");
     // Small tensors, read by the DMA at once: nontemporal unless overridden.
-    const StagePolicy policy = stage_policy(StagingMode::kAuto, -1, 0, false);
+    const StagePolicy policy = stage_policy(StagingMode::kAuto, -1, 0, [] { return false; });
     auto pack = [&](size_t begin, size_t end) {
       for (size_t i = begin; i < end; ++i) {
         stage_copy(base + offsets[i], static_cast<const char*>(srcs[i].const_data_ptr()),
