@@ -108,3 +108,31 @@ def _report_pool_growth(request):
     if after != before:
         with open(_LEAK_REPORT, "a") as f:
             f.write(f"{request.node.nodeid}: allocated_bytes {before} -> {after} ({after - before:+d})\n")
+
+
+# Source text for child scripts (no braces: callers may str.format() around it).
+# drop_cap_ipc_lock() removes CAP_IPC_LOCK (effective and permitted) from the child,
+# so RLIMIT_MEMLOCK applies to it even when the tests run as root; it returns
+# "dropped", "not held", "unknown" (capget failed) or why capset refused.
+DROP_CAP_IPC_LOCK = """
+import ctypes
+
+def drop_cap_ipc_lock():
+    CAP_IPC_LOCK = 14
+    libc = ctypes.CDLL(None, use_errno=True)
+    class Hdr(ctypes.Structure):
+        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+    class Data(ctypes.Structure):
+        _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32),
+                    ("inheritable", ctypes.c_uint32)]
+    hdr, data = Hdr(0x20080522, 0), (Data * 2)()
+    if libc.capget(ctypes.byref(hdr), data) != 0:
+        return "unknown"
+    if not data[0].effective & (1 << CAP_IPC_LOCK):
+        return "not held"
+    data[0].effective &= ~(1 << CAP_IPC_LOCK)
+    data[0].permitted &= ~(1 << CAP_IPC_LOCK)
+    if libc.capset(ctypes.byref(hdr), data) == 0:
+        return "dropped"
+    return "capset refused: errno %d" % ctypes.get_errno()
+"""

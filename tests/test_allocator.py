@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import pinxfer
-from tests.conftest import HAS_CUDA, MLOCK_IS_REAL, SANITIZER, vm_locked_kib
+from tests.conftest import DROP_CAP_IPC_LOCK, HAS_CUDA, MLOCK_IS_REAL, SANITIZER, vm_locked_kib
 
 MiB = 1 << 20
 KiB = 1 << 10
@@ -374,20 +374,9 @@ def test_fallback_when_locking_is_refused():
     if not MLOCK_IS_REAL:
         pytest.skip(f"under {SANITIZER or 'this runtime'} mlock is intercepted and never fails, "
                     "so there is no refusal to fall back from")
-    code = textwrap.dedent("""
-        import ctypes, resource, warnings, torch
-        libc = ctypes.CDLL(None, use_errno=True)
-        class Hdr(ctypes.Structure):
-            _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
-        class Data(ctypes.Structure):
-            _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32),
-                        ("inheritable", ctypes.c_uint32)]
-        hdr, data = Hdr(0x20080522, 0), (Data * 2)()
-        assert libc.capget(ctypes.byref(hdr), data) == 0
-        CAP_IPC_LOCK = 14
-        data[0].effective &= ~(1 << CAP_IPC_LOCK)
-        data[0].permitted &= ~(1 << CAP_IPC_LOCK)
-        assert libc.capset(ctypes.byref(hdr), data) == 0
+    code = DROP_CAP_IPC_LOCK + textwrap.dedent("""
+        import resource, warnings, torch
+        assert drop_cap_ipc_lock() in ("dropped", "not held")
         resource.setrlimit(resource.RLIMIT_MEMLOCK, (64 << 10, 64 << 10))
         import pinxfer
         with warnings.catch_warnings(record=True) as caught:

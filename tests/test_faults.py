@@ -26,7 +26,7 @@ import torch
 
 import pinxfer
 
-from .conftest import HAS_CUDA, vm_locked_kib
+from .conftest import DROP_CAP_IPC_LOCK, HAS_CUDA, vm_locked_kib
 
 MiB = 1 << 20
 KiB = 1 << 10
@@ -59,30 +59,14 @@ def last_json(out: subprocess.CompletedProcess) -> dict:
 # Drops CAP_IPC_LOCK from the child's effective and permitted sets (capset(2)),
 # sets RLIMIT_MEMLOCK itself when prlimit(1) is not there, then allocates and
 # reports lock kinds, warnings, VmLck and the pool's stats as JSON.
-_MEMLOCK_CHILD = """
-import ctypes, json, resource, sys, warnings
+_MEMLOCK_CHILD = DROP_CAP_IPC_LOCK + """
+import json, resource, sys, warnings
 
 LIMIT = {limit}
 if not {have_prlimit}:
     resource.setrlimit(resource.RLIMIT_MEMLOCK, (LIMIT, LIMIT))
 
-CAP_IPC_LOCK = 14
-libc = ctypes.CDLL(None, use_errno=True)
-class Hdr(ctypes.Structure):
-    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
-class Data(ctypes.Structure):
-    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32),
-                ("inheritable", ctypes.c_uint32)]
-hdr, data = Hdr(0x20080522, 0), (Data * 2)()
-caps = "unknown"
-if libc.capget(ctypes.byref(hdr), data) == 0:
-    if not data[0].effective & (1 << CAP_IPC_LOCK):
-        caps = "not held"
-    else:
-        data[0].effective &= ~(1 << CAP_IPC_LOCK)
-        data[0].permitted &= ~(1 << CAP_IPC_LOCK)
-        caps = "dropped" if libc.capset(ctypes.byref(hdr), data) == 0 else (
-            "capset refused: errno %d" % ctypes.get_errno())
+caps = drop_cap_ipc_lock()
 
 def vmlck():
     with open("/proc/self/status") as f:
