@@ -101,6 +101,10 @@ TORCH_LIBRARY(pinxfer, m) {
   m.def("to_device_many(Tensor[] tensors, Device device) -> Tensor[]");
   // The stream pinxfer's H2D copies to a device run on: (stream_id, device_index, device_type).
   m.def("copy_stream(Device device) -> int[]");
+  // Drops pinxfer's references to pinned sources whose copies to `device` have finished
+  // (each transfer does this first; an owner about to free pinned memory, such as the
+  // slot ring, calls it after waiting for its copies so that nothing keeps the memory).
+  m.def("release_finished_sources(Device device) -> ()");
   // TEST-ONLY: how to_device would cut a transfer (csrc/ops/chunk_plan_ops.cpp): chunk
   // bounds, pieces as (chunk, begin, end) triples, ring slots (0: one block), slot bytes,
   // threads.

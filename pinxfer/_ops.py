@@ -431,6 +431,14 @@ def copy_stream(device: torch.device) -> tuple[int, int, int]:
     return int(stream_id), int(device_index), int(device_type)
 
 
+def release_finished_sources(device: torch.device) -> None:
+    """Drops pinxfer's references to pinned source tensors whose copies to ``device`` have
+    finished (a pinned source is kept alive until its copy ran; the next transfer to the
+    device drops it, or this call). Call it after waiting for the copies, before freeing
+    pinned memory that must not outlive its owner (the slot ring does)."""
+    _lib.release_finished_sources(device)
+
+
 def _chunk_plan(nbytes: int, chunk_bytes: int, num_buffers: int,
                 num_threads: int) -> tuple[list[int], list[int], int, int, int]:
     """TEST-ONLY: how to_device would cut a transfer: chunk bounds, pieces as flattened

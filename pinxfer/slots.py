@@ -108,7 +108,7 @@ from torch.utils.data import DataLoader
 from torch.utils.data._utils.collate import collate, default_collate, default_collate_fn_map, default_convert
 
 from pinxfer import _batch
-from pinxfer._ops import inplace_lock_kind, plain_dense_cpu
+from pinxfer._ops import inplace_lock_kind, plain_dense_cpu, release_finished_sources
 from pinxfer.pin import pin_, unpin_
 
 __all__ = ["SlotBatch", "SlotLease", "SlotSource", "SlotTransfer"]
@@ -401,7 +401,11 @@ class _Ring:
         self.base: Optional[torch.Tensor] = None
         self.pinned = False
         self.epoch = 0
-        self.pending: collections.deque = collections.deque()  # (event, slot, pid, seq)
+        self.pending: collections.deque = collections.deque()  # (event, slot)
+        # CUDA devices the slots were copied to: close() asks each to drop its references
+        # to finished pinned sources, which would otherwise keep the mapping (and the
+        # memfd mmap holds) until the next transfer to that device.
+        self.copy_devices: set[torch.device] = set()
         self.held: dict[int, tuple[int, int]] = {}  # slot -> (pid, seq) of its batch
         self.last_seq: dict[int, int] = {}
         self.stats = {"batches": 0, "slot_batches": 0, "reclaimed": 0,
@@ -560,13 +564,26 @@ class _Ring:
             for slot in list(self.held):
                 self.release(slot)
 
+    def note_copies_to(self, out: Any) -> None:
+        """Remembers the CUDA devices of a transfer's result (see ``copy_devices``)."""
+        for t in _batch.tensors_in(out):
+            if t.is_cuda:
+                with self.lock:
+                    self.copy_devices.add(t.device)
+
     def close(self) -> None:
         with self.lock:
             if self.closed:
                 return
             self.closed = True
+            # The finaliser can get here while copies still read slots: wait for them
+            # before the memory is unregistered and unmapped.
+            for event, _ in self.pending:
+                event.synchronize()
             self.pending.clear()
             self.held.clear()
+            for device in self.copy_devices:
+                release_finished_sources(device)
             base, self.base = self.base, None
             if base is not None and self.pinned:
                 try:
@@ -599,6 +616,7 @@ class SlotLease:
         tensors are views of that one buffer (64-byte aligned offsets)."""
         region = self._ring.view_of(self._slot, _TensorRef(0, torch.uint8, (self.nbytes,)))
         buf = copy(region)
+        self._ring.note_copies_to(buf)
         return _rebuild(self.structure, buf)
 
     def done(self, event: Any = None, out: Any = None) -> None:
@@ -607,6 +625,8 @@ class SlotLease:
         ring, self._ring = self._ring, None
         if ring is None:
             return
+        if out is not None:
+            ring.note_copies_to(out)
         try:
             if event is None and out is not None:
                 for t in _batch.tensors_in(out):
@@ -699,6 +719,10 @@ class SlotSource:
 
     def _decode(self, item: Any) -> Any:
         ring = self._ring
+        if ring.closed:
+            raise RuntimeError("pinxfer.prefetch(slots=True): the slot ring was closed while its "
+                               "loader was still being iterated; close the Prefetcher (or leave "
+                               "its `with` block) before calling slots.close()")
         with ring.lock:
             ring.stats["batches"] += 1
         if isinstance(item, SlotBatch):

@@ -19,13 +19,22 @@
 #   bus       benchmarks/bench_bus.py: ratios to the pinned ceiling (one process; with 2+ GPUs
 #             also 2 torchrun ranks at once); bus.json (+ bus_rank0/1.json). Set
 #             PINXFER_MACHINE_KIND (e.g. nvidia-h100-x1) to name the machine in the JSON.
-#   all       all of the above (more than one 10-minute device call: pick subsets)
+#   ab        benchmarks/bench_ab.py: this checkout against an older build, alternating fresh
+#             processes round by round (same run, before vs after). AB_BEFORE_TAR names a tar of
+#             the older tree (e.g. `git archive -o ab_before.tar 47d9773`, left untracked); it is
+#             built in /tmp/ab_before with the compiler that built this one. ab.json.
+#   loader    benchmarks/bench_loader.py: a worker-fed DataLoader, pin_memory=True vs prefetch
+#             (staging) vs prefetch(slots=True). loader.json.
+#   all       all of the above but ab and loader (more than one 10-minute device call: pick
+#             subsets)
 #
 # Environment:
 #   OUT                   output folder (default ./gpu_out)
 #   SKIP_BUILD            1: use the pinxfer/_C*.so already in the checkout (a second call
 #                         on a warm machine); the C++ exception check still runs
 #   PYTEST_K              pytest -k expression for the test step (or -k on the command line)
+#   PYTEST_M              pytest -m expression for the test step (e.g. "gpu": the GPU tests only,
+#                         when CI has just run the CPU ones)
 #   STRESS_SECONDS        seconds per stress mode (default 90)
 #   STRESS_MIN_TRANSFERS  fewest checked tensors per mode (default 100000)
 #   STRESS_ARGS           more stress_gpu.py arguments (e.g. "--threads 4 --seed 3")
@@ -55,7 +64,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 
 # ---- arguments: step names (separate or in one quoted list), -k EXPR, else a -k expression
-STEP_WORDS="all sweep test stress memcheck bench bus"
+STEP_WORDS="all sweep test stress memcheck bench bus ab loader"
 steps=""
 kexpr=${PYTEST_K:-}
 while [ $# -gt 0 ]; do
@@ -73,7 +82,12 @@ while [ $# -gt 0 ]; do
   shift
 done
 [ -z "${steps// /}" ] && steps=all
-want() { case " $steps " in *" all "* | *" $1 "*) return 0 ;; esac; return 1; }
+want() {  # ab and loader only when named
+  case " $steps " in *" $1 "*) return 0 ;; esac
+  case "$1" in ab | loader) return 1 ;; esac
+  case " $steps " in *" all "*) return 0 ;; esac
+  return 1
+}
 echo "steps:$steps${kexpr:+ (pytest -k \"$kexpr\")}"
 
 # ---- step bookkeeping: every step records OK or FAILED (why); the summary decides the exit
@@ -196,7 +210,7 @@ for where in ('before CUDA use', 'after CUDA use'):
   # Plain pytest in this process: a crash ends the run and fails the step (xdist
   # would replace the crashed worker and go on, hiding it).
   python3 -X faulthandler -m pytest -q -rs $xdist_off -p no:cacheprovider --junitxml "$OUT/junit.xml" \
-    ${kexpr:+-k "$kexpr"} tests > /tmp/pinxfer_pytest.log 2>&1
+    ${kexpr:+-k "$kexpr"} ${PYTEST_M:+-m "$PYTEST_M"} tests > /tmp/pinxfer_pytest.log 2>&1
   rc=$?
   if [ "$rc" -gt 128 ] && grep -q "Fatal Python error" /tmp/pinxfer_pytest.log; then
     grep -B8 -A60 -m1 "Fatal Python error" /tmp/pinxfer_pytest.log | head -80  # the crash
@@ -331,6 +345,38 @@ if want bus; then
   fi
   echo "bus: $(( $(date +%s) - t0 )) s"
   record bus "$(status_of "$bus_rc")"
+fi
+
+if want ab; then
+  t0=$(date +%s)
+  ab_rc=0
+  if [ -z "${AB_BEFORE_TAR:-}" ] || [ ! -f "$AB_BEFORE_TAR" ]; then
+    echo "ab: AB_BEFORE_TAR is not a file (${AB_BEFORE_TAR:-unset})"; ab_rc=2
+  else
+    rm -rf /tmp/ab_before && mkdir -p /tmp/ab_before && tar -xf "$AB_BEFORE_TAR" -C /tmp/ab_before
+    cxx=$(command -v g++-12 || echo c++)
+    (cd /tmp/ab_before && CXX=$cxx MAX_JOBS=16 python3 setup.py build_ext --inplace \
+      > /tmp/ab_before_build.log 2>&1) || { tail -30 /tmp/ab_before_build.log; ab_rc=3; }
+    echo "ab: built the older tree with $cxx in $(( $(date +%s) - t0 )) s"
+    if [ "$ab_rc" -eq 0 ]; then
+      timeout 540 python3 "$REPO/benchmarks/bench_ab.py" --before /tmp/ab_before --after "$REPO" \
+        --before-label "${AB_BEFORE_LABEL:-before}" --after-label "${AB_AFTER_LABEL:-after}" \
+        --rounds "${AB_ROUNDS:-3}" --kind "${PINXFER_MACHINE_KIND:-unknown}" \
+        --out "$OUT/ab.json" 2>&1 | tail -25
+      ab_rc=${PIPESTATUS[0]}
+    fi
+  fi
+  echo "ab: $(( $(date +%s) - t0 )) s"
+  record ab "$(status_of "$ab_rc")"
+fi
+
+if want loader; then
+  t0=$(date +%s)
+  timeout 540 python3 "$REPO/benchmarks/bench_loader.py" --kind "${PINXFER_MACHINE_KIND:-unknown}" \
+    --out "$OUT/loader.json" ${LOADER_ARGS:-} 2>&1 | tail -40
+  rc=${PIPESTATUS[0]}
+  echo "loader: $(( $(date +%s) - t0 )) s"
+  record loader "$(status_of "$rc")"
 fi
 
 finish

@@ -84,6 +84,7 @@ GPU_CASES = {
     "to_device": (lambda: (torch.randn(1000), _cuda(), 1 << 20, 2), {}, ALL),
     "to_device_many": (lambda: ([torch.randn(3), torch.arange(5)], _cuda()), {}, ALL),
     "copy_stream": (lambda: (_cuda(),), {}, ALL),
+    "release_finished_sources": (lambda: (_cuda(),), {}, ALL),
 }
 # Cases with their own tests below: pin_memory (several layouts), pin_ and unpin_ (they
 # change the memory of their argument), install (must be undone).

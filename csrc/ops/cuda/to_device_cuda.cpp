@@ -129,6 +129,11 @@ std::vector<int64_t> copy_stream_op(c10::Device device) {
   return {s.id(), static_cast<int64_t>(s.device_index()), static_cast<int64_t>(s.device_type())};
 }
 
+void release_finished_sources_op(c10::Device device) {
+  check_cuda_usable("release_finished_sources");
+  transfer::release_finished_sources(resolve_device(device, "release_finished_sources"));
+}
+
 }  // namespace
 
 // Both transfer ops take CPU tensors, so they dispatch on the CPU key; the
@@ -140,6 +145,7 @@ TORCH_LIBRARY_IMPL(pinxfer, CPU, m) {
 
 TORCH_LIBRARY_IMPL(pinxfer, CompositeExplicitAutograd, m) {
   m.impl("copy_stream", &copy_stream_op);
+  m.impl("release_finished_sources", &release_finished_sources_op);
 }
 
 }  // namespace pinxfer::ops
