@@ -7,8 +7,8 @@ one per rank under torchrun) feeds a GPU step from a DataLoader with 8 workers, 
   pin_memory  ``DataLoader(pin_memory=True)``, then ``.to(device, non_blocking=True)`` per
               batch (torch's idiom: the workers write the batch to shared memory, the
               trainer's pin thread copies it again into pinned memory, then the DMA)
-  staging     ``pinxfer.prefetch(DataLoader(pin_memory=False))`` (today's default: the
-              trainer's copy threads stage the shared-memory batch into pinned chunks)
+  staging     ``pinxfer.prefetch(DataLoader(pin_memory=False), slots=False)`` (the trainer's
+              copy threads stage the shared-memory batch into pinned chunks)
   slots       ``pinxfer.prefetch(DataLoader(pin_memory=False), slots=True, slot_bytes=...)``
               (the workers collate straight into a pinned ring; the DMA reads it there)
 
@@ -79,7 +79,7 @@ DEPTH = 2  # pinxfer.prefetch's default depth
 STEPS = ("transfer_bound", "compute_bound")
 WAYS = {  # key -> what it is
     "pin_memory": "DataLoader(pin_memory=True) + .to(device, non_blocking=True)",
-    "staging": "pinxfer.prefetch(DataLoader(pin_memory=False))",
+    "staging": "pinxfer.prefetch(DataLoader(pin_memory=False), slots=False)",
     "slots": "pinxfer.prefetch(DataLoader(pin_memory=False), slots=True, slot_bytes=batch bytes)",
 }
 # Issue 13's targets: (ratio name, comparison, bound, the step kind it applies to).

@@ -348,7 +348,7 @@ def section_workers(quick: bool) -> list[dict]:
                                                  num_workers=workers, pin_memory=torch_way)
             pf = None
             if not torch_way:  # slots: sized up front so that no warm-up batch falls back
-                pf = pinxfer.prefetch(loader, depth=2, slots=slots,
+                pf = pinxfer.prefetch(loader, depth=2, slots=slots,  # False: the staging way
                                       slot_bytes=ROWS * COLS * 4 if slots else None)
             it = iter(loader) if torch_way else iter(pf)
             for _ in range(warm):  # workers started, queues filled: steady state below

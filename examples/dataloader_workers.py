@@ -1,17 +1,17 @@
 """A DataLoader with worker processes, its batches moved by ``pinxfer.prefetch``.
 
-Workers build batches in pageable memory (``pin_memory=False``: no pin thread,
-no second pass over every batch in the main process). ``pinxfer.prefetch`` takes
-the loader as it is and stages each batch to the GPU through pinned buffers on a
-side stream, a batch ahead of the model.
+With ``pin_memory=False`` (no pin thread, no second pass over every batch in the
+main process) ``pinxfer.prefetch`` takes the loader as it is: its workers collate
+each batch straight into a pinned shared-memory slot, and the copy to the GPU reads
+it there on a side stream, a batch ahead of the model. ``--no-slots`` opts out:
+workers build batches in shared memory and pinxfer stages them through pinned buffers.
 
     python examples/dataloader_workers.py --steps 50 --workers 4
-    python examples/dataloader_workers.py --slots   # opt-in: workers write into pinned slots
+    python examples/dataloader_workers.py --no-slots
 """
 from __future__ import annotations
 
 import argparse
-import itertools
 import time
 
 import torch
@@ -39,8 +39,8 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=20, help="batches to consume (default 20)")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--workers", type=int, default=2, help="DataLoader worker processes (default 2)")
-    p.add_argument("--slots", action="store_true",
-                   help="prefetch(loader, slots=True): workers collate into pinned shared-memory slots")
+    p.add_argument("--no-slots", action="store_true",
+                   help="prefetch(loader, slots=False): stage batches instead of batch slots")
     args = p.parse_args()
 
     reason = pinxfer.cuda_unavailable_reason()
@@ -52,7 +52,7 @@ def main() -> int:
         SyntheticImages(args.steps * args.batch_size),
         batch_size=args.batch_size,
         num_workers=args.workers,
-        pin_memory=False,  # pinxfer stages the copy; no pin thread needed
+        pin_memory=False,  # the workers write pinned slots; no pin thread needed
         persistent_workers=False,
     )
     model = torch.nn.Sequential(
@@ -64,8 +64,8 @@ def main() -> int:
     checksum = torch.zeros((), device=device)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    source = loader if args.slots else itertools.islice(loader, args.steps)  # slots needs the loader
-    for images, labels in pinxfer.prefetch(source, device=device, slots=args.slots):
+    slots = False if args.no_slots else None  # None: slots, as for any worker-fed loader
+    for images, labels in pinxfer.prefetch(loader, device=device, slots=slots):
         assert images.device == device and labels.device == device
         with torch.no_grad():
             checksum += model(images).float().sum() + labels.sum()

@@ -29,12 +29,14 @@ from __future__ import annotations
 
 import functools
 import itertools
+import os
 import queue
 import sys
 import threading
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
+from torch.utils.data import DataLoader
 
 from pinxfer._batch import tensors_in
 from pinxfer.slots import SlotLease, SlotSource, SlotTransfer
@@ -308,10 +310,29 @@ def _identity(batch: Any) -> Any:
     return batch
 
 
+def _slots_by_default(iterable: Iterable, device: Optional[DeviceLike],
+                      transfer: Optional[Callable[[Any], Any]]) -> bool:
+    """Whether ``prefetch(..., slots=None)`` uses batch slots: a DataLoader whose workers
+    can write them (num_workers > 0, pin_memory=False), copied to a GPU by the default
+    transfer (a custom one may keep views of a slot past its copy; on the CPU a slot
+    only adds a copy), where memfd_create exists (Linux)."""
+    if transfer is not None or not hasattr(os, "memfd_create"):
+        return False
+    if not isinstance(iterable, DataLoader):
+        return False
+    if iterable.num_workers < 1 or iterable.pin_memory:
+        return False
+    if device is None:
+        return cuda_unavailable_reason() is None
+    if isinstance(device, int):
+        return True
+    return torch.device(device).type == "cuda"
+
+
 def prefetch(iterable: Iterable, device: Optional[DeviceLike] = None, depth: int = 2, *,
              transfer: Optional[Callable[[Any], Any]] = None,
              chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-             num_buffers: int = DEFAULT_NUM_BUFFERS, slots: bool = False,
+             num_buffers: int = DEFAULT_NUM_BUFFERS, slots: Optional[bool] = None,
              slot_bytes: Optional[int] = None, num_slots: Optional[int] = None) -> Prefetcher:
     """Wraps an iterable so that its batches reach the GPU ahead of use.
 
@@ -339,13 +360,16 @@ def prefetch(iterable: Iterable, device: Optional[DeviceLike] = None, depth: int
             stream current when ``device`` is a GPU.
         chunk_bytes: largest staging chunk of ``to_device``.
         num_buffers: staging chunks of ``to_device``'s ring.
-        slots: opt-in, not yet measured on a GPU: ``iterable`` must be a
-            ``DataLoader(num_workers > 0, pin_memory=False)``; its workers write
-            each batch straight into a ring of pinned shared-memory slots and the
-            copy reads it there (see :mod:`pinxfer.slots`). The ring lives until the
-            Prefetcher is collected, leaves a ``with`` block, or ``.slots.close()``;
-            ``.slots.stats()`` counts slot batches and fallbacks. With
-            ``device="cpu"`` the default transfer copies each batch out of its slot.
+        slots: batch slots (see :mod:`pinxfer.slots`): the DataLoader's workers
+            write each batch straight into a ring of pinned shared-memory slots and
+            the copy reads it there -- no pin thread, no staging copy. None (the
+            default): used when ``iterable`` is a ``DataLoader(num_workers > 0,
+            pin_memory=False)``, the device is a GPU and ``transfer`` is not given;
+            False: never (the opt-out); True: required (``iterable`` must be such a
+            DataLoader; with ``device="cpu"`` the default transfer copies each batch
+            out of its slot). The ring lives until the Prefetcher is collected,
+            leaves a ``with`` block, or ``.slots.close()``; ``.slots.stats()`` counts
+            slot batches and fallbacks (batches that do not fit take the staging path).
         slot_bytes: bytes per slot; None: 1.25x the first batch.
         num_slots: slots in the ring; None: ``num_workers * prefetch_factor``
             (twice that with persistent workers) ``+ depth + 2``.
@@ -355,9 +379,14 @@ def prefetch(iterable: Iterable, device: Optional[DeviceLike] = None, depth: int
         ``len()`` it when the source has a length, ``close()`` it or use it as a
         context manager.
     """
+    if slots is None:
+        slots = _slots_by_default(iterable, device, transfer)
     if slots:
         iterable = SlotSource(iterable, depth=depth, slot_bytes=slot_bytes, num_slots=num_slots)
     elif slot_bytes is not None or num_slots is not None:
-        raise ValueError("pinxfer.prefetch: slot_bytes and num_slots need slots=True")
+        raise ValueError("pinxfer.prefetch: slot_bytes and num_slots are for batch slots, which "
+                         "this call does not use (slots=False, or the source is not a "
+                         "DataLoader(num_workers > 0, pin_memory=False) feeding a GPU); drop "
+                         "them or pass slots=True")
     return Prefetcher(iterable, device=device, depth=depth, transfer=transfer,
                       chunk_bytes=chunk_bytes, num_buffers=num_buffers)

@@ -1,7 +1,8 @@
 """Batch slots: DataLoader workers write batches straight into pinned shared memory.
 
-``pinxfer.prefetch(loader, slots=True)`` (opt-in, not yet measured on a GPU) on a
-``DataLoader(num_workers > 0, pin_memory=False)``. Without slots a worker-built
+``pinxfer.prefetch(loader)`` on a ``DataLoader(num_workers > 0, pin_memory=False)``
+feeding a GPU (the default there; ``slots=False`` opts out, ``slots=True`` also on the
+CPU). Without slots a worker-built
 batch is copied twice on the host before its DMA: into shared memory by the worker,
 then into pinned staging by the trainer. With slots it is written once, by the
 worker, into memory the trainer has already page-locked, and the DMA reads it there.
@@ -682,6 +683,7 @@ class SlotSource:
         self._loader.__dict__["collate_fn"] = _SlotCollate(ring.handle, loader.collate_fn)
         self._loader.__dict__["worker_init_fn"] = _SlotWorkerInit(ring.handle, loader.worker_init_fn)
         self._pass: Optional[_SlotPass] = None
+        self._warned_too_big = False
         self._finalizer = weakref.finalize(self, _close, self._loader, ring)
 
     @property
@@ -735,6 +737,15 @@ class SlotSource:
         if isinstance(item, _Fallback):
             with ring.lock:
                 ring.stats["fallbacks"][item.reason] += 1
+                too_big, seen = ring.stats["fallbacks"]["too_big"], ring.stats["batches"]
+                warn = not self._warned_too_big and seen >= 16 and too_big * 2 > seen
+                self._warned_too_big |= warn
+            if warn:
+                warnings.warn(
+                    f"pinxfer.prefetch: {too_big} of the first {seen} batches did not fit the "
+                    f"batch slots ({ring.slot_bytes} B each, sized from the first batch) and "
+                    "took the staging path; pass slot_bytes= the largest batch's bytes (or "
+                    "slots=False)", RuntimeWarning, stacklevel=2)
             if item.reason == "sizing" and not ring.slot_bytes:
                 need = _bytes_in_slot(item.batch)
                 if need:

@@ -376,9 +376,11 @@ def test_gpu_doctor_lists_every_gpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["train_loop.py", "dataloader_workers.py", "lightning_hook.py"])
-def test_gpu_example_runs(name):
-    proc = _run([f"examples/{name}", "--steps", "3"], timeout=180)
+@pytest.mark.parametrize("name, extra", [("train_loop.py", []), ("dataloader_workers.py", []),
+                                         ("dataloader_workers.py", ["--no-slots"]),
+                                         ("lightning_hook.py", [])])
+def test_gpu_example_runs(name, extra):
+    proc = _run([f"examples/{name}", "--steps", "3", *extra], timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.strip().splitlines()[-1].startswith(name[:-3] + ":")
 

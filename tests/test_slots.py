@@ -431,64 +431,57 @@ def test_arguments_checked():
                          num_slots=4)
     with pytest.raises(TypeError, match="DataLoader"):
         pinxfer.prefetch([1, 2], slots=True, device="cpu")
-    with pytest.raises(ValueError, match="need slots=True"):
+    with pytest.raises(ValueError, match="slot_bytes and num_slots are for batch slots"):
         pinxfer.prefetch([1, 2], device="cpu", slot_bytes=4096)
+    with pytest.raises(ValueError, match="slots=False"):
+        pinxfer.prefetch(DataLoader(ds, batch_size=4, num_workers=2), slots=False, device="cpu",
+                         num_slots=64)
     gc.collect()
 
 
-def test_default_slot_count():
-    loader = DataLoader(Nested(n=8), batch_size=4, num_workers=2, prefetch_factor=2)
-    pf = pinxfer.prefetch(loader, slots=True, device="cpu", depth=2)
-    assert pf.slots.stats()["num_slots"] == 2 * 2 + 2 + 2
-    pf.slots.close()
-    loader = DataLoader(Nested(n=8), batch_size=4, num_workers=2, prefetch_factor=2,
-                        persistent_workers=True)
-    pf = pinxfer.prefetch(loader, slots=True, device="cpu", depth=2)
-    assert pf.slots.stats()["num_slots"] == 2 * 2 * 2 + 2 + 2
-    pf.slots.close()
+def test_slots_by_default_only_for_worker_loaders_feeding_a_gpu():
+    from pinxfer.prefetch import _slots_by_default
+
+    ds = Nested(n=8)
+    workers = DataLoader(ds, batch_size=4, num_workers=2)
+    assert _slots_by_default(workers, "cuda", None)
+    assert _slots_by_default(workers, 0, None)
+    assert _slots_by_default(workers, torch.device("cuda", 1), None)
+    assert _slots_by_default(workers, None, None) == HAS_CUDA  # None: the current GPU, if any
+    assert not _slots_by_default(workers, "cpu", None)  # on the CPU a slot only adds a copy
+    assert not _slots_by_default(workers, "cuda", lambda b: b)  # a custom transfer may keep views
+    assert not _slots_by_default(DataLoader(ds, batch_size=4), "cuda", None)  # no workers
+    assert not _slots_by_default(DataLoader(ds, batch_size=4, num_workers=2, pin_memory=True),
+                                 "cuda", None)
+    assert not _slots_by_default([torch.ones(2)], "cuda", None)
+    # Through prefetch: on the CPU the default is no slots, and nothing is created.
+    pf = pinxfer.prefetch(workers, device="cpu")
+    assert pf.slots is None
+    assert len(list(pf)) == 2
+    assert not memfds()
 
 
-_TRAINER = textwrap.dedent("""
-    import os, signal, sys, time
-    sys.path.insert(0, {root!r})
-    import torch
-    from torch.utils.data import DataLoader
-    import pinxfer
-    from tests.test_slots import Nested
+class MostlyBig(Dataset):
+    """For batch_size=None: item i is 1 KiB when i % 4 == 0, else 256 KiB."""
 
-    loader = DataLoader(Nested(n=400), batch_size=4, num_workers=2, multiprocessing_context="fork")
-    pf = pinxfer.prefetch(loader, slots=True, device="cpu", slot_bytes=1 << 16)
-    it = iter(pf)
-    next(it)
-    next(it)
-    os.kill(os.getpid(), signal.SIGKILL)
-""")
+    def __len__(self):
+        return 40
+
+    def __getitem__(self, i):
+        return torch.full((256 if i % 4 == 0 else 65536,), float(i))
 
 
-def test_trainer_killed_leaves_nothing_behind():
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    before = shm_files()
-    code = _TRAINER.format(root=root)
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    children = set()
-    deadline = time.monotonic() + 30
-    while proc.poll() is None and time.monotonic() < deadline:
-        try:
-            with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
-                children |= {int(p) for p in f.read().split()}
-        except OSError:
-            pass
-        time.sleep(0.02)
-    proc.wait(30)
-    assert proc.returncode == -signal.SIGKILL
-    assert children, "the trainer started no workers"
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and any(os.path.exists(f"/proc/{p}") for p in children):
-        time.sleep(0.1)
-    alive = [p for p in children if os.path.exists(f"/proc/{p}")]
-    assert not alive, f"workers still running after the trainer died: {alive}"
-    left = [f for f in shm_files() - before if f.startswith(("torch_", "pinxfer", "psm_"))]
-    assert not left
+def test_warns_when_most_batches_do_not_fit():
+    # Item 0 sizes the ring (1.25x 1 KiB, rounded up to 64 KiB); three items in four are
+    # 256 KiB and fall back.
+    loader = DataLoader(MostlyBig(), batch_size=None, num_workers=2, multiprocessing_context="fork")
+    with pytest.warns(RuntimeWarning, match="did not fit the batch slots.*slot_bytes="):
+        with pinxfer.prefetch(loader, slots=True, device="cpu") as pf:
+            got = list(pf)
+            st = pf.slots.stats()
+    assert [float(t[0]) for t in got] == [float(i) for i in range(40)]
+    assert all(torch.equal(t, MostlyBig()[i]) for i, t in enumerate(got))
+    assert st["fallbacks"]["too_big"] * 2 > st["batches"]
 
 
 @pytest.mark.gpu
@@ -500,6 +493,25 @@ def test_gpu_slots_to_device_every_byte():
         st = pf.slots.stats()
         assert st["lock_kind"] == "cuda_registered"
         assert st["held"] == 0 and st["pending"] == 0
+    for g, w in zip(got, want):
+        assert_same(g, w)
+
+
+@pytest.mark.gpu
+def test_gpu_slots_are_the_default_for_a_worker_loader():
+    loader = DataLoader(Nested(n=32), batch_size=4, num_workers=2, multiprocessing_context="fork")
+    want = list(loader)
+    with pinxfer.prefetch(loader) as pf:
+        assert pf.slots is not None
+        got = [map_tensors(b, lambda t: t.cpu()) for b in pf]
+        st = pf.slots.stats()
+    assert st["slot_batches"] + sum(st["fallbacks"].values()) == len(want)
+    assert st["slot_batches"] >= len(want) - 4  # the first batches size the ring
+    for g, w in zip(got, want):
+        assert_same(g, w)
+    with pinxfer.prefetch(loader, slots=False) as pf:  # the opt-out
+        assert pf.slots is None
+        got = [map_tensors(b, lambda t: t.cpu()) for b in pf]
     for g, w in zip(got, want):
         assert_same(g, w)
 
