@@ -85,6 +85,11 @@ TORCH_LIBRARY(pinxfer, m) {
   // ranks on the host), and the reasoning in one line.
   m.def("copy_threads_for(int affinity_cpus, int online_cpus, float quota_cpus, "
         "int local_world_size) -> (int, str)");
+  // TEST-ONLY: the thread pool of a NUMA node whose CPUs are node_cpus, in a process allowed
+  // on affinity_cpus with this copy-thread budget (from PINXFER_NUM_THREADS or derived):
+  // threads (counting the caller) and the CPUs its workers are bound to ([]: unbound).
+  m.def("_node_pool_plan(int budget, int[] node_cpus, int[] affinity_cpus, "
+        "bool budget_from_env) -> (int, int[])");
   // CPU quota (in CPUs, 0: none) of the cgroup named by /proc/self/cgroup's text, with the
   // cgroup filesystems mounted under cgroup_root.
   m.def("cgroup_quota_cpus(str cgroup_root, str proc_self_cgroup) -> float");

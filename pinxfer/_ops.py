@@ -253,6 +253,15 @@ def copy_threads_for(affinity_cpus: int, online_cpus: int, quota_cpus: float,
     return int(threads), str(why)
 
 
+def _node_pool_plan(budget: int, node_cpus: list[int], affinity_cpus: list[int],
+                    budget_from_env: bool) -> tuple[int, list[int]]:
+    """TEST-ONLY: the thread pool of a NUMA node whose CPUs are ``node_cpus`` in a process
+    allowed on ``affinity_cpus`` with a copy-thread budget of ``budget``: threads (counting
+    the caller) and the CPUs its workers are bound to ([]: unbound)."""
+    threads, cpus = _lib._node_pool_plan(budget, node_cpus, affinity_cpus, budget_from_env)
+    return int(threads), list(cpus)
+
+
 def cgroup_quota_cpus(cgroup_root: str, proc_self_cgroup: str) -> float:
     """CPU quota in CPUs (0: none) of the cgroup named by /proc/self/cgroup's text."""
     return float(_lib.cgroup_quota_cpus(cgroup_root, proc_self_cgroup))

@@ -207,7 +207,8 @@ def pin_memory(
         device: the CUDA device (index, ``'cuda:1'``, ``torch.device``) the batch is
             going to; memory goes to its NUMA node. None: the current device.
         num_threads: most threads for each copy; None or 0: the pool's default
-            (``PINXFER_NUM_THREADS``, else 3/4 of the node's CPUs, at most 16).
+            (the node's share of the process's copy threads: ``PINXFER_NUM_THREADS``,
+            else 3/4 of its CPUs, at most 16, split among the NUMA nodes by their CPUs).
         numa_node: place memory on this NUMA node instead (-1: no binding).
             Exclusive with ``device``.
 

@@ -62,6 +62,7 @@ CPU_CASES = {
     "cuda_device_count": (lambda: (), {}, ALL),
     "settings": (lambda: (), {}, NO_AOT),
     "copy_threads_for": (lambda: (16, 16, 0.0, 2), {}, NO_AOT),
+    "_node_pool_plan": (lambda: (12, [0, 1, 2, 3], list(range(8)), False), {}, ALL),
     "cgroup_quota_cpus": (lambda: ("/sys/fs/cgroup", "0::/\n"), {}, ALL),
     "cuda_unusable_reason": (lambda: (), {}, NO_AOT),
     "_chunk_plan": (lambda: (40 << 20, 16 << 20, 2, 4), {}, ALL),

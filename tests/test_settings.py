@@ -1,9 +1,10 @@
-"""Settings (csrc/runtime/settings.h) and the transfer layer's chunk planning.
+"""Settings (csrc/runtime/settings.h), the split of the copy-thread budget among
+the NUMA nodes' pools, and the transfer layer's chunk planning.
 
 Settings are read from the environment once per process, so every check of an
 environment variable runs in a fresh Python process. The derivations (copy
-threads from CPUs, cgroup quota) take their inputs as arguments and are checked
-against hand-computed answers and fake cgroup trees.
+threads from CPUs, a node pool's share of them, cgroup quota) take their inputs
+as arguments and are checked against hand-computed answers and fake cgroup trees.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import pytest
 import torch
 
 import pinxfer  # noqa: F401  (registers torch.ops.pinxfer)
+from pinxfer import _ops
 
 ops = torch.ops.pinxfer
 REPO = str(Path(__file__).resolve().parent.parent)
@@ -62,6 +64,81 @@ def test_copy_threads_follow_the_process_cpus(affinity, online, quota, ranks, ex
 def test_copy_threads_reject_nonsense():
     with pytest.raises(ValueError, match="expected affinity_cpus"):
         ops.copy_threads_for(0, 4, 0.0, 1)
+
+
+# ---- one copy-thread budget per process, split among the NUMA nodes' pools ----
+
+def cpus(lo: int, hi: int) -> list[int]:
+    return list(range(lo, hi))
+
+
+@pytest.mark.parametrize("budget,node,affinity,from_env,expected", [
+    # One node holding every allowed CPU: the whole budget on them, as before the split.
+    (12, cpus(0, 16), cpus(0, 16), False, (12, cpus(0, 16))),
+    (2, [0, 1], [0, 1], False, (2, [0, 1])),
+    (1, [0], [0], False, (1, [0])),
+    # Node -1 (no CPUs): unbound, the whole budget, as before.
+    (12, [], cpus(0, 16), False, (12, [])),
+    (5, [], cpus(0, 4), True, (5, [])),
+    # Two nodes of 16 CPUs: half the budget each, bound to their own CPUs.
+    (16, cpus(0, 16), cpus(0, 32), False, (8, cpus(0, 16))),
+    (16, cpus(16, 32), cpus(0, 32), False, (8, cpus(16, 32))),
+    # Unequal nodes (3 + 5 CPUs, budget 6 derived from 8): 2.25 -> 2 and 3.75 -> 4.
+    (6, cpus(0, 3), cpus(0, 8), False, (2, cpus(0, 3))),
+    (6, cpus(3, 8), cpus(0, 8), False, (4, cpus(3, 8))),
+    # Shares round to the nearest, halves up (12 * 3/8 = 4.5 -> 5), and are at least 1.
+    (12, cpus(0, 3), cpus(0, 8), True, (5, cpus(0, 3))),
+    (2, [0], cpus(0, 16), False, (1, [0])),
+    # Affinity restricted to part of a node (taskset -c 0-3 on a 2 x 16-CPU host, budget 3):
+    # bound to those 4 CPUs only, with the whole budget; the other node has none of them.
+    (3, cpus(0, 16), cpus(0, 4), False, (3, cpus(0, 4))),
+    # Restricted to part of each node: each pool gets its allowed CPUs and half the budget.
+    (6, cpus(0, 16), cpus(0, 4) + cpus(16, 20), False, (3, cpus(0, 4))),
+    (6, cpus(16, 32), cpus(0, 4) + cpus(16, 20), False, (3, cpus(16, 20))),
+    # A node with no allowed CPU: no binding (the workers run where the process may),
+    # and the pool's CPUs are all of the process's, so it counts the whole budget.
+    (3, cpus(16, 32), cpus(0, 4), False, (3, [])),
+    # A derived budget is at most the pool's CPUs; PINXFER_NUM_THREADS is the whole
+    # process's total, split the same way and not capped.
+    (8, [0, 1], cpus(0, 4), False, (2, [0, 1])),
+    (8, [0, 1], cpus(0, 4), True, (4, [0, 1])),
+    (6, [0], [0, 1], True, (3, [0])),
+    (3, [1], [0, 1], True, (2, [1])),   # 1.5 rounds up: 2 + 2 for the two nodes
+    (40, cpus(0, 16), cpus(0, 64), True, (10, cpus(0, 16))),
+    # Unknown affinity (empty): the node's CPUs are taken as allowed, as before the split.
+    (12, cpus(0, 8), [], False, (8, cpus(0, 8))),
+    (12, [], [], False, (12, [])),
+    # Unsorted, repeated ids are sets.
+    (4, [3, 1, 2, 1], [2, 3, 1, 0, 0], False, (3, [1, 2, 3])),
+])
+def test_node_pool_plan(budget, node, affinity, from_env, expected):
+    assert _ops._node_pool_plan(budget, node, affinity, from_env) == expected
+
+
+@pytest.mark.parametrize("num_nodes", [1, 2, 4, 8])
+@pytest.mark.parametrize("budget,from_env", [(16, False), (12, False), (3, True), (48, True)])
+def test_node_pools_share_one_budget(num_nodes, budget, from_env):
+    """A process driving GPUs on every node of a 32-CPU host runs its budget once in all,
+    not once per node (issue 11): equal nodes give equal shares summing to the budget,
+    to within the rounding of each share."""
+    per_node = 32 // num_nodes
+    shares = [_ops._node_pool_plan(budget, cpus(n * per_node, (n + 1) * per_node),
+                                   cpus(0, 32), from_env) for n in range(num_nodes)]
+    threads = [t for t, _ in shares]
+    assert [c for _, c in shares] == [cpus(n * per_node, (n + 1) * per_node)
+                                      for n in range(num_nodes)]
+    assert len(set(threads)) == 1 and min(threads) >= 1
+    exact = budget / num_nodes
+    assert abs(threads[0] - exact) <= 0.5 or threads[0] == 1
+    if budget % num_nodes == 0:
+        assert sum(threads) == budget
+
+
+def test_node_pool_plan_rejects_nonsense():
+    with pytest.raises(ValueError, match="expected 1 <= budget"):
+        _ops._node_pool_plan(0, [0], [0], False)
+    with pytest.raises(ValueError, match="expected CPU ids"):
+        _ops._node_pool_plan(4, [-1], [0], False)
 
 
 def _cgroup_v2(root: Path, path: str, cpu_max: dict[str, str]) -> str:

@@ -41,6 +41,28 @@ std::tuple<int64_t, std::string> copy_threads_for_op(int64_t affinity_cpus, int6
   return {threads, why};
 }
 
+// Test-only (schema comment in csrc/module.cpp): runtime/settings.h's node_pool_plan.
+std::tuple<int64_t, std::vector<int64_t>> node_pool_plan_op(int64_t budget,
+                                                           c10::IntArrayRef node_cpus,
+                                                           c10::IntArrayRef affinity_cpus,
+                                                           bool budget_from_env) {
+  constexpr int64_t kMaxId = int64_t{1} << 20;
+  TORCH_CHECK_VALUE(budget >= 1 && budget < kMaxId,
+                    "pinxfer._node_pool_plan: expected 1 <= budget < 2**20, got ", budget);
+  auto ids = [](c10::IntArrayRef cpus) {
+    std::vector<int> out;
+    for (int64_t cpu : cpus) {
+      TORCH_CHECK_VALUE(cpu >= 0 && cpu < kMaxId,
+                        "pinxfer._node_pool_plan: expected CPU ids in [0, 2**20), got ", cpu);
+      out.push_back(static_cast<int>(cpu));
+    }
+    return out;
+  };
+  const NodePoolPlan plan = node_pool_plan(static_cast<int>(budget), ids(node_cpus),
+                                           ids(affinity_cpus), budget_from_env);
+  return {plan.threads, std::vector<int64_t>(plan.cpus.begin(), plan.cpus.end())};
+}
+
 double cgroup_quota_cpus_op(const std::string& cgroup_root, const std::string& proc_self_cgroup) {
   return cgroup_quota_cpus(cgroup_root, proc_self_cgroup);
 }
@@ -57,6 +79,7 @@ TORCH_LIBRARY_IMPL(pinxfer, CompositeExplicitAutograd, m) {
   m.impl("settings", &settings_op);
   m.impl("copy_threads_for", &copy_threads_for_op);
   m.impl("cgroup_quota_cpus", &cgroup_quota_cpus_op);
+  m.impl("_node_pool_plan", &node_pool_plan_op);
   m.impl("cuda_unusable_reason", &cuda_unusable_reason_op);
 }
 

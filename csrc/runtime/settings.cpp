@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <fstream>
+#include <iterator>
 #include <sstream>
 #include <stdexcept>
 
@@ -55,9 +56,35 @@ int copy_threads_for(const CpuResources& cpus, std::string* why) {
   // a single copy thread would halve a small host's staging bandwidth.
   const int feeders = usable / 4;
   const int threads = std::clamp(usable - feeders, 1, kMaxCopyThreads);
-  reason << " -> " << usable << " usable, " << threads << " copy threads";
+  reason << " -> " << usable << " usable, " << threads
+         << " copy threads for the process, split among the NUMA nodes' pools by CPUs";
   if (why) *why = reason.str();
   return threads;
+}
+
+NodePoolPlan node_pool_plan(int budget, const std::vector<int>& node_cpus,
+                            const std::vector<int>& affinity_cpus, bool budget_from_env) {
+  auto sorted_set = [](std::vector<int> v) {
+    std::sort(v.begin(), v.end());
+    v.erase(std::unique(v.begin(), v.end()), v.end());
+    return v;
+  };
+  const std::vector<int> node = sorted_set(node_cpus);
+  const std::vector<int> allowed = affinity_cpus.empty() ? node : sorted_set(affinity_cpus);
+  NodePoolPlan plan;
+  std::set_intersection(node.begin(), node.end(), allowed.begin(), allowed.end(),
+                        std::back_inserter(plan.cpus));
+  // Where the workers may run: the node's allowed CPUs, or, unbound, all of them.
+  const int64_t usable = static_cast<int64_t>(plan.cpus.empty() ? allowed.size()
+                                                                : plan.cpus.size());
+  const int64_t total = static_cast<int64_t>(allowed.size());
+  int64_t threads = std::max(1, budget);
+  if (total > 0) {
+    threads = std::max<int64_t>(1, (2 * threads * usable + total) / (2 * total));  // nearest
+    if (!budget_from_env) threads = std::min(threads, usable);
+  }
+  plan.threads = static_cast<int>(threads);
+  return plan;
 }
 
 namespace {
@@ -251,8 +278,14 @@ CpuResources current_cpu_resources() {
   const long online = sysconf(_SC_NPROCESSORS_ONLN);
   r.online_cpus = online > 0 ? static_cast<int>(online) : 1;
   cpu_set_t set;
-  r.affinity_cpus =
-      sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : r.online_cpus;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) {
+    r.affinity_cpus = CPU_COUNT(&set);
+    for (int cpu = 0; cpu < CPU_SETSIZE; ++cpu) {
+      if (CPU_ISSET(cpu, &set)) r.affinity_ids.push_back(cpu);
+    }
+  } else {
+    r.affinity_cpus = r.online_cpus;  // affinity_ids stays empty: unknown
+  }
   std::string self;
   if (read_text("/proc/self/cgroup", &self)) r.quota_cpus = cgroup_quota_cpus("/sys/fs/cgroup", self);
   if (const char* v = std::getenv("LOCAL_WORLD_SIZE")) {

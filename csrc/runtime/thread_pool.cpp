@@ -202,11 +202,12 @@ ThreadPool& thread_pool_for_node(int numa_node) {
   if (it != g_pools->end()) return *it->second;
   std::vector<int> cpus;
   if (numa_node >= 0) cpus = node_cpus(numa_node, sysfs_root());
-  int threads = default_num_threads();
-  if (!cpus.empty() && !settings().copy_threads_from_env) {
-    threads = std::min<int>(threads, static_cast<int>(cpus.size()));
-  }
-  auto* pool = new ThreadPool(threads, cpus);
+  // The node's share of the process's one budget, on the node's CPUs that the
+  // process may use (node_pool_plan() in runtime/settings.h says why).
+  const Settings& s = settings();
+  const NodePoolPlan plan = node_pool_plan(default_num_threads(), cpus, s.cpus.affinity_ids,
+                                           s.copy_threads_from_env);
+  auto* pool = new ThreadPool(plan.threads, plan.cpus);
   g_pools->emplace(numa_node, pool);
   return *pool;
 }
