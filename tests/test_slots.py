@@ -484,6 +484,50 @@ def test_warns_when_most_batches_do_not_fit():
     assert st["fallbacks"]["too_big"] * 2 > st["batches"]
 
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TWO_RANKS = textwrap.dedent("""
+    import os, sys
+    import torch
+    from torch.utils.data import DataLoader, Dataset
+    import pinxfer
+
+    rank = int(os.environ["RANK"])
+
+    class Ranked(Dataset):  # each rank's own bytes: a slot mixed up between rings shows
+        def __len__(self):
+            return 64
+
+        def __getitem__(self, i):
+            g = torch.Generator().manual_seed(1000 * rank + i)
+            return torch.randint(0, 256, (4096 + 64 * (i // 4 % 3),), generator=g, dtype=torch.uint8)
+
+    loader = DataLoader(Ranked(), batch_size=4, num_workers=2, multiprocessing_context="fork")
+    want = list(loader)
+    for epoch in range(2):
+        with pinxfer.prefetch(loader, slots=True, device="cpu", slot_bytes=1 << 16) as pf:
+            got = list(pf)
+            st = pf.slots.stats()
+        assert len(got) == len(want), (len(got), len(want))
+        assert all(torch.equal(g, w) for g, w in zip(got, want)), "bytes differ"
+        assert st["slot_batches"] == len(want), st
+    print(f"rank {rank} OK", flush=True)
+""")
+
+
+def test_two_torchrun_ranks_each_with_a_ring(tmp_path):
+    # Two ranks on one host at once, as torchrun starts them: each rank's ring, memfd and
+    # workers are its own; every byte checked on both, over two passes.
+    script = tmp_path / "two_ranks.py"
+    script.write_text(TWO_RANKS)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         str(script)], capture_output=True, text=True, timeout=240,
+        env={**os.environ, "OMP_NUM_THREADS": "1",  # this checkout's pinxfer, not an installed one
+             "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "rank 0 OK" in proc.stdout and "rank 1 OK" in proc.stdout, proc.stdout
+
+
 @pytest.mark.gpu
 def test_gpu_slots_to_device_every_byte():
     loader = DataLoader(Nested(n=48), batch_size=4, num_workers=2, multiprocessing_context="fork")
