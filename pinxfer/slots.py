@@ -241,8 +241,14 @@ class _WorkerRing:
         if gen == 0:
             return False
         if gen != self.generation:
-            self.slot_bytes = self.words[_W_SLOT_BYTES]
-            self.data_offset = self.words[_W_DATA]
+            slot_bytes, data_offset = self.words[_W_SLOT_BYTES], self.words[_W_DATA]
+            # The trainer writes these before the generation, but with plain stores: a
+            # weakly ordered CPU (arm64) may show this process the generation first. Each
+            # word goes once from 0 to its final value (aligned 8-byte stores are atomic),
+            # so a zero means "not visible yet": not sized for now, asked again next batch.
+            if slot_bytes == 0 or data_offset == 0:
+                return False
+            self.slot_bytes, self.data_offset = slot_bytes, data_offset
             total = self.data_offset + self.handle.num_slots * self.slot_bytes
             self.base = torch.frombuffer(mmap.mmap(self.handle.fd, total), dtype=torch.uint8)
             self.generation = gen
