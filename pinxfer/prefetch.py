@@ -208,9 +208,7 @@ class Prefetcher:
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, num_buffers: int = DEFAULT_NUM_BUFFERS):
         if not isinstance(depth, int) or depth < 1:
             raise ValueError(f"pinxfer.prefetch: depth must be an int >= 1, got {depth!r}")
-        if device is None:
-            device = "cpu" if cuda_unavailable_reason() is not None else "cuda"
-        requested = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+        requested = _requested_device(device)
         if requested.type == "cuda":
             reason = cuda_unavailable_reason()
             if reason is not None:
@@ -227,9 +225,7 @@ class Prefetcher:
                 transfer = functools.partial(to_device, device=dev, non_blocking=True,
                                              chunk_bytes=chunk_bytes, num_buffers=num_buffers)
                 if isinstance(source, SlotSource):  # a slot batch: one copy of its slot
-                    transfer = SlotTransfer(functools.partial(
-                        to_device, device=dev, non_blocking=True, chunk_bytes=chunk_bytes,
-                        num_buffers=num_buffers), transfer)
+                    transfer = SlotTransfer(transfer, transfer)
             elif isinstance(source, SlotSource):
                 # The slot is reused once the transfer returns: one copy of its bytes.
                 transfer = SlotTransfer(torch.clone, _identity)
@@ -310,6 +306,14 @@ def _identity(batch: Any) -> Any:
     return batch
 
 
+def _requested_device(device: Optional[DeviceLike]) -> torch.device:
+    """The device prefetch was asked for: None is the current GPU, or the CPU without
+    CUDA; an int is that GPU."""
+    if device is None:
+        device = "cpu" if cuda_unavailable_reason() is not None else "cuda"
+    return torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+
+
 def _slots_by_default(iterable: Iterable, device: Optional[DeviceLike],
                       transfer: Optional[Callable[[Any], Any]]) -> bool:
     """Whether ``prefetch(..., slots=None)`` uses batch slots: a DataLoader whose workers
@@ -322,11 +326,7 @@ def _slots_by_default(iterable: Iterable, device: Optional[DeviceLike],
         return False
     if iterable.num_workers < 1 or iterable.pin_memory:
         return False
-    if device is None:
-        return cuda_unavailable_reason() is None
-    if isinstance(device, int):
-        return True
-    return torch.device(device).type == "cuda"
+    return _requested_device(device).type == "cuda"
 
 
 def prefetch(iterable: Iterable, device: Optional[DeviceLike] = None, depth: int = 2, *,

@@ -573,10 +573,10 @@ class _Ring:
 
     def note_copies_to(self, out: Any) -> None:
         """Remembers the CUDA devices of a transfer's result (see ``copy_devices``)."""
-        for t in _batch.tensors_in(out):
-            if t.is_cuda:
-                with self.lock:
-                    self.copy_devices.add(t.device)
+        devices = {t.device for t in _batch.tensors_in(out) if t.is_cuda}
+        if devices:
+            with self.lock:
+                self.copy_devices |= devices
 
     def close(self) -> None:
         with self.lock:
