@@ -24,7 +24,8 @@
 #             the older tree (e.g. `git archive -o ab_before.tar 47d9773`, left untracked); it is
 #             built in /tmp/ab_before with the compiler that built this one. ab.json.
 #   loader    benchmarks/bench_loader.py: a worker-fed DataLoader, pin_memory=True vs prefetch
-#             (staging) vs prefetch(slots=True). loader.json.
+#             (staging) vs prefetch(slots=True). loader.json (with 2+ GPUs also 2 torchrun
+#             ranks at once: loader_rank0/1.json).
 #   all       all of the above but ab and loader (more than one 10-minute device call: pick
 #             subsets)
 #
@@ -375,6 +376,12 @@ if want loader; then
   timeout 540 python3 "$REPO/benchmarks/bench_loader.py" --kind "${PINXFER_MACHINE_KIND:-unknown}" \
     --out "$OUT/loader.json" ${LOADER_ARGS:-} 2>&1 | tail -40
   rc=${PIPESTATUS[0]}
+  if [ "$rc" -eq 0 ] && [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
+    echo "== bench_loader, torchrun 2 ranks (8 workers each)"
+    timeout 540 torchrun --standalone --nproc-per-node 2 "$REPO/benchmarks/bench_loader.py" \
+      --kind "${PINXFER_MACHINE_KIND:-unknown}" --out "$OUT/loader.json" ${LOADER_ARGS:-} 2>&1 | tail -60
+    rc=${PIPESTATUS[0]}
+  fi
   echo "loader: $(( $(date +%s) - t0 )) s"
   record loader "$(status_of "$rc")"
 fi
