@@ -74,25 +74,59 @@ class Dist:
             self._dist.destroy_process_group()
 
 
+def _stats(times: list[float], cpu: float, nbytes: int, runs: int) -> dict[str, float]:
+    med, best = statistics.median(times), min(times)
+    return {"median_s": med, "min_s": best, "gbps_median": nbytes / med / 1e9,
+            "gbps_best": nbytes / best / 1e9, "cpu_s_per_gb": cpu / (runs * nbytes / 1e9)}
+
+
 def measure(fn: Callable[[], Any], nbytes: int, runs: int, dist: Dist, device: torch.device,
             warmup: int = 1) -> dict[str, float]:
     """Median and minimum seconds of `runs` calls of fn (each synced), GB/s of
     both, and CPU seconds per GB over all runs."""
+    return measure_set({"only": fn}, nbytes, runs, dist, device, warmup)["only"]
+
+
+def measure_set(fns: dict[str, Callable[[], Any]], nbytes: int, runs: int, dist: Dist,
+                device: torch.device, warmup: int = 1) -> dict[str, dict[str, Any]]:
+    """measure() for several ways of moving the same bytes, interleaved: each round
+    runs every way once, in an order rotated round by round, so the host's drift
+    (these are shared machines) falls on all of them alike and their ratios are
+    taken between neighbours in time.
+
+    A way may return {"fill_s": s, "fill_bytes": b}: the part of its time spent
+    before its first batch was usable (a pipeline's start). Its entry then also
+    holds "steady": the same statistics over the time and bytes after the fill.
+    """
+    names = list(fns)
     for _ in range(warmup):
-        fn()
+        for name in names:
+            fns[name]()
     torch.cuda.synchronize(device)
-    times = []
-    cpu = 0.0
-    for _ in range(runs):
-        dist.barrier()
-        c0, t0 = cpu_seconds(), time.perf_counter()
-        fn()
-        torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t0)
-        cpu += cpu_seconds() - c0
-    med, best = statistics.median(times), min(times)
-    return {"median_s": med, "min_s": best, "gbps_median": nbytes / med / 1e9,
-            "gbps_best": nbytes / best / 1e9, "cpu_s_per_gb": cpu / (runs * nbytes / 1e9)}
+    times: dict[str, list[float]] = {n: [] for n in names}
+    steady: dict[str, list[float]] = {n: [] for n in names}
+    fill_bytes: dict[str, int] = {}
+    cpu = dict.fromkeys(names, 0.0)
+    for r in range(runs):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            dist.barrier()
+            c0, t0 = cpu_seconds(), time.perf_counter()
+            info = fns[name]()
+            torch.cuda.synchronize(device)
+            elapsed = time.perf_counter() - t0
+            cpu[name] += cpu_seconds() - c0
+            times[name].append(elapsed)
+            if isinstance(info, dict) and "fill_s" in info:
+                steady[name].append(elapsed - info["fill_s"])
+                fill_bytes[name] = info["fill_bytes"]
+    out: dict[str, dict[str, Any]] = {}
+    for name in names:
+        out[name] = _stats(times[name], cpu[name], nbytes, runs)
+        if steady[name]:
+            fills = [t - s for t, s in zip(times[name], steady[name])]
+            out[name]["fill_s_median"] = statistics.median(fills)
+            out[name]["steady"] = _stats(steady[name], cpu[name], nbytes - fill_bytes[name], runs)
+    return out
 
 
 def ratio(a: dict, b: dict) -> dict[str, float]:
@@ -105,9 +139,10 @@ def section_to_device(sizes: list[int], runs: int, dist: Dist, dev: torch.device
     for nbytes in sizes:
         t = torch.randn(nbytes // 4)  # pageable, touched
         pinned = t.pin_memory()
-        ceiling = measure(lambda: pinned.to(dev, non_blocking=True), nbytes, runs, dist, dev)
-        ours = measure(lambda: pinxfer.to_device(t, dev), nbytes, runs, dist, dev)
-        torch_to = measure(lambda: t.to(dev), nbytes, runs, dist, dev)
+        m = measure_set({"ceiling": lambda: pinned.to(dev, non_blocking=True),
+                         "pinxfer": lambda: pinxfer.to_device(t, dev),
+                         "torch_to": lambda: t.to(dev)}, nbytes, runs, dist, dev)
+        ceiling, ours, torch_to = m["ceiling"], m["pinxfer"], m["torch_to"]
         assert torch.equal(pinxfer.to_device(t, dev).cpu(), t), "to_device changed the bytes"
         rows.append({"row": f"to_device_{nbytes // MiB}MiB", "bytes": nbytes,
                      "ceiling_pinned": ceiling, "pinxfer": ours, "torch_to": torch_to,
@@ -129,20 +164,29 @@ def section_prefetch(sizes: list[int], total: int, runs: int, dist: Dist,
             for i in range(n):
                 pinned[i % 2].to(dev, non_blocking=True)
 
-        def prefetch_run() -> None:
-            for _ in pinxfer.prefetch(batches, device=dev):
+        def prefetch_run() -> dict[str, float]:
+            t0 = time.perf_counter()
+            it = iter(pinxfer.prefetch(batches, device=dev))
+            next(it)
+            torch.cuda.current_stream(dev).synchronize()  # the first batch is usable
+            fill = time.perf_counter() - t0
+            for _ in it:
                 pass
+            return {"fill_s": fill, "fill_bytes": nbytes}
 
         def sequential_run() -> None:
             for b in batches:
                 pinxfer.to_device(b, dev)
 
-        ceiling = measure(ceiling_run, moved, runs, dist, dev)
-        pre = measure(prefetch_run, moved, runs, dist, dev)
-        seq = measure(sequential_run, moved, runs, dist, dev)
+        m = measure_set({"ceiling": ceiling_run, "prefetch": prefetch_run,
+                         "sequential": sequential_run}, moved, runs, dist, dev)
+        ceiling, pre, seq = m["ceiling"], m["prefetch"], m["sequential"]
         rows.append({"row": f"prefetch_{nbytes // MiB}MiB", "bytes": moved, "batches": n,
                      "ceiling_pinned": ceiling, "prefetch": pre, "to_device_sequential": seq,
                      "prefetch_vs_ceiling": ratio(pre, ceiling),
+                     # after the pass's first batch is on the GPU (thread start and one
+                     # unhidden batch excluded): the rate an epoch of many batches runs at
+                     "prefetch_steady_vs_ceiling": ratio(pre["steady"], ceiling),
                      "prefetch_vs_sequential": ratio(pre, seq)})
     return rows
 
@@ -170,14 +214,30 @@ def section_compute_bound(nbytes: int, steps: int, runs: int, dist: Dist,
         matmuls(per_step)
 
     source = [batches[i % len(batches)] for i in range(steps)]
-    pure = measure(lambda: [step(on_gpu[i % len(on_gpu)]) for i in range(steps)],
-                   steps * nbytes, runs, dist, dev)
-    fed = measure(lambda: [step(b) for b in pinxfer.prefetch(source, device=dev)],
-                  steps * nbytes, runs, dist, dev)
+
+    def fed_run() -> dict[str, float]:
+        t0 = time.perf_counter()
+        it = iter(pinxfer.prefetch(source, device=dev))
+        first = next(it)
+        torch.cuda.current_stream(dev).synchronize()  # the first step can start
+        fill = time.perf_counter() - t0
+        step(first)
+        for b in it:
+            step(b)
+        return {"fill_s": fill, "fill_bytes": 0}
+
+    m = measure_set({"pure": lambda: [step(on_gpu[i % len(on_gpu)]) for i in range(steps)],
+                     "fed": fed_run}, steps * nbytes, runs, dist, dev)
+    pure, fed = m["pure"], m["fed"]
     return {"row": "compute_bound", "batch_bytes": nbytes, "steps": steps,
             "matmuls_per_step": per_step, "copy_s": copy, "pure_compute": pure,
             "prefetch_fed": fed,
-            "step_time_vs_pure_compute": {"median": fed["median_s"] / pure["median_s"],
+            # steps once the first batch is on the GPU, against the same steps on data
+            # already there: the per-step cost of feeding them
+            "step_time_vs_pure_compute": {"median": fed["steady"]["median_s"] / pure["median_s"],
+                                          "best": fed["steady"]["min_s"] / pure["min_s"]},
+            # the whole loop, the first batch's copy (which nothing can hide) included
+            "loop_time_vs_pure_compute": {"median": fed["median_s"] / pure["median_s"],
                                           "best": fed["min_s"] / pure["min_s"]}}
 
 
@@ -320,11 +380,14 @@ def print_summary(report: dict) -> None:
             print(f"{name:18s} prefetch {r['prefetch']['gbps_median']:6.1f} GB/s  ceiling "
                   f"{r['ceiling_pinned']['gbps_median']:6.1f}  ratio "
                   f"{r['prefetch_vs_ceiling']['median']:.2f} (best {r['prefetch_vs_ceiling']['best']:.2f})"
+                  f"  after the first batch {r['prefetch_steady_vs_ceiling']['median']:.2f}"
+                  f" (first batch {r['prefetch']['fill_s_median'] * 1e3:.2f} ms)"
                   f"  vs sequential to_device {r['prefetch_vs_sequential']['median']:.2f}  cpu s/GB "
                   f"{r['prefetch']['cpu_s_per_gb']:.3f}")
         elif name == "compute_bound":
             print(f"{name:18s} step / pure compute {r['step_time_vs_pure_compute']['median']:.3f} "
-                  f"(best {r['step_time_vs_pure_compute']['best']:.3f})")
+                  f"(best {r['step_time_vs_pure_compute']['best']:.3f}); whole loop with the "
+                  f"first batch's copy {r['loop_time_vs_pure_compute']['median']:.3f}")
         elif name == "idle_cpu":
             print(f"{name:18s} {r['cpu_s'] * 1e3:.1f} ms CPU in {r['wall_s']:.2f} s idle")
         elif name == "timeline":
