@@ -4,14 +4,18 @@ Every figure is a ratio to the *pinned ceiling measured in the same run*: a
 pinned host tensor of the same size copied with ``.to(device, non_blocking=True)``
 (under torchrun, all ranks copy at once, so the ceiling is the shared bus).
 Each measurement is repeated ``--runs`` times (default 5); the JSON keeps the
-median and the minimum seconds, and the GB/s and ratios of both.
+median and the minimum seconds, and the GB/s and ratios of both. The ways
+compared in one row run interleaved, round by round, so that the host's drift
+(shared machines) falls on all of them alike.
 
 Rows:
   to_device_<size>      pageable tensor -> GPU; ``t.to()`` of the same tensor beside it
   prefetch_<size>       ``pinxfer.prefetch`` over an in-memory list of pageable batches, and
-                        ``to_device`` of the same batches one after another
+                        ``to_device`` of the same batches one after another; the pass
+                        as a whole, and after its first batch is on the GPU ("steady")
   compute_bound         a step that computes longer than a batch takes to copy, fed by
-                        prefetch, against the same steps on data already on the GPU
+                        prefetch, against the same steps on data already on the GPU:
+                        per step once the first batch is there, and the whole loop
   cpu_seconds_per_gb    getrusage (all threads) per GB moved, pinxfer and ``t.to()``
   idle_cpu              CPU seconds the process used during 1 s of idle after transfers
   timeline              per batch, prefetch and one-after-another: host time in to_device and

@@ -70,7 +70,7 @@ def child(runs: int) -> dict:
         check = _ops.to_device(srcs[1], dev, 1 * MiB, 4, "movsb")
         assert torch.equal(check.cpu(), srcs[1])
         out[f"{nbytes // MiB}MiB"] = row
-        del srcs, pinned
+
     return out
 
 

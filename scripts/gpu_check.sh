@@ -17,7 +17,8 @@
 #             tests/test_allocator_gpu.py; error count in memcheck.txt
 #   bench     benchmarks/bench_{allocator,pin_memory,transfer,small_calls}.py and `pinxfer bench`
 #   bus       benchmarks/bench_bus.py: ratios to the pinned ceiling (one process; with 2+ GPUs
-#             also 2 torchrun ranks at once); bus.json (+ bus_rank0/1.json). Set
+#             also 2 torchrun ranks at once); bus.json (+ bus_rank0/1.json); then
+#             benchmarks/diag_prefetch.py (diag_prefetch.json). Set
 #             PINXFER_MACHINE_KIND (e.g. nvidia-h100-x1) to name the machine in the JSON.
 #   ab        benchmarks/bench_ab.py: this checkout against an older build, alternating fresh
 #             processes round by round (same run, before vs after). AB_BEFORE_TAR names a tar of
@@ -342,6 +343,12 @@ if want bus; then
     echo "== bench_bus, torchrun 2 ranks"
     timeout 420 torchrun --standalone --nproc-per-node 2 "$REPO/benchmarks/bench_bus.py" \
       --kind "$kind" --out "$OUT/bus.json" 2>&1 | tail -30
+    bus_rc=${PIPESTATUS[0]}
+  fi
+  if [ "$bus_rc" -eq 0 ]; then
+    echo "== diag_prefetch (prefetch vs to_device one after another, suspect by suspect)"
+    timeout 200 python3 "$REPO/benchmarks/diag_prefetch.py" --out "$OUT/diag_prefetch.json" 2>&1 \
+      | tail -4 | cut -c1-600
     bus_rc=${PIPESTATUS[0]}
   fi
   echo "bus: $(( $(date +%s) - t0 )) s"
