@@ -8,6 +8,12 @@ Each variant moves the same in-memory pageable batches to the GPU; median of
   seq_thread_raw  that thread calling the op directly (no Python wrapper)
   prefetch_dN     pinxfer.prefetch(depth=N)
   prefetch_switch prefetch(depth=2) with sys.setswitchinterval(50 us)
+  minimal_d2      the least a Python producer thread can do: stream set once, the op called
+                  directly, an event and a queue per batch (what prefetch's machinery costs)
+  spin_100us      a child process with PINXFER_SPIN_US=100 (the fixed spin before the
+                  adaptive one): seq_thread and prefetch_d2 again
+  spin_1ms        the same with PINXFER_SPIN_US=1000 (copy threads stay awake across the
+                  producer's gaps)
   first_batch_us  time from prefetch() to the first batch on the GPU
   gil_released    whether another Python thread runs while to_device runs
 
@@ -17,7 +23,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import queue
 import resource
+import subprocess
 import statistics
 import sys
 import threading
@@ -59,10 +68,41 @@ def in_thread(fn):
     return run
 
 
+def minimal_prefetch(batches, dev, depth: int = 2):
+    """A bare producer thread: the lower bound of a Python-thread prefetcher."""
+    q: queue.SimpleQueue = queue.SimpleQueue()
+    slots = threading.Semaphore(depth)
+
+    def produce():
+        torch.cuda.set_device(dev)
+        stream = torch.cuda.Stream(dev)
+        torch.cuda.set_stream(stream)
+        for b in batches:
+            slots.acquire()
+            out = _ops.to_device(b, dev, 16 << 20, 4)
+            ev = torch.cuda.Event()
+            ev.record(stream)
+            q.put((out, ev))
+        q.put(None)
+
+    th = threading.Thread(target=produce)
+    th.start()
+    cur = torch.cuda.current_stream(dev)
+    while True:
+        item = q.get()
+        if item is None:
+            break
+        slots.release()
+        cur.wait_event(item[1])
+        item[0].record_stream(cur)
+    th.join()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
     ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--child", action="store_true", help="only seq_thread and prefetch_d2, as JSON")
     args = ap.parse_args()
     dev = torch.device("cuda", 0)
     report: dict = {"rows": []}
@@ -91,6 +131,11 @@ def main() -> int:
             return run
 
         row["ceiling"] = timed(ceiling, moved, args.runs, dev)
+        if args.child:
+            row["seq_thread"] = timed(in_thread(seq), moved, args.runs, dev)
+            row["prefetch_d2"] = timed(pre(2), moved, args.runs, dev)
+            report["rows"].append(row)
+            continue
         row["seq_main"] = timed(seq, moved, args.runs, dev)
         row["seq_thread"] = timed(in_thread(seq), moved, args.runs, dev)
         row["seq_thread_raw"] = timed(in_thread(seq_raw), moved, args.runs, dev)
@@ -100,6 +145,7 @@ def main() -> int:
         sys.setswitchinterval(50e-6)
         row["prefetch_switch"] = timed(pre(2), moved, args.runs, dev)
         sys.setswitchinterval(old)
+        row["minimal_d2"] = timed(lambda: minimal_prefetch(batches, dev), moved, args.runs, dev)
         firsts = []
         for _ in range(5):
             torch.cuda.synchronize(dev)
@@ -113,6 +159,22 @@ def main() -> int:
         row["first_batch_us"] = statistics.median(firsts)
         report["rows"].append(row)
         print(json.dumps(row))
+
+    if args.child:
+        print(json.dumps(report))
+        return 0
+    for label, spin in (("spin_100us", "100"), ("spin_1ms", "1000")):
+        proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", "--runs",
+                               str(args.runs)], env={**os.environ, "PINXFER_SPIN_US": spin},
+                              capture_output=True, text=True, timeout=120)
+        if proc.returncode != 0:
+            print(f"{label} child failed:", proc.stderr[-1500:])
+            continue
+        report[label] = json.loads(proc.stdout.strip().splitlines()[-1])["rows"]
+        for r in report[label]:
+            print(label, r["batch_mib"], "MiB: seq_thread %.1f prefetch_d2 %.1f ceiling %.1f" % (
+                r["seq_thread"]["gbps_median"], r["prefetch_d2"]["gbps_median"],
+                r["ceiling"]["gbps_median"]))
 
     # Does the op release the GIL? Count a Python loop's iterations during 20 calls.
     big = torch.randn(256 * MiB // 4)

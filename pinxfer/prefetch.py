@@ -137,6 +137,10 @@ def _produce(p: _Pass) -> None:
         if p.device is not None:
             torch.cuda.set_device(p.device)
             stream = torch.cuda.Stream(p.device)
+            # The current stream is per thread: set once for the whole pass rather than
+            # entered per batch (a stream context costs tens of microseconds of Python,
+            # and every microsecond between two transfers is one the copy threads idle).
+            torch.cuda.set_stream(stream)
         step = 0
         while True:
             while not p.slots.acquire(timeout=0.1):
@@ -161,14 +165,11 @@ def _produce(p: _Pass) -> None:
                 batch = lease.batch  # a custom transfer gets views of the pinned slot
             try:
                 event = None
-                if stream is not None:
-                    with torch.cuda.stream(stream), profiler_range("pinxfer::prefetch::transfer"):
-                        out = p.transfer(batch)
+                with profiler_range("pinxfer::prefetch::transfer"):
+                    out = p.transfer(batch)
+                    if stream is not None:
                         event = torch.cuda.Event()
                         event.record(stream)
-                else:
-                    with profiler_range("pinxfer::prefetch::transfer"):
-                        out = p.transfer(batch)
                 if lease is not None:
                     # The slot goes back after the copy (CUDA) or now (CPU: out is a copy).
                     lease.done(event, out)

@@ -348,7 +348,7 @@ if want bus; then
   if [ "$bus_rc" -eq 0 ]; then
     echo "== diag_prefetch (prefetch vs to_device one after another, suspect by suspect)"
     timeout 200 python3 "$REPO/benchmarks/diag_prefetch.py" --out "$OUT/diag_prefetch.json" 2>&1 \
-      | tail -4 | cut -c1-600
+      | tail -8 | cut -c1-600
     bus_rc=${PIPESTATUS[0]}
   fi
   echo "bus: $(( $(date +%s) - t0 )) s"

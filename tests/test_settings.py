@@ -195,6 +195,23 @@ def test_settings_list_every_variable_with_its_source():
     assert rows["PINXFER_STAGE_COPY"] == ["auto", "default"]
 
 
+def test_spin_is_adaptive_unless_set():
+    """Unset, PINXFER_SPIN_US is a floor: idle copy threads spin for an eighth of the pool's
+    last job when that is longer (capped), so a producer's gaps between long jobs find them
+    awake; set, it is exact."""
+    out = run_fresh("""
+        import torch, pinxfer
+        names, values, sources = torch.ops.pinxfer.settings()
+        row = dict(zip(names, zip(values, sources)))["PINXFER_SPIN_US"]
+        print("ROW", row[0], "|", row[1])
+    """)
+    assert out.returncode == 0, out.stderr
+    value, source = out.stdout.split("ROW ", 1)[1].strip().split(" | ")
+    assert source == "default"
+    assert value.startswith("100, or an eighth of the pool's last job"), value
+    assert "at most 1000" in value
+
+
 def test_settings_are_read_once():
     out = run_fresh("""
         import os, torch, pinxfer

@@ -248,9 +248,16 @@ Settings read_settings() {
     add("PINXFER_NUM_THREADS", std::to_string(s.copy_threads) + " (" + why + ")", "derived");
   }
 
-  if (const char* v = env("PINXFER_SPIN_US")) s.spin_us = static_cast<int>(env_int(
-      "PINXFER_SPIN_US", v, 0));
-  add("PINXFER_SPIN_US", std::to_string(s.spin_us), env("PINXFER_SPIN_US") ? "env" : "default");
+  if (const char* v = env("PINXFER_SPIN_US")) {
+    s.spin_us = static_cast<int>(env_int("PINXFER_SPIN_US", v, 0));
+    s.spin_adaptive = false;
+    add("PINXFER_SPIN_US", std::to_string(s.spin_us), "env");
+  } else {
+    add("PINXFER_SPIN_US",
+        std::to_string(s.spin_us) + ", or an eighth of the pool's last job if longer (at most " +
+            std::to_string(kMaxAdaptiveSpinUs) + ")",
+        "default");
+  }
 
   if (const char* v = env("PINXFER_STAGE_COPY")) {
     const std::string t(v);

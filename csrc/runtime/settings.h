@@ -88,6 +88,9 @@ double cgroup_quota_cpus(const std::string& cgroup_root, const std::string& proc
 // This process's CpuResources, read from the kernel (and LOCAL_WORLD_SIZE).
 CpuResources current_cpu_resources();
 
+// Longest spin of an idle copy thread when PINXFER_SPIN_US is unset (microseconds).
+constexpr int kMaxAdaptiveSpinUs = 1000;
+
 struct Settings {
   std::string sysfs_root = "/sys";  // PINXFER_SYSFS_ROOT
   bool disable_cuda = false;        // PINXFER_DISABLE_CUDA=1
@@ -96,6 +99,7 @@ struct Settings {
   int copy_threads = 1;             // PINXFER_NUM_THREADS, else copy_threads_for(cpus)
   bool copy_threads_from_env = false;
   int spin_us = 100;                // PINXFER_SPIN_US: how long idle copy threads spin
+  bool spin_adaptive = true;        // unset PINXFER_SPIN_US: spin longer after long jobs
   StagingMode staging = StagingMode::kAuto;  // PINXFER_STAGE_COPY: overrides "auto"
   int64_t cached_tail = -1;         // PINXFER_CACHED_TAIL; -1: not set (16 MiB)
   CpuResources cpus;                // what copy_threads was derived from

@@ -44,7 +44,8 @@ inline void cpu_relax() {
 }  // namespace
 
 ThreadPool::ThreadPool(int num_threads, std::vector<int> cpus)
-    : cpus_(std::move(cpus)), spin_us_(default_spin_us()) {
+    : cpus_(std::move(cpus)), spin_us_(default_spin_us()),
+      spin_adaptive_(default_spin_adaptive()) {
   num_threads = std::max(1, num_threads);
   workers_.reserve(num_threads - 1);
   for (int i = 0; i < num_threads - 1; ++i) {
@@ -92,7 +93,12 @@ void ThreadPool::run_chunks(Job& job) {
 
 void ThreadPool::spin_for_work() const {
   using Clock = std::chrono::steady_clock;
-  const auto deadline = Clock::now() + std::chrono::microseconds(spin_us_);
+  int64_t spin = spin_us_;
+  if (spin_adaptive_) {
+    spin = std::max<int64_t>(
+        spin, std::min<int64_t>(kMaxAdaptiveSpinUs, last_job_us_.load(std::memory_order_relaxed) / 8));
+  }
+  const auto deadline = Clock::now() + std::chrono::microseconds(spin);
   for (unsigned i = 1;; ++i) {
     if (queued_jobs_.load(std::memory_order_relaxed) > 0 ||
         stopping_.load(std::memory_order_relaxed)) {
@@ -106,7 +112,7 @@ void ThreadPool::spin_for_work() const {
 void ThreadPool::worker_loop() {
   for (;;) {
     std::shared_ptr<Job> job;
-    if (spin_us_ > 0) spin_for_work();
+    if (spin_us_ > 0 || spin_adaptive_) spin_for_work();
     {
       std::unique_lock<std::mutex> lock(mutex_);
       wake_.wait(lock, [this] { return stopping_ || !jobs_.empty(); });
@@ -136,6 +142,7 @@ void ThreadPool::parallel_for(size_t n, size_t grain,
     fn(0, n);
     return;
   }
+  const auto started = std::chrono::steady_clock::now();
   auto job = std::make_shared<Job>();
   job->fn = fn;
   job->n = n;
@@ -169,12 +176,18 @@ void ThreadPool::parallel_for(size_t n, size_t grain,
     if (it != jobs_.end()) jobs_.erase(it);
     queued_jobs_.store(jobs_.size(), std::memory_order_relaxed);
   }
+  last_job_us_.store(std::chrono::duration_cast<std::chrono::microseconds>(
+                         std::chrono::steady_clock::now() - started)
+                         .count(),
+                     std::memory_order_relaxed);
   if (job->error) std::rethrow_exception(job->error);
 }
 
 int default_num_threads() { return settings().copy_threads; }
 
 int default_spin_us() { return settings().spin_us; }
+
+bool default_spin_adaptive() { return settings().spin_adaptive; }
 
 namespace {
 std::mutex g_pools_mutex;

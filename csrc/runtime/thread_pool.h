@@ -10,15 +10,21 @@
 // once; jobs from concurrent callers share the workers, and every caller also
 // works on its own job, so a call never waits for a free pool.
 //
-// Idle workers spin for a short while (PINXFER_SPIN_US, default 100 us) before
-// they sleep on the condition variable: transfers come back to back (one per
-// batch, one per tensor of a batch), and a sleeping worker takes tens of
-// microseconds to wake, which is a large share of an 8 MiB transfer.
+// Idle workers spin for a short while before they sleep on the condition
+// variable: transfers come back to back (one per batch, one per tensor of a
+// batch), and a sleeping worker takes tens of microseconds to wake (more on a
+// virtual machine), which is a large share of an 8 MiB transfer. The spin is
+// PINXFER_SPIN_US when set; otherwise 100 us, or an eighth of the last job's
+// wall time when that is longer (at most kMaxAdaptiveSpinUs): a caller that
+// spends a little time between long jobs (a prefetch producer running Python
+// between batches) then finds the workers awake, and the spin costs at most
+// an eighth more CPU than the job itself. No CPU is used once the spin ends.
 #pragma once
 
 #include <atomic>
 #include <condition_variable>
 #include <cstddef>
+#include <cstdint>
 #include <deque>
 #include <exception>
 #include <functional>
@@ -64,7 +70,11 @@ class ThreadPool {
   std::atomic<bool> stopping_{false};
   // jobs_.size(), written under mutex_, read without it by spinning workers.
   std::atomic<size_t> queued_jobs_{0};
-  int spin_us_ = 0;
+  int spin_us_ = 0;        // the shortest spin (PINXFER_SPIN_US or 100)
+  bool spin_adaptive_ = false;
+  // Wall time of the pool's last parallel_for, for the adaptive spin; relaxed:
+  // a stale value only changes how long a worker spins.
+  std::atomic<int64_t> last_job_us_{0};
 };
 
 // The process's budget of threads for host copies, shared by all its node
@@ -74,6 +84,8 @@ int default_num_threads();
 
 // How long an idle worker spins before sleeping: PINXFER_SPIN_US, else 100.
 int default_spin_us();
+// Whether the spin grows with the last job (PINXFER_SPIN_US unset).
+bool default_spin_adaptive();
 
 // The process-wide pool for a NUMA node (-1: unbound). Built on first use with
 // the node's share of default_num_threads(), its workers bound to the node's
