@@ -102,8 +102,11 @@ TORCH_LIBRARY(pinxfer, m) {
   // staged nontemporal under "auto" (-1: auto).
   m.def("to_device(Tensor self, Device device, int chunk_bytes, int num_buffers, "
         "str staging=\"auto\", int cached_tail=-1) -> Tensor");
-  // CPU tensors -> CUDA packed in one pinned buffer and one copy; views of one device buffer.
-  m.def("to_device_many(Tensor[] tensors, Device device) -> Tensor[]");
+  // CPU tensors -> CUDA packed in one pinned buffer and one copy: the packed device bytes
+  // (uint8), tensor i at its offset (pinxfer._ops.pack_offsets), padding zeroed. One
+  // output, no aliasing between outputs (torch >= 2.12 rejects ops whose outputs alias);
+  // pinxfer._ops.to_device_many cuts the views.
+  m.def("to_device_packed(Tensor[] tensors, Device device) -> Tensor");
   // The stream pinxfer's H2D copies to a device run on: (stream_id, device_index, device_type).
   m.def("copy_stream(Device device) -> int[]");
   // Drops pinxfer's references to pinned sources whose copies to `device` have finished

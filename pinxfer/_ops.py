@@ -403,8 +403,49 @@ def _to_device_fake(tensor: torch.Tensor, device: torch.device, chunk_bytes: int
     return torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
 
 
+# Offsets of to_device_packed's buffer are rounded to this (kPackAlign in
+# csrc/ops/cuda/to_device_cuda.cpp).
+_PACK_ALIGN = 256
+
+
+# The eager call (CUDA builds only).
+_fast_to_device_many = getattr(fast, "to_device_many", None)
+
+
+def pack_offsets(tensors: list[torch.Tensor]) -> tuple[list[int], int]:
+    """Where to_device_packed puts each tensor: byte offsets, and the buffer's length."""
+    offsets, total = [], 0
+    for t in tensors:
+        offsets.append(total)
+        total = (total + t.numel() * t.element_size() + _PACK_ALIGN - 1) // _PACK_ALIGN * _PACK_ALIGN
+    return offsets, total
+
+
+def to_device_packed(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Several CPU tensors to ``device`` packed in one pinned buffer and sent with one copy.
+
+    Args:
+        tensors: dense CPU tensors, pageable or pinned, any dtypes and strides.
+        device: the CUDA device.
+
+    Returns:
+        The packed bytes on ``device`` (uint8): tensor i's values at ``pack_offsets(tensors)
+        [0][i]``, contiguous, the padding between tensors zeroed.
+    """
+    return _lib.to_device_packed(tensors, device)
+
+
+@torch.library.register_fake("pinxfer::to_device_packed")
+def _to_device_packed_fake(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    return torch.empty(pack_offsets(tensors)[1], dtype=torch.uint8, device=device)
+
+
 def to_device_many(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
     """Several CPU tensors to ``device`` packed in one pinned buffer and one copy.
+
+    Eager: one fast call that also cuts the views in C++. Traced (torch.compile, a
+    dispatch mode, autograd): the operator ``to_device_packed`` and the views cut here,
+    so tracing sees an operator whose one output aliases nothing.
 
     Args:
         tensors: dense CPU tensors (at least one), pageable or pinned.
@@ -413,22 +454,10 @@ def to_device_many(tensors: list[torch.Tensor], device: torch.device) -> list[to
     Returns:
         Contiguous tensors on ``device``, views into one device buffer, same order.
     """
-    return list(_lib.to_device_many(tensors, device))
-
-
-# Offsets of to_device_many's packed buffer are rounded to this (kPackAlign in
-# csrc/ops/cuda/to_device_cuda.cpp).
-_PACK_ALIGN = 256
-
-
-@torch.library.register_fake("pinxfer::to_device_many")
-def _to_device_many_fake(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-    # As the kernel: views of one packed byte buffer, so the outputs alias each other.
-    offsets, total = [], 0
-    for t in tensors:
-        offsets.append(total)
-        total = (total + t.numel() * t.element_size() + _PACK_ALIGN - 1) // _PACK_ALIGN * _PACK_ALIGN
-    packed = torch.empty(total, dtype=torch.uint8, device=device)
+    if _fast_to_device_many is not None and eager() and all(plain_dense_cpu(t) for t in tensors):
+        return _fast_to_device_many(tensors, device)
+    packed = to_device_packed(tensors, device)
+    offsets, _ = pack_offsets(tensors)
     return [packed.narrow(0, off, t.numel() * t.element_size()).view(t.dtype).view(t.shape)
             for off, t in zip(offsets, tensors)]
 

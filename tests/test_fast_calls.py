@@ -124,3 +124,23 @@ def test_walker_error_paths_cover_every_container():
         with pytest.raises(ValueError, match="no") as info:
             _batch.map_tensors(obj, boom, describe=lambda e, p: ValueError(f"{p}: {e}"))
         assert str(info.value).startswith(path)
+
+
+def test_pack_offsets_align_every_tensor_to_256_bytes():
+    tensors = [torch.randn(3), torch.empty(0), torch.tensor(True), torch.randn(64),
+               torch.randn(2, 3, dtype=torch.complex64)]
+    offsets, total = _ops.pack_offsets(tensors)
+    assert offsets == [0, 256, 256, 512, 768]
+    assert total == 1024
+    assert _ops.pack_offsets([]) == ([], 0)
+
+
+def test_to_device_packed_fake_has_the_packed_length():
+    """The fake kernel (torch.compile, opcheck) gives the buffer the real kernel returns;
+    built without a GPU as a fake CUDA tensor."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    tensors = [torch.randn(3), torch.arange(70, dtype=torch.int16)]
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        out = ops.to_device_packed(tensors, torch.device("cuda", 0))
+    assert out.dtype == torch.uint8 and out.shape == (512,) and out.device.type == "cuda"

@@ -83,7 +83,8 @@ GPU_CASES = {
     "record_stream": (lambda: (_pool_tensor(), *_stream_triple()), {}, AUTOGRAD_ONLY),
     "cuda_pci_bus_id": (lambda: (torch.cuda.current_device(),), {}, NO_AOT),
     "to_device": (lambda: (torch.randn(1000), _cuda(), 1 << 20, 2), {}, ALL),
-    "to_device_many": (lambda: ([torch.randn(3), torch.arange(5)], _cuda()), {}, ALL),
+    "to_device_packed": (lambda: ([torch.randn(3), torch.arange(5), torch.randn(2, 3).t()],
+                                  _cuda()), {}, ALL),
     "copy_stream": (lambda: (_cuda(),), {}, ALL),
     "release_finished_sources": (lambda: (_cuda(),), {}, ALL),
 }

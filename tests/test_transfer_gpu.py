@@ -234,13 +234,17 @@ def test_staging_not_reused_while_copy_pending():
         assert torch.all(y == float(i)).item(), i
 
 
+def _mixed_small_tensors() -> list[torch.Tensor]:
+    return [torch.randn(3, 5), torch.arange(7, dtype=torch.int64), torch.tensor(True),
+            torch.randn(()), torch.empty(0, 4), torch.randn(17, dtype=torch.float16),
+            torch.randn(4, 4, dtype=torch.complex64), torch.randn(10, 3).t(),
+            torch.randint(0, 255, (33,), dtype=torch.uint8), torch.randn(5, pin_memory=True),
+            torch.randn(2, 3, dtype=torch.bfloat16)]
+
+
 def test_to_device_many_mixed():
-    tensors = [torch.randn(3, 5), torch.arange(7, dtype=torch.int64), torch.tensor(True),
-               torch.randn(()), torch.empty(0, 4), torch.randn(17, dtype=torch.float16),
-               torch.randn(4, 4, dtype=torch.complex64), torch.randn(10, 3).t(),
-               torch.randint(0, 255, (33,), dtype=torch.uint8), torch.randn(5, pin_memory=True),
-               torch.randn(2, 3, dtype=torch.bfloat16)]
-    outs = torch.ops.pinxfer.to_device_many(tensors, torch.device("cuda"))
+    tensors = _mixed_small_tensors()
+    outs = pinxfer._ops.to_device_many(tensors, torch.device("cuda"))
     assert len(outs) == len(tensors)
     for y, x in zip(outs, tensors):
         _check(y, x)
@@ -248,6 +252,43 @@ def test_to_device_many_mixed():
     assert len(ptrs) == 1  # one device buffer
     for y in outs:
         assert y.data_ptr() % 256 == 0
+
+
+def test_to_device_packed_holds_each_tensor_at_its_offset_and_zero_padding():
+    tensors = _mixed_small_tensors()
+    packed = torch.ops.pinxfer.to_device_packed(tensors, torch.device("cuda"))
+    offsets, total = pinxfer._ops.pack_offsets(tensors)
+    assert packed.dtype == torch.uint8 and packed.shape == (total,) and packed.is_cuda
+    host = packed.cpu()
+    covered = torch.zeros(total, dtype=torch.bool)
+    for off, t in zip(offsets, tensors):
+        n = t.numel() * t.element_size()
+        want = t.contiguous().view(-1).view(torch.uint8) if n else torch.empty(0, dtype=torch.uint8)
+        assert torch.equal(host[off:off + n], want)
+        covered[off:off + n] = True
+    assert int(host[~covered].abs().sum()) == 0, "padding bytes are not zero"
+
+
+def test_to_device_many_fast_call_and_operator_agree():
+    """Eager takes the fast call (views cut in C++); under a dispatch mode the operator
+    to_device_packed runs and the views are cut in Python: same values, dtypes, shapes."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    tensors = _mixed_small_tensors()
+    fast = pinxfer._ops.to_device_many(tensors, torch.device("cuda"))
+    with Record():
+        traced = pinxfer._ops.to_device_many(tensors, torch.device("cuda"))
+    assert any("to_device_packed" in name for name in seen), seen
+    for a, b, x in zip(fast, traced, tensors):
+        assert a.dtype == b.dtype == x.dtype and a.shape == b.shape == x.shape
+        assert torch.equal(a.cpu(), b.cpu())
 
 
 Pair = collections.namedtuple("Pair", ["a", "b"])

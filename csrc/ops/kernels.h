@@ -6,6 +6,7 @@
 
 #include <optional>
 #include <string>
+#include <vector>
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/Storage.h>
@@ -37,5 +38,17 @@ bool is_pinned_dense(const at::Tensor& self, bool ask_torch);
 // pin_memory for one dense CPU tensor: self if is_pinned_dense, else a copy.
 at::Tensor pin_or_self(const at::Tensor& self, std::optional<int64_t> numa_node,
                        int64_t num_threads, bool ask_torch);
+
+#if PINXFER_WITH_CUDA
+// to_device_packed: CPU tensors packed into one pinned staging block and sent with
+// one DMA; the device bytes (uint8), tensor i at a 256-byte aligned offset, padding
+// zeroed. With want_views, also each tensor as a view of those bytes (what
+// pinxfer._ops.to_device_many returns). csrc/ops/cuda/to_device_cuda.cpp
+struct PackedOnDevice {
+  at::Tensor packed;
+  std::vector<at::Tensor> views;
+};
+PackedOnDevice pack_to_device(at::TensorList tensors, c10::Device device, bool want_views);
+#endif
 
 }  // namespace pinxfer::ops

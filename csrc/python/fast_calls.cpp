@@ -6,8 +6,9 @@
 // one tensor or a batch of leaves, empty), reaching the same kernels as the
 // operators (csrc/ops/kernels.h) through pybind11. A torch.ops call costs about
 // 3 µs of Python-side dispatch, several times the work of pinning a 64 KiB
-// tensor; these cost well under 1 µs. pinxfer/_ops.py decides when they may be
-// used (plain CPU tensors, no autograd, no torch.compile tracing, no
+// tensor; these cost well under 1 µs. to_device_many (CUDA builds) is here for
+// another reason: its outputs are views of one buffer, which operators may not
+// return. pinxfer/_ops.py decides when they may be used (plain CPU tensors, no autograd, no torch.compile tracing, no
 // __torch_function__ / __torch_dispatch__ mode): everything else goes through
 // torch.ops, so fake tensors, tracing and opcheck see the operators.
 //
@@ -33,6 +34,13 @@ std::vector<at::Tensor> pin_many(const std::vector<at::Tensor>& tensors,
   return out;
 }
 
+#if PINXFER_WITH_CUDA
+std::vector<at::Tensor> to_device_many_fast(const std::vector<at::Tensor>& tensors,
+                                            c10::Device device) {
+  return pack_to_device(tensors, device, /*want_views=*/true).views;
+}
+#endif
+
 at::Tensor empty_fast(const std::vector<int64_t>& size, at::ScalarType dtype,
                       std::optional<int64_t> numa_node) {
   return pool_empty(size, dtype, numa_node);
@@ -52,4 +60,11 @@ PYBIND11_MODULE(_C, m) {
         "is_pinned(tensor, ask_torch) for a dense CPU tensor");
   m.def("empty", torch::wrap_pybind_function_no_gil(&pinxfer::ops::empty_fast),
         "empty(sizes, dtype, numa_node): contiguous pool tensor");
+#if PINXFER_WITH_CUDA
+  // Not an operator: its outputs are views of one buffer, which torch >= 2.12 forbids
+  // for operators (torch.ops.pinxfer.to_device_packed returns the buffer instead).
+  m.def("to_device_many", torch::wrap_pybind_function_no_gil(&pinxfer::ops::to_device_many_fast),
+        "to_device_many(tensors, device): CPU tensors packed into one copy; views of the "
+        "device buffer");
+#endif
 }

@@ -1,4 +1,4 @@
-// Host -> device transfer ops: to_device (one tensor), to_device_many (many
+// Host -> device transfer ops: to_device (one tensor), to_device_packed (many
 // small tensors, one packed copy) and copy_stream. Schemas in csrc/module.cpp,
 // section "transfers"; Python in pinxfer/transfer.py. These functions only
 // check and adapt tensors; streams, staging and the pipeline are the transfer
@@ -9,6 +9,7 @@
 
 #include <vector>
 
+#include "ops/kernels.h"
 #include "runtime/cuda_runtime.h"
 #include "runtime/settings.h"
 #include "transfer/cuda/copy_streams.h"
@@ -21,8 +22,8 @@ namespace {
 
 using transfer::copy_stream_for;
 
-// Offsets inside to_device_many's packed buffer: enough for every dtype's
-// alignment and for vectorised kernels reading the views.
+// Offsets inside to_device_packed's buffer: enough for every dtype's alignment
+// and for vectorised kernels reading the views (pinxfer/_ops.py: _PACK_ALIGN).
 constexpr size_t kPackAlign = 256;
 
 void check_cuda_usable(const char* op) {
@@ -85,42 +86,8 @@ at::Tensor to_device(const at::Tensor& self, c10::Device device, int64_t chunk_b
   return out;
 }
 
-std::vector<at::Tensor> to_device_many(at::TensorList tensors, c10::Device device) {
-  check_cuda_usable("to_device_many");
-  const c10::DeviceIndex index = resolve_device(device, "to_device_many");
-  c10::cuda::CUDAGuard guard(index);
-
-  std::vector<at::Tensor> srcs;
-  std::vector<size_t> offsets;
-  srcs.reserve(tensors.size());
-  offsets.reserve(tensors.size());
-  size_t total = 0;
-  for (const auto& t : tensors) {
-    srcs.push_back(dense_source(t, "to_device_many"));
-    offsets.push_back(total);
-    total = (total + srcs.back().nbytes() + kPackAlign - 1) / kPackAlign * kPackAlign;
-  }
-  const c10::cuda::CUDAStream cur = c10::cuda::getCurrentCUDAStream(index);
-  const c10::cuda::CUDAStream copy = copy_stream_for(index);
-  at::Tensor packed = transfer::empty_on_stream(
-      {static_cast<int64_t>(total)},
-      at::TensorOptions().device(c10::Device(c10::kCUDA, index)).dtype(at::kByte), copy);
-  if (total > 0) {
-    transfer::packed_copy(srcs, offsets, total, packed, index, copy);
-    transfer::hand_over(packed, copy, cur);
-  }
-
-  // Views of the packed bytes: aligned byte slices reinterpreted as each dtype.
-  std::vector<at::Tensor> out;
-  out.reserve(srcs.size());
-  for (size_t i = 0; i < srcs.size(); ++i) {
-    const auto& s = srcs[i];
-    out.push_back(packed.narrow(0, static_cast<int64_t>(offsets[i]),
-                                static_cast<int64_t>(s.nbytes()))
-                      .view(s.scalar_type())
-                      .view(s.sizes()));
-  }
-  return out;
+at::Tensor to_device_packed(at::TensorList tensors, c10::Device device) {
+  return pack_to_device(tensors, device, /*want_views=*/false).packed;
 }
 
 std::vector<int64_t> copy_stream_op(c10::Device device) {
@@ -136,11 +103,51 @@ void release_finished_sources_op(c10::Device device) {
 
 }  // namespace
 
+PackedOnDevice pack_to_device(at::TensorList tensors, c10::Device device, bool want_views) {
+  check_cuda_usable("to_device_packed");
+  const c10::DeviceIndex index = resolve_device(device, "to_device_packed");
+  c10::cuda::CUDAGuard guard(index);
+
+  std::vector<at::Tensor> srcs;
+  std::vector<size_t> offsets;
+  srcs.reserve(tensors.size());
+  offsets.reserve(tensors.size());
+  size_t total = 0;
+  for (const auto& t : tensors) {
+    srcs.push_back(dense_source(t, "to_device_packed"));
+    offsets.push_back(total);
+    total = (total + srcs.back().nbytes() + kPackAlign - 1) / kPackAlign * kPackAlign;
+  }
+  const c10::cuda::CUDAStream cur = c10::cuda::getCurrentCUDAStream(index);
+  const c10::cuda::CUDAStream copy = copy_stream_for(index);
+  PackedOnDevice result;
+  result.packed = transfer::empty_on_stream(
+      {static_cast<int64_t>(total)},
+      at::TensorOptions().device(c10::Device(c10::kCUDA, index)).dtype(at::kByte), copy);
+  if (total > 0) {
+    transfer::packed_copy(srcs, offsets, total, result.packed, index, copy);
+    transfer::hand_over(result.packed, copy, cur);
+  }
+  if (want_views) {
+    // Aligned byte slices reinterpreted as each dtype (as pinxfer._ops.to_device_many).
+    result.views.reserve(srcs.size());
+    for (size_t i = 0; i < srcs.size(); ++i) {
+      const auto& s = srcs[i];
+      result.views.push_back(result.packed
+                                 .narrow(0, static_cast<int64_t>(offsets[i]),
+                                         static_cast<int64_t>(s.nbytes()))
+                                 .view(s.scalar_type())
+                                 .view(s.sizes()));
+    }
+  }
+  return result;
+}
+
 // Both transfer ops take CPU tensors, so they dispatch on the CPU key; the
 // kernels exist only in CUDA builds (pinxfer/transfer.py says so in CPU-only builds).
 TORCH_LIBRARY_IMPL(pinxfer, CPU, m) {
   m.impl("to_device", &to_device);
-  m.impl("to_device_many", &to_device_many);
+  m.impl("to_device_packed", &to_device_packed);
 }
 
 TORCH_LIBRARY_IMPL(pinxfer, CompositeExplicitAutograd, m) {

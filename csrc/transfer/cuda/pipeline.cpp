@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
+#include <cstring>
 #include <memory>
 #include <mutex>
 
@@ -205,8 +206,11 @@ void packed_copy(const std::vector<at::Tensor>& srcs, const std::vector<size_t>&
     const StagePolicy policy = stage_policy(StagingMode::kAuto, -1, 0, [] { return false; });
     auto pack = [&](size_t begin, size_t end) {
       for (size_t i = begin; i < end; ++i) {
-        stage_copy(base + offsets[i], static_cast<const char*>(srcs[i].const_data_ptr()),
-                   srcs[i].nbytes(), policy.kind_for(total, total));
+        const size_t bytes = srcs[i].nbytes();
+        const size_t next = i + 1 < srcs.size() ? offsets[i + 1] : total;
+        stage_copy(base + offsets[i], static_cast<const char*>(srcs[i].const_data_ptr()), bytes,
+                   policy.kind_for(total, total));
+        std::memset(base + offsets[i] + bytes, 0, next - offsets[i] - bytes);
       }
     };
     if (total <= kSerialBytes) {

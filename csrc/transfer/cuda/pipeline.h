@@ -49,7 +49,9 @@ void pipelined_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex dev
 // Copies a DMA-readable (pinned) source with one DMA, and tells its owner.
 void direct_copy(const at::Tensor& src, at::Tensor& out, const c10::cuda::CUDAStream& stream);
 
-// Copies each src to packed[offsets[i]:] with one staging block and one DMA.
+// Copies each src to packed[offsets[i]:] with one staging block and one DMA; the
+// padding between tensors (up to the next offset, or total) is zero, so the
+// packed bytes are a function of the inputs alone.
 void packed_copy(const std::vector<at::Tensor>& srcs, const std::vector<size_t>& offsets,
                  size_t total, at::Tensor& packed, c10::DeviceIndex device,
                  const c10::cuda::CUDAStream& stream);
