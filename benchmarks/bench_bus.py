@@ -94,25 +94,27 @@ def measure(fn: Callable[[], Any], nbytes: int, runs: int, dist: Dist, device: t
 def measure_set(fns: dict[str, Callable[[], Any]], nbytes: int, runs: int, dist: Dist,
                 device: torch.device, warmup: int = 1) -> dict[str, dict[str, Any]]:
     """measure() for several ways of moving the same bytes, interleaved: each round
-    runs every way once, in an order rotated round by round, so the host's drift
-    (these are shared machines) falls on all of them alike and their ratios are
-    taken between neighbours in time.
+    runs every way once (after `warmup` untimed calls of it), in an order rotated
+    round by round, so the host's drift (these are shared machines) falls on all of
+    them alike and their ratios are taken between neighbours in time.
 
     A way may return {"fill_s": s, "fill_bytes": b}: the part of its time spent
     before its first batch was usable (a pipeline's start). Its entry then also
     holds "steady": the same statistics over the time and bytes after the fill.
     """
     names = list(fns)
-    for _ in range(warmup):
-        for name in names:
-            fns[name]()
-    torch.cuda.synchronize(device)
     times: dict[str, list[float]] = {n: [] for n in names}
     steady: dict[str, list[float]] = {n: [] for n in names}
     fill_bytes: dict[str, int] = {}
     cpu = dict.fromkeys(names, 0.0)
     for r in range(runs):
         for name in names[r % len(names):] + names[:r % len(names)]:
+            # Untimed calls of the same way first: each timed call finds the state its
+            # own way leaves (caches, awake copy threads, pooled blocks), as in a loop
+            # of that way alone, not the state the previous way left.
+            for _ in range(warmup):
+                fns[name]()
+            torch.cuda.synchronize(device)
             dist.barrier()
             c0, t0 = cpu_seconds(), time.perf_counter()
             info = fns[name]()
