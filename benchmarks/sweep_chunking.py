@@ -1,14 +1,13 @@
-"""Staging layout sweep for mid-size to_device (8-256 MiB): one block vs small rings.
+"""Staging layout sweep for mid-size to_device (8-64 MiB): one block vs small rings.
 
 sweep_to_device.py chose the defaults with one staging block for tensors up to
 num_buffers x chunk_bytes. This grid asks whether a small ring of cache-sized
 slots (the DMA reads the slot while it is still in the last-level cache) moves
-8-256 MiB tensors faster, per staging kind ("demote": cached stores, then each
-line pushed to the shared cache), and per copy-thread count (--threads: one
-child process per count, since the pool is sized once per process). Sources
-are cold: each call sends the next of distinct tensors holding 512 MiB in all.
+8-64 MiB tensors faster, per staging kind, and per copy-thread count (one child
+process per count, since the pool is sized once per process). Sources are cold:
+each call sends the next of distinct tensors holding 512 MiB in all.
 
-Usage: python3 benchmarks/sweep_chunking.py --out chunking.json [--threads ,8,15]
+Usage: python3 benchmarks/sweep_chunking.py --out chunking.json
 """
 from __future__ import annotations
 
@@ -21,14 +20,17 @@ import sys
 import time
 
 MiB = 1 << 20
+THREADS = ["", "8", "15"]  # "": pinxfer's own choice
 LAYOUTS = [  # (label, chunk_bytes, num_buffers); one block when nbytes <= chunk x buffers
     ("block", 16 * MiB, 4),
+    ("ring 1Mx4", 1 * MiB, 4),
+    ("ring 1Mx8", 1 * MiB, 8),
+    ("ring 2Mx4", 2 * MiB, 4),
     ("ring 2Mx8", 2 * MiB, 8),
     ("ring 4Mx4", 4 * MiB, 4),
-    ("ring 8Mx4", 8 * MiB, 4),
 ]
-STAGING = ["auto", "nt", "movsb", "demote"]
-SIZES = [8 * MiB, 16 * MiB, 64 * MiB, 256 * MiB]
+STAGING = ["auto", "nt", "movsb"]
+SIZES = [8 * MiB, 16 * MiB, 64 * MiB]
 
 
 def child(runs: int) -> dict:
@@ -76,16 +78,13 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="chunking.json")
     ap.add_argument("--runs", type=int, default=5)
-    ap.add_argument("--threads", default="",
-                    help="comma-separated PINXFER_NUM_THREADS values, one child each ('' = "
-                         "pinxfer's own choice; the first H200 sweep used ',8,15')")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         print(json.dumps(child(args.runs)))
         return 0
     table = {}
-    for threads in args.threads.split(","):
+    for threads in THREADS:
         env = dict(os.environ)
         if threads:
             env["PINXFER_NUM_THREADS"] = threads

@@ -61,7 +61,7 @@ def test_odd_chunk_sizes_and_single_buffer(chunk_bytes, num_buffers):
     _check(pinxfer.to_device(x, chunk_bytes=chunk_bytes, num_buffers=num_buffers), x)
 
 
-@pytest.mark.parametrize("kind", ["nt", "movsb", "demote"])
+@pytest.mark.parametrize("kind", ["nt", "movsb"])
 @pytest.mark.parametrize("nbytes", [4097, 300_001, 9 * MiB + 5, 40 * MiB + 3])
 def test_forced_staging_copy_kinds(kind, nbytes):
     x = _random_bytes(nbytes, seed=nbytes + len(kind))

@@ -21,17 +21,15 @@ StagingMode parse_staging_mode(const std::string& text, const char* what) {
   if (text == "auto") return StagingMode::kAuto;
   if (text == "nt") return StagingMode::kNontemporal;
   if (text == "movsb") return StagingMode::kCached;
-  if (text == "demote") return StagingMode::kCachedDemote;
-  TORCH_CHECK_VALUE(false, what, ": expected 'auto', 'nt' (nontemporal stores), 'movsb' "
-                    "(cached stores) or 'demote' (cached stores pushed to the shared cache), got '",
-                    text, "'. Leave it 'auto' to let pinxfer choose per chunk.");
+  TORCH_CHECK_VALUE(false, what, ": expected 'auto', 'nt' (nontemporal stores) or 'movsb' "
+                    "(cached stores), got '", text, "'. Leave it 'auto' to let pinxfer choose "
+                    "per chunk.");
 }
 
 const char* staging_mode_name(StagingMode mode) {
   switch (mode) {
     case StagingMode::kNontemporal: return "nt";
     case StagingMode::kCached: return "movsb";
-    case StagingMode::kCachedDemote: return "demote";
     case StagingMode::kAuto: break;
   }
   return "auto";
@@ -263,10 +261,8 @@ Settings read_settings() {
 
   if (const char* v = env("PINXFER_STAGE_COPY")) {
     const std::string t(v);
-    if (t != "auto" && t != "nt" && t != "movsb" && t != "demote") {
-      bad_env("PINXFER_STAGE_COPY", t,
-              "'auto', 'nt' (nontemporal stores), 'movsb' (cached stores) or 'demote' (cached "
-              "stores pushed to the shared cache)");
+    if (t != "auto" && t != "nt" && t != "movsb") {
+      bad_env("PINXFER_STAGE_COPY", t, "'auto', 'nt' (nontemporal stores) or 'movsb' (cached stores)");
     }
     s.staging = parse_staging_mode(t, "PINXFER_STAGE_COPY");
   }

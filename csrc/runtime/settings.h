@@ -28,9 +28,8 @@ enum class StagingMode {
   kAuto,         // per chunk: cached stores, nontemporal for the transfer's tail
   kNontemporal,  // every chunk nontemporal ("nt")
   kCached,       // every chunk with cached stores ("movsb")
-  kCachedDemote, // cached stores, each line then demoted to the shared cache ("demote")
 };
-// "auto", "nt", "movsb", "demote" -> mode; throws c10::Error naming `what` otherwise.
+// "auto", "nt", "movsb" -> mode; throws c10::Error naming `what` otherwise.
 StagingMode parse_staging_mode(const std::string& text, const char* what);
 const char* staging_mode_name(StagingMode mode);
 

@@ -28,10 +28,6 @@ StagePolicy stage_policy(StagingMode mode, int64_t cached_tail, size_t nbytes,
     case StagingMode::kCached:
       policy.cached_tail = 0;
       return policy;
-    case StagingMode::kCachedDemote:
-      policy.cached_tail = 0;
-      policy.demote = true;
-      return policy;
     case StagingMode::kAuto:
       break;
   }
@@ -81,35 +77,8 @@ void stream_sse2(char* dst, const char* src, size_t n) {
 }  // namespace
 #endif
 
-#if defined(__x86_64__)
-namespace {
-inline void movsb(char* dst, const char* src, size_t n) {
-  asm volatile("rep movsb" : "+D"(dst), "+S"(src), "+c"(n) : : "memory");
-}
-
-// CLDEMOTE each 64-byte line of [p, p + n). Encoded as 0F 1C /0, a hint in the
-// NOP space: older processors run it as a NOP, so no CPU check is needed.
-inline void demote_lines(const char* p, size_t n) {
-  const uintptr_t end = reinterpret_cast<uintptr_t>(p) + n;
-  for (uintptr_t line = reinterpret_cast<uintptr_t>(p) & ~uintptr_t{63}; line < end; line += 64) {
-    asm volatile(".byte 0x0f, 0x1c, 0x00" : : "a"(line) : "memory");  // cldemote (%rax)
-  }
-}
-}  // namespace
-#endif
-
 void stage_copy(char* dst, const char* src, size_t n, StageCopy kind) {
 #if defined(__x86_64__)
-  if (kind == StageCopy::kCachedDemote) {
-    // In blocks that stay in L1/L2 between their copy and their demotion.
-    constexpr size_t kBlock = 32 << 10;
-    for (size_t off = 0; off < n; off += kBlock) {
-      const size_t len = n - off < kBlock ? n - off : kBlock;
-      movsb(dst + off, src + off, len);
-      demote_lines(dst + off, len);
-    }
-    return;
-  }
   if (kind == StageCopy::kCached) {
     // Fast-strings microcode picks the widest stores and skips the read for
     // ownership of whole destination lines.

@@ -26,19 +26,13 @@
 
 namespace pinxfer::transfer {
 
-// kCachedDemote: cached stores, then CLDEMOTE of every line written, so the lines
-// wait for the DMA in the shared last-level cache instead of a core's L2 (where a
-// DMA read of a dirty line is slow), and neither the staging write nor the DMA's
-// read goes to DRAM. CLDEMOTE is a hint that runs as a NOP where unsupported.
-enum class StageCopy { kNontemporal, kCached, kCachedDemote };
+enum class StageCopy { kNontemporal, kCached };
 
 struct StagePolicy {
   size_t cached_tail = 16 << 20;  // SIZE_MAX: never cached; 0: always
-  bool demote = false;            // cached chunks are demoted (StageCopy::kCachedDemote)
   // The store kind for a chunk ending at `end` of a transfer of `nbytes`.
   StageCopy kind_for(size_t end, size_t nbytes) const {
-    if (nbytes - end < cached_tail) return StageCopy::kNontemporal;
-    return demote ? StageCopy::kCachedDemote : StageCopy::kCached;
+    return nbytes - end >= cached_tail ? StageCopy::kCached : StageCopy::kNontemporal;
   }
 };
 
