@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import queue
-import resource
 import subprocess
 import statistics
 import sys
@@ -35,14 +34,10 @@ import time
 import torch
 
 import pinxfer
+from bench_bus import cpu_seconds  # this script's directory is on sys.path
 from pinxfer import _ops
 
 MiB = 1 << 20
-
-
-def cpu_seconds() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
 
 
 def timed(fn, nbytes: int, runs: int, dev) -> dict:

@@ -8,8 +8,9 @@
 // 3 µs of Python-side dispatch, several times the work of pinning a 64 KiB
 // tensor; these cost well under 1 µs. to_device_many (CUDA builds) is here for
 // another reason: its outputs are views of one buffer, which operators may not
-// return. pinxfer/_ops.py decides when they may be used (plain CPU tensors, no autograd, no torch.compile tracing, no
-// __torch_function__ / __torch_dispatch__ mode): everything else goes through
+// return. pinxfer/_ops.py decides when they may be used (plain CPU tensors, no
+// autograd, no torch.compile tracing, no __torch_function__ /
+// __torch_dispatch__ mode): everything else goes through
 // torch.ops, so fake tensors, tracing and opcheck see the operators.
 //
 // Errors and warnings reach Python as they would through torch.ops

@@ -95,8 +95,8 @@ void ThreadPool::spin_for_work() const {
   using Clock = std::chrono::steady_clock;
   int64_t spin = spin_us_;
   if (spin_adaptive_) {
-    spin = std::max<int64_t>(
-        spin, std::min<int64_t>(kMaxAdaptiveSpinUs, last_job_us_.load(std::memory_order_relaxed) / 8));
+    const int64_t eighth = last_job_us_.load(std::memory_order_relaxed) / 8;
+    spin = std::max<int64_t>(spin, std::min<int64_t>(kMaxAdaptiveSpinUs, eighth));
   }
   const auto deadline = Clock::now() + std::chrono::microseconds(spin);
   for (unsigned i = 1;; ++i) {
