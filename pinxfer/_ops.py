@@ -393,6 +393,8 @@ def to_device(tensor: torch.Tensor, device: torch.device, chunk_bytes: int,
     Returns:
         A contiguous tensor on ``device`` with the same values, dtype and shape.
     """
+    if cached_tail == -1 and plain_dense_cpu(tensor) and eager():
+        return fast.to_device(tensor, device, chunk_bytes, num_buffers, staging)
     return _lib.to_device(tensor, device, int(chunk_bytes), int(num_buffers), staging,
                           int(cached_tail))
 

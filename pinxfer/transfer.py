@@ -60,14 +60,28 @@ def copy_stream(device: Optional[DeviceLike] = None) -> torch.cuda.Stream:
 # ---- helpers ----
 
 
+# NVTX calls do something only when a tool injected its library (nsys sets
+# NVTX_INJECTION64_PATH in the processes it starts); otherwise they are no-ops
+# that still cost a Python call each.
+_NVTX_TOOL = bool(os.environ.get("NVTX_INJECTION64_PATH"))
+_NO_RANGE = contextlib.nullcontext()
+
+
+def profiler_range(name: str) -> contextlib.AbstractContextManager:
+    """A torch.profiler range while a profiler runs, and an NVTX range under nsys.
+
+    Neither costs anything when no profiler runs: a 4 KiB to_device takes a few
+    microseconds, and a context manager generator alone costs one of them."""
+    if torch.autograd._profiler_enabled() or _NVTX_TOOL:
+        return _profiled_range(name)
+    return _NO_RANGE
+
+
 @contextlib.contextmanager
-def profiler_range(name: str) -> Iterator[None]:
-    """A torch.profiler range while a profiler runs, and an NVTX range when CUDA is in use."""
-    # record_function costs a few microseconds even with no profiler running:
-    # only pay for it when one is.
-    profiled = torch.autograd._profiler_enabled()
-    nvtx = torch.cuda.is_initialized()
-    ctx = torch.profiler.record_function(name) if profiled else contextlib.nullcontext()
+def _profiled_range(name: str) -> Iterator[None]:
+    nvtx = _NVTX_TOOL and torch.cuda.is_initialized()
+    ctx = (torch.profiler.record_function(name) if torch.autograd._profiler_enabled()
+           else contextlib.nullcontext())
     with ctx:
         if nvtx:
             torch.cuda.nvtx.range_push(name)
@@ -157,10 +171,12 @@ def to_device(obj: Any, device: Optional[DeviceLike] = None, non_blocking: bool 
     on another GPU, sparse, quantized, subclassed or ``requires_grad`` tensors use
     ``tensor.to(device)``. Other leaves (numbers, strings, None, ...) pass through.
 
-    The copies run on pinxfer's copy stream (:func:`copy_stream`) and do not wait
-    for work already queued on the caller's current stream, so they overlap it;
-    the current stream waits for the copies, so the results can be used on it at
-    once. To use them on another stream, make that stream wait on the current one
+    Copies of more than 256 KiB run on pinxfer's copy stream (:func:`copy_stream`)
+    and do not wait for work already queued on the caller's current stream, so they
+    overlap it; the current stream waits for the copies, so the results can be used
+    on it at once. Smaller ones (and each packed buffer of a batch's small tensors
+    up to that size) go on the current stream itself: such a copy takes less time
+    than the cross-stream hand-over would cost. To use them on another stream, make that stream wait on the current one
     and ``record_stream`` them there (as with any tensor). Pageable sources may be modified or freed as
     soon as this returns (they have been copied into staging memory by then).
     Pinned sources are read by the DMA engine later: they may be freed at once

@@ -74,7 +74,7 @@ def test_zero_size(fresh_pool):
     assert stats()["num_allocs"] == 0
     with pytest.raises(ValueError, match="non-negative"):
         pinxfer.empty(-1)
-    with pytest.raises(RuntimeError, match="non-negative"):
+    with pytest.raises(ValueError, match="non-negative"):
         torch.ops.pinxfer.empty([2, -1], torch.float32, None)  # the C++ check too
     with pytest.raises(TypeError, match="ints"):
         pinxfer.empty(2.5)
@@ -164,7 +164,10 @@ def test_cap_from_environment():
     ("1T", 1 << 40), ("1tib", 1 << 40),
     (" 64 MiB \n", 64 * MiB),
     ("2.", 2),
-    ("0.5", 0),  # a fraction of a byte is dropped
+    ("0.5KiB", 512),
+    # Issue 27: exactly 2^63 - 1 was refused (the parser rounded through a double).
+    ("9223372036854775807", (1 << 63) - 1),
+    ("8388607TiB", 8388607 << 40),
 ])
 def test_parse_byte_size_accepted_forms(text, expected):
     assert torch.ops.pinxfer.parse_byte_size(text) == expected
@@ -181,13 +184,19 @@ def test_parse_byte_size_accepted_forms(text, expected):
     ("8PB", "unknown unit 'pb'"),
     ("3xb", "unknown unit 'xb'"),
     ("8388608TiB", "too large"),
+    ("9223372036854775808", "too large"),
+    ("99999999999999999999999999", "too large"),
+    # Issue 27: a fraction of a byte silently meant 0 ("no cap") or 1.
+    ("0.5", "not a whole number of bytes"),
+    ("1.5", "not a whole number of bytes"),
+    ("0.1GiB", "not a whole number of bytes"),
 ])
 def test_parse_byte_size_rejects_with_value_error(text, needle):
     with pytest.raises(ValueError) as info:
         torch.ops.pinxfer.parse_byte_size(text)
     msg = str(info.value)
     assert needle in msg, msg
-    if "too large" not in needle:  # the message says what it accepts
+    if "cannot read" in needle or "unknown unit" in needle:  # the message says what it accepts
         assert "512MiB" in msg and "binary" in msg, msg
 
 

@@ -242,13 +242,23 @@ def test_derived_threads_follow_local_world_size_and_affinity():
 
 
 @pytest.mark.parametrize("name,value,expected", [
-    ("PINXFER_NUM_THREADS", "many", "a positive integer"),
-    ("PINXFER_NUM_THREADS", "0", "a positive integer"),
-    ("PINXFER_SPIN_US", "-5", "a non-negative integer"),
+    ("PINXFER_NUM_THREADS", "many", "an integer from 1 to"),
+    ("PINXFER_NUM_THREADS", "0", "an integer from 1 to"),
+    # Issue 27: values past int were truncated (4294967297 -> 1 thread).
+    ("PINXFER_NUM_THREADS", "4294967297", "an integer from 1 to"),
+    ("PINXFER_NUM_THREADS", "100000", "an integer from 1 to"),
+    ("PINXFER_SPIN_US", "-5", "an integer from 0 to 1000000"),
+    ("PINXFER_SPIN_US", "4294967396", "an integer from 0 to 1000000"),
     ("PINXFER_MAX_PINNED_BYTES", "lots", "a byte size"),
+    # Issue 27: a fraction of a byte silently meant "no cap".
+    ("PINXFER_MAX_PINNED_BYTES", "0.5", "a byte size"),
+    ("PINXFER_MAX_PINNED_BYTES", "1.5", "a byte size"),
     ("PINXFER_STAGE_COPY", "fast", "expected 'auto', 'nt'"),
     ("PINXFER_DISABLE_CUDA", "yes", "1 \\(never touch CUDA\\) or 0"),
-    ("PINXFER_NUMA_NODE", "first", "a non-negative integer"),
+    ("PINXFER_NUMA_NODE", "first", "an integer from 0 to"),
+    # Issue 27: 2^32 was read as node 0 while settings() showed 4294967296.
+    ("PINXFER_NUMA_NODE", "4294967296", "an integer from 0 to"),
+    ("PINXFER_NUMA_NODE", "-5", "an integer from 0 to"),
 ])
 def test_malformed_variable_is_a_clear_error_at_every_call(name, value, expected):
     out = run_fresh("""

@@ -143,9 +143,10 @@ def test_non_blocking_false_is_complete():
     _check(y, x)
 
 
-def test_consumer_on_non_default_stream():
+@pytest.mark.parametrize("numel", [9 * MiB + 5, 1000], ids=["copy_stream", "current_stream"])
+def test_consumer_on_non_default_stream(numel):
     s = torch.cuda.Stream()
-    x = torch.randn(9 * MiB + 5)
+    x = torch.randn(numel)
     with torch.cuda.stream(s):
         torch.cuda._sleep(SLEEP)
         y = pinxfer.to_device(x, chunk_bytes=MiB)
@@ -232,6 +233,36 @@ def test_staging_not_reused_while_copy_pending():
         x.fill_(-1.0)  # pageable sources may be overwritten right away
     for i, y in enumerate(ys):
         assert torch.all(y == float(i)).item(), i
+
+
+def test_small_transfers_behind_a_busy_current_stream_keep_their_staging():
+    """Up to 256 KiB a transfer is staged by the caller and sent on the current
+    stream: with that stream busy the DMAs run late, and each staging block must
+    stay out of the pool until its DMA has read it."""
+    torch.cuda._sleep(SLEEP)
+    xs = [torch.full((1000 + 997 * i,), float(i)) for i in range(64)]  # 4 KiB - 250 KiB
+    ys = [pinxfer.to_device(x) for x in xs]
+    for x in xs:
+        x.fill_(-1.0)  # pageable sources may be overwritten right away
+    for i, y in enumerate(ys):
+        assert torch.all(y == float(i)).item(), i
+
+
+def test_packed_groups_sent_while_packing_every_byte():
+    """64 small tensors of 4-256 KiB (8 MiB together): the packed buffer goes out
+    in groups of >= 1 MiB as they are packed; with the copy stream delayed, every
+    group must land at its offset."""
+    g = torch.Generator().manual_seed(5)
+    sizes = torch.randint(1 << 10, 64 << 10, (64,), generator=g).tolist()
+    xs = [torch.randn(n, generator=g) for n in sizes]
+    _delay_copies()
+    ys = pinxfer.to_device(xs)
+    for x in xs:
+        x.fill_(float("nan"))
+    g = torch.Generator().manual_seed(5)  # the same draws again: the expected values
+    torch.randint(1 << 10, 64 << 10, (64,), generator=g)
+    for y, n in zip(ys, sizes):
+        assert torch.equal(y.cpu(), torch.randn(n, generator=g))
 
 
 def _mixed_small_tensors() -> list[torch.Tensor]:

@@ -9,6 +9,7 @@
 
 #include <c10/util/Exception.h>
 
+#include "runtime/checked_size.h"
 #include "runtime/fork.h"
 
 namespace pinxfer {
@@ -20,7 +21,6 @@ constexpr size_t kSmallSegment = size_t{2} << 20;  // small pool maps 2 MiB segm
 constexpr size_t kSmallGranule = 512;
 constexpr size_t kLargeGranule = size_t{64} << 10;
 
-size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
 
 std::string human(int64_t bytes) {
   char buf[64];
@@ -73,7 +73,9 @@ PinnedPool::PinnedPool(int numa_node, HostResource& upstream)
 
 PinnedPool::Request PinnedPool::make_request(size_t size) {
   const bool small = size <= kSmallMax;
-  return {size, round_up(size, small ? kSmallGranule : kLargeGranule), small};
+  return {size, checked_round_up(size, small ? kSmallGranule : kLargeGranule,
+                                 "pinxfer: a pinned allocation"),
+          small};
 }
 
 c10::DataPtr PinnedPool::allocate(size_t size) {
@@ -126,7 +128,7 @@ size_t PinnedPool::absorb_free_large_segments(size_t rounded) {
   size_t merged_bytes = 0;
   for (Segment* s : merged) merged_bytes += s->region.size;
   unmap_segments(std::move(merged));
-  return std::max(rounded, round_up(merged_bytes, kLargeGranule));
+  return std::max(rounded, checked_round_up(merged_bytes, kLargeGranule, "pinxfer: a segment"));
 }
 
 c10::DataPtr PinnedPool::take_cached_or_raise(const Request& request, size_t segment_size,
@@ -512,7 +514,11 @@ LockKind PinnedPool::lock_kind_of(void* ctx) {
 
 std::optional<LockKind> PinnedPool::lock_kind_if_pool(const c10::DataPtr& data) {
   if (data.get_deleter() != &PinnedPool::delete_block) return std::nullopt;
-  return static_cast<Block*>(data.get_context())->segment->region.kind;
+  const Segment* segment = static_cast<Block*>(data.get_context())->segment;
+  // A forked child inherits the parent's blocks but neither their mlock nor
+  // their CUDA registration: there they are plain pageable memory.
+  if (segment->generation != fork_generation()) return LockKind::kPageable;
+  return segment->region.kind;
 }
 
 }  // namespace pinxfer

@@ -1,9 +1,13 @@
 #include "memory/placement.h"
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <cstdlib>
+#include <sstream>
 #include <string>
+
+#include <c10/util/Exception.h>
 
 #include "runtime/cuda_runtime.h"
 #include "runtime/settings.h"
@@ -47,6 +51,31 @@ int numa_node_for_device(int device) {
     slot.store(node, std::memory_order_release);
   }
   return node;
+}
+
+const std::vector<int>& existing_numa_nodes() {
+  static const auto* nodes = [] {
+    auto* n = new std::vector<int>(online_nodes(sysfs_root()));  // leaked: used at exit
+    if (n->empty()) n->push_back(0);
+    return n;
+  }();
+  return *nodes;
+}
+
+int resolve_numa_node(std::optional<int64_t> numa_node, const char* what) {
+  if (!numa_node.has_value()) return numa_node_for_current_device();
+  const int64_t node = *numa_node;
+  if (node == -1) return -1;
+  const std::vector<int>& nodes = existing_numa_nodes();
+  const bool exists = node >= 0 && std::find(nodes.begin(), nodes.end(), node) != nodes.end();
+  if (!exists) {
+    std::ostringstream list;
+    for (size_t i = 0; i < nodes.size(); ++i) list << (i ? ", " : "") << nodes[i];
+    TORCH_CHECK_VALUE(false, what, ": numa_node must be -1 (no binding), None (the current "
+                      "GPU's node) or a NUMA node of this machine (", list.str(), "), got ",
+                      node, ".");
+  }
+  return static_cast<int>(node);
 }
 
 int numa_node_for_current_device() {

@@ -11,6 +11,10 @@
 #include <ATen/core/Tensor.h>
 #include <c10/core/Storage.h>
 
+#if PINXFER_WITH_CUDA
+#include "transfer/cuda/pipeline.h"
+#endif
+
 namespace pinxfer::ops {
 
 // A CPU tensor over `data` (pool memory of `nbytes` bytes) with these sizes and
@@ -29,6 +33,11 @@ at::Tensor pin_memory_copy(const at::Tensor& self, std::optional<int64_t> numa_n
 
 // How pin_ locked self's storage, None if it did not. csrc/ops/cpu/pin_inplace_cpu.cpp
 std::optional<std::string> inplace_lock_kind(const at::Tensor& self);
+
+// Unpins (as unpin_ would) every pin_ registration whose storage no tensor
+// references any more (all dropped, or moved away by set_()); returns how many.
+// pin_ and empty_cache() call it. csrc/ops/cpu/pin_inplace_cpu.cpp
+size_t release_orphaned_pins();
 
 // pinxfer.is_pinned for a dense CPU tensor: a pool block that was locked, a
 // storage pin_ locked, or (ask_torch) memory torch reports pinned. ask_torch is
@@ -49,6 +58,16 @@ struct PackedOnDevice {
   std::vector<at::Tensor> views;
 };
 PackedOnDevice pack_to_device(at::TensorList tensors, c10::Device device, bool want_views);
+
+// to_device of one CPU tensor: up to transfer::kCurrentStreamBytes on the
+// caller's current stream by the caller, larger through the copy stream (the
+// pipeline, or one DMA from pinned memory), handed over to the current stream.
+// csrc/ops/cuda/to_device_cuda.cpp
+at::Tensor send_to_device(const at::Tensor& self, c10::Device device,
+                          const transfer::StagingOptions& options);
+// The op's staging arguments, checked (ranges, the staging mode's name).
+transfer::StagingOptions staging_options(int64_t chunk_bytes, int64_t num_buffers,
+                                         c10::string_view staging, int64_t cached_tail);
 #endif
 
 }  // namespace pinxfer::ops

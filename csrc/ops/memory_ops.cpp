@@ -7,6 +7,7 @@
 #include "memory/placement.h"
 #include "memory/pool_registry.h"
 #include "ops/kernels.h"
+#include "runtime/checked_size.h"
 #include "runtime/cuda_runtime.h"
 #include "runtime/numa.h"
 
@@ -25,13 +26,14 @@ at::Tensor tensor_over(c10::DataPtr data, size_t nbytes, at::IntArrayRef sizes,
 
 // The DataPtr carries the pool's deleter, so the tensor owns its block outright.
 at::Tensor pool_empty(at::IntArrayRef size, at::ScalarType dtype, std::optional<int64_t> numa_node) {
-  for (int64_t d : size) {
-    TORCH_CHECK(d >= 0, "pinxfer.empty: sizes must be non-negative, got ", size);
-  }
-  const int64_t numel = c10::multiply_integers(size);
-  const size_t nbytes = static_cast<size_t>(numel) * c10::elementSize(dtype);
-  const int node = numa_node.has_value() ? static_cast<int>(*numa_node)
-                                         : numa_node_for_current_device();
+  // A quantized tensor needs a quantizer, which a plain storage cannot carry:
+  // torch.empty refuses these dtypes too.
+  TORCH_CHECK_VALUE(!c10::isQIntType(dtype), "pinxfer.empty: quantized dtype ", dtype,
+                    " is not supported (a quantized tensor needs a quantizer). Allocate the "
+                    "underlying integer dtype and quantize on the device, or use "
+                    "torch._empty_affine_quantized and pinxfer.pin_memory on it.");
+  const size_t nbytes = checked_tensor_bytes(size, c10::elementSize(dtype), "pinxfer.empty");
+  const int node = resolve_numa_node(numa_node, "pinxfer.empty");
   return tensor_over(pool_for_node(node).allocate(nbytes), nbytes, size,
                      c10::contiguous_strides(size), dtype);
 }
@@ -77,7 +79,7 @@ std::tuple<std::vector<std::string>, std::vector<int64_t>> memory_stats(
   std::vector<int64_t> values;
   std::vector<PinnedPool*> pools;
   if (numa_node.has_value()) {
-    pools.push_back(&pool_for_node(static_cast<int>(*numa_node)));
+    pools.push_back(&pool_for_node(resolve_numa_node(numa_node, "pinxfer.memory_stats")));
   } else {
     pools = all_pools();
   }
@@ -101,6 +103,7 @@ void reset_accumulated_memory_stats() {
   for (PinnedPool* p : all_pools()) p->reset_accumulated_stats();
 }
 int64_t empty_cache() {
+  release_orphaned_pins();
   int64_t bytes = 0;
   for (PinnedPool* p : all_pools()) bytes += static_cast<int64_t>(p->release_cached());
   return bytes;
@@ -137,6 +140,22 @@ TORCH_LIBRARY_IMPL(pinxfer, CPU, m) {
   m.impl("is_pool_tensor", &is_pool_tensor);
   m.impl("lock_kind", &lock_kind);
   m.impl("page_nodes", &page_nodes_op);
+}
+
+// Questions about the storage: a conj or neg view must reach the kernel as it
+// is, not as the resolved copy torch's Conjugate / Negative fallbacks make
+// (which is never a pool block).
+TORCH_LIBRARY_IMPL(pinxfer, Conjugate, m) {
+  m.impl("record_stream", torch::CppFunction::makeFallthrough());
+  m.impl("is_pool_tensor", torch::CppFunction::makeFallthrough());
+  m.impl("lock_kind", torch::CppFunction::makeFallthrough());
+  m.impl("page_nodes", torch::CppFunction::makeFallthrough());
+}
+TORCH_LIBRARY_IMPL(pinxfer, Negative, m) {
+  m.impl("record_stream", torch::CppFunction::makeFallthrough());
+  m.impl("is_pool_tensor", torch::CppFunction::makeFallthrough());
+  m.impl("lock_kind", torch::CppFunction::makeFallthrough());
+  m.impl("page_nodes", torch::CppFunction::makeFallthrough());
 }
 
 // Operators without tensor arguments dispatch to their composite kernel.

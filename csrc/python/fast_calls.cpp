@@ -36,6 +36,11 @@ std::vector<at::Tensor> pin_many(const std::vector<at::Tensor>& tensors,
 }
 
 #if PINXFER_WITH_CUDA
+at::Tensor to_device_fast(const at::Tensor& tensor, c10::Device device, int64_t chunk_bytes,
+                          int64_t num_buffers, const std::string& staging) {
+  return send_to_device(tensor, device, staging_options(chunk_bytes, num_buffers, staging, -1));
+}
+
 std::vector<at::Tensor> to_device_many_fast(const std::vector<at::Tensor>& tensors,
                                             c10::Device device) {
   return pack_to_device(tensors, device, /*want_views=*/true).views;
@@ -62,6 +67,9 @@ PYBIND11_MODULE(_C, m) {
   m.def("empty", torch::wrap_pybind_function_no_gil(&pinxfer::ops::empty_fast),
         "empty(sizes, dtype, numa_node): contiguous pool tensor");
 #if PINXFER_WITH_CUDA
+  m.def("to_device", torch::wrap_pybind_function_no_gil(&pinxfer::ops::to_device_fast),
+        "to_device(tensor, device, chunk_bytes, num_buffers, staging): the op's kernel, "
+        "without the dispatcher (a 4 KiB transfer costs a few µs; dispatch is 3 of them)");
   // Not an operator: its outputs are views of one buffer, which torch >= 2.12 forbids
   // for operators (torch.ops.pinxfer.to_device_packed returns the buffer instead).
   m.def("to_device_many", torch::wrap_pybind_function_no_gil(&pinxfer::ops::to_device_many_fast),

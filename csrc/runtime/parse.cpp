@@ -14,19 +14,20 @@ bool is_space(char c) { return std::isspace(static_cast<unsigned char>(c)) != 0;
 bool is_digit(char c) { return std::isdigit(static_cast<unsigned char>(c)) != 0; }
 bool is_alpha(char c) { return std::isalpha(static_cast<unsigned char>(c)) != 0; }
 
-// Bytes per unit, by the unit's lower-case spelling; 0 for an unknown unit.
-double bytes_per_unit(const std::string& unit) {
-  static const std::pair<const char*, double> kUnits[] = {
-      {"", 1.0},           {"b", 1.0},
-      {"k", 0x1p10},       {"kb", 0x1p10},  {"kib", 0x1p10},
-      {"m", 0x1p20},       {"mb", 0x1p20},  {"mib", 0x1p20},
-      {"g", 0x1p30},       {"gb", 0x1p30},  {"gib", 0x1p30},
-      {"t", 0x1p40},       {"tb", 0x1p40},  {"tib", 0x1p40},
+// log2 of the bytes per unit, by the unit's lower-case spelling; -1 for an
+// unknown unit.
+int bytes_shift_of_unit(const std::string& unit) {
+  static const std::pair<const char*, int> kUnits[] = {
+      {"", 0},   {"b", 0},
+      {"k", 10}, {"kb", 10}, {"kib", 10},
+      {"m", 20}, {"mb", 20}, {"mib", 20},
+      {"g", 30}, {"gb", 30}, {"gib", 30},
+      {"t", 40}, {"tb", 40}, {"tib", 40},
   };
-  for (const auto& [name, scale] : kUnits) {
-    if (unit == name) return scale;
+  for (const auto& [name, shift] : kUnits) {
+    if (unit == name) return shift;
   }
-  return 0.0;
+  return -1;
 }
 
 constexpr const char* kByteSizeForms =
@@ -38,19 +39,27 @@ constexpr const char* kByteSizeForms =
 int64_t parse_byte_size(const std::string& text) {
   size_t i = 0;
   while (i < text.size() && is_space(text[i])) ++i;
-  // The number, read digit by digit rather than with strtod: strtod follows
-  // the C locale's decimal point, which an embedding program may have changed.
-  double number = 0;
+  // The number, read digit by digit rather than with strtod (which follows the
+  // C locale's decimal point, which an embedding program may have changed):
+  // the integer part exactly, in 128 bits, so 2^63 - 1 is 2^63 - 1; a
+  // fraction as a numerator over a power of ten.
+  unsigned __int128 whole = 0, fraction = 0, denominator = 1;
+  bool too_long = false;
   const size_t number_begin = i;
-  for (; i < text.size() && is_digit(text[i]); ++i) number = number * 10 + (text[i] - '0');
+  for (; i < text.size() && is_digit(text[i]); ++i) {
+    whole = whole * 10 + (text[i] - '0');
+    too_long = too_long || whole > (unsigned __int128)1 << 64;
+  }
   const bool has_digits = i > number_begin;
   if (has_digits && i < text.size() && text[i] == '.') {
-    double fraction = 0, denominator = 1;
     for (++i; i < text.size() && is_digit(text[i]); ++i) {
-      fraction = fraction * 10 + (text[i] - '0');
-      denominator *= 10;
+      if (denominator < (unsigned __int128)1 << 64) {  // past 19 digits: ignored, and
+        fraction = fraction * 10 + (text[i] - '0');    // rejected below if not 0
+        denominator *= 10;
+      } else if (text[i] != '0') {
+        too_long = true;
+      }
     }
-    number += fraction / denominator;
   }
   while (i < text.size() && is_space(text[i])) ++i;
   std::string unit;
@@ -60,11 +69,20 @@ int64_t parse_byte_size(const std::string& text) {
   while (i < text.size() && is_space(text[i])) ++i;
   TORCH_CHECK_VALUE(has_digits && i == text.size(), "pinxfer: cannot read a byte size from '",
                     text, "': ", kByteSizeForms);
-  const double scale = bytes_per_unit(unit);
-  TORCH_CHECK_VALUE(scale > 0, "pinxfer: cannot read a byte size from '", text,
+  const int shift = bytes_shift_of_unit(unit);
+  TORCH_CHECK_VALUE(shift >= 0, "pinxfer: cannot read a byte size from '", text,
                     "': unknown unit '", unit, "'; ", kByteSizeForms);
-  const double bytes = number * scale;
-  TORCH_CHECK_VALUE(bytes < 0x1p63, "pinxfer: the byte size '", text,
+  constexpr unsigned __int128 kLimit = (unsigned __int128)1 << 63;  // exclusive
+  TORCH_CHECK_VALUE(!too_long && whole < kLimit && (whole << shift) < kLimit,
+                    "pinxfer: the byte size '", text, "' is too large: at most 2^63 - 1 bytes");
+  // A fraction is allowed where it names whole bytes (1.5GiB), never a part
+  // of one: "0.5" must not quietly become 0, which means "no cap".
+  const unsigned __int128 fraction_bytes = (fraction << shift) / denominator;
+  TORCH_CHECK_VALUE((fraction << shift) % denominator == 0, "pinxfer: the byte size '", text,
+                    "' is not a whole number of bytes; write it in bytes or a smaller unit "
+                    "(e.g. 1536MiB rather than 1.5001GiB)");
+  const unsigned __int128 bytes = (whole << shift) + fraction_bytes;
+  TORCH_CHECK_VALUE(bytes < kLimit, "pinxfer: the byte size '", text,
                     "' is too large: at most 2^63 - 1 bytes");
   return static_cast<int64_t>(bytes);
 }

@@ -1,6 +1,7 @@
 #include "runtime/settings.h"
 
 #include "runtime/parse.h"
+#include "runtime/topology.h"
 
 #include <c10/util/Exception.h>
 #include <sched.h>
@@ -62,6 +63,10 @@ int copy_threads_for(const CpuResources& cpus, std::string* why) {
   return threads;
 }
 
+int max_copy_threads(const CpuResources& cpus) {
+  return std::max(kMaxCopyThreads, cpus.affinity_cpus);
+}
+
 NodePoolPlan node_pool_plan(int budget, const std::vector<int>& node_cpus,
                             const std::vector<int>& affinity_cpus, bool budget_from_env) {
   auto sorted_set = [](std::vector<int> v) {
@@ -89,14 +94,7 @@ NodePoolPlan node_pool_plan(int budget, const std::vector<int>& node_cpus,
 
 namespace {
 
-bool read_text(const std::string& path, std::string* out) {
-  std::ifstream f(path);
-  if (!f) return false;
-  std::stringstream ss;
-  ss << f.rdbuf();
-  *out = ss.str();
-  return true;
-}
+bool read_text(const std::string& path, std::string* out) { return read_kernel_file(path, out); }
 
 // Quota of one cgroup directory in CPUs; 0 when unlimited or unreadable.
 double quota_of_dir(const std::string& dir, bool v2) {
@@ -176,17 +174,17 @@ namespace {
                     "'. Fix or unset it (pinxfer reads its environment once, at first use).");
 }
 
-// A non-negative integer, or bad_env.
-int64_t env_int(const char* name, const std::string& value, int64_t min) {
-  size_t used = 0;
-  int64_t n = -1;
-  try {
-    n = std::stoll(value, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  if (used != value.size() || n < min) {
-    bad_env(name, value, min > 0 ? "a positive integer" : "a non-negative integer");
+// An integer in [min, max], or bad_env saying so. Digits only: no sign, no
+// spaces, no "1e3", so what doctor shows is exactly the number in force.
+int64_t env_int(const char* name, const std::string& value, int64_t min, int64_t max) {
+  const bool digits = !value.empty() && value.size() <= 18 &&
+                      std::all_of(value.begin(), value.end(),
+                                  [](char c) { return c >= '0' && c <= '9'; });
+  const int64_t n = digits ? std::stoll(value) : -1;
+  if (!digits || n < min || n > max) {
+    const std::string expected =
+        "an integer from " + std::to_string(min) + " to " + std::to_string(max);
+    bad_env(name, value, expected.c_str());
   }
   return n;
 }
@@ -223,9 +221,20 @@ Settings read_settings() {
 
   if (const char* v = env("PINXFER_NUMA_NODE")) {
     const std::string t(v);
-    s.numa_node = (t == "none" || t == "-1") ? -1 : static_cast<int>(env_int(
-        "PINXFER_NUMA_NODE", t, 0));
-    add("PINXFER_NUMA_NODE", t, "env");
+    if (t == "none" || t == "-1") {
+      s.numa_node = -1;
+    } else {
+      // The same rule as the numa_node argument (memory/placement.h): -1 or a
+      // node this machine has.
+      std::vector<int> nodes = online_nodes(s.sysfs_root);
+      if (nodes.empty()) nodes.push_back(0);
+      const int64_t node = env_int("PINXFER_NUMA_NODE", t, 0, nodes.back());
+      if (std::find(nodes.begin(), nodes.end(), node) == nodes.end()) {
+        bad_env("PINXFER_NUMA_NODE", t, "-1, 'none' or a NUMA node of this machine");
+      }
+      s.numa_node = static_cast<int>(node);
+    }
+    add("PINXFER_NUMA_NODE", std::to_string(s.numa_node), "env");
   } else {
     add("PINXFER_NUMA_NODE", "the GPU's node (sysfs)", "default");
   }
@@ -239,9 +248,10 @@ Settings read_settings() {
 
   s.cpus = current_cpu_resources();
   if (const char* v = env("PINXFER_NUM_THREADS")) {
-    s.copy_threads = static_cast<int>(env_int("PINXFER_NUM_THREADS", v, 1));
+    s.copy_threads =
+        static_cast<int>(env_int("PINXFER_NUM_THREADS", v, 1, max_copy_threads(s.cpus)));
     s.copy_threads_from_env = true;
-    add("PINXFER_NUM_THREADS", v, "env");
+    add("PINXFER_NUM_THREADS", std::to_string(s.copy_threads), "env");
   } else {
     std::string why;
     s.copy_threads = copy_threads_for(s.cpus, &why);
@@ -249,7 +259,7 @@ Settings read_settings() {
   }
 
   if (const char* v = env("PINXFER_SPIN_US")) {
-    s.spin_us = static_cast<int>(env_int("PINXFER_SPIN_US", v, 0));
+    s.spin_us = static_cast<int>(env_int("PINXFER_SPIN_US", v, 0, kMaxSpinUs));
     s.spin_adaptive = false;
     add("PINXFER_SPIN_US", std::to_string(s.spin_us), "env");
   } else {
@@ -260,11 +270,11 @@ Settings read_settings() {
   }
 
   if (const char* v = env("PINXFER_STAGE_COPY")) {
-    const std::string t(v);
-    if (t != "auto" && t != "nt" && t != "movsb") {
-      bad_env("PINXFER_STAGE_COPY", t, "'auto', 'nt' (nontemporal stores) or 'movsb' (cached stores)");
+    try {
+      s.staging = parse_staging_mode(v, "PINXFER_STAGE_COPY");
+    } catch (const c10::ValueError&) {
+      bad_env("PINXFER_STAGE_COPY", v, "'auto', 'nt' (nontemporal stores) or 'movsb' (cached stores)");
     }
-    s.staging = parse_staging_mode(t, "PINXFER_STAGE_COPY");
   }
   add("PINXFER_STAGE_COPY", staging_mode_name(s.staging),
       env("PINXFER_STAGE_COPY") ? "env" : "default");

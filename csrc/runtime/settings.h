@@ -52,6 +52,11 @@ int copy_threads_for(const CpuResources& cpus, std::string* why = nullptr);
 // Past this many threads a host copy is bound by memory bandwidth, not by
 // threads, on any host we know of; more threads only steal CPU from the step.
 constexpr int kMaxCopyThreads = 16;
+// The most copy threads a process may ask for (PINXFER_NUM_THREADS, and
+// pin_memory's num_threads): the CPUs it may use, but at least
+// kMaxCopyThreads, so a test or a small machine can still ask for a few more
+// threads than CPUs. More only oversubscribes the host.
+int max_copy_threads(const CpuResources& cpus);
 
 // One NUMA node's thread pool: how many threads it runs (counting the caller,
 // as ThreadPool's num_threads) and the CPUs its workers are bound to.
@@ -90,6 +95,9 @@ CpuResources current_cpu_resources();
 
 // Longest spin of an idle copy thread when PINXFER_SPIN_US is unset (microseconds).
 constexpr int kMaxAdaptiveSpinUs = 1000;
+// Longest PINXFER_SPIN_US accepted: one second of spinning per idle thread is
+// already a busy loop, not a latency trade.
+constexpr int kMaxSpinUs = 1000000;
 
 struct Settings {
   std::string sysfs_root = "/sys";  // PINXFER_SYSFS_ROOT

@@ -8,6 +8,9 @@
 #include <cstdlib>
 #include <map>
 #include <string>
+#include <system_error>
+
+#include <c10/util/Exception.h>
 
 #include "runtime/fork.h"
 #include "runtime/settings.h"
@@ -49,7 +52,19 @@ ThreadPool::ThreadPool(int num_threads, std::vector<int> cpus)
   num_threads = std::max(1, num_threads);
   workers_.reserve(num_threads - 1);
   for (int i = 0; i < num_threads - 1; ++i) {
-    workers_.emplace_back([this] { worker_loop(); });
+    try {
+      workers_.emplace_back([this] { worker_loop(); });
+    } catch (const std::system_error& e) {
+      // The OS refused a thread (address space, ulimit -u, cgroup pids.max).
+      // A constructor that throws runs no destructor: stop and join the
+      // workers already started here, or they would wait on a condition
+      // variable that is about to be destroyed (a hang at
+      // pthread_cond_destroy), and std::thread's destructor would terminate.
+      stop_and_join();
+      TORCH_CHECK(false, "pinxfer: could not start copy thread ", i + 1, " of ",
+                  num_threads - 1, " (", e.what(), "). Set PINXFER_NUM_THREADS to fewer "
+                  "threads, or raise the process's thread or memory limits.");
+    }
     if (!cpus_.empty()) {
       cpu_set_t set;
       CPU_ZERO(&set);
@@ -62,7 +77,9 @@ ThreadPool::ThreadPool(int num_threads, std::vector<int> cpus)
   }
 }
 
-ThreadPool::~ThreadPool() {
+ThreadPool::~ThreadPool() { stop_and_join(); }
+
+void ThreadPool::stop_and_join() {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     stopping_ = true;
@@ -112,6 +129,7 @@ void ThreadPool::spin_for_work() const {
 void ThreadPool::worker_loop() {
   for (;;) {
     std::shared_ptr<Job> job;
+    int wake_next = 0;
     if (spin_us_ > 0 || spin_adaptive_) spin_for_work();
     {
       std::unique_lock<std::mutex> lock(mutex_);
@@ -120,12 +138,17 @@ void ThreadPool::worker_loop() {
       job = jobs_.front();
       // A job leaves the queue once it has all the helpers it may use or has
       // no chunks left to hand out.
-      if (job->helpers.fetch_add(1) + 1 >= job->max_helpers ||
-          job->next_chunk.load() >= job->num_chunks) {
+      const int helpers = job->helpers.fetch_add(1) + 1;
+      if (helpers >= job->max_helpers || job->next_chunk.load() >= job->num_chunks) {
         jobs_.pop_front();
         queued_jobs_.store(jobs_.size(), std::memory_order_relaxed);
+      } else {
+        // The job wants more helpers: pass the wake-up on to up to two
+        // sleeping workers (see parallel_for), so they join in a tree.
+        wake_next = std::min(2, job->max_helpers - helpers);
       }
     }
+    for (int i = 0; i < wake_next; ++i) wake_.notify_one();
     run_chunks(*job);
   }
 }
@@ -156,14 +179,15 @@ void ThreadPool::parallel_for(size_t n, size_t grain,
     jobs_.push_back(job);
     queued_jobs_.store(jobs_.size(), std::memory_order_relaxed);
   }
-  // One futex call for many helpers: notify_one in a loop delays the caller's
-  // own share of the work by a system call per helper. Workers woken beyond
-  // max_helpers find the job gone and sleep again.
-  if (job->max_helpers > 1) {
-    wake_.notify_all();
-  } else {
-    wake_.notify_one();
-  }
+  // The caller wakes one sleeping worker and starts its own share at once;
+  // each worker that takes the job and sees it wants more helpers wakes up to
+  // two more (worker_loop), so N helpers are up after about log2(N) wake-ups
+  // and none of them on the caller's path. Waking every worker from here cost the caller one
+  // inter-processor interrupt per sleeping worker before its first byte (on a
+  // virtual machine each is a VM exit): after a compute step, when all workers
+  // sleep, that was most of a 1 MiB transfer. Spinning workers need no wake-up
+  // at all: they see queued_jobs_.
+  wake_.notify_one();
   run_chunks(*job);
   {
     std::unique_lock<std::mutex> lock(job->done_mutex);

@@ -57,6 +57,9 @@ class ThreadPool {
  private:
   struct Job;
   void worker_loop();
+  // Tells every worker to stop and joins them (the destructor, and a
+  // constructor that could not start all its threads).
+  void stop_and_join();
   void spin_for_work() const;
   static void run_chunks(Job& job);
 

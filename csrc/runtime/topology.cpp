@@ -3,6 +3,11 @@
 #include "runtime/settings.h"
 
 #include <dirent.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
 
 #include <algorithm>
 #include <cctype>
@@ -15,11 +20,28 @@ namespace pinxfer {
 
 std::string sysfs_root() { return settings().sysfs_root; }
 
+bool read_kernel_file(const std::string& path, std::string* out) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) return false;
+  struct stat st {};
+  bool ok = ::fstat(fd, &st) == 0 && S_ISREG(st.st_mode);
+  out->clear();
+  char buf[4096];
+  while (ok && out->size() < kMaxKernelFileBytes) {
+    const ssize_t n = ::read(fd, buf, std::min(sizeof(buf), kMaxKernelFileBytes - out->size()));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) ok = false;
+    if (n <= 0) break;
+    out->append(buf, static_cast<size_t>(n));
+  }
+  ::close(fd);
+  return ok;
+}
+
 namespace {
 bool read_first_line(const std::string& path, std::string* out) {
-  std::ifstream f(path);
-  if (!f) return false;
-  std::getline(f, *out);
+  if (!read_kernel_file(path, out)) return false;
+  out->resize(std::min(out->size(), out->find('\n')));
   return true;
 }
 }  // namespace
@@ -40,7 +62,9 @@ std::vector<int> online_nodes(const std::string& root) {
   if (!dir) return nodes;
   while (dirent* e = readdir(dir)) {
     const std::string name = e->d_name;
-    if (name.size() > 4 && name.compare(0, 4, "node") == 0 &&
+    // At most 9 digits: a node id is an int, and a stray "node99999999999"
+    // directory is not a node (std::stoi would throw out_of_range).
+    if (name.size() > 4 && name.size() <= 4 + 9 && name.compare(0, 4, "node") == 0 &&
         std::all_of(name.begin() + 4, name.end(), ::isdigit)) {
       nodes.push_back(std::stoi(name.substr(4)));
     }

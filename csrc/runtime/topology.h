@@ -15,6 +15,13 @@ namespace pinxfer {
 // "/sys", or PINXFER_SYSFS_ROOT when set (read once, runtime/settings.h).
 std::string sysfs_root();
 
+// The text of a small kernel file (sysfs, procfs, cgroupfs): false unless
+// `path` is a regular file. Opened non-blocking and read to at most
+// kMaxKernelFileBytes, so a FIFO, a device or a huge file where a sysfs file
+// should be never blocks or floods the caller.
+constexpr size_t kMaxKernelFileBytes = size_t{64} << 10;
+bool read_kernel_file(const std::string& path, std::string* out);
+
 // CPUs of NUMA node `node` (<root>/devices/system/node/node<N>/cpulist, read
 // with parse_cpulist() of runtime/parse.h); empty if the node or file does not
 // exist. Throws c10::ValueError if the file is not a CPU list.

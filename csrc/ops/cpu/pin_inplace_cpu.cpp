@@ -34,6 +34,7 @@
 #include <map>
 #include <mutex>
 #include <optional>
+#include <vector>
 
 #include "memory/host_region.h"
 #include "memory/pinned_pool.h"
@@ -100,6 +101,47 @@ bool page_locked_by_other_locked(uintptr_t page, uintptr_t self_key) {
   return false;
 }
 
+// Undoes what pin_ did for one live registration (cudaHostUnregister, or
+// munlock of the pages no other registration locks). LOCK: g_mutex held.
+void unlock_registration_locked(uintptr_t key, const Registration& r) {
+  if (!live(r)) return;  // made before a fork: the child holds no lock on it
+  if (r.kind == LockKind::kCudaRegistered) {
+    const std::string err = cuda::host_unregister(reinterpret_cast<void*>(key));
+    // The registration stays recorded: memory CUDA still holds must not be freed.
+    TORCH_CHECK(err.empty(), "pinxfer.unpin_: cudaHostUnregister failed: ", err,
+                ". The memory stays registered.");
+    return;
+  }
+  uintptr_t lo = r.locked_lo, hi = r.locked_hi;
+  const uintptr_t page = page_size();
+  if (lo < hi && page_locked_by_other_locked(lo, key)) lo += page;
+  if (lo < hi && page_locked_by_other_locked(hi - page, key)) hi -= page;
+  if (lo < hi && munlock(reinterpret_cast<void*>(lo), hi - lo) != 0) {
+    const int err = errno;
+    TORCH_CHECK(false, "pinxfer.unpin_: munlock failed: ", std::strerror(err));
+  }
+}
+
+// Registrations whose storage only the registry still references: every
+// tensor of it is gone, or was moved to other memory by set_(), so nobody can
+// call unpin_ on it any more. They are unlocked and their storages returned,
+// to be freed outside the lock. LOCK: g_mutex held.
+std::vector<c10::Storage> take_orphans_locked() {
+  std::vector<c10::Storage> orphans;
+  for (auto it = g_registry->begin(); it != g_registry->end();) {
+    Registration& r = it->second;
+    if (r.storage.use_count() > 1) {
+      ++it;
+      continue;
+    }
+    unlock_registration_locked(it->first, r);
+    if (r.was_resizable) r.storage.unsafeGetStorageImpl()->set_resizable(true);
+    orphans.push_back(std::move(r.storage));
+    it = g_registry->erase(it);
+  }
+  return orphans;
+}
+
 struct Range {
   uintptr_t lo = 0, hi = 0;
 };
@@ -111,6 +153,9 @@ Range storage_range(const at::Tensor& self, const char* op) {
   TORCH_CHECK(self.layout() == at::kStrided && self.has_storage(), "pinxfer.", op,
               ": expected a dense CPU tensor with its own storage, got layout ", self.layout(),
               ". Pin the dense component tensors instead.");
+  TORCH_CHECK(!self.is_quantized(), "pinxfer.", op, ": quantized tensors are not supported "
+              "(is_pinned could not see the lock through the quantizer). Pin the integer "
+              "representation (t.int_repr()) and quantize on the device instead.");
   const c10::Storage& storage = self.storage();
   const auto lo = reinterpret_cast<uintptr_t>(storage.data());
   TORCH_CHECK(lo != 0 && storage.nbytes() > 0, "pinxfer.", op,
@@ -125,7 +170,9 @@ void pin_(const at::Tensor& self) {
               "pinxfer.pin_: refused, the tensor already lives in pinxfer's pinned pool "
               "(from pinxfer.empty / pinxfer.pin_memory); it needs no pin_.");
 
+  std::vector<c10::Storage> orphans;  // destroyed after the lock is released
   std::lock_guard<std::mutex> lock(g_mutex);
+  orphans = take_orphans_locked();
   auto hit = find_overlap_locked(range.lo, range.hi);
   TORCH_CHECK(hit == g_registry->end(),
               "pinxfer.pin_: refused, this memory is already pinned by pinxfer.pin_ (a ",
@@ -173,8 +220,11 @@ void pin_(const at::Tensor& self) {
   }
   reg.storage = self.storage();
   c10::StorageImpl* impl = reg.storage.unsafeGetStorageImpl();
-  reg.was_resizable = impl->resizable();
-  impl->set_resizable(false);  // resize_ would free the registered memory
+  // resize_ would free the registered memory. A storage without an allocator
+  // (share_memory_(), from_blob) cannot be resized anyway, and torch asserts
+  // that a resizable storage has one, so such a storage is left as it is.
+  reg.was_resizable = impl->resizable() && impl->allocator() != nullptr;
+  if (reg.was_resizable) impl->set_resizable(false);
   g_registry->emplace(range.lo, std::move(reg));
 }
 
@@ -195,29 +245,26 @@ void unpin_(const at::Tensor& self) {
       TORCH_CHECK(false, "pinxfer.unpin_: refused, the tensor's memory is not pinned by "
                   "pinxfer.pin_ (nothing to undo).");
     }
-    if (live(it->second)) {
-      if (it->second.kind == LockKind::kCudaRegistered) {
-        const std::string err = cuda::host_unregister(reinterpret_cast<void*>(range.lo));
-        // The registration stays recorded: memory CUDA still holds must not be freed.
-        TORCH_CHECK(err.empty(), "pinxfer.unpin_: cudaHostUnregister failed: ", err,
-                    ". The memory stays registered.");
-      } else {
-        uintptr_t lo = it->second.locked_lo, hi = it->second.locked_hi;
-        const uintptr_t page = page_size();
-        if (lo < hi && page_locked_by_other_locked(lo, it->first)) lo += page;
-        if (lo < hi && page_locked_by_other_locked(hi - page, it->first)) hi -= page;
-        if (lo < hi && munlock(reinterpret_cast<void*>(lo), hi - lo) != 0) {
-          const int err = errno;
-          TORCH_CHECK(false, "pinxfer.unpin_: munlock failed: ", std::strerror(err));
-        }
-      }
-    }
+    unlock_registration_locked(it->first, it->second);
     reg = std::move(it->second);
     g_registry->erase(it);
   }
   // Outside the lock: dropping the last reference may free the storage.
-  reg.storage.unsafeGetStorageImpl()->set_resizable(reg.was_resizable);
+  if (reg.was_resizable) reg.storage.unsafeGetStorageImpl()->set_resizable(true);
 }
+
+}  // namespace
+
+size_t release_orphaned_pins() {
+  std::vector<c10::Storage> orphans;  // freed after the lock is released
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    orphans = take_orphans_locked();
+  }
+  return orphans.size();
+}
+
+namespace {
 
 }  // namespace
 
@@ -240,6 +287,21 @@ TORCH_LIBRARY_IMPL(pinxfer, CompositeExplicitAutograd, m) {
   m.impl("pin_", &pin_);
   m.impl("unpin_", &unpin_);
   m.impl("inplace_lock_kind", &inplace_lock_kind);
+}
+
+// These act on the storage, not on the values: a conj or neg view must reach
+// them as it is. Without the fallthrough, torch's Conjugate / Negative
+// fallbacks hand the kernel a resolved copy, and pin_ would lock a hidden
+// temporary (is_pinned False afterwards, 8 MiB locked until exit).
+TORCH_LIBRARY_IMPL(pinxfer, Conjugate, m) {
+  m.impl("pin_", torch::CppFunction::makeFallthrough());
+  m.impl("unpin_", torch::CppFunction::makeFallthrough());
+  m.impl("inplace_lock_kind", torch::CppFunction::makeFallthrough());
+}
+TORCH_LIBRARY_IMPL(pinxfer, Negative, m) {
+  m.impl("pin_", torch::CppFunction::makeFallthrough());
+  m.impl("unpin_", torch::CppFunction::makeFallthrough());
+  m.impl("inplace_lock_kind", torch::CppFunction::makeFallthrough());
 }
 
 }  // namespace pinxfer::ops

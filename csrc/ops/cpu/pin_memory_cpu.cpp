@@ -31,6 +31,7 @@
 #include "memory/placement.h"
 #include "memory/pool_registry.h"
 #include "ops/kernels.h"
+#include "runtime/settings.h"
 #include "runtime/thread_pool.h"
 
 namespace pinxfer::ops {
@@ -63,17 +64,10 @@ void check_input(const at::Tensor& self) {
 }
 
 void check_threads(int64_t num_threads) {
-  TORCH_CHECK(num_threads >= 0,
-              "pinxfer.pin_memory: num_threads must be >= 0 (0: the pool's default), got ",
-              num_threads);
-}
-
-int resolve_node(std::optional<int64_t> numa_node) {
-  if (!numa_node.has_value()) return numa_node_for_current_device();
-  TORCH_CHECK(*numa_node >= -1,
-              "pinxfer.pin_memory: numa_node must be a node number, -1 (no binding) or None "
-              "(the current GPU's node), got ", *numa_node);
-  return static_cast<int>(*numa_node);
+  const int most = max_copy_threads(settings().cpus);
+  TORCH_CHECK_VALUE(num_threads >= 0 && num_threads <= most,
+                    "pinxfer.pin_memory: num_threads must be from 0 (the pool's default) to ",
+                    most, " (max(16, the CPUs this process may use)), got ", num_threads);
 }
 
 void parallel_memcpy(char* dst, const char* src, size_t nbytes, ThreadPool& pool,
@@ -119,7 +113,7 @@ at::Tensor pin_memory_copy(const at::Tensor& self, std::optional<int64_t> numa_n
                            int64_t num_threads) {
   check_input(self);
   check_threads(num_threads);
-  const int node = resolve_node(numa_node);
+  const int node = resolve_numa_node(numa_node, "pinxfer.pin_memory");
 
   const bool overlapping = at::has_internal_overlap(self) == at::MemOverlap::Yes;
   const c10::DimVector strides =

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "ops/kernels.h"
+#include "runtime/checked_size.h"
 #include "runtime/cuda_runtime.h"
 #include "runtime/settings.h"
 #include "transfer/cuda/copy_streams.h"
@@ -56,15 +57,28 @@ at::Tensor dense_source(const at::Tensor& t, const char* op) {
 
 at::Tensor to_device(const at::Tensor& self, c10::Device device, int64_t chunk_bytes,
                      int64_t num_buffers, c10::string_view staging, int64_t cached_tail) {
-  TORCH_CHECK_VALUE(chunk_bytes >= 4096,
-                    "pinxfer.to_device: chunk_bytes must be >= 4096, got ", chunk_bytes);
-  TORCH_CHECK_VALUE(num_buffers >= 1,
-                    "pinxfer.to_device: num_buffers must be >= 1, got ", num_buffers);
+  return send_to_device(self, device,
+                        staging_options(chunk_bytes, num_buffers, staging, cached_tail));
+}
+
+}  // namespace
+
+transfer::StagingOptions staging_options(int64_t chunk_bytes, int64_t num_buffers,
+                                         c10::string_view staging, int64_t cached_tail) {
+  TORCH_CHECK_VALUE(chunk_bytes >= 4096 && chunk_bytes <= int64_t{1} << 40,
+                    "pinxfer.to_device: chunk_bytes must be from 4096 to 2^40, got ", chunk_bytes);
+  TORCH_CHECK_VALUE(num_buffers >= 1 && num_buffers <= 1024,
+                    "pinxfer.to_device: num_buffers must be from 1 to 1024, got ", num_buffers);
   transfer::StagingOptions options;
   options.chunk_bytes = static_cast<size_t>(chunk_bytes);
   options.num_buffers = static_cast<size_t>(num_buffers);
   options.mode = parse_staging_mode(std::string(staging), "pinxfer.to_device: staging");
   options.cached_tail = cached_tail;
+  return options;
+}
+
+at::Tensor send_to_device(const at::Tensor& self, c10::Device device,
+                          const transfer::StagingOptions& options) {
   check_cuda_usable("to_device");
   const c10::DeviceIndex index = resolve_device(device, "to_device");
   c10::cuda::CUDAGuard guard(index);
@@ -72,11 +86,21 @@ at::Tensor to_device(const at::Tensor& self, c10::Device device, int64_t chunk_b
 
   const at::Tensor src = dense_source(self, "to_device");
   const c10::cuda::CUDAStream cur = c10::cuda::getCurrentCUDAStream(index);
+  const at::TensorOptions on_device = src.options().device(c10::Device(c10::kCUDA, index));
+  const size_t nbytes = src.nbytes();
+  if (nbytes <= transfer::kCurrentStreamBytes) {
+    // Small: on the caller's stream, by the caller (pipeline.h says why).
+    at::Tensor out = at::empty(src.sizes(), on_device);
+    if (nbytes == 0) return out;
+    if (transfer::is_dma_pinned(src)) {
+      transfer::direct_copy(src, out, cur);
+    } else {
+      transfer::caller_staged_copy(src, out, index, cur);
+    }
+    return out;
+  }
   const c10::cuda::CUDAStream copy = copy_stream_for(index);
-  at::Tensor out = transfer::empty_on_stream(
-      src.sizes(), src.options().device(c10::Device(c10::kCUDA, index)), copy);
-  if (src.nbytes() == 0) return out;
-
+  at::Tensor out = transfer::empty_on_stream(src.sizes(), on_device, copy);
   if (transfer::is_dma_pinned(src)) {
     transfer::direct_copy(src, out, copy);
   } else {
@@ -85,6 +109,8 @@ at::Tensor to_device(const at::Tensor& self, c10::Device device, int64_t chunk_b
   transfer::hand_over(out, copy, cur);
   return out;
 }
+
+namespace {
 
 at::Tensor to_device_packed(at::TensorList tensors, c10::Device device) {
   return pack_to_device(tensors, device, /*want_views=*/false).packed;
@@ -116,17 +142,20 @@ PackedOnDevice pack_to_device(at::TensorList tensors, c10::Device device, bool w
   for (const auto& t : tensors) {
     srcs.push_back(dense_source(t, "to_device_packed"));
     offsets.push_back(total);
-    total = (total + srcs.back().nbytes() + kPackAlign - 1) / kPackAlign * kPackAlign;
+    total = checked_round_up(checked_add(total, srcs.back().nbytes(), "to_device_packed"),
+                             kPackAlign, "to_device_packed");
   }
   const c10::cuda::CUDAStream cur = c10::cuda::getCurrentCUDAStream(index);
-  const c10::cuda::CUDAStream copy = copy_stream_for(index);
+  // Small: on the caller's stream (pipeline.h, kCurrentStreamBytes, says why).
+  const bool on_current = total <= transfer::kCurrentStreamBytes;
+  const c10::cuda::CUDAStream copy = on_current ? cur : copy_stream_for(index);
   PackedOnDevice result;
   result.packed = transfer::empty_on_stream(
       {static_cast<int64_t>(total)},
       at::TensorOptions().device(c10::Device(c10::kCUDA, index)).dtype(at::kByte), copy);
   if (total > 0) {
     transfer::packed_copy(srcs, offsets, total, result.packed, index, copy);
-    transfer::hand_over(result.packed, copy, cur);
+    if (!on_current) transfer::hand_over(result.packed, copy, cur);
   }
   if (want_views) {
     // Aligned byte slices reinterpreted as each dtype (as pinxfer._ops.to_device_many).

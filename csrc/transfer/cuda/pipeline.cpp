@@ -185,6 +185,33 @@ void pipelined_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex dev
   return_staging(pl.slots, pool, stream);
 }
 
+void caller_staged_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex device,
+                        const c10::cuda::CUDAStream& stream) {
+  const size_t nbytes = src.nbytes();
+  TORCH_INTERNAL_ASSERT(nbytes <= kCurrentStreamBytes, "pinxfer: caller_staged_copy of ",
+                        nbytes, " bytes");
+  PinnedPool& pool = pool_for_node(numa_node_for_device(device));
+  std::vector<c10::DataPtr> staging;
+  staging.push_back(pool.allocate(nbytes));
+  {
+    Range range("pinxfer::stage");
+    // Read by the DMA at once: nontemporal (the policy for a transfer this
+    // short), unless PINXFER_STAGE_COPY overrides it.
+    const StagePolicy policy = stage_policy(StagingMode::kAuto, -1, nbytes, [] { return false; });
+    stage_copy(static_cast<char*>(staging[0].get()), static_cast<const char*>(src.const_data_ptr()),
+               nbytes, policy.kind_for(nbytes, nbytes));
+  }
+  try {
+    Range range("pinxfer::h2d");
+    C10_CUDA_CHECK(cudaMemcpyAsync(out.data_ptr(), staging[0].get(), nbytes,
+                                   cudaMemcpyHostToDevice, stream.stream()));
+  } catch (...) {
+    return_staging(staging, pool, stream);
+    throw;
+  }
+  return_staging(staging, pool, stream);
+}
+
 void direct_copy(const at::Tensor& src, at::Tensor& out, const c10::cuda::CUDAStream& stream) {
   Range range("pinxfer::h2d");
   C10_CUDA_CHECK(cudaMemcpyAsync(out.data_ptr(), src.const_data_ptr(), src.nbytes(),
@@ -213,21 +240,51 @@ void packed_copy(const std::vector<at::Tensor>& srcs, const std::vector<size_t>&
         std::memset(base + offsets[i] + bytes, 0, next - offsets[i] - bytes);
       }
     };
-    if (total <= kSerialBytes) {
-      pack(0, srcs.size());
-    } else {
-      // Grain: about 64 KiB of average payload per claim.
-      const size_t grain = std::max<size_t>(1, srcs.size() * 64 * kKiB / total);
-      thread_pool_for_node(node).parallel_for(srcs.size(), grain, pack);
+    // Groups of consecutive tensors of at least kMinChunk bytes each: the
+    // thread that packs a group's last tensor queues that group's DMA, so the
+    // bus starts after the first group rather than after the whole batch.
+    std::vector<size_t> group_of(srcs.size());
+    std::vector<size_t> group_begin;  // tensor index of each group's first tensor
+    for (size_t i = 0; i < srcs.size(); ++i) {
+      if (group_begin.empty() || offsets[i] - offsets[group_begin.back()] >= kMinChunk) {
+        group_begin.push_back(i);
+      }
+      group_of[i] = group_begin.size() - 1;
     }
-  }
-  try {
-    Range range("pinxfer::h2d");
-    C10_CUDA_CHECK(cudaMemcpyAsync(packed.data_ptr(), base, total, cudaMemcpyHostToDevice,
-                                   stream.stream()));
-  } catch (...) {
-    return_staging(staging, pool, stream);
-    throw;
+    const size_t groups = group_begin.size();
+    auto group_bytes = [&](size_t g) {
+      const size_t end = g + 1 < groups ? offsets[group_begin[g + 1]] : total;
+      return std::make_pair(offsets[group_begin[g]], end);
+    };
+    std::unique_ptr<std::atomic<size_t>[]> left(new std::atomic<size_t>[groups]);
+    for (size_t g = 0; g < groups; ++g) {
+      const size_t end = g + 1 < groups ? group_begin[g + 1] : srcs.size();
+      left[g].store(end - group_begin[g], std::memory_order_relaxed);
+    }
+    auto pack_and_send = [&](size_t begin, size_t end) {
+      for (size_t i = begin; i < end; ++i) {
+        pack(i, i + 1);
+        // acq_rel: the thread that queues the group sees every tensor's bytes.
+        if (left[group_of[i]].fetch_sub(1, std::memory_order_acq_rel) != 1) continue;
+        const auto [lo, hi] = group_bytes(group_of[i]);
+        Range range("pinxfer::h2d");
+        C10_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(packed.data_ptr()) + lo, base + lo,
+                                       hi - lo, cudaMemcpyHostToDevice, stream.stream()));
+      }
+    };
+    try {
+      if (total <= kSerialBytes) {
+        pack_and_send(0, srcs.size());
+      } else {
+        // Grain: about 64 KiB of average payload per claim.
+        const size_t grain = std::max<size_t>(1, srcs.size() * 64 * kKiB / total);
+        thread_pool_for_node(node).parallel_for(srcs.size(), grain, pack_and_send);
+      }
+    } catch (...) {
+      // Groups already queued read the block: it goes back marked by the stream.
+      return_staging(staging, pool, stream);
+      throw;
+    }
   }
   return_staging(staging, pool, stream);
 }

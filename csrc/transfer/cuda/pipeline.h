@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "runtime/settings.h"
+#include "transfer/chunk_plan.h"
 
 namespace pinxfer::transfer {
 
@@ -45,6 +46,21 @@ struct StagingOptions {
 // `stream`, staged through pinned chunks.
 void pipelined_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex device,
                     const c10::cuda::CUDAStream& stream, const StagingOptions& options);
+
+// Up to this many bytes a transfer is sent by the calling thread alone on the
+// caller's current stream (caller_staged_copy / direct_copy on `cur`): the copy
+// is shorter than the copy-stream hand-over it would need (an event record, a
+// stream wait and a recordStream: several µs), and nothing it could overlap
+// is worth that. The same bound below which the pipeline stages serially.
+constexpr size_t kCurrentStreamBytes = kSerialBytes;
+
+// A small pageable source (<= kCurrentStreamBytes): the calling thread copies
+// it into one pinned block from the pool and queues one DMA on `stream`, the
+// caller's current stream. No copy threads are woken, no cross-stream event.
+// The block goes back to the pool marked as read by `stream`, so it is reused
+// only after the DMA.
+void caller_staged_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex device,
+                        const c10::cuda::CUDAStream& stream);
 
 // Copies a DMA-readable (pinned) source with one DMA, and tells its owner.
 void direct_copy(const at::Tensor& src, at::Tensor& out, const c10::cuda::CUDAStream& stream);
