@@ -269,6 +269,13 @@ def to_host(obj: Any) -> HostTransfer:
         RuntimeError: if pinxfer was built without CUDA or no GPU is usable.
     """
     _require_cuda("to_host")
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "pinxfer.to_host: called while the current CUDA stream is capturing a graph; its "
+            "handle waits on an event that a capture never records, so it cannot be captured. "
+            "Inside the capture copy into a pinned buffer allocated before it "
+            "(`host_buf.copy_(t, non_blocking=True)`), and read host_buf after "
+            "`graph.replay()` and `torch.cuda.current_stream().synchronize()`.")
     streams: dict[torch.device, torch.cuda.Stream] = {}
 
     def copy_one(t: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,7 @@ at::Tensor tensor_over(c10::DataPtr data, size_t nbytes, at::IntArrayRef sizes,
 
 // The DataPtr carries the pool's deleter, so the tensor owns its block outright.
 at::Tensor pool_empty(at::IntArrayRef size, at::ScalarType dtype, std::optional<int64_t> numa_node) {
+  graph_pools::check_capture_allocation("pinxfer.empty");
   for (int64_t d : size) {
     TORCH_CHECK(d >= 0, "pinxfer.empty: sizes must be non-negative, got ", size);
   }
@@ -101,6 +102,7 @@ void reset_accumulated_memory_stats() {
   for (PinnedPool* p : all_pools()) p->reset_accumulated_stats();
 }
 int64_t empty_cache() {
+  release_graph_memory();  // released CUDA graph pools first (memory/pool_registry.h)
   int64_t bytes = 0;
   for (PinnedPool* p : all_pools()) bytes += static_cast<int64_t>(p->release_cached());
   return bytes;

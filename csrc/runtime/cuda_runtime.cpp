@@ -264,6 +264,50 @@ bool current_stream_if_active(c10::Stream* out) {
   return true;
 }
 
+bool stream_is_capturing(const c10::Stream& stream, std::string* error) {
+  if (!cuda_usable()) return false;
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  const auto raw = c10::cuda::CUDAStream(c10::cuda::CUDAStream::UNCHECKED, stream).stream();
+  const cudaError_t err = cudaStreamIsCapturing(raw, &status);
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();
+    *error = "cudaStreamIsCapturing failed: " + error_text(err);
+    return false;
+  }
+  // "Invalidated" is still a capture in progress (it ends with an error): a
+  // stream in it must not be treated as idle either.
+  return status != cudaStreamCaptureStatusNone;
+}
+
+bool current_stream_is_capturing() {
+  c10::Stream current(c10::Stream::DEFAULT, c10::Device(c10::DeviceType::CPU));
+  if (!current_stream_if_active(&current)) return false;
+  std::string error;
+  const bool capturing = stream_is_capturing(current, &error);
+  TORCH_CHECK(error.empty(), "pinxfer: ", error);
+  return capturing;
+}
+
+void device_synchronize(int device) {
+  if (!cuda_usable()) return;
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  const cudaError_t err = cudaDeviceSynchronize();
+  if (err != cudaSuccess) (void)cudaGetLastError();
+  TORCH_CHECK(err == cudaSuccess, "pinxfer: cudaDeviceSynchronize(device ", device,
+              ") failed while waiting for CUDA graph replays before reusing their pinned "
+              "memory: ", error_text(err));
+}
+
+void synchronize_active_devices() {
+  if (!cuda_usable()) return;
+  const int n = device_count();
+  for (int d = 0; d < n; ++d) {
+    if (at::detail::getCUDAHooks().hasPrimaryContext(static_cast<c10::DeviceIndex>(d))) {
+      device_synchronize(d);
+    }
+  }
+}
+
 std::string pci_bus_id(int device) {
   if (!cuda_usable()) return "";
   char buf[64] = {0};
@@ -318,6 +362,10 @@ bool event_done(const Event&, std::string*) { return true; }
 void event_synchronize(const Event&) {}
 void release_event(const Event&) {}
 bool current_stream_if_active(c10::Stream*) { return false; }
+bool stream_is_capturing(const c10::Stream&, std::string*) { return false; }
+bool current_stream_is_capturing() { return false; }
+void device_synchronize(int) {}
+void synchronize_active_devices() {}
 
 #endif
 
