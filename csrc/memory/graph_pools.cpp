@@ -111,17 +111,26 @@ PoolId pool_for_current_stream() {
 
 bool any_capture_open() { return !g_no_capture.load(std::memory_order_relaxed); }
 
-bool take_released(std::vector<PoolId>* ids, std::vector<int>* devices) {
+bool take_released(bool sync_all, std::vector<PoolId>* ids) {
   std::unique_lock<std::shared_mutex> lock(registry_mutex());
   if (!captures().empty()) return false;
+  std::vector<int> devices;
   for (const PoolId& id : released()) {
     auto it = pools().find(id);
     if (it == pools().end()) continue;
-    ids->push_back(id);
     for (int d : it->second.devices) {
-      if (std::find(devices->begin(), devices->end(), d) == devices->end()) devices->push_back(d);
+      if (std::find(devices.begin(), devices.end(), d) == devices.end()) devices.push_back(d);
     }
-    pools().erase(it);
+  }
+  // A replay launched before the release (or a captured copy's replay) may
+  // still read the memory: no event of ours covers it, a synchronize does.
+  if (sync_all) {
+    cuda::synchronize_active_devices();
+  } else {
+    for (int d : devices) cuda::device_synchronize(d);
+  }
+  for (const PoolId& id : released()) {
+    if (pools().erase(id) != 0) ids->push_back(id);
   }
   released().clear();
   return true;

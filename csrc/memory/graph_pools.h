@@ -57,11 +57,15 @@ PoolId pool_for_current_stream();
 // True while any begin_allocate_to_pool has no end yet.
 bool any_capture_open();
 
-// Released pools to give back and the devices to synchronize first: moves them
-// out of the registry. Takes nothing (returns false) while a capture is open,
-// since a device synchronize would invalidate it. Returns true otherwise, also
-// when there is nothing released (the caller may still return held blocks).
-bool take_released(std::vector<PoolId>* ids, std::vector<int>* devices);
+// Released pools to give back: synchronizes their capture devices (every
+// device with a context when `sync_all`, for blocks held outside any graph),
+// then moves the pools out of the registry into *ids. Does nothing and returns
+// false while a capture is open (a device synchronize would invalidate it);
+// the synchronize runs under the registry lock, so no capture can begin during
+// it. Returns true otherwise, also when nothing was released (no synchronize
+// then unless sync_all). Throws c10::Error if the synchronize fails; the pools
+// then stay released for the next call.
+bool take_released(bool sync_all, std::vector<PoolId>* ids);
 
 // Raises a c10::Error naming `op` if the current stream is capturing a CUDA
 // graph but the allocation would not go to a graph pool (pinxfer not installed,

@@ -578,8 +578,15 @@ PinnedPool::FreeSet& PinnedPool::free_set_locked(const Segment* segment) {
   return segment->small ? it->second.small : it->second.large;
 }
 
+namespace {
+std::atomic<uint64_t> g_hold_sequence{0};
+}  // namespace
+
+uint64_t PinnedPool::hold_sequence() { return g_hold_sequence.load(); }
+
 void PinnedPool::hold_locked(Block* block) {
   // State "held": in_use stays true (no neighbour merges into it, no unmap).
+  block->held_seq = ++g_hold_sequence;
   block->requested = 0;
   block->stream_uses.clear();
   held_.insert(block);
@@ -630,7 +637,8 @@ std::vector<PinnedPool::BlockInfo> PinnedPool::block_infos() {
   return out;
 }
 
-size_t PinnedPool::return_graph_memory(const std::vector<graph_pools::PoolId>& ids) {
+size_t PinnedPool::return_graph_memory(const std::vector<graph_pools::PoolId>& ids,
+                                       uint64_t held_upto) {
   std::lock_guard<std::mutex> lock(mutex_);
   size_t returned = 0;
   for (Segment* seg : segments_) {
@@ -661,8 +669,8 @@ size_t PinnedPool::return_graph_memory(const std::vector<graph_pools::PoolId>& i
   // a capture): the caller's synchronize proved their readers done.
   for (auto it = held_.begin(); it != held_.end();) {
     Block* b = *it;
-    if (b->segment->graph != graph_pools::kShared) {
-      ++it;  // a graph that is still alive may replay and read it
+    if (b->segment->graph != graph_pools::kShared || b->held_seq > held_upto) {
+      ++it;  // a live graph may replay and read it / held after the synchronize began
       continue;
     }
     it = held_.erase(it);

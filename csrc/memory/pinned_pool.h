@@ -100,6 +100,7 @@ struct Block {
   bool in_use = false;    // not in a free set. LOCK: pool mutex_
   int pending_events = 0;  // events still to complete before reuse, or kPoisoned. LOCK: pool mutex_
   std::vector<c10::Stream> stream_uses;  // streams that used it while live. LOCK: pool mutex_
+  uint64_t held_seq = 0;  // when it became held (PinnedPool::hold_sequence()). LOCK: pool mutex_
 };
 constexpr int kPoisoned = -1;
 
@@ -179,10 +180,13 @@ class PinnedPool {
   // Gives back what CUDA graphs held: the segments of the graph pools `ids`
   // become shared again (their free blocks join the shared free sets, their
   // live blocks follow when freed) and every held block outside a graph
-  // segment still owned returns to its free set. The caller guarantees that no
-  // replay of those graphs, and no captured work, can still run (it has
-  // synchronized their devices with no capture open). Returns the blocks freed.
-  size_t return_graph_memory(const std::vector<graph_pools::PoolId>& ids);
+  // segment still owned, held at hold_sequence() <= held_upto, returns to its
+  // free set. The caller guarantees that no replay of those graphs, and no work
+  // queued before held_upto was read, can still run (it read held_upto, then
+  // synchronized the devices with no capture open). Returns the blocks freed.
+  size_t return_graph_memory(const std::vector<graph_pools::PoolId>& ids, uint64_t held_upto);
+  // Process-wide count of blocks ever held; a block held later has a larger number.
+  static uint64_t hold_sequence();
 
   // One block, for torch's host snapshot (HostAllocator::get_segments).
   struct BlockInfo {

@@ -118,21 +118,15 @@ int64_t max_pinned_bytes() { return g_pinned_cap->cap(); }
 
 size_t release_graph_memory() {
   if (!cuda::cuda_usable()) return 0;
-  std::vector<graph_pools::PoolId> ids;
-  std::vector<int> devices;
-  if (!graph_pools::take_released(&ids, &devices)) return 0;  // a capture is open
+  // Read before the synchronize: only blocks held by then are covered by it.
+  const uint64_t held_upto = PinnedPool::hold_sequence();
   bool held = false;
   for (PinnedPool* pool : all_pools()) held = held || pool->stats().held_blocks.current > 0;
+  std::vector<graph_pools::PoolId> ids;
+  if (!graph_pools::take_released(/*sync_all=*/held, &ids)) return 0;  // a capture is open
   if (ids.empty() && !held) return 0;
-  // A replay launched before the release, or a captured copy's first replay,
-  // may still read the memory: no event of ours covers it, a synchronize does.
-  if (held) {
-    cuda::synchronize_active_devices();
-  } else {
-    for (int d : devices) cuda::device_synchronize(d);
-  }
   size_t returned = 0;
-  for (PinnedPool* pool : all_pools()) returned += pool->return_graph_memory(ids);
+  for (PinnedPool* pool : all_pools()) returned += pool->return_graph_memory(ids, held_upto);
   return returned;
 }
 
