@@ -439,6 +439,7 @@ class Worker:
             ("pool_d2h_free", self.op_pool_d2h_free, 8),
             ("pin_memory", self.op_pin_memory, 10),
             ("maintenance", self.op_maintenance, 0.3),
+            ("graph", self.op_graph, 1.5),
         ]
         if self.installed:
             table += [
@@ -1142,6 +1143,45 @@ class Worker:
         self.check_leaves("copy_nb_del", [d], [leaf])
         del junk
 
+    def op_graph(self) -> None:
+        """CUDA graph capture and replay: H2D copy_(non_blocking=True) from a pool-pinned
+        buffer allocated before the capture (a static input) and, installed, D2H into a
+        pinned buffer allocated inside it (the graph's private pool) plus one allocated and
+        freed there; replayed with new host bytes from R, each replay checked. One capture
+        at a time in the process, in relaxed mode (the other threads keep calling CUDA)."""
+        env, rng = self.env, self.rng
+        if not env.cuda:
+            return
+        nbytes = rng.choice([1, 4096, 65536 + 3, 1 * MiB, 3 * MiB + 5])
+        host_in = pinxfer.empty(nbytes, dtype=torch.uint8)
+        dev = torch.empty(nbytes, dtype=torch.uint8, device=env.device)
+        cur = torch.cuda.current_stream()
+        with _GRAPH_LOCK:
+            g = torch.cuda.CUDAGraph()
+            self.side.wait_stream(cur)
+            with torch.cuda.graph(g, stream=self.side, capture_error_mode="relaxed"):
+                dev.copy_(host_in, non_blocking=True)
+                dev2 = dev.add(1)
+                host_out = None
+                if self.installed:
+                    host_out = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+                    host_out.copy_(dev2, non_blocking=True)
+                    scratch = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+                    del scratch  # unused: free again for this graph pool only
+            cur.wait_stream(self.side)
+        for _ in range(rng.randint(1, 3)):
+            off, g_bytes, h_bytes = self.r_slice(torch.uint8, nbytes)
+            host_in.copy_(h_bytes)
+            g.replay()  # on the current stream
+            env.sync(cur)
+            self.check("graph", [dev2.clone()], [g_bytes.add(1)], [{"nbytes": nbytes}])
+            if host_out is not None:
+                self.check("graph", [host_out.to(env.device)], [g_bytes.add(1)],
+                           [{"nbytes": nbytes, "d2h": True}])
+            self.moved("graph", nbytes)
+        env.sync(cur)
+        del g, host_out, dev2  # releases the graph pool (installed: after a device sync)
+
     def op_maintenance(self) -> None:
         r = self.rng.random()
         stats = pinxfer.memory_stats()
@@ -1151,6 +1191,9 @@ class Worker:
             pinxfer.empty_cache()
         elif r < 0.4:
             pinxfer.reset_peak_memory_stats()
+
+
+_GRAPH_LOCK = threading.Lock()
 
 
 def _next_iter(pf):

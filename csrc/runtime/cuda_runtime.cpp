@@ -126,9 +126,27 @@ std::string host_register(void* ptr, size_t size) {
     return error_text(cudaErrorMemoryAllocation) +
            " [injected by pinxfer._inject_host_register_failures, a test-only fault]";
   }
-  const cudaError_t err = cudaHostRegister(ptr, size, cudaHostRegisterPortable);
+  // A graph pool maps its segments while the calling thread captures (torch's
+  // default capture mode, global, forbids "unsafe" calls such as this one in
+  // the capturing thread and every other). Registering host pages touches no
+  // stream, so the thread's mode is relaxed around it, as torch's caching
+  // allocator does around cudaMalloc.
+  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+  cudaError_t err = cudaThreadExchangeStreamCaptureMode(&mode);
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();
+    return "cudaThreadExchangeStreamCaptureMode failed: " + error_text(err);
+  }
+  err = cudaHostRegister(ptr, size, cudaHostRegisterPortable);
+  if (err != cudaSuccess) (void)cudaGetLastError();
+  const cudaError_t restore = cudaThreadExchangeStreamCaptureMode(&mode);
+  if (restore != cudaSuccess) {
+    (void)cudaGetLastError();
+    if (err == cudaSuccess) (void)cudaHostUnregister(ptr);  // the caller sees a failure
+    return "cudaThreadExchangeStreamCaptureMode (restoring the thread's mode) failed: " +
+           error_text(restore);
+  }
   if (err == cudaSuccess) return "";
-  (void)cudaGetLastError();
   return error_text(err);
 }
 
