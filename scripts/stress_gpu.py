@@ -494,7 +494,11 @@ class Worker:
                 self.st.calls += 1
                 self.st.ops[name]["calls"] += 1
                 try:
-                    self.op_fns[i]()
+                    # torch.cuda.Stream() hands out streams from a shared pool of 32, so a
+                    # capture on one would capture another thread's work on the same stream:
+                    # a graph op runs alone (exclusive), every other op shares the gate.
+                    with _GATE.hold(exclusive=name == "graph"):
+                        self.op_fns[i]()
                 except Exception:  # noqa: BLE001 - counted, reported, and we go on
                     self.error(name)
                 if self.st.errors >= MAX_ERRORS_PER_THREAD:
@@ -1156,7 +1160,7 @@ class Worker:
         host_in = pinxfer.empty(nbytes, dtype=torch.uint8)
         dev = torch.empty(nbytes, dtype=torch.uint8, device=env.device)
         cur = torch.cuda.current_stream()
-        with _GRAPH_LOCK:
+        if True:  # alone: see _GATE in run()
             g = torch.cuda.CUDAGraph()
             self.side.wait_stream(cur)
             with torch.cuda.graph(g, stream=self.side, capture_error_mode="relaxed"):
@@ -1193,7 +1197,35 @@ class Worker:
             pinxfer.reset_peak_memory_stats()
 
 
-_GRAPH_LOCK = threading.Lock()
+class _Gate:
+    """A readers-writer gate: many ops at once, or one graph capture alone."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._readers = 0
+        self._writer = False
+
+    @contextlib.contextmanager
+    def hold(self, exclusive: bool):
+        with self._cv:
+            if exclusive:
+                self._cv.wait_for(lambda: not self._writer and self._readers == 0)
+                self._writer = True
+            else:
+                self._cv.wait_for(lambda: not self._writer)
+                self._readers += 1
+        try:
+            yield
+        finally:
+            with self._cv:
+                if exclusive:
+                    self._writer = False
+                else:
+                    self._readers -= 1
+                self._cv.notify_all()
+
+
+_GATE = _Gate()
 
 
 def _next_iter(pf):

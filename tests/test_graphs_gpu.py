@@ -184,9 +184,10 @@ def test_make_graphed_callables(installed):
         exp = ref(inp)
         exp.sum().backward()
         torch.cuda.synchronize()
-        torch.testing.assert_close(out, exp)
+        # Same weights; a graph may pick other cuBLAS kernels: float32 rounding only.
+        torch.testing.assert_close(out, exp, rtol=1e-4, atol=1e-5)
     for p, q in zip(model.parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad, q.grad)
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-4)
 
 
 def _batches(n_steps, batch=32, dim=64, seed=0):
@@ -219,15 +220,25 @@ def test_reduce_overhead_training_step_fed_by_prefetch_matches_eager():
         step = torch.compile(fwd_bwd, mode="reduce-overhead") if compiled else fwd_bwd
         losses = []
         for x, y in pinxfer.prefetch(data, device="cuda"):
-            opt.zero_grad(set_to_none=False)
+            # Grads of a graphed backward live in graph memory that the next replay
+            # overwrites: drop them each step (torch's advice for CUDA graph trees).
+            opt.zero_grad(set_to_none=True)
+            if compiled:
+                torch.compiler.cudagraph_mark_step_begin()
             losses.append(step(x, y).clone())
             opt.step()
         torch.cuda.synchronize()
-        return torch.stack(losses).cpu(), [p.detach().cpu() for p in model.parameters()]
+        out = torch.stack(losses).cpu(), [p.detach().cpu() for p in model.parameters()]
+        opt.zero_grad(set_to_none=True)
+        return out
 
     torch._dynamo.reset()
     eager_losses, eager_params = run(False)
-    comp_losses, comp_params = run(True)
+    try:
+        comp_losses, comp_params = run(True)
+    finally:
+        gc.collect()
+        torch._dynamo.reset()
     torch.testing.assert_close(comp_losses, eager_losses, rtol=1e-4, atol=1e-5)
     for a, b in zip(comp_params, eager_params):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
