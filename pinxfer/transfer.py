@@ -83,6 +83,10 @@ _cuda_usable_in_pid: Optional[int] = None  # the process that found CUDA usable
 
 def _require_cuda(op: str) -> None:
     global _cuda_usable_in_pid
+    if torch.compiler.is_compiling():
+        # Traced (torch.compile): dynamo cannot trace os.getpid; the op checks CUDA
+        # itself when the compiled code runs.
+        return
     # Once usable, CUDA stays usable in this process (a forked child is another pid).
     if _cuda_usable_in_pid == os.getpid():
         return
