@@ -97,11 +97,13 @@ def memory_stats(numa_node: Optional[int] = None) -> "collections.OrderedDict[st
     Keys (bytes are exact): ``requested_bytes`` (what live tensors asked for),
     ``allocated_bytes`` (their rounded blocks), ``reserved_bytes`` (pinned from
     the OS), ``cached_bytes`` (reserved but not allocated), ``active_blocks``,
-    ``pending_blocks`` (freed, waiting on CUDA events), ``segments``, each with
+    ``pending_blocks`` (freed, waiting on CUDA events), ``segments``,
+    ``graph_segments`` (owned by a CUDA graph's private pool), ``held_blocks``
+    (freed, held for CUDA graphs until their pools are released), each with
     ``.current`` and ``.peak``; ``reserved_bytes.{cuda_registered,mlocked,pageable}``;
     counts ``num_allocs``, ``num_frees``, ``num_cache_hits``, ``num_cache_misses``,
     ``num_segment_maps``, ``num_segment_unmaps``, ``num_ooms``, ``num_event_waits``,
-    ``num_fenced_frees``, ``num_event_errors``; times in ns ``pin_time_ns`` (=
+    ``num_fenced_frees``, ``num_event_errors``, ``num_graph_allocs``; times in ns ``pin_time_ns`` (=
     ``map_time_ns`` + ``touch_time_ns`` + ``lock_time_ns``) and ``unpin_time_ns``.
 
     Args:

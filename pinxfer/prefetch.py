@@ -78,6 +78,15 @@ class _Pass:
     def next(self) -> Any:
         if self.finished:
             raise StopIteration
+        if torch.cuda.is_current_stream_capturing():
+            # The batch's event was recorded outside the capture: a captured
+            # wait on it would not order a replay after the next transfer.
+            raise RuntimeError(
+                "pinxfer.prefetch: the next batch was requested while the current CUDA stream "
+                "is capturing a graph; a batch cannot be fetched inside a capture (a replay "
+                "would not fetch again). Take the batch before capture or replay and copy it "
+                "into the graph's static inputs: `for b in pinxfer.prefetch(loader): "
+                "static_x.copy_(b); graph.replay()`.")
         with profiler_range("pinxfer::prefetch::wait"):
             kind, payload, event = self.queue.get()
         if kind == _ITEM:

@@ -97,6 +97,10 @@ _cuda_usable_in_pid: Optional[int] = None  # the process that found CUDA usable
 
 def _require_cuda(op: str) -> None:
     global _cuda_usable_in_pid
+    if torch.compiler.is_compiling():
+        # Traced (torch.compile): dynamo cannot trace os.getpid; the op checks CUDA
+        # itself when the compiled code runs.
+        return
     # Once usable, CUDA stays usable in this process (a forked child is another pid).
     if _cuda_usable_in_pid == os.getpid():
         return
@@ -285,6 +289,13 @@ def to_host(obj: Any) -> HostTransfer:
         RuntimeError: if pinxfer was built without CUDA or no GPU is usable.
     """
     _require_cuda("to_host")
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "pinxfer.to_host: called while the current CUDA stream is capturing a graph; its "
+            "handle waits on an event that a capture never records, so it cannot be captured. "
+            "Inside the capture copy into a pinned buffer allocated before it "
+            "(`host_buf.copy_(t, non_blocking=True)`), and read host_buf after "
+            "`graph.replay()` and `torch.cuda.current_stream().synchronize()`.")
     streams: dict[torch.device, torch.cuda.Stream] = {}
 
     def copy_one(t: torch.Tensor) -> torch.Tensor:

@@ -439,6 +439,7 @@ class Worker:
             ("pool_d2h_free", self.op_pool_d2h_free, 8),
             ("pin_memory", self.op_pin_memory, 10),
             ("maintenance", self.op_maintenance, 0.3),
+            ("graph", self.op_graph, 1.5),
         ]
         if self.installed:
             table += [
@@ -493,7 +494,11 @@ class Worker:
                 self.st.calls += 1
                 self.st.ops[name]["calls"] += 1
                 try:
-                    self.op_fns[i]()
+                    # torch.cuda.Stream() hands out streams from a shared pool of 32, so a
+                    # capture on one would capture another thread's work on the same stream:
+                    # a graph op runs alone (exclusive), every other op shares the gate.
+                    with _GATE.hold(exclusive=name == "graph"):
+                        self.op_fns[i]()
                 except Exception:  # noqa: BLE001 - counted, reported, and we go on
                     self.error(name)
                 if self.st.errors >= MAX_ERRORS_PER_THREAD:
@@ -1142,6 +1147,45 @@ class Worker:
         self.check_leaves("copy_nb_del", [d], [leaf])
         del junk
 
+    def op_graph(self) -> None:
+        """CUDA graph capture and replay: H2D copy_(non_blocking=True) from a pool-pinned
+        buffer allocated before the capture (a static input) and, installed, D2H into a
+        pinned buffer allocated inside it (the graph's private pool) plus one allocated and
+        freed there; replayed with new host bytes from R, each replay checked. One capture
+        at a time in the process, in relaxed mode (the other threads keep calling CUDA)."""
+        env, rng = self.env, self.rng
+        if not env.cuda:
+            return
+        nbytes = rng.choice([1, 4096, 65536 + 3, 1 * MiB, 3 * MiB + 5])
+        host_in = pinxfer.empty(nbytes, dtype=torch.uint8)
+        dev = torch.empty(nbytes, dtype=torch.uint8, device=env.device)
+        cur = torch.cuda.current_stream()
+        if True:  # alone: see _GATE in run()
+            g = torch.cuda.CUDAGraph()
+            self.side.wait_stream(cur)
+            with torch.cuda.graph(g, stream=self.side, capture_error_mode="relaxed"):
+                dev.copy_(host_in, non_blocking=True)
+                dev2 = dev.add(1)
+                host_out = None
+                if self.installed:
+                    host_out = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+                    host_out.copy_(dev2, non_blocking=True)
+                    scratch = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+                    del scratch  # unused: free again for this graph pool only
+            cur.wait_stream(self.side)
+        for _ in range(rng.randint(1, 3)):
+            off, g_bytes, h_bytes = self.r_slice(torch.uint8, nbytes)
+            host_in.copy_(h_bytes)
+            g.replay()  # on the current stream
+            env.sync(cur)
+            self.check("graph", [dev2.clone()], [g_bytes.add(1)], [{"nbytes": nbytes}])
+            if host_out is not None:
+                self.check("graph", [host_out.to(env.device)], [g_bytes.add(1)],
+                           [{"nbytes": nbytes, "d2h": True}])
+            self.moved("graph", nbytes)
+        env.sync(cur)
+        del g, host_out, dev2  # releases the graph pool (installed: after a device sync)
+
     def op_maintenance(self) -> None:
         r = self.rng.random()
         stats = pinxfer.memory_stats()
@@ -1151,6 +1195,37 @@ class Worker:
             pinxfer.empty_cache()
         elif r < 0.4:
             pinxfer.reset_peak_memory_stats()
+
+
+class _Gate:
+    """A readers-writer gate: many ops at once, or one graph capture alone."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._readers = 0
+        self._writer = False
+
+    @contextlib.contextmanager
+    def hold(self, exclusive: bool):
+        with self._cv:
+            if exclusive:
+                self._cv.wait_for(lambda: not self._writer and self._readers == 0)
+                self._writer = True
+            else:
+                self._cv.wait_for(lambda: not self._writer)
+                self._readers += 1
+        try:
+            yield
+        finally:
+            with self._cv:
+                if exclusive:
+                    self._writer = False
+                else:
+                    self._readers -= 1
+                self._cv.notify_all()
+
+
+_GATE = _Gate()
 
 
 def _next_iter(pf):

@@ -2,9 +2,13 @@
 
 #include <atomic>
 #include <mutex>
+#include <vector>
 
 #include <ATen/core/CachingHostAllocator.h>
+#include <c10/util/Exception.h>
+#include <torch/version.h>
 
+#include "memory/graph_pools.h"
 #include "memory/pinned_pool.h"
 #include "memory/placement.h"
 #include "memory/pool_registry.h"
@@ -12,6 +16,10 @@
 namespace pinxfer {
 
 namespace {
+
+graph_pools::PoolId to_id(c10::MempoolId_t id) {
+  return {static_cast<uint64_t>(id.first), static_cast<uint64_t>(id.second)};
+}
 
 class PoolHostAllocator final : public at::HostAllocator {
  public:
@@ -29,9 +37,62 @@ class PoolHostAllocator final : public at::HostAllocator {
   // reads it. Anything else answers false, as torch's own allocator does.
   bool record_event(void* ptr, void* ctx, c10::Stream stream) override;
 
+  // torch.cuda.host_memory_empty_cache() (2.14) and at::getHostAllocator()->empty_cache():
+  // released graph pools' memory comes back first, then free segments go.
   void empty_cache() override {
+    release_graph_memory();
     for (PinnedPool* pool : all_pools()) pool->release_cached();
   }
+
+  // ---- torch's graph-pool contract (CUDAGraph::capture_begin/capture_end/reset;
+  // memory/graph_pools.h has the semantics). The same virtuals in torch 2.11 and 2.14.
+  void begin_allocate_to_pool(c10::MempoolId_t pool_id,
+                              std::function<bool(c10::Stream)> filter) override {
+    graph_pools::begin_allocate_to_pool(to_id(pool_id), std::move(filter), cuda::current_device());
+  }
+
+  void end_allocate_to_pool(c10::MempoolId_t pool_id) override {
+    graph_pools::end_allocate_to_pool(to_id(pool_id));
+  }
+
+  // Called from CUDAGraph::reset(), hence from its destructor: nothing may
+  // escape. On a failure the graph's memory stays held (never reused), which
+  // is safe, and the warning says so.
+  void release_pool(c10::MempoolId_t pool_id) override {
+    try {
+      graph_pools::release_pool(to_id(pool_id));
+      release_graph_memory();
+    } catch (const std::exception& e) {
+      TORCH_WARN("pinxfer: could not give back the pinned memory of CUDA graph pool (",
+                 pool_id.first, ", ", pool_id.second, "): ", e.what(),
+                 ". That memory stays out of the cache (no copy can read reused memory); "
+                 "pinxfer.empty_cache() tries again.");
+    }
+  }
+
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 14)
+  // ---- history and snapshots (torch >= 2.14: _record_memory_history(...,
+  // record_pinned_host_memory=True), torch.cuda.memory._snapshot()). pinxfer
+  // records no host allocation traces: recording is refused with a warning
+  // (is_history_enabled stays false, so torch gathers no stacks for us), and
+  // snapshots list pinxfer's blocks without stacks.
+  void record_history(bool enabled, c10::CachingDeviceAllocator::CreateContextFn,
+                      size_t, c10::CachingDeviceAllocator::RecordContext, bool) override {
+    if (enabled) {
+      TORCH_WARN_ONCE("pinxfer's host allocator (pinxfer.install()) does not record pinned "
+                      "allocation history: host traces stay empty and host segments carry no "
+                      "stacks. Device history is recorded as usual; call pinxfer.uninstall() "
+                      "to record host history with torch's own allocator.");
+    }
+  }
+  bool is_history_enabled() const override { return false; }
+  std::vector<at::HostSegmentInfo> get_segments() override;
+  std::vector<c10::CachingDeviceAllocator::TraceEntry> get_traces() override { return {}; }
+  // Memory pinned outside any allocator (cudaHostRegister by hand) is only
+  // traced by an allocator that records history; pinxfer records none.
+  void record_external_register(void*, size_t) override {}
+  void record_external_unregister(void*) override {}
+#endif
 
   at::HostStats get_stats() override {
     PoolStats sum;
@@ -75,6 +136,24 @@ bool PoolHostAllocator::record_event(void* ptr, void* ctx, c10::Stream stream) {
   at::HostAllocator* previous = g_torch_allocator.load();
   return previous != nullptr && previous->record_event(ptr, ctx, stream);
 }
+
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 14)
+std::vector<at::HostSegmentInfo> PoolHostAllocator::get_segments() {
+  std::vector<at::HostSegmentInfo> out;
+  for (PinnedPool* pool : all_pools()) {
+    for (const PinnedPool::BlockInfo& b : pool->block_infos()) {
+      at::HostSegmentInfo seg;
+      seg.address = b.address;
+      seg.size = b.size;
+      seg.allocated = b.live;
+      seg.active = b.live || b.waiting;
+      seg.owner_private_pool_id = {b.graph.first, b.graph.second};
+      out.push_back(std::move(seg));
+    }
+  }
+  return out;
+}
+#endif
 
 }  // namespace
 

@@ -81,6 +81,12 @@ PinnedPool::Request PinnedPool::make_request(size_t size) {
 c10::DataPtr PinnedPool::allocate(size_t size) {
   if (size == 0) return c10::DataPtr(nullptr, c10::Device(c10::DeviceType::CPU));
   const Request request = make_request(size);
+  // While a CUDA graph capture routes this stream to its private pool, the
+  // memory must come from that pool (see "CUDA graph pools" at the bottom).
+  if (const graph_pools::PoolId graph = graph_pools::pool_for_current_stream();
+      graph != graph_pools::kShared) {
+    return allocate_for_graph(request, graph);
+  }
   if (c10::DataPtr hit = take_cached(request)) return hit;
   debug_pause();
   return allocate_segment(request);
@@ -144,7 +150,8 @@ c10::DataPtr PinnedPool::take_cached_or_raise(const Request& request, size_t seg
 }
 
 c10::DataPtr PinnedPool::hand_out_new_segment(const Request& request, const HostRegion& region,
-                                              const RegionTimings& timings) {
+                                              const RegionTimings& timings,
+                                              graph_pools::PoolId graph) {
   // The new segment's first block goes straight to the caller, in the same
   // critical section that makes the segment visible: no other thread ever sees
   // it free (see the invariants in pinned_pool.h).
@@ -156,6 +163,8 @@ c10::DataPtr PinnedPool::hand_out_new_segment(const Request& request, const Host
   block->segment = segment;
   block->in_use = true;
   segment->head = block;
+  segment->graph = graph;
+  if (graph != graph_pools::kShared) stats_.graph_segments.add(1);
   segments_.insert(segment);
   stats_.segments.add(1);
   stats_.reserved_bytes.add(static_cast<int64_t>(region.size));
@@ -194,11 +203,14 @@ void PinnedPool::split_locked(Block* block, size_t rounded) {
   if (block->next) block->next->prev = rest;
   block->next = rest;
   block->size = rounded;
-  (small ? free_small_ : free_large_).insert(rest);  // rest->in_use is false: free
+  free_set_locked(block->segment).insert(rest);  // rest->in_use is false: free
 }
 
 Block* PinnedPool::take_free_block_locked(size_t rounded, bool small) {
-  auto& free_set = small ? free_small_ : free_large_;
+  return take_from_set_locked(small ? free_small_ : free_large_, rounded);
+}
+
+Block* PinnedPool::take_from_set_locked(FreeSet& free_set, size_t rounded) {
   Block key;
   key.size = rounded;
   key.ptr = nullptr;
@@ -214,7 +226,7 @@ Block* PinnedPool::take_free_block_locked(size_t rounded, bool small) {
 }
 
 void PinnedPool::return_to_free_locked(Block* block) {
-  auto& free_set = block->segment->small ? free_small_ : free_large_;
+  auto& free_set = free_set_locked(block->segment);
   block->in_use = false;
   block->requested = 0;
   block->pending_events = 0;
@@ -240,9 +252,11 @@ void PinnedPool::return_to_free_locked(Block* block) {
 #if PINXFER_DEBUG_INVARIANTS
 void PinnedPool::check_invariants_locked() {
   // Walks every segment's block list; O(blocks), so debug/sanitizer builds only.
-  size_t live_seen = 0, free_seen = 0;
+  size_t live_seen = 0, free_seen = 0, held_seen = 0;
   for (Segment* seg : segments_) {
-    auto& free_set = seg->small ? free_small_ : free_large_;
+    TORCH_INTERNAL_ASSERT(seg->graph == graph_pools::kShared || graph_free_.count(seg->graph),
+                          "a graph segment without its graph pool's free sets");
+    auto& free_set = free_set_locked(seg);
     auto& other_set = seg->small ? free_large_ : free_small_;
     size_t bytes = 0;
     const Block* prev = nullptr;
@@ -257,6 +271,10 @@ void PinnedPool::check_invariants_locked() {
       const bool live = live_.count(const_cast<Block*>(b)) != 0;
       TORCH_INTERNAL_ASSERT(!live || b->in_use, "a live block is marked free");
       TORCH_INTERNAL_ASSERT(!(live && b->pending_events > 0), "a live block waits on events");
+      const bool held = held_.count(const_cast<Block*>(b)) != 0;
+      TORCH_INTERNAL_ASSERT(!held || (b->in_use && !live && b->pending_events == 0),
+                            "a held block must be in use, not live, not pending");
+      held_seen += held;
       TORCH_INTERNAL_ASSERT(!(prev && !prev->in_use && !b->in_use), "two free neighbours");
       live_seen += live;
       free_seen += in_free;
@@ -265,8 +283,11 @@ void PinnedPool::check_invariants_locked() {
     TORCH_INTERNAL_ASSERT(bytes == seg->region.size, "blocks do not cover their segment");
   }
   TORCH_INTERNAL_ASSERT(live_seen == live_.size(), "a live block outside every segment");
-  TORCH_INTERNAL_ASSERT(free_seen == free_small_.size() + free_large_.size(),
+  size_t graph_free = 0;
+  for (const auto& [id, sets] : graph_free_) graph_free += sets.small.size() + sets.large.size();
+  TORCH_INTERNAL_ASSERT(free_seen == free_small_.size() + free_large_.size() + graph_free,
                         "a free set holds a block of no segment");
+  TORCH_INTERNAL_ASSERT(held_seen == held_.size(), "a held block outside every segment");
 }
 #endif
 
@@ -313,6 +334,19 @@ void PinnedPool::free(Block* block) {
     stats_.requested_bytes.add(-static_cast<int64_t>(block->requested));
     stats_.allocated_bytes.add(-static_cast<int64_t>(block->size));
     stats_.active_blocks.add(-1);
+    if (block->segment->graph != graph_pools::kShared) {
+      // A graph pool's block: events cannot tell when replays are done, and
+      // the pool hands it to no one else anyway. Unused, it is free for the
+      // same graph pool again (as in torch's private pools); used by a stream,
+      // a replay may read it, so it is held until the pool is released.
+      if (block->stream_uses.empty()) {
+        return_to_free_locked(block);
+      } else {
+        hold_locked(block);
+      }
+      check_invariants_locked();
+      return;
+    }
     uses.swap(block->stream_uses);
     kind = block->segment->region.kind;
   }
@@ -322,7 +356,23 @@ void PinnedPool::free(Block* block) {
   std::vector<PendingUse> pending;
   bool event_failed = false;
   std::string error;
+  // An event recorded on a capturing stream becomes a node of the graph and
+  // says nothing about when the captured copy (or a replay) reads the block:
+  // hold it until a device synchronize with no capture open.
+  bool capturing = false;
   for (const auto& s : streams) {
+    capturing = cuda::stream_is_capturing(s, &error) || capturing;
+    if (!error.empty()) event_failed = true;
+  }
+  if (capturing && !event_failed) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (fenced) ++stats_.num_fenced_frees;
+    hold_locked(block);
+    check_invariants_locked();
+    return;
+  }
+  for (const auto& s : streams) {
+    if (event_failed) break;
     cuda::Event ev;
     if (cuda::try_record_event(s, &ev, &error)) {
       pending.push_back({ev, block});
@@ -519,6 +569,123 @@ std::optional<LockKind> PinnedPool::lock_kind_if_pool(const c10::DataPtr& data) 
   // their CUDA registration: there they are plain pageable memory.
   if (segment->generation != fork_generation()) return LockKind::kPageable;
   return segment->region.kind;
+}
+
+// ---- CUDA graph pools (memory/graph_pools.h; csrc/README.md "Graph pools") ----
+//
+// A graph pool owns whole segments, so its blocks never split from or merge
+// with a shared block: coalescing stays inside one owner, and nothing of a
+// graph pool reaches the shared free sets until return_graph_memory().
+
+PinnedPool::FreeSet& PinnedPool::free_set_locked(const Segment* segment) {
+  if (segment->graph == graph_pools::kShared) return segment->small ? free_small_ : free_large_;
+  auto it = graph_free_.find(segment->graph);
+  TORCH_INTERNAL_ASSERT(it != graph_free_.end(), "pinxfer: a graph segment without free sets");
+  return segment->small ? it->second.small : it->second.large;
+}
+
+namespace {
+std::atomic<uint64_t> g_hold_sequence{0};
+}  // namespace
+
+uint64_t PinnedPool::hold_sequence() { return g_hold_sequence.load(); }
+
+void PinnedPool::hold_locked(Block* block) {
+  // State "held": in_use stays true (no neighbour merges into it, no unmap).
+  block->held_seq = ++g_hold_sequence;
+  block->requested = 0;
+  block->stream_uses.clear();
+  held_.insert(block);
+  stats_.held_blocks.add(1);
+}
+
+c10::DataPtr PinnedPool::allocate_for_graph(const Request& request, graph_pools::PoolId graph) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    GraphFreeSets& sets = graph_free_[graph];  // created on the graph's first block here
+    if (Block* block = take_from_set_locked(request.small ? sets.small : sets.large,
+                                            request.rounded)) {
+      ++stats_.num_cache_hits;
+      ++stats_.num_graph_allocs;
+      return hand_out_locked(block, request.size);
+    }
+  }
+  // A miss maps a segment for the graph alone (no merging of shared segments:
+  // a graph keeps its memory until released, so it takes only what it needs).
+  const size_t segment_size = request.small ? kSmallSegment : request.rounded;
+  HostRegion region;
+  RegionTimings timings;
+  try {
+    region = upstream_.map(segment_size, numa_node_, &timings);
+  } catch (const CapReached& reached) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      ++stats_.num_ooms;
+    }
+    raise_out_of_memory(request.size, segment_size, reached);
+  }
+  c10::DataPtr out = hand_out_new_segment(request, region, timings, graph);
+  std::lock_guard<std::mutex> lock(mutex_);
+  ++stats_.num_graph_allocs;
+  return out;
+}
+
+std::vector<PinnedPool::BlockInfo> PinnedPool::block_infos() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<BlockInfo> out;
+  for (Segment* seg : segments_) {
+    for (const Block* b = seg->head; b; b = b->next) {
+      const bool live = live_.count(const_cast<Block*>(b)) != 0;
+      out.push_back({reinterpret_cast<uintptr_t>(b->ptr), b->size, live, b->in_use && !live,
+                     seg->graph});
+    }
+  }
+  return out;
+}
+
+size_t PinnedPool::return_graph_memory(const std::vector<graph_pools::PoolId>& ids,
+                                       uint64_t held_upto) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  size_t returned = 0;
+  for (Segment* seg : segments_) {
+    if (seg->graph == graph_pools::kShared ||
+        std::find(ids.begin(), ids.end(), seg->graph) == ids.end()) {
+      continue;
+    }
+    // Move the segment's free blocks to the shared sets, then make it shared.
+    FreeSet& from = free_set_locked(seg);
+    FreeSet& to = seg->small ? free_small_ : free_large_;
+    for (Block* b = seg->head; b; b = b->next) {
+      if (!b->in_use) {
+        from.erase(b);
+        to.insert(b);
+      }
+    }
+    seg->graph = graph_pools::kShared;
+    stats_.graph_segments.add(-1);
+  }
+  for (const graph_pools::PoolId& id : ids) {
+    auto it = graph_free_.find(id);
+    if (it == graph_free_.end()) continue;
+    TORCH_INTERNAL_ASSERT(it->second.small.empty() && it->second.large.empty(),
+                          "pinxfer: a graph pool's free block outside its segments");
+    graph_free_.erase(it);
+  }
+  // Held blocks of segments that are shared now (just returned, or freed under
+  // a capture): the caller's synchronize proved their readers done.
+  for (auto it = held_.begin(); it != held_.end();) {
+    Block* b = *it;
+    if (b->segment->graph != graph_pools::kShared || b->held_seq > held_upto) {
+      ++it;  // a live graph may replay and read it / held after the synchronize began
+      continue;
+    }
+    it = held_.erase(it);
+    stats_.held_blocks.add(-1);
+    return_to_free_locked(b);
+    ++returned;
+  }
+  check_invariants_locked();
+  return returned;
 }
 
 }  // namespace pinxfer

@@ -25,6 +25,12 @@
 //    allocator, see host_allocator.cpp). While pinxfer is installed as that
 //    allocator torch reports every copy, so the adaptor turns the fence off
 //    (set_fence_unrecorded_frees(false)), as torch's own allocator does.
+//  * CUDA graphs: blocks allocated while a capture routes the current stream
+//    to a graph pool (memory/graph_pools.h) come from segments owned by that
+//    graph pool, with free sets of their own; they are never handed to anyone
+//    else, and a freed block a graph may read is *held* (no event can prove a
+//    replay done) until pool_registry's release_graph_memory() has synchronized
+//    the device and calls return_graph_memory().
 //  * Cap: enforced by the upstream (memory/limit_adaptor.h), which relieves
 //    pressure through every pool and then declines with CapReached; the pool
 //    looks at its free set once more and raises c10::OutOfMemoryError with the
@@ -46,6 +52,7 @@
 
 #include <cstdint>
 #include <deque>
+#include <map>
 #include <mutex>
 #include <optional>
 #include <set>
@@ -53,6 +60,7 @@
 #include <unordered_set>
 #include <vector>
 
+#include "memory/graph_pools.h"
 #include "memory/host_region.h"
 #include "memory/host_resource.h"
 #include "memory/pool_stats.h"
@@ -74,6 +82,8 @@ struct Segment;
 //   freeing  between free()'s two critical sections; in_use == true; in no set
 //   pending  in_use == true; pending_events > 0 entries in the stream FIFOs
 //   poisoned an event could not be recorded/queried; in_use == true forever
+//   held     freed, but a CUDA graph may read it: in held_, in_use == true,
+//            pending_events == 0, until return_graph_memory()
 // A block is in exactly one of these states; in_use <=> not in a free set.
 // Every state change happens in the same critical section as the free-set,
 // live_ or FIFO change that goes with it (a block taken from the free set is
@@ -90,18 +100,23 @@ struct Block {
   bool in_use = false;    // not in a free set. LOCK: pool mutex_
   int pending_events = 0;  // events still to complete before reuse, or kPoisoned. LOCK: pool mutex_
   std::vector<c10::Stream> stream_uses;  // streams that used it while live. LOCK: pool mutex_
+  uint64_t held_seq = 0;  // when it became held (PinnedPool::hold_sequence()). LOCK: pool mutex_
 };
 constexpr int kPoisoned = -1;
 
 // One region from the upstream resource, carved into blocks. Immutable after
 // creation except `head`'s block contents (the head block is never deleted:
-// merges delete the later of two neighbours).
+// merges delete the later of two neighbours) and `graph`.
 struct Segment {
   HostRegion region;
   PinnedPool* pool = nullptr;
   bool small = false;
   uint64_t generation = 0;  // fork generation it was mapped in
   Block* head = nullptr;    // first block by address
+  // The CUDA graph pool that owns every block of it (kShared: none). Its free
+  // blocks sit in that graph pool's free sets. Set when the segment is mapped
+  // for a graph, back to kShared only by return_graph_memory. LOCK: pool mutex_
+  graph_pools::PoolId graph = graph_pools::kShared;
 };
 
 class PinnedPool {
@@ -161,6 +176,28 @@ class PinnedPool {
   // reports every copy through record_stream. Process-wide; lock-free.
   static void set_fence_unrecorded_frees(bool fence);
 
+  // ---- CUDA graph pools (memory/graph_pools.h; csrc/README.md "Graph pools") ----
+  // Gives back what CUDA graphs held: the segments of the graph pools `ids`
+  // become shared again (their free blocks join the shared free sets, their
+  // live blocks follow when freed) and every held block outside a graph
+  // segment still owned, held at hold_sequence() <= held_upto, returns to its
+  // free set. The caller guarantees that no replay of those graphs, and no work
+  // queued before held_upto was read, can still run (it read held_upto, then
+  // synchronized the devices with no capture open). Returns the blocks freed.
+  size_t return_graph_memory(const std::vector<graph_pools::PoolId>& ids, uint64_t held_upto);
+  // Process-wide count of blocks ever held; a block held later has a larger number.
+  static uint64_t hold_sequence();
+
+  // One block, for torch's host snapshot (HostAllocator::get_segments).
+  struct BlockInfo {
+    uintptr_t address;
+    size_t size;
+    bool live;     // lent to a tensor
+    bool waiting;  // freed, not reusable yet (pending events, held, poisoned)
+    graph_pools::PoolId graph;
+  };
+  std::vector<BlockInfo> block_infos();
+
  private:
   // Members named *_locked run with mutex_ held; the others take it themselves.
 
@@ -187,7 +224,8 @@ class PinnedPool {
                                     const CapReached& reached);
   // Makes a freshly mapped region a segment and hands its first block out.
   c10::DataPtr hand_out_new_segment(const Request& request, const HostRegion& region,
-                                    const RegionTimings& timings);
+                                    const RegionTimings& timings,
+                                    graph_pools::PoolId graph = graph_pools::kShared);
 
   static void delete_block(void* ctx);
   void free(Block* block);
@@ -245,6 +283,28 @@ class PinnedPool {
   std::vector<c10::Storage> finished_storages_;
 
   PoolStats stats_;  // LOCK: mutex_
+
+  // ---- CUDA graph pools: private members ----
+  using FreeSet = std::set<Block*, BlockOrder>;
+  struct GraphFreeSets {
+    FreeSet small, large;
+  };
+  // allocate() for a capture routed to graph pool `graph`: a fit from its own
+  // free sets, else a new segment owned by it (never a shared block).
+  c10::DataPtr allocate_for_graph(const Request& request, graph_pools::PoolId graph);
+  // The free set a free block of `segment` belongs in: the shared one of its
+  // kind, or its graph pool's.
+  FreeSet& free_set_locked(const Segment* segment);
+  // Best fit from one free set, marked in_use and split; nullptr on a miss.
+  Block* take_from_set_locked(FreeSet& free_set, size_t rounded);
+  // free() of a block a CUDA graph may read: no event can prove the replays
+  // done, so it is held until return_graph_memory(). Block is out of live_.
+  void hold_locked(Block* block);
+
+  // Free sets of each graph pool with segments here. LOCK: mutex_
+  std::map<graph_pools::PoolId, GraphFreeSets> graph_free_;
+  // Held blocks (state "held" at struct Block). LOCK: mutex_
+  std::unordered_set<Block*> held_;
 };
 
 // Test-only: every allocate/free sleeps this long between its critical

@@ -7,9 +7,11 @@
 #include <mutex>
 #include <new>
 
+#include "memory/graph_pools.h"
 #include "memory/host_resource.h"
 #include "memory/limit_adaptor.h"
 #include "memory/pinned_pool.h"
+#include "runtime/cuda_runtime.h"
 #include "runtime/fork.h"
 #include "runtime/settings.h"
 
@@ -28,6 +30,8 @@ class ReleaseFromEveryPool final : public LimitingResource::Relief {
   }
   void wait_for_events_then_release() override {
     for (PinnedPool* pool : all_pools()) pool->synchronize_pending();
+    // Released graph pools' memory is cached too, once their replays are done.
+    release_graph_memory();
     release_cached();
   }
   PoolStats stats() override {
@@ -111,5 +115,19 @@ PinnedPool* PinnedPool::owner_of(void* ctx) {
 void set_max_pinned_bytes(int64_t bytes) { g_pinned_cap->set_cap(bytes); }
 
 int64_t max_pinned_bytes() { return g_pinned_cap->cap(); }
+
+size_t release_graph_memory() {
+  if (!cuda::cuda_usable()) return 0;
+  // Read before the synchronize: only blocks held by then are covered by it.
+  const uint64_t held_upto = PinnedPool::hold_sequence();
+  bool held = false;
+  for (PinnedPool* pool : all_pools()) held = held || pool->stats().held_blocks.current > 0;
+  std::vector<graph_pools::PoolId> ids;
+  if (!graph_pools::take_released(/*sync_all=*/held, &ids)) return 0;  // a capture is open
+  if (ids.empty() && !held) return 0;
+  size_t returned = 0;
+  for (PinnedPool* pool : all_pools()) returned += pool->return_graph_memory(ids, held_upto);
+  return returned;
+}
 
 }  // namespace pinxfer

@@ -16,6 +16,7 @@
 // untouched, and the child builds new ones on first use (without CUDA).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 
@@ -27,6 +28,15 @@ class PinnedPool;
 PinnedPool& pool_for_node(int numa_node);
 // Every pool built so far in this process (this fork generation).
 std::vector<PinnedPool*> all_pools();
+
+// Gives back the memory of CUDA graph pools whose use count fell to zero
+// (memory/graph_pools.h), and blocks held because they were freed while a
+// stream using them was capturing: synchronizes their devices (every active
+// device when blocks are held), then PinnedPool::return_graph_memory on every
+// pool. Does nothing while a capture is open (the synchronize would invalidate
+// it): the next call after the capture does it. Returns the held blocks freed.
+// Throws c10::Error if the synchronize fails; the memory then stays held.
+size_t release_graph_memory();
 
 // The cap on bytes reserved by all pools together; 0 = unlimited. Until set,
 // the cap is max_pinned_bytes_from_environment(), read on first need.

@@ -6,7 +6,7 @@ namespace pinxfer {
 
 void PoolStats::reset_peaks() {
   for (StatCounter* c : {&requested_bytes, &allocated_bytes, &reserved_bytes, &active_blocks,
-                         &pending_blocks, &segments}) {
+                         &pending_blocks, &segments, &graph_segments, &held_blocks}) {
     c->peak = c->current;
   }
 }
@@ -15,6 +15,7 @@ void PoolStats::reset_accumulated() {
   num_allocs = num_frees = num_cache_hits = num_cache_misses = 0;
   num_segment_maps = num_segment_unmaps = num_segment_merges = 0;
   num_ooms = num_event_waits = num_fenced_frees = num_event_errors = 0;
+  num_graph_allocs = 0;
   map_time_ns = touch_time_ns = lock_time_ns = unpin_time_ns = 0;
 }
 
@@ -23,7 +24,9 @@ PoolStats& PoolStats::operator+=(const PoolStats& o) {
                               {&allocated_bytes, &o.allocated_bytes},
                               {&reserved_bytes, &o.reserved_bytes},
                               {&active_blocks, &o.active_blocks},
-                              {&pending_blocks, &o.pending_blocks}, {&segments, &o.segments}}) {
+                              {&pending_blocks, &o.pending_blocks}, {&segments, &o.segments},
+                              {&graph_segments, &o.graph_segments},
+                              {&held_blocks, &o.held_blocks}}) {
     mine->current += theirs->current;
     mine->peak += theirs->peak;
   }
@@ -36,7 +39,7 @@ PoolStats& PoolStats::operator+=(const PoolStats& o) {
         {&num_event_waits, &o.num_event_waits}, {&num_fenced_frees, &o.num_fenced_frees},
         {&num_event_errors, &o.num_event_errors}, {&map_time_ns, &o.map_time_ns},
         {&touch_time_ns, &o.touch_time_ns}, {&lock_time_ns, &o.lock_time_ns},
-        {&unpin_time_ns, &o.unpin_time_ns}}) {
+        {&unpin_time_ns, &o.unpin_time_ns}, {&num_graph_allocs, &o.num_graph_allocs}}) {
     *mine += *theirs;
   }
   return *this;
@@ -58,6 +61,10 @@ std::vector<std::pair<const char*, int64_t>> PoolStats::items() const {
       {"pending_blocks.peak", pending_blocks.peak},
       {"segments.current", segments.current},
       {"segments.peak", segments.peak},
+      {"graph_segments.current", graph_segments.current},
+      {"graph_segments.peak", graph_segments.peak},
+      {"held_blocks.current", held_blocks.current},
+      {"held_blocks.peak", held_blocks.peak},
       {"reserved_bytes.cuda_registered", kind(LockKind::kCudaRegistered)},
       {"reserved_bytes.mlocked", kind(LockKind::kMlocked)},
       {"reserved_bytes.pageable", kind(LockKind::kPageable)},
@@ -72,6 +79,7 @@ std::vector<std::pair<const char*, int64_t>> PoolStats::items() const {
       {"num_event_waits", num_event_waits},
       {"num_fenced_frees", num_fenced_frees},
       {"num_event_errors", num_event_errors},
+      {"num_graph_allocs", num_graph_allocs},
       {"pin_time_ns", map_time_ns + touch_time_ns + lock_time_ns},
       {"map_time_ns", map_time_ns},
       {"touch_time_ns", touch_time_ns},

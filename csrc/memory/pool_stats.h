@@ -30,10 +30,13 @@ struct PoolStats {
   StatCounter active_blocks;
   StatCounter pending_blocks;   // freed, waiting on events
   StatCounter segments;
+  StatCounter graph_segments;   // segments owned by a CUDA graph pool (of `segments`)
+  StatCounter held_blocks;      // freed, held for CUDA graphs until released
   std::array<int64_t, 3> reserved_by_kind{};  // indexed by LockKind
   int64_t num_allocs = 0, num_frees = 0, num_cache_hits = 0, num_cache_misses = 0;
   int64_t num_segment_maps = 0, num_segment_unmaps = 0, num_segment_merges = 0;
   int64_t num_ooms = 0, num_event_waits = 0, num_fenced_frees = 0, num_event_errors = 0;
+  int64_t num_graph_allocs = 0;  // allocations routed to a CUDA graph pool
   int64_t map_time_ns = 0, touch_time_ns = 0, lock_time_ns = 0, unpin_time_ns = 0;
 
   int64_t cached_bytes() const { return reserved_bytes.current - allocated_bytes.current; }

@@ -26,6 +26,7 @@ at::Tensor tensor_over(c10::DataPtr data, size_t nbytes, at::IntArrayRef sizes,
 
 // The DataPtr carries the pool's deleter, so the tensor owns its block outright.
 at::Tensor pool_empty(at::IntArrayRef size, at::ScalarType dtype, std::optional<int64_t> numa_node) {
+  graph_pools::check_capture_allocation("pinxfer.empty");
   // A quantized tensor needs a quantizer, which a plain storage cannot carry:
   // torch.empty refuses these dtypes too.
   TORCH_CHECK_VALUE(!c10::isQIntType(dtype), "pinxfer.empty: quantized dtype ", dtype,
@@ -104,6 +105,7 @@ void reset_accumulated_memory_stats() {
 }
 int64_t empty_cache() {
   release_orphaned_pins();
+  release_graph_memory();  // released CUDA graph pools first (memory/pool_registry.h)
   int64_t bytes = 0;
   for (PinnedPool* p : all_pools()) bytes += static_cast<int64_t>(p->release_cached());
   return bytes;

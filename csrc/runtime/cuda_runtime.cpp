@@ -126,9 +126,27 @@ std::string host_register(void* ptr, size_t size) {
     return error_text(cudaErrorMemoryAllocation) +
            " [injected by pinxfer._inject_host_register_failures, a test-only fault]";
   }
-  const cudaError_t err = cudaHostRegister(ptr, size, cudaHostRegisterPortable);
+  // A graph pool maps its segments while the calling thread captures (torch's
+  // default capture mode, global, forbids "unsafe" calls such as this one in
+  // the capturing thread and every other). Registering host pages touches no
+  // stream, so the thread's mode is relaxed around it, as torch's caching
+  // allocator does around cudaMalloc.
+  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+  cudaError_t err = cudaThreadExchangeStreamCaptureMode(&mode);
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();
+    return "cudaThreadExchangeStreamCaptureMode failed: " + error_text(err);
+  }
+  err = cudaHostRegister(ptr, size, cudaHostRegisterPortable);
+  if (err != cudaSuccess) (void)cudaGetLastError();
+  const cudaError_t restore = cudaThreadExchangeStreamCaptureMode(&mode);
+  if (restore != cudaSuccess) {
+    (void)cudaGetLastError();
+    if (err == cudaSuccess) (void)cudaHostUnregister(ptr);  // the caller sees a failure
+    return "cudaThreadExchangeStreamCaptureMode (restoring the thread's mode) failed: " +
+           error_text(restore);
+  }
   if (err == cudaSuccess) return "";
-  (void)cudaGetLastError();
   return error_text(err);
 }
 
@@ -264,6 +282,50 @@ bool current_stream_if_active(c10::Stream* out) {
   return true;
 }
 
+bool stream_is_capturing(const c10::Stream& stream, std::string* error) {
+  if (!cuda_usable()) return false;
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  const auto raw = c10::cuda::CUDAStream(c10::cuda::CUDAStream::UNCHECKED, stream).stream();
+  const cudaError_t err = cudaStreamIsCapturing(raw, &status);
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();
+    *error = "cudaStreamIsCapturing failed: " + error_text(err);
+    return false;
+  }
+  // "Invalidated" is still a capture in progress (it ends with an error): a
+  // stream in it must not be treated as idle either.
+  return status != cudaStreamCaptureStatusNone;
+}
+
+bool current_stream_is_capturing() {
+  c10::Stream current(c10::Stream::DEFAULT, c10::Device(c10::DeviceType::CPU));
+  if (!current_stream_if_active(&current)) return false;
+  std::string error;
+  const bool capturing = stream_is_capturing(current, &error);
+  TORCH_CHECK(error.empty(), "pinxfer: ", error);
+  return capturing;
+}
+
+void device_synchronize(int device) {
+  if (!cuda_usable()) return;
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  const cudaError_t err = cudaDeviceSynchronize();
+  if (err != cudaSuccess) (void)cudaGetLastError();
+  TORCH_CHECK(err == cudaSuccess, "pinxfer: cudaDeviceSynchronize(device ", device,
+              ") failed while waiting for CUDA graph replays before reusing their pinned "
+              "memory: ", error_text(err));
+}
+
+void synchronize_active_devices() {
+  if (!cuda_usable()) return;
+  const int n = device_count();
+  for (int d = 0; d < n; ++d) {
+    if (at::detail::getCUDAHooks().hasPrimaryContext(static_cast<c10::DeviceIndex>(d))) {
+      device_synchronize(d);
+    }
+  }
+}
+
 std::string pci_bus_id(int device) {
   if (!cuda_usable()) return "";
   char buf[64] = {0};
@@ -318,6 +380,10 @@ bool event_done(const Event&, std::string*) { return true; }
 void event_synchronize(const Event&) {}
 void release_event(const Event&) {}
 bool current_stream_if_active(c10::Stream*) { return false; }
+bool stream_is_capturing(const c10::Stream&, std::string*) { return false; }
+bool current_stream_is_capturing() { return false; }
+void device_synchronize(int) {}
+void synchronize_active_devices() {}
 
 #endif
 

@@ -74,6 +74,22 @@ void release_event(const Event& event);
 // process (a primary context exists); false otherwise. Never initialises CUDA.
 bool current_stream_if_active(c10::Stream* out);
 
+// CUDA graph capture (cudaStreamIsCapturing). Whether `stream` is capturing
+// now; never throws (callers are deleters): false with *error filled when the
+// query fails. A stream of a process without usable CUDA is not capturing.
+bool stream_is_capturing(const c10::Stream& stream, std::string* error);
+// Whether the current stream of the current device is capturing; false when
+// CUDA is not in use yet (no primary context: nothing can be capturing).
+// Throws c10::Error on a CUDA error.
+bool current_stream_is_capturing();
+// cudaDeviceSynchronize on `device`. Throws c10::Error with the CUDA error.
+// Never call it while a stream may be capturing (it would invalidate that
+// capture): the graph-pool registry calls it only when no capture is open.
+void device_synchronize(int device);
+// device_synchronize of every device with a primary context (one without has
+// run no work of this process, and synchronizing it would create a context).
+void synchronize_active_devices();
+
 // The PCI bus id of a device ("0000:1b:00.0"), "" if CUDA is not usable.
 std::string pci_bus_id(int device);
 // The current device, or -1 if CUDA is not usable.

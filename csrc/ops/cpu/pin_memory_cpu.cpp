@@ -27,6 +27,7 @@
 
 #include <cstring>
 
+#include "memory/graph_pools.h"
 #include "memory/pinned_pool.h"
 #include "memory/placement.h"
 #include "memory/pool_registry.h"
@@ -114,6 +115,7 @@ at::Tensor pin_memory_copy(const at::Tensor& self, std::optional<int64_t> numa_n
   check_input(self);
   check_threads(num_threads);
   const int node = resolve_numa_node(numa_node, "pinxfer.pin_memory");
+  graph_pools::check_capture_allocation("pinxfer.pin_memory");
 
   const bool overlapping = at::has_internal_overlap(self) == at::MemOverlap::Yes;
   const c10::DimVector strides =

@@ -43,6 +43,25 @@ c10::DeviceIndex resolve_device(const c10::Device& device, const char* op) {
   return index;
 }
 
+// pinxfer's transfers run host threads and a copy stream of their own, outside
+// any capture: a graph would replay none of the staging, and the copy stream's
+// events cannot join the capturing stream. So they refuse to be captured.
+void check_not_capturing(const char* op, c10::DeviceIndex index) {
+  std::string error;
+  const bool capturing =
+      cuda::stream_is_capturing(c10::cuda::getCurrentCUDAStream(index).unwrap(), &error);
+  TORCH_CHECK(error.empty(), "pinxfer.", op, ": ", error);
+  TORCH_CHECK(!capturing, "pinxfer.", op, ": the current CUDA stream of device ",
+              static_cast<int>(index), " is capturing a CUDA graph, and pinxfer's transfers "
+              "cannot be captured (host threads stage the bytes and a copy stream of pinxfer's "
+              "own sends them; a replay would repeat neither). Transfer before the capture or "
+              "between replays into the graph's static input, e.g. "
+              "`static_x.copy_(pinxfer.to_device(x))` outside the graph, or feed the graph "
+              "with pinxfer.prefetch() and copy each batch into the static inputs before "
+              "replay(). Inside a capture, copy from a pinned host tensor that lives as long as "
+              "the graph: `static_x.copy_(pinned, non_blocking=True)`.");
+}
+
 // A CPU tensor whose bytes are the values: conjugate/negative views resolved,
 // contiguous. Non-contiguous inputs therefore cost one extra host pass here;
 // the result on the device is contiguous.
@@ -82,6 +101,7 @@ at::Tensor send_to_device(const at::Tensor& self, c10::Device device,
   check_cuda_usable("to_device");
   const c10::DeviceIndex index = resolve_device(device, "to_device");
   c10::cuda::CUDAGuard guard(index);
+  check_not_capturing("to_device", index);
   transfer::release_finished_sources(index);
 
   const at::Tensor src = dense_source(self, "to_device");
@@ -133,6 +153,7 @@ PackedOnDevice pack_to_device(at::TensorList tensors, c10::Device device, bool w
   check_cuda_usable("to_device_packed");
   const c10::DeviceIndex index = resolve_device(device, "to_device_packed");
   c10::cuda::CUDAGuard guard(index);
+  check_not_capturing("to_device_packed", index);
 
   std::vector<at::Tensor> srcs;
   std::vector<size_t> offsets;

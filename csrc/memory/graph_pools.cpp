@@ -1,0 +1,149 @@
+#include "memory/graph_pools.h"
+
+#include <algorithm>
+#include <atomic>
+#include <map>
+#include <mutex>
+#include <shared_mutex>
+#include <string>
+
+#include <c10/util/Exception.h>
+
+#include "runtime/cuda_runtime.h"
+
+namespace pinxfer::graph_pools {
+
+namespace {
+
+struct GraphPool {
+  int use_count = 0;
+  std::vector<int> devices;  // capture devices, synchronized before reuse
+};
+
+struct Capture {
+  PoolId id;
+  StreamFilter filter;
+};
+
+// Leaked on purpose (no destruction at exit). One leaf lock guards all three.
+std::shared_mutex& registry_mutex() {
+  static auto* m = new std::shared_mutex();
+  return *m;
+}
+std::map<PoolId, GraphPool>& pools() {  // LOCK: registry_mutex()
+  static auto* p = new std::map<PoolId, GraphPool>();
+  return *p;
+}
+std::vector<Capture>& captures() {  // LOCK: registry_mutex()
+  static auto* c = new std::vector<Capture>();
+  return *c;
+}
+std::vector<PoolId>& released() {  // use count reached 0. LOCK: registry_mutex()
+  static auto* r = new std::vector<PoolId>();
+  return *r;
+}
+// captures().empty(), readable without the lock (the allocation fast path).
+std::atomic<bool> g_no_capture{true};
+
+std::string id_text(PoolId id) {
+  return "(" + std::to_string(id.first) + ", " + std::to_string(id.second) + ")";
+}
+
+}  // namespace
+
+void begin_allocate_to_pool(PoolId id, StreamFilter filter, int device) {
+  TORCH_CHECK(id != kShared, "pinxfer: begin_allocate_to_pool got the pool id (0, 0), which "
+              "names the shared pool, not a graph pool");
+  std::unique_lock<std::shared_mutex> lock(registry_mutex());
+  for (const Capture& c : captures()) {
+    TORCH_CHECK(c.id != id, "pinxfer: begin_allocate_to_pool: already allocating to graph pool ",
+                id_text(id), "; end_allocate_to_pool must come first (torch's CUDAGraph pairs them)");
+  }
+  GraphPool& pool = pools()[id];
+  // A released pool used again before its memory was given back: it lives on.
+  if (pool.use_count == 0) {
+    auto& r = released();
+    r.erase(std::remove(r.begin(), r.end(), id), r.end());
+  }
+  ++pool.use_count;
+  if (device >= 0 && std::find(pool.devices.begin(), pool.devices.end(), device) ==
+                         pool.devices.end()) {
+    pool.devices.push_back(device);
+  }
+  captures().push_back({id, std::move(filter)});
+  g_no_capture.store(false, std::memory_order_relaxed);
+}
+
+void end_allocate_to_pool(PoolId id) {
+  std::unique_lock<std::shared_mutex> lock(registry_mutex());
+  auto& list = captures();
+  for (auto it = list.begin(); it != list.end(); ++it) {
+    if (it->id == id) {
+      list.erase(it);
+      g_no_capture.store(list.empty(), std::memory_order_relaxed);
+      return;
+    }
+  }
+  TORCH_CHECK(false, "pinxfer: end_allocate_to_pool: graph pool ", id_text(id),
+              " is not being allocated to (no begin_allocate_to_pool without an end)");
+}
+
+void release_pool(PoolId id) {
+  std::unique_lock<std::shared_mutex> lock(registry_mutex());
+  auto it = pools().find(id);
+  TORCH_CHECK(it != pools().end() && it->second.use_count > 0, "pinxfer: release_pool: graph pool ",
+              id_text(id), " is not in use (released more often than begun)");
+  if (--it->second.use_count == 0) released().push_back(id);
+}
+
+PoolId pool_for_current_stream() {
+  if (g_no_capture.load(std::memory_order_relaxed)) return kShared;
+  c10::Stream current(c10::Stream::DEFAULT, c10::Device(c10::DeviceType::CPU));
+  if (!cuda::current_stream_if_active(&current)) return kShared;
+  // The filters ask CUDA about the stream (torch's: cudaStreamGetCaptureInfo);
+  // they run under the shared lock only, never under a pool lock.
+  std::shared_lock<std::shared_mutex> lock(registry_mutex());
+  for (const Capture& c : captures()) {
+    if (c.filter(current)) return c.id;
+  }
+  return kShared;
+}
+
+bool any_capture_open() { return !g_no_capture.load(std::memory_order_relaxed); }
+
+bool take_released(bool sync_all, std::vector<PoolId>* ids) {
+  std::unique_lock<std::shared_mutex> lock(registry_mutex());
+  if (!captures().empty()) return false;
+  std::vector<int> devices;
+  for (const PoolId& id : released()) {
+    auto it = pools().find(id);
+    if (it == pools().end()) continue;
+    for (int d : it->second.devices) {
+      if (std::find(devices.begin(), devices.end(), d) == devices.end()) devices.push_back(d);
+    }
+  }
+  // A replay launched before the release (or a captured copy's replay) may
+  // still read the memory: no event of ours covers it, a synchronize does.
+  if (sync_all) {
+    cuda::synchronize_active_devices();
+  } else {
+    for (int d : devices) cuda::device_synchronize(d);
+  }
+  for (const PoolId& id : released()) {
+    if (pools().erase(id) != 0) ids->push_back(id);
+  }
+  released().clear();
+  return true;
+}
+
+void check_capture_allocation(const char* op) {
+  if (!cuda::current_stream_is_capturing()) return;
+  TORCH_CHECK(pool_for_current_stream() != kShared, op,
+              ": called while the current CUDA stream is capturing a graph, but the pinned memory "
+              "would not belong to the graph (pinxfer is not installed as torch's host allocator, "
+              "or the capture was not begun by torch.cuda.graph). It could then be reused while a "
+              "replay still reads it. Call pinxfer.install() before capturing, or allocate the "
+              "pinned buffer before the capture and keep it alive while the graph lives.");
+}
+
+}  // namespace pinxfer::graph_pools

@@ -1,0 +1,76 @@
+// The registry of CUDA-graph private pools: torch's graph-pool contract as the
+// pools below the host allocator see it. See csrc/README.md, "Graph pools".
+//
+// torch's CUDAGraph::capture_begin calls the installed host allocator's
+// begin_allocate_to_pool(id, filter) just before cudaStreamBeginCapture,
+// capture_end calls end_allocate_to_pool(id), and the graph's reset/destructor
+// calls release_pool(id) (memory/host_allocator.cpp forwards each here). While
+// a capture is open, every pinned allocation made on a stream the capture's
+// filter accepts belongs to that graph pool (PinnedPool::allocate asks
+// pool_for_current_stream()); such memory is handed to nobody else until the
+// pool's use count is back at zero and no replay can still read it.
+//
+// Use counts follow torch's CachingHostAllocatorImpl: each begin of an id
+// counts one use (graphs sharing a pool through `pool=` each count), each
+// release_pool drops one; at zero the pool is *released*, and its memory is
+// returned to the shared free sets by pool_registry's release_graph_memory()
+// after a device synchronize (a replay launched before the release may still
+// run; torch's own allocator relies on cudaFreeHost's implicit synchronize).
+//
+// Thread safety: every function may be called from any thread. One leaf lock
+// (a shared_mutex; never held while a pool lock is taken: filters call CUDA);
+// the fast path of pool_for_current_stream() is one relaxed atomic load.
+// Fork: a forked child has no CUDA (cuda_usable() is false), so it never
+// begins a capture and every query answers kShared without touching the lock,
+// which a parent thread may have held at fork().
+#pragma once
+
+#include <c10/core/Stream.h>
+
+#include <cstdint>
+#include <functional>
+#include <utility>
+#include <vector>
+
+namespace pinxfer::graph_pools {
+
+// torch's c10::MempoolId_t, without including torch's allocator headers here.
+using PoolId = std::pair<uint64_t, uint64_t>;
+constexpr PoolId kShared{0, 0};  // not a graph pool: the shared free sets
+using StreamFilter = std::function<bool(c10::Stream)>;
+
+// torch's begin_allocate_to_pool: counts one use of `id` (creating the pool on
+// its first), and routes allocations on streams `filter` accepts to it until
+// end_allocate_to_pool(id). `device` is the capture's device (synchronized
+// before the pool's memory is reused). Throws if `id` is already routed, as
+// torch does ("already recording to mempool_id").
+void begin_allocate_to_pool(PoolId id, StreamFilter filter, int device);
+// Stops routing to `id`. Throws if it is not routed, as torch does.
+void end_allocate_to_pool(PoolId id);
+// Drops one use of `id`; at zero the pool is released (see take_released).
+// Throws if `id` is unknown.
+void release_pool(PoolId id);
+
+// The graph pool the current thread's current stream allocates to, or kShared.
+// Lock-free while no capture is routed.
+PoolId pool_for_current_stream();
+// True while any begin_allocate_to_pool has no end yet.
+bool any_capture_open();
+
+// Released pools to give back: synchronizes their capture devices (every
+// device with a context when `sync_all`, for blocks held outside any graph),
+// then moves the pools out of the registry into *ids. Does nothing and returns
+// false while a capture is open (a device synchronize would invalidate it);
+// the synchronize runs under the registry lock, so no capture can begin during
+// it. Returns true otherwise, also when nothing was released (no synchronize
+// then unless sync_all). Throws c10::Error if the synchronize fails; the pools
+// then stay released for the next call.
+bool take_released(bool sync_all, std::vector<PoolId>* ids);
+
+// Raises a c10::Error naming `op` if the current stream is capturing a CUDA
+// graph but the allocation would not go to a graph pool (pinxfer not installed,
+// or the capture was not begun through torch): such memory could be reused
+// while a replay reads it. Cheap when CUDA has not been used.
+void check_capture_allocation(const char* op);
+
+}  // namespace pinxfer::graph_pools

@@ -1,0 +1,436 @@
+"""CUDA graphs, torch.compile and the torch features that reach the host allocator,
+with and without pinxfer.install() (issue 23).
+
+Graph memory rules checked here (csrc/README.md, "Graph pools"): pinned blocks allocated
+while a capture is open belong to that graph's private pool and go to no one else until the
+graph is released; releasing it (reset/del) gives them back, and the pool's figures return
+to their baseline."""
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import pinxfer
+
+pytestmark = pytest.mark.gpu
+MiB = 1 << 20
+
+
+@pytest.fixture(autouse=True)
+def _clean(fresh_pool):
+    torch.cuda.synchronize()
+    yield
+    torch.cuda.synchronize()
+    pinxfer.uninstall()
+    gc.collect()
+    pinxfer.empty_cache()
+
+
+@pytest.fixture(params=[False, True], ids=["plain", "installed"])
+def installed(request):
+    if request.param:
+        pinxfer.install()
+    yield request.param
+    pinxfer.uninstall()
+
+
+def _warm_up(fn, n=3):
+    """The usual side-stream warm-up before a capture (torch's graph docs)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(n):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+
+
+def _stats():
+    return pinxfer.memory_stats()
+
+
+def test_issue_reproducer_capture_after_install():
+    pinxfer.install()
+    x = torch.ones(1024, device="cuda")
+    _warm_up(lambda: x * 2)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = x * 2
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, torch.full_like(x, 2))
+
+
+def test_capture_replay_pinned_alloc_and_nonblocking_copy(installed):
+    """A pinned buffer allocated inside the capture, H2D and D2H copy_(non_blocking=True)
+    inside it, replayed with new host data each time."""
+    n = 3 * MiB // 4
+    static_host = torch.empty(n, dtype=torch.float32, pin_memory=True)  # before: a static input
+    static_in = torch.zeros(n, device="cuda")
+
+    def step():
+        static_in.copy_(static_host, non_blocking=True)
+        return static_in * 3 + 1
+
+    _warm_up(step)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out_dev = step()
+        # A pinned result buffer allocated during the capture (torch's pinned path:
+        # pinxfer's graph pool when installed, torch's private pool otherwise).
+        out_host = torch.empty(n, dtype=torch.float32, pin_memory=True)
+        out_host.copy_(out_dev, non_blocking=True)
+    assert out_host.is_pinned()
+    for k in range(4):
+        static_host.copy_(torch.arange(n, dtype=torch.float32) + k)
+        g.replay()
+        torch.cuda.current_stream().synchronize()
+        expected = (torch.arange(n, dtype=torch.float32) + k) * 3 + 1
+        assert torch.equal(out_host, expected), k
+    if installed:
+        s = _stats()
+        assert s["graph_segments.current"] >= 1, s
+        assert s["num_graph_allocs"] >= 1, s
+    del g, out_host, out_dev
+    gc.collect()
+
+
+def test_graph_blocks_never_handed_out_until_release():
+    """Installed: a block allocated in the capture and freed there is held for the graph;
+    eager allocations of the same size get other memory while the graph lives; after
+    release the memory is reusable and the stats are back to the baseline."""
+    pinxfer.install()
+    pinxfer.empty_cache()
+    base = _stats()
+    n = 256 * 1024
+    x = torch.zeros(n, dtype=torch.uint8, device="cuda")
+    _warm_up(lambda: x.add_(0))
+    g = torch.cuda.CUDAGraph()
+    ptrs = set()
+    with torch.cuda.graph(g):
+        for _ in range(3):
+            h = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+            h.fill_(7)
+            x.copy_(h, non_blocking=True)  # torch records the capturing stream's use
+            ptrs.add(h.data_ptr())
+            del h  # used by the graph: held, not reused, not even by the next iteration
+    assert len(ptrs) == 3, "a graph block was reused inside its own capture after a captured use"
+    s = _stats()
+    assert s["held_blocks.current"] == 3, s
+    eager = [torch.empty(n, dtype=torch.uint8, pin_memory=True) for _ in range(8)]
+    assert not ptrs & {t.data_ptr() for t in eager}, "a graph block went to an eager tensor"
+    del eager
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.all(x == 7)
+    del g
+    gc.collect()
+    s = _stats()
+    assert s["held_blocks.current"] == 0, s
+    assert s["graph_segments.current"] == 0, s
+    pinxfer.empty_cache()
+    s = _stats()
+    for key in ("active_blocks.current", "allocated_bytes.current", "pending_blocks.current",
+                "held_blocks.current", "graph_segments.current", "reserved_bytes.current"):
+        assert s[key] == base[key], (key, s[key], base[key])
+
+
+def test_two_graphs_do_not_share_blocks_and_shared_pool_does():
+    pinxfer.install()
+    n = 64 * 1024
+    x = torch.zeros(n, dtype=torch.uint8, device="cuda")
+    _warm_up(lambda: x.add_(0))
+
+    def capture(pool=None):
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=pool):
+            h = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+            x.copy_(h, non_blocking=True)
+        return g, h
+
+    g1, h1 = capture()
+    del h1  # freed after capture with a recorded use: held for g1
+    g2, h2 = capture()
+    g3, h3 = capture(pool=g2.pool())  # shares g2's pool, as torch allows
+    assert h2.data_ptr() != h3.data_ptr()  # both live
+    s = _stats()
+    assert s["graph_segments.current"] >= 2, s
+    del g1, g2, g3, h2, h3
+    gc.collect()
+    s = _stats()
+    assert s["graph_segments.current"] == 0 and s["held_blocks.current"] == 0, s
+
+
+def test_make_graphed_callables(installed):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(),
+                                torch.nn.Linear(128, 8)).cuda()
+    ref = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(),
+                              torch.nn.Linear(128, 8)).cuda()
+    ref.load_state_dict(model.state_dict())
+    sample = torch.randn(16, 64, device="cuda", requires_grad=False)
+    graphed = torch.cuda.make_graphed_callables(model, (sample,))
+    model.zero_grad(set_to_none=True)  # its warm-up iterations ran backward
+    for k in range(3):
+        host = pinxfer.empty(16, 64)
+        host.copy_(torch.randn(16, 64))
+        inp = host.to("cuda", non_blocking=True)
+        out = graphed(inp)
+        out.sum().backward()
+        exp = ref(inp)
+        exp.sum().backward()
+        torch.cuda.synchronize()
+        # Same weights; a graph may pick other cuBLAS kernels: float32 rounding only.
+        torch.testing.assert_close(out, exp, rtol=1e-4, atol=1e-5)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-4)
+
+
+def _batches(n_steps, batch=32, dim=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(batch, dim, generator=g), torch.randn(batch, 8, generator=g))
+            for _ in range(n_steps)]
+
+
+def _make_model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(),
+                               torch.nn.Linear(64, 8)).cuda()
+
+
+def test_reduce_overhead_training_step_fed_by_prefetch_matches_eager():
+    """torch.compile(mode="reduce-overhead") (CUDA graph trees) training step, inputs from
+    pinxfer.prefetch, with install(); several steps against the same loop in eager."""
+    pinxfer.install()
+    data = _batches(6)
+
+    def run(compiled):
+        model = _make_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+        def fwd_bwd(x, y):
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            return loss.detach()
+
+        step = torch.compile(fwd_bwd, mode="reduce-overhead") if compiled else fwd_bwd
+        losses = []
+        for x, y in pinxfer.prefetch(data, device="cuda"):
+            # Grads of a graphed backward live in graph memory that the next replay
+            # overwrites: drop them each step (torch's advice for CUDA graph trees).
+            opt.zero_grad(set_to_none=True)
+            if compiled:
+                torch.compiler.cudagraph_mark_step_begin()
+            losses.append(step(x, y).clone())
+            opt.step()
+        torch.cuda.synchronize()
+        out = torch.stack(losses).cpu(), [p.detach().cpu() for p in model.parameters()]
+        opt.zero_grad(set_to_none=True)
+        return out
+
+    torch._dynamo.reset()
+    eager_losses, eager_params = run(False)
+    try:
+        comp_losses, comp_params = run(True)
+    finally:
+        gc.collect()
+        torch._dynamo.reset()
+    torch.testing.assert_close(comp_losses, eager_losses, rtol=1e-4, atol=1e-5)
+    for a, b in zip(comp_params, eager_params):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    torch._dynamo.reset()
+    gc.collect()
+
+
+def test_prefetch_fills_static_inputs_of_a_captured_step(installed):
+    data = _batches(5, seed=1)
+    static_x = torch.zeros(32, 64, device="cuda")
+    w = torch.randn(64, 8, device="cuda")
+    _warm_up(lambda: static_x @ w)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        static_out = static_x @ w
+    for (x, _y), (xd, _yd) in zip(data, pinxfer.prefetch(data, device="cuda")):
+        static_x.copy_(xd)
+        g.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(static_out, x.cuda() @ w)
+
+
+def test_pinxfer_ops_under_capture_work_or_explain(installed):
+    x = torch.zeros(1024, device="cuda")
+    _warm_up(lambda: x.add_(1))
+    src = torch.randn(1024)
+    g = torch.cuda.CUDAGraph()
+    errors = {}
+    with torch.cuda.graph(g):
+        for name, fn in [("to_device", lambda: pinxfer.to_device(src)),
+                         ("to_device_many", lambda: pinxfer.to_device([src[:10], src[10:20]])),
+                         ("to_host", lambda: pinxfer.to_host(x)),
+                         ("empty", lambda: pinxfer.empty(1024)),
+                         ("pin_memory", lambda: pinxfer.pin_memory(src))]:
+            try:
+                fn()
+                errors[name] = None
+            except RuntimeError as e:
+                errors[name] = str(e)
+        x.add_(1)
+    for name in ("to_device", "to_device_many", "to_host"):
+        assert errors[name] is not None and "captur" in errors[name], (name, errors[name])
+    for name in ("empty", "pin_memory"):
+        if installed:
+            assert errors[name] is None, (name, errors[name])  # goes to the graph pool
+        else:
+            assert errors[name] is not None and "pinxfer.install()" in errors[name], name
+    g.replay()
+    torch.cuda.synchronize()
+    # The capture still works after the refusals.
+    pf = pinxfer.prefetch([src], device="cuda")
+    it = iter(pf)
+    g2 = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="capturing"):
+        with torch.cuda.graph(g2):
+            next(it)
+    pf.close()
+
+
+def _to_dev(t):
+    return pinxfer.to_device(t) * 2
+
+
+def test_torch_compile_of_to_device_matches_eager(installed):
+    torch._dynamo.reset()
+    t = torch.randn(3, 1000)
+    compiled = torch.compile(_to_dev, fullgraph=True)
+    torch.testing.assert_close(compiled(t), _to_dev(t))
+    t2 = torch.randn(3, 1000)
+    torch.testing.assert_close(compiled(t2), t2.cuda() * 2)
+    torch._dynamo.reset()
+
+
+# ---- the torch features that reach the host allocator, each with install() ----
+
+
+def test_feature_mempool_use_mem_pool():
+    pinxfer.install()
+    pool = torch.cuda.MemPool()
+    with torch.cuda.use_mem_pool(pool):
+        d = torch.empty(1 << 20, device="cuda")
+        h = torch.empty(1 << 20, pin_memory=True)  # host memory: pinxfer's shared pool
+        d.copy_(h, non_blocking=True)
+    torch.cuda.synchronize()
+    assert pinxfer.is_pool_tensor(h)
+    del d, h, pool
+    gc.collect()
+
+
+def test_feature_record_memory_history():
+    pinxfer.install()
+    kw = {}
+    import inspect
+    if "record_pinned_host_memory" in inspect.signature(
+            torch.cuda.memory._record_memory_history).parameters:
+        kw["record_pinned_host_memory"] = True
+    torch.cuda.memory._record_memory_history(max_entries=1000, **kw)
+    try:
+        h = torch.empty(4096, pin_memory=True)
+        d = h.to("cuda", non_blocking=True)
+        snap = torch.cuda.memory._snapshot()
+        assert "segments" in snap
+        torch.cuda.synchronize()
+        del h, d
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+
+
+def test_feature_host_memory_stats():
+    pinxfer.install()
+    fn = getattr(torch.cuda, "host_memory_stats", None)
+    if fn is None:
+        pytest.skip("this torch has no torch.cuda.host_memory_stats")
+    h = torch.empty(5 * MiB, dtype=torch.uint8, pin_memory=True)
+    s = fn()
+    flat = {k: v for k, v in s.items()} if isinstance(s, dict) else {}
+    assert any("active" in k for k in flat), flat
+    assert max(v for k, v in flat.items() if "active_bytes" in k and "current" in k) >= 5 * MiB
+    del h
+    reset = getattr(torch.cuda, "reset_peak_host_memory_stats", None)
+    if reset is not None:
+        reset()
+        torch.cuda.reset_accumulated_host_memory_stats()
+
+
+def test_feature_empty_cache_and_host_empty_cache():
+    pinxfer.install()
+    h = torch.empty(5 * MiB, dtype=torch.uint8, pin_memory=True)
+    del h
+    torch.cuda.empty_cache()  # the device cache; the host pool keeps its block
+    host_empty = getattr(torch.cuda, "host_memory_empty_cache", None) or getattr(
+        torch._C, "_host_emptyCache", None)
+    if host_empty is not None:
+        host_empty()
+        assert _stats()["reserved_bytes.current"] == 0
+    pinxfer.empty_cache()
+    assert _stats()["reserved_bytes.current"] == 0
+
+
+def test_feature_graph_release_then_empty_cache_unmaps():
+    pinxfer.install()
+    x = torch.zeros(16, device="cuda")
+    _warm_up(lambda: x.add_(0))
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        h = torch.empty(2 * MiB, dtype=torch.uint8, pin_memory=True)
+        x.copy_(h[:64].view(torch.float32), non_blocking=True)
+    assert _stats()["graph_segments.current"] >= 1
+    g.reset()
+    del h
+    gc.collect()
+    pinxfer.empty_cache()
+    s = _stats()
+    assert s["reserved_bytes.current"] == 0 and s["graph_segments.current"] == 0, s
+
+
+_FORK_CHILD = r"""
+import os, sys, torch, pinxfer
+pinxfer.install()
+h = torch.empty(1 << 20, pin_memory=True)
+d = h.to("cuda", non_blocking=True)
+torch.cuda.synchronize()
+pid = os.fork()
+if pid == 0:
+    # The child has no CUDA: pinxfer's pool there mlocks; pin_memory must work.
+    t = pinxfer.pin_memory(torch.ones(100))
+    ok = bool(t.sum() == 100)
+    os._exit(0 if ok else 3)
+_, status = os.waitpid(pid, 0)
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+def test_feature_fork_with_install():
+    r = subprocess.run([sys.executable, "-c", _FORK_CHILD], capture_output=True, text=True,
+                       timeout=120, env={**os.environ})
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_all_virtuals_callable_after_install():
+    """Every host-allocator entry torch exposes to Python answers (none 'not implemented')."""
+    pinxfer.install()
+    for name in ("host_memory_stats", "reset_peak_host_memory_stats",
+                 "reset_accumulated_host_memory_stats", "host_memory_empty_cache"):
+        fn = getattr(torch.cuda, name, None)
+        if fn is not None:
+            fn()
+    g = torch.cuda.CUDAGraph()
+    x = torch.zeros(4, device="cuda")
+    _warm_up(lambda: x.add_(1))
+    with torch.cuda.graph(g):
+        x.add_(1)
+    g.replay()
+    g.reset()
