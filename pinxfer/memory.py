@@ -46,7 +46,8 @@ def _size_tuple(size: Sequence[int] | tuple) -> list[int]:
         if not isinstance(d, int) or isinstance(d, bool):
             raise TypeError(f"pinxfer.empty: sizes must be ints, got {type(d).__name__} in {size!r}")
         if not 0 <= d <= _check.INT64_MAX:
-            raise ValueError(f"pinxfer.empty: sizes must be in [0, 2**63 - 1], got {list(size)}")
+            raise ValueError(f"pinxfer.empty: sizes must be non-negative and at most 2**63 - 1, "
+                             f"got {list(size)}")
         out.append(int(d))
     return out
 
