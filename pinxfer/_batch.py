@@ -17,6 +17,12 @@ themselves); every remaining object passes through untouched.
 caller can send every tensor of a batch to C++ in one call and put the results
 back: ``it = iter(results); map_tensors(obj, lambda t: next(it))``.
 
+A batch that contains itself (a list appended to itself, say) raises ValueError
+naming the cycle, e.g. ``batch['x'][1] is batch['x']``, where recursion would
+otherwise end in a bare RecursionError. The walk does not track what it has
+seen (that would cost every call); the cycle is looked for only once the
+recursion limit is hit.
+
 Errors carry the place they happened: an exception raised by ``fn`` or
 ``other`` is re-raised by :func:`map_tensors` through ``describe(err, path)``
 with a path such as ``batch['x'][2].field``. The path is assembled only when
@@ -30,6 +36,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import sys
 from collections.abc import Mapping, MutableMapping, MutableSequence
 from typing import Any, Callable, Optional
 
@@ -143,8 +150,12 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any], *,
     """
     try:
         return _walk(obj, fn, other)
+    except RecursionError:
+        raise _too_deep(obj, root) from None
     except _WhereError as where:
         err = where.err
+        if isinstance(err, RecursionError):
+            raise _too_deep(obj, root) from None
         described = describe(err, root + "".join(reversed(where.parts)))
         if described is err:
             raise err from None  # the original, as fn or other raised it
@@ -157,7 +168,10 @@ def tensors_in(obj: Any, *, other: Optional[Callable[[Any], bool]] = None) -> li
     ``other(obj)`` True marks an object that :func:`map_tensors`'s ``other``
     claims: it is not looked into."""
     found: list[torch.Tensor] = []
-    _collect(obj, found, other)
+    try:
+        _collect(obj, found, other)
+    except RecursionError:
+        raise _too_deep(obj, "batch") from None
     return found
 
 
@@ -176,3 +190,45 @@ def _collect(obj: Any, found: list, other: Optional[Callable[[Any], bool]]) -> N
     elif isinstance(obj, (tuple, MutableSequence)):
         for v in obj:
             _collect(v, found, other)
+
+
+def _children(obj: Any) -> list[tuple[str, Any]]:
+    """(path part, child) of a container, as :func:`_walk` visits them; [] for leaves."""
+    if isinstance(obj, (torch.Tensor,) + _LEAF_TYPES):
+        return []
+    if _is_dataclass_instance(obj):
+        return [(_part(f.name, "."), getattr(obj, f.name)) for f in dataclasses.fields(obj)
+                if hasattr(obj, f.name)]
+    if isinstance(obj, Mapping):
+        return [(_part(k, "[]"), v) for k, v in obj.items()]
+    if isinstance(obj, tuple) and getattr(type(obj), "_fields", None) is not None:
+        return [(_part(f, "."), v) for f, v in zip(type(obj)._fields, obj)]
+    if isinstance(obj, (tuple, MutableSequence)):
+        return [(_part(i, "[]"), v) for i, v in enumerate(obj)]
+    return []
+
+
+def _too_deep(obj: Any, root: str) -> ValueError:
+    """The error for a batch whose walk hit the recursion limit: the cycle it
+    contains, found by an iterative depth-first search, or its depth."""
+    path_ids: dict[int, str] = {id(obj): root}  # containers on the current path -> their path
+    stack = [(obj, root, iter(_children(obj)))]
+    while stack:
+        container, where, children = stack[-1]
+        for part, child in children:
+            child_path = where + part
+            if id(child) in path_ids:
+                return ValueError(
+                    f"pinxfer: the batch contains itself: {child_path} is {path_ids[id(child)]} "
+                    "(a cycle), so it cannot be walked; pass a batch whose containers do not "
+                    "refer back to an enclosing one")
+            grandchildren = _children(child)
+            if grandchildren:
+                path_ids[id(child)] = child_path
+                stack.append((child, child_path, iter(grandchildren)))
+                break
+        else:
+            stack.pop()
+            path_ids.pop(id(container), None)
+    return ValueError(f"pinxfer: the batch nests deeper than Python's recursion limit "
+                      f"({sys.getrecursionlimit()}) allows walking; flatten it")

@@ -6,11 +6,12 @@ those with Python-side argument handling are here. The design note is
 """
 from __future__ import annotations
 
+import collections  # noqa: F401  (memory_stats' return annotation)
 from typing import Optional, Sequence, Union
 
 import torch
 
-from pinxfer import _ops
+from pinxfer import _check, _ops
 
 # The functions that are their operator, re-exported as the public API.
 from pinxfer._ops import (  # noqa: F401
@@ -21,9 +22,6 @@ from pinxfer._ops import (  # noqa: F401
     get_max_pinned_bytes,
     install,
     is_installed,
-    is_pool_tensor,
-    lock_kind,
-    memory_stats,
     reset_accumulated_memory_stats,
     reset_peak_memory_stats,
     uninstall,
@@ -47,8 +45,9 @@ def _size_tuple(size: Sequence[int] | tuple) -> list[int]:
     for d in size:
         if not isinstance(d, int) or isinstance(d, bool):
             raise TypeError(f"pinxfer.empty: sizes must be ints, got {type(d).__name__} in {size!r}")
-        if d < 0:
-            raise ValueError(f"pinxfer.empty: sizes must be non-negative, got {list(size)}")
+        if not 0 <= d <= _check.INT64_MAX:
+            raise ValueError(f"pinxfer.empty: sizes must be non-negative and at most 2**63 - 1, "
+                             f"got {list(size)}")
         out.append(int(d))
     return out
 
@@ -66,15 +65,69 @@ def empty(*size: int, dtype: Optional[torch.dtype] = None, numa_node: Optional[i
 
     Args:
         size: the shape, as ints or one sequence.
-        dtype: element type (default: ``torch.get_default_dtype()``).
-        numa_node: NUMA node for the pages. None: the current GPU's node; -1: no binding.
+        dtype: element type (default: ``torch.get_default_dtype()``); not a quantized one.
+        numa_node: NUMA node for the pages. None: the current GPU's node; -1: no binding;
+            else a node of this machine (:func:`pinxfer.numa_nodes`).
+
+    Raises:
+        TypeError: a size is not an int, ``dtype`` is not a plain torch.dtype, or
+            ``numa_node`` is not an int.
+        ValueError: a size is negative, the byte count exceeds 2**63 - 1, or
+            ``numa_node`` names no node of this machine.
+        torch.OutOfMemoryError: the memory cannot be had (cap, OS).
     """
     dims = _size_tuple(size)
+    dt = torch.get_default_dtype() if dtype is None else _check.dtype(dtype, "empty")
+    _check.sizes_fit(dims, dt, "empty")
+    if numa_node is not None:
+        numa_node = _check.numa_node(numa_node, "empty")
     if not _ops.torch_cuda_ready:
         _ops.ensure_torch_cuda()
     if _ops.eager():
-        return _ops.fast.empty(dims, dtype or torch.get_default_dtype(), numa_node)
-    return _ops.empty(dims, dtype or torch.get_default_dtype(), numa_node)
+        return _ops.fast.empty(dims, dt, numa_node)
+    return _ops.empty(dims, dt, numa_node)
+
+
+def is_pool_tensor(tensor: torch.Tensor) -> bool:
+    """True if ``tensor``'s storage is a live block of pinxfer's pool.
+
+    Raises:
+        TypeError: ``tensor`` is not a tensor.
+        ValueError: ``tensor`` is sparse, nested or meta (no storage of its own to ask about).
+    """
+    return _ops.is_pool_tensor(_check.tensor(tensor, "is_pool_tensor"))
+
+
+def lock_kind(tensor: torch.Tensor) -> str:
+    """How a pool tensor's memory is locked: ``cuda_registered``, ``mlocked`` or ``pageable``.
+
+    Raises:
+        TypeError: ``tensor`` is not a tensor.
+        ValueError: ``tensor`` is sparse, nested or meta.
+        RuntimeError: ``tensor`` is not a pool tensor.
+    """
+    return _ops.lock_kind(_check.tensor(tensor, "lock_kind"))
+
+
+def memory_stats(numa_node: Optional[int] = None) -> "collections.OrderedDict[str, int]":
+    """Counters of the pinned pool, shaped like ``torch.cuda.memory_stats()``.
+
+    Keys (bytes are exact): ``requested_bytes`` (what live tensors asked for),
+    ``allocated_bytes`` (their rounded blocks), ``reserved_bytes`` (pinned from
+    the OS), ``cached_bytes`` (reserved but not allocated), ``active_blocks``,
+    ``pending_blocks`` (freed, waiting on CUDA events), ``segments``, each with
+    ``.current`` and ``.peak``; ``reserved_bytes.{cuda_registered,mlocked,pageable}``;
+    counts ``num_allocs``, ``num_frees``, ``num_cache_hits``, ``num_cache_misses``,
+    ``num_segment_maps``, ``num_segment_unmaps``, ``num_ooms``, ``num_event_waits``,
+    ``num_fenced_frees``, ``num_event_errors``; times in ns ``pin_time_ns`` (=
+    ``map_time_ns`` + ``touch_time_ns`` + ``lock_time_ns``) and ``unpin_time_ns``.
+
+    Args:
+        numa_node: one node's pool (-1: the unbound pool; else a node of this
+            machine); None sums all pools (peaks then add up per pool, an upper
+            bound of the process peak).
+    """
+    return _ops.memory_stats(_check.numa_node(numa_node, "memory_stats"))
 
 
 def record_stream(tensor: torch.Tensor, stream: Optional[StreamLike] = None) -> None:
@@ -82,9 +135,23 @@ def record_stream(tensor: torch.Tensor, stream: Optional[StreamLike] = None) -> 
     or writes ``tensor``, a pool tensor. Its block is not handed out again before
     that work completes. pinxfer's own copies call this themselves; call it when
     you copy with torch on a side stream (torch tells only its installed host
-    allocator about ``copy_(non_blocking=True)``; see :func:`install`)."""
+    allocator about ``copy_(non_blocking=True)``; see :func:`install`).
+
+    Raises:
+        TypeError: ``tensor`` is not a tensor, or ``stream`` is not a stream.
+        ValueError: ``tensor`` is sparse, nested or meta.
+        RuntimeError: no CUDA device is usable, or ``tensor`` is not a pool tensor.
+    """
+    _check.tensor(tensor, "record_stream")
     if stream is None:
+        reason = _ops.cuda_unavailable_reason()
+        if reason is not None:
+            raise RuntimeError(f"pinxfer.record_stream: marks a CUDA stream's use of a tensor, "
+                               f"but {reason}")
         stream = torch.cuda.current_stream()
+    elif not isinstance(stream, (torch.cuda.Stream, torch.Stream)):
+        raise TypeError(f"pinxfer.record_stream: stream must be a torch.cuda.Stream (or None: "
+                        f"the current stream), got {type(stream).__name__}")
     _ops.record_stream(tensor, stream.stream_id, stream.device_index, stream.device_type)
 
 
@@ -92,7 +159,12 @@ def set_max_pinned_bytes(limit: Union[int, str]) -> None:
     """Hard cap on pinned bytes reserved by all pools (0: no cap). Accepts ints or
     strings like ``"8GiB"``. Past the cap an allocation first frees cached
     segments, then waits for in-flight copies, then raises
-    ``torch.OutOfMemoryError``. Default: ``PINXFER_MAX_PINNED_BYTES`` or no cap."""
-    if isinstance(limit, str):
-        limit = parse_bytes(limit)
-    _ops.set_max_pinned_bytes(int(limit))
+    ``torch.OutOfMemoryError``. Default: ``PINXFER_MAX_PINNED_BYTES`` or no cap.
+
+    Raises:
+        TypeError: ``limit`` is not an int or a string (a float or bool is refused:
+            ``0.5`` or ``True`` would otherwise mean a cap nobody asked for).
+        ValueError: ``limit`` is negative, above 2**63 - 1, malformed, or a string
+            that rounds to 0 bytes.
+    """
+    _ops.set_max_pinned_bytes(_check.byte_count(limit, "set_max_pinned_bytes", "limit"))

@@ -12,7 +12,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from pinxfer import _batch, _ops
+from pinxfer import _batch, _check, _ops
 
 # The in-place query is its operator as it stands.
 from pinxfer._ops import inplace_lock_kind  # noqa: F401
@@ -30,12 +30,7 @@ def _node_for(device: Optional[DeviceLike], numa_node: Optional[int]) -> Optiona
             f"numa_node={numa_node!r})"
         )
     if numa_node is not None:
-        if not isinstance(numa_node, int) or isinstance(numa_node, bool) or numa_node < -1:
-            raise ValueError(
-                f"pinxfer.pin_memory: numa_node must be a node number or -1 (no binding), "
-                f"got {numa_node!r}"
-            )
-        return numa_node
+        return _check.numa_node(numa_node, "pin_memory")
     if device is None:
         return None  # C++ resolves the current GPU's node
     dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
@@ -52,12 +47,8 @@ def _node_for(device: Optional[DeviceLike], numa_node: Optional[int]) -> Optiona
 def _threads(num_threads: Optional[int]) -> int:
     if num_threads is None:
         return 0
-    if not isinstance(num_threads, int) or isinstance(num_threads, bool) or num_threads < 0:
-        raise ValueError(
-            f"pinxfer.pin_memory: num_threads must be an int >= 0 (0 or None: the pool's "
-            f"default), got {num_threads!r}"
-        )
-    return num_threads
+    return _check.integer(num_threads, "pin_memory", "num_threads", lo=0, hi=_check.INT64_MAX,
+                          hint=" (0 or None: the pool's default; more than the pool has: all)")
 
 
 def _own_layout(tensor: torch.Tensor) -> bool:
@@ -80,7 +71,13 @@ def is_pinned(tensor: torch.Tensor) -> bool:
     memlock limit refused, see :func:`pinxfer.lock_kind`) answers False. Tensors
     on a device answer False. For layouts pinxfer hands to torch (sparse, nested,
     quantized) this is ``Tensor.is_pinned()``. In a forked child of a process that
-    used CUDA, torch's answer is taken as False (torch cannot query CUDA there)."""
+    used CUDA, torch's answer is taken as False (torch cannot query CUDA there).
+
+    Raises:
+        TypeError: ``tensor`` is not a tensor.
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"pinxfer.is_pinned: expected a torch.Tensor, got {type(tensor).__name__}")
     if tensor.device.type != "cpu":
         return False
     if not _own_layout(tensor):
@@ -115,9 +112,9 @@ def _pin_tensor(tensor: torch.Tensor, node: Optional[int], threads: int) -> torc
             "host memory can be pinned; a tensor already on a device needs no pinning."
         )
     if not _own_layout(tensor):
-        # torch's own pin: same result, and where torch raises (no CUDA, say),
-        # the same error. It returns the tensor itself if it is already pinned.
-        return tensor.pin_memory()
+        # torch's own pin: same result, and where torch raises, torch's error. It
+        # returns the tensor itself if it is already pinned.
+        return _torch_pin(tensor)
     if is_pinned(tensor):
         return tensor
     if not _ops.torch_cuda_ready:
@@ -125,6 +122,24 @@ def _pin_tensor(tensor: torch.Tensor, node: Optional[int], threads: int) -> torc
     if tensor.requires_grad and torch.is_grad_enabled():
         return _PinMemoryGrad.apply(tensor, node, threads)
     return _ops.pin_memory(tensor, node, threads)
+
+
+def _torch_pin(tensor: torch.Tensor) -> torch.Tensor:
+    """``Tensor.pin_memory()`` for the layouts pinxfer hands to torch. Without a
+    usable CUDA device torch's refusal talks about drivers ("Found no NVIDIA
+    driver"); it is raised as a RuntimeError that says which tensor needed what."""
+    try:
+        return tensor.pin_memory()
+    except RuntimeError as err:
+        reason = _ops.cuda_unavailable_reason()
+        if reason is None:
+            raise
+        kind = "nested" if tensor.is_nested else "quantized" if tensor.is_quantized else str(
+            tensor.layout).replace("torch.", "")
+        raise RuntimeError(
+            f"pinxfer.pin_memory: a {kind} tensor is pinned by torch's Tensor.pin_memory(), "
+            f"which needs a usable CUDA device, but {reason}. Leave it unpinned here, or pin "
+            f"a dense tensor (e.g. t.to_dense()); torch said: {err}") from err
 
 
 def _has_own_pin(obj: Any) -> bool:
@@ -240,7 +255,8 @@ def pin_(tensor: torch.Tensor) -> torch.Tensor:
     Raises RuntimeError, saying why, for memory that cannot be registered: not
     on the CPU, empty, already pinned (by torch, by pinxfer's pool, by an
     earlier ``pin_``, or sharing a page with CUDA-registered memory), or over
-    the memlock limit.
+    the memlock limit. TypeError for a non-tensor and ValueError for a sparse,
+    nested, meta or quantized tensor (pin those with :func:`pin_memory`).
 
     Args:
         tensor: a dense CPU tensor.
@@ -248,6 +264,12 @@ def pin_(tensor: torch.Tensor) -> torch.Tensor:
     Returns:
         ``tensor`` itself.
     """
+    _check.tensor(tensor, "pin_")
+    if tensor.is_quantized:
+        # torch answers is_pinned() for a quantized tensor itself, and would say
+        # False about memory pin_ had locked.
+        raise ValueError("pinxfer.pin_: expected a plain dense tensor, got a quantized one; "
+                         "pin a copy with pinxfer.pin_memory(t) instead")
     if not _ops.torch_cuda_ready:
         _ops.ensure_torch_cuda()
     _ops.pin_(tensor)
@@ -265,5 +287,5 @@ def unpin_(tensor: torch.Tensor) -> torch.Tensor:
     Returns:
         ``tensor`` itself.
     """
-    _ops.unpin_(tensor)
+    _ops.unpin_(_check.tensor(tensor, "unpin_"))
     return tensor

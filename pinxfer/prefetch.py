@@ -24,6 +24,18 @@ exhausted, when the source raises, when the ``for`` loop is left early
 leaving a ``with`` block, or when the Prefetcher is garbage-collected. Iterating
 again starts a new pass (a new epoch of a DataLoader). Batches pulled ahead
 from the source by a pass that is stopped early are dropped.
+
+Stopping never waits on the source for long: the producer thread is joined for
+at most :data:`CLOSE_TIMEOUT_S` seconds. If it is still inside the source's
+``__next__`` by then (a source blocked on I/O, say), stopping returns with a
+RuntimeWarning and leaves it behind: it is a daemon thread that exits as soon as
+that ``__next__`` returns, dropping what it got; the source's iterator is then
+not closed (a generator that is running cannot be).
+
+One consumer at a time: a thread that asks for a batch (``next()``, or starts a
+``for`` loop) while another thread is waiting for one of the same Prefetcher
+gets a RuntimeError instead of waiting for a batch that will never come. Handing
+a Prefetcher from one thread to another between batches is fine.
 """
 from __future__ import annotations
 
@@ -38,6 +50,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 import torch
 from torch.utils.data import DataLoader
 
+from pinxfer import _check
 from pinxfer._batch import tensors_in
 from pinxfer.slots import SlotLease, SlotSource, SlotTransfer
 from pinxfer.transfer import (
@@ -52,6 +65,16 @@ from pinxfer.transfer import (
 
 _ITEM, _END, _ERROR = "item", "end", "error"
 _pass_ids = itertools.count()
+
+#: Longest a pass's stop (close(), leaving a loop or a ``with`` block, garbage
+#: collection) waits for its producer thread, in seconds. A producer still busy
+#: after that is left to exit on its own (see the module docstring).
+CLOSE_TIMEOUT_S = 1.0
+
+_SECOND_CONSUMER = (
+    "pinxfer.prefetch: another thread is already waiting for a batch of this Prefetcher; a "
+    "Prefetcher has one consumer at a time. Give each thread its own pinxfer.prefetch(...), "
+    "or have one thread consume it and pass the batches on through a queue.Queue")
 
 
 class _Pass:
@@ -70,6 +93,8 @@ class _Pass:
         self.slots = threading.Semaphore(depth)
         self.stop = threading.Event()
         self.finished = False  # consumer side: END or ERROR delivered
+        self.stopped = False  # shutdown() has joined (or given up on) the producer
+        self.consumer = threading.Lock()  # held by the thread waiting in next()
         self.index = 0  # batches handed out
         self.thread = threading.Thread(target=_produce, args=(self,), daemon=True,
                                        name=f"pinxfer-prefetch-{next(_pass_ids)}")
@@ -87,6 +112,18 @@ class _Pass:
                 "would not fetch again). Take the batch before capture or replay and copy it "
                 "into the graph's static inputs: `for b in pinxfer.prefetch(loader): "
                 "static_x.copy_(b); graph.replay()`.")
+        # Non-blocking: a second consumer waiting in get() could wait forever (the
+        # pass delivers one END), so it is refused instead.
+        if not self.consumer.acquire(blocking=False):
+            raise RuntimeError(_SECOND_CONSUMER)
+        try:
+            return self._next_locked()
+        finally:
+            self.consumer.release()
+
+    def _next_locked(self) -> Any:
+        if self.finished:  # stopped by another thread while this one acquired the lock
+            raise StopIteration
         with profiler_range("pinxfer::prefetch::wait"):
             kind, payload, event = self.queue.get()
         if kind == _ITEM:
@@ -107,28 +144,34 @@ class _Pass:
             raise payload
         raise StopIteration
 
-    def shutdown(self, timeout: Optional[float] = 30.0) -> None:
-        """Stops the producer, joins it, frees queued batches. Idempotent."""
+    def shutdown(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
+        """Stops the producer, joins it for at most ``timeout`` seconds, frees queued
+        batches. Idempotent: a second call does not wait or warn again."""
         self.finished = True
         self.stop.set()
         self.slots.release()  # wakes a producer waiting for a slot
         thread = self.thread
-        if (thread.is_alive() and thread is not threading.current_thread()
+        if (not self.stopped and thread.is_alive() and thread is not threading.current_thread()
                 and not sys.is_finalizing()):
             thread.join(timeout)
             if thread.is_alive():
                 import warnings
 
                 warnings.warn(
-                    f"pinxfer.prefetch: the producer thread {thread.name} is still inside the "
-                    f"source's __next__ after {timeout} s; it will exit when that call returns.",
+                    f"pinxfer.prefetch: the producer thread {thread.name} is still busy (inside "
+                    f"the source's __next__ or a transfer) after {timeout} s; not waiting longer. "
+                    "It exits when that call returns and drops what it got.",
                     RuntimeWarning, stacklevel=3)
+        self.stopped = True
         # Drop queued batches (their device memory returns to the allocator).
         while True:
             try:
                 self.queue.get_nowait()
             except queue.Empty:
                 break
+        # The drain may have taken the END meant for a consumer waiting in get() in
+        # another thread (close() from a second thread): give it one back.
+        self.queue.put((_END, None, None))
         if not thread.is_alive():
             it, self.iterator = self.iterator, None
             close = getattr(it, "close", None)  # generators: run their finally blocks
@@ -210,14 +253,14 @@ class Prefetcher:
     """Iterates over a source with batches copied to a device ahead of time.
 
     Made by :func:`prefetch`; see the module docstring for the guarantees.
-    Consume it from one thread.
+    Consume it from one thread at a time: a second thread asking for a batch while
+    another waits for one raises RuntimeError.
     """
 
     def __init__(self, source: Iterable, device: Optional[DeviceLike] = None, depth: int = 2,
                  transfer: Optional[Callable[[Any], Any]] = None,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, num_buffers: int = DEFAULT_NUM_BUFFERS):
-        if not isinstance(depth, int) or depth < 1:
-            raise ValueError(f"pinxfer.prefetch: depth must be an int >= 1, got {depth!r}")
+        depth = _checked_depth(depth)
         requested = _requested_device(device)
         if requested.type == "cuda":
             reason = cuda_unavailable_reason()
@@ -245,6 +288,9 @@ class Prefetcher:
         self._pass: Optional[_Pass] = None
 
     def _start_pass(self) -> _Pass:
+        current = self._pass
+        if current is not None and not current.finished and current.consumer.locked():
+            raise RuntimeError(_SECOND_CONSUMER)  # a new pass would end that thread's
         self.close()
         self._pass = _Pass(self._source, self._transfer,
                            self.device if self.device.type == "cuda" else None, self.depth)
@@ -283,7 +329,12 @@ class Prefetcher:
                             "has no len()") from None
 
     def close(self) -> None:
-        """Stops the current pass: joins its thread and frees the batches it queued."""
+        """Stops the current pass: joins its thread and frees the batches it queued.
+
+        Waits at most :data:`CLOSE_TIMEOUT_S` seconds for the producer thread; one
+        still inside the source's ``__next__`` after that is left to exit when
+        that call returns (a RuntimeWarning says so). A consumer waiting for a
+        batch in another thread gets StopIteration."""
         p, self._pass = self._pass, None
         if p is not None:
             p.shutdown()
@@ -310,6 +361,11 @@ class Prefetcher:
     def __repr__(self) -> str:
         return (f"Prefetcher(source={type(self._source).__name__}, device={self.device}, "
                 f"depth={self.depth})")
+
+
+def _checked_depth(depth: Any) -> int:
+    return _check.integer(depth, "prefetch", "depth", lo=1, hi=_check.INT64_MAX,
+                          hint=" (batches kept ready ahead of the consumer)")
 
 
 def _identity(batch: Any) -> Any:
@@ -389,6 +445,7 @@ def prefetch(iterable: Iterable, device: Optional[DeviceLike] = None, depth: int
         ``len()`` it when the source has a length, ``close()`` it or use it as a
         context manager.
     """
+    depth = _checked_depth(depth)  # before SlotSource counts slots with it
     if slots is None:
         slots = _slots_by_default(iterable, device, transfer)
     if slots:

@@ -108,7 +108,7 @@ import torch
 from torch.utils.data import DataLoader
 from torch.utils.data._utils.collate import collate, default_collate, default_collate_fn_map, default_convert
 
-from pinxfer import _batch
+from pinxfer import _batch, _check
 from pinxfer._ops import inplace_lock_kind, plain_dense_cpu, release_finished_sources
 from pinxfer.pin import pin_, unpin_
 
@@ -673,9 +673,19 @@ class SlotSource:
             raise ValueError(
                 f"pinxfer.prefetch(slots=True): num_slots must be at least num_workers * "
                 f"prefetch_factor + depth + 2 = {in_loader + depth + 2}, got {num_slots!r}")
-        if slot_bytes is not None and (not isinstance(slot_bytes, int) or slot_bytes <= 0):
-            raise ValueError(f"pinxfer.prefetch(slots=True): slot_bytes must be a positive int, "
-                             f"got {slot_bytes!r}")
+        if slot_bytes is not None:
+            slot_bytes = _check.integer(slot_bytes, "prefetch(slots=True)", "slot_bytes", lo=1,
+                                        hi=_check.INT64_MAX)
+            # The ring is page-locked whole: checked here, before os.ftruncate and mmap
+            # meet a size no machine has.
+            ring_bytes = _header_bytes(num_slots) + num_slots * _round_up(slot_bytes, _PAGE)
+            ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+            if ring_bytes > ram:
+                raise ValueError(
+                    f"pinxfer.prefetch(slots=True): {num_slots} slots of slot_bytes={slot_bytes} "
+                    f"make a {ring_bytes} B ring, more than this machine's {ram} B of memory (the "
+                    "ring is pinned whole); pass slot_bytes= the largest batch's bytes, or fewer "
+                    "num_slots")
         self.depth = depth
         ctx = loader.multiprocessing_context or multiprocessing.get_context()
         self._ring = ring = _Ring(ctx, num_slots, wait_s)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional, Sequence
 
-from pinxfer import _ops
+from pinxfer import _check, _ops
 
 # The CPU-list parser is its operator as it stands.
 from pinxfer._ops import parse_cpulist  # noqa: F401
@@ -74,17 +74,21 @@ def topology(
     Args:
         sysfs_root: root of the sysfs tree to read (None: ``PINXFER_SYSFS_ROOT`` or ``/sys``).
         pci_bus_ids: describe these PCI devices instead of the visible CUDA devices
-            (for inspecting other machines' trees, and tests).
+            (for inspecting other machines' trees, and tests): a list of strings such
+            as ``["0000:1b:00.0"]`` (a single string is refused, not read per character).
 
     Returns:
         One :class:`GpuTopology` per device, in device order; ``[]`` without CUDA.
 
     Raises:
+        TypeError: ``pci_bus_ids`` is a string, or holds something other than strings.
         ValueError: a node's cpulist is malformed (the message names the file).
     """
     root = resolve_sysfs_root(sysfs_root)
     if pci_bus_ids is None:
         pci_bus_ids = [_ops.cuda_pci_bus_id(i) for i in range(_ops.cuda_device_count())]
+    else:
+        pci_bus_ids = _check.pci_bus_ids(pci_bus_ids, "topology")
     out = []
     for index, bus_id in enumerate(pci_bus_ids):
         node = _ops.pci_numa_node(bus_id, root)

@@ -21,7 +21,7 @@ from typing import Any, Iterator, Optional, Union
 
 import torch
 
-from pinxfer import _ops
+from pinxfer import _check, _ops
 from pinxfer._batch import map_tensors, tensors_in
 from pinxfer._ops import cuda_unavailable_reason
 from pinxfer.memory import empty, record_stream
@@ -207,6 +207,10 @@ def to_device(obj: Any, device: Optional[DeviceLike] = None, non_blocking: bool 
     Raises:
         RuntimeError: if pinxfer was built without CUDA or no GPU is usable.
     """
+    chunk_bytes = _check.integer(chunk_bytes, "to_device", "chunk_bytes", lo=4096,
+                                 hi=_check.INT64_MAX)
+    num_buffers = _check.integer(num_buffers, "to_device", "num_buffers", lo=1,
+                                 hi=_check.INT64_MAX)
     dev = resolve_device(device, "to_device")
     if dev.type == "cpu":
         return map_tensors(obj, lambda t: t.to("cpu"))

@@ -147,8 +147,10 @@ def test_cap_from_environment():
     assert out.stdout.strip() == "capped"
     with pytest.raises(ValueError, match="byte size"):
         pinxfer.set_max_pinned_bytes("lots")
-    with pytest.raises(RuntimeError, match=">= 0"):
+    with pytest.raises(ValueError, match=r"must be in \[0, "):  # checked in Python (pinxfer/_check.py)
         pinxfer.set_max_pinned_bytes(-5)
+    with pytest.raises(RuntimeError, match=">= 0"):  # and by the operator
+        torch.ops.pinxfer.set_max_pinned_bytes(-5)
 
 
 # ---- parse_byte_size: the one byte-size parser (csrc/runtime/parse.cpp) ----

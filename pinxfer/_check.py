@@ -1,0 +1,168 @@
+"""Argument checks at the Python edge of the public API, each written once.
+
+Every public function validates what a user passes here, before it reaches the
+dispatcher, pybind11 or the OS, so a wrong type or an impossible value raises
+TypeError or ValueError with a message that names the function, says what was
+expected, what arrived and what to do -- never a dispatcher, pybind11 or
+internal-assert message. The C++ operators check again for callers of
+``torch.ops.pinxfer`` (csrc/); these checks only make the public edge clear.
+
+Each check is cheap (a few isinstance tests) because ``empty`` and
+``pin_memory`` are hot paths; the list of NUMA nodes is read once per process.
+"""
+from __future__ import annotations
+
+import functools
+import operator
+import re
+from typing import Any, Optional, Sequence
+
+import torch
+
+from pinxfer import _ops
+
+#: Largest int pinxfer's operators take, and so the largest byte count: an int64 (and off_t).
+INT64_MAX = 2**63 - 1
+
+_QUANTIZED_DTYPES = frozenset(
+    d for d in (getattr(torch, n, None) for n in ("qint8", "quint8", "qint32", "quint4x2",
+                                                  "quint2x4"))
+    if d is not None)
+
+_DIGITS = re.compile(r"\s*[0-9]+\s*")
+
+
+def integer(value: Any, op: str, name: str, *, lo: int, hi: int, hint: str = "") -> int:
+    """``value`` as an int in ``[lo, hi]``.
+
+    Accepts ints and objects with ``__index__`` (numpy integers, 0-d integer
+    tensors); rejects bool (``True`` is not a count), float and everything else
+    with TypeError, and a value out of range with ValueError."""
+    if isinstance(value, bool) or isinstance(value, float):
+        raise TypeError(f"pinxfer.{op}: {name} must be an int, got {type(value).__name__} "
+                        f"{value!r}{hint}")
+    try:
+        n = operator.index(value)
+    except TypeError:
+        raise TypeError(f"pinxfer.{op}: {name} must be an int, got {type(value).__name__} "
+                        f"{value!r}{hint}") from None
+    if not lo <= n <= hi:
+        raise ValueError(f"pinxfer.{op}: {name} must be in [{lo}, {hi}], got {n}{hint}")
+    return n
+
+
+@functools.lru_cache(maxsize=1)
+def existing_numa_nodes() -> tuple[int, ...]:
+    """NUMA nodes of this machine, as placement sees them (sysfs under
+    ``PINXFER_SYSFS_ROOT``, else ``/sys``); ``(0,)`` where sysfs has no NUMA
+    information (one node). Read once: nodes do not come and go while a process runs."""
+    return tuple(_ops.online_nodes(_ops.sysfs_root())) or (0,)
+
+
+def numa_node(value: Any, op: str) -> Optional[int]:
+    """``numa_node`` argument: None (the current GPU's node), -1 (no binding) or a
+    node of this machine. An int that names no node would otherwise be truncated
+    or start a thread pool for a node that does not exist."""
+    if value is None:
+        return None
+    hint = " (-1: no binding; None: the current GPU's node)"
+    node = integer(value, op, "numa_node", lo=-1, hi=INT64_MAX, hint=hint)
+    if node != -1 and node not in existing_numa_nodes():
+        nodes = ", ".join(map(str, existing_numa_nodes()))
+        raise ValueError(f"pinxfer.{op}: numa_node must be -1 (no binding), None (the current "
+                         f"GPU's node) or a NUMA node of this machine ({nodes}); got {node}. "
+                         "`pinxfer.numa_nodes()` lists them.")
+    return node
+
+
+def byte_count(value: Any, op: str, name: str) -> int:
+    """A number of bytes: an int in ``[0, 2**63 - 1]`` or a size string such as
+    ``"8GiB"``. Strings of digits are read exactly (a byte count near 2**63 must
+    not pass through a double); other strings go to pinxfer's one size parser
+    (``pinxfer.memory.parse_bytes``). A string whose size rounds down to 0 bytes
+    ("0.5") is refused: 0 would silently mean "none"."""
+    hint = (" (a whole number of bytes, or a size string such as '8GiB'); for a float "
+            "pass int(x)")
+    if isinstance(value, str):
+        if _DIGITS.fullmatch(value):
+            n = int(value)
+            if n > INT64_MAX:
+                raise ValueError(f"pinxfer.{op}: {name} must be at most 2**63 - 1 = {INT64_MAX} "
+                                 f"bytes, got {value!r}")
+            return n
+        n = _ops.parse_byte_size(value)  # ValueError naming the text and the accepted forms
+        if n == 0 and any(c in "123456789" for c in value):
+            raise ValueError(f"pinxfer.{op}: {name}={value!r} is less than one byte and would "
+                             "read as 0; pass a whole number of bytes (0 only where you mean 0)")
+        return n
+    return integer(value, op, name, lo=0, hi=INT64_MAX, hint=hint)
+
+
+def dtype(value: Any, op: str) -> torch.dtype:
+    """A ``torch.dtype`` that a plain tensor can hold (not quantized: a quantized
+    tensor needs a quantizer, which a bare allocation does not have)."""
+    if not isinstance(value, torch.dtype):
+        raise TypeError(f"pinxfer.{op}: dtype must be a torch.dtype (e.g. torch.float32), got "
+                        f"{type(value).__name__} {value!r}")
+    if value in _QUANTIZED_DTYPES:
+        raise TypeError(f"pinxfer.{op}: dtype {value} is quantized and needs a scale and zero "
+                        "point that an empty allocation has not; allocate its integer "
+                        "representation (e.g. torch.int8) or pin a quantized tensor with "
+                        "pinxfer.pin_memory")
+    return value
+
+
+def sizes_fit(dims: Sequence[int], dt: torch.dtype, op: str) -> None:
+    """The byte count of a tensor of ``dims`` and ``dt`` fits in an int64: checked
+    before C++ multiplies them, so an impossible size never wraps to a small one."""
+    itemsize = _itemsize(dt)
+    total = itemsize
+    for d in dims:
+        total *= d
+    if total > INT64_MAX:
+        raise ValueError(f"pinxfer.{op}: a tensor of size {list(dims)} and dtype {dt} would take "
+                         f"{total} bytes, more than the 2**63 - 1 bytes any allocation can have; "
+                         "check the sizes")
+
+
+@functools.lru_cache(maxsize=None)
+def _itemsize(dt: torch.dtype) -> int:
+    return dt.itemsize
+
+
+def tensor(value: Any, op: str) -> torch.Tensor:
+    """A dense (strided) tensor that has memory: what pinxfer's queries about a
+    tensor's memory (pool block, lock kind, stream marks, in-place pinning) take.
+    None and non-tensors raise TypeError; sparse, nested and meta tensors, whose
+    memory is not one storage of their own, raise ValueError."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"pinxfer.{op}: expected a torch.Tensor, got {type(value).__name__}")
+    if value.is_nested:
+        raise ValueError(f"pinxfer.{op}: expected a dense (strided) tensor, got a nested tensor; "
+                         "ask about its buffer (t.values() for a jagged one) or unbind() it")
+    if value.layout != torch.strided:
+        raise ValueError(f"pinxfer.{op}: expected a dense (strided) tensor, got layout "
+                         f"{value.layout}; a sparse tensor's memory is its indices and values "
+                         "tensors: ask about those (e.g. t.values())")
+    if value.is_meta:
+        raise ValueError(f"pinxfer.{op}: expected a tensor with memory, got a meta tensor "
+                         "(shape and dtype only); pass a CPU tensor")
+    return value
+
+
+def pci_bus_ids(value: Any, op: str) -> list[str]:
+    """A list of PCI bus ids. A single string is refused: iterating it would read
+    each character as a bus id."""
+    if isinstance(value, (str, bytes)):
+        raise TypeError(f"pinxfer.{op}: pci_bus_ids must be a list of bus ids, got the single "
+                        f"string {value!r}; pass [{value!r}]")
+    try:
+        ids = list(value)
+    except TypeError:
+        raise TypeError(f"pinxfer.{op}: pci_bus_ids must be a list of bus id strings such as "
+                        f"'0000:1b:00.0', got {type(value).__name__}") from None
+    for i, bus_id in enumerate(ids):
+        if not isinstance(bus_id, str):
+            raise TypeError(f"pinxfer.{op}: pci_bus_ids[{i}] must be a bus id string such as "
+                            f"'0000:1b:00.0', got {type(bus_id).__name__} {bus_id!r}")
+    return ids
