@@ -103,7 +103,7 @@ class _Pass:
     def next(self) -> Any:
         if self.finished:
             raise StopIteration
-        if torch.cuda.is_current_stream_capturing():
+        if self.device is not None and torch.cuda.is_current_stream_capturing():
             # The batch's event was recorded outside the capture: a captured
             # wait on it would not order a replay after the next transfer.
             raise RuntimeError(
