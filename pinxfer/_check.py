@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import functools
 import operator
-import re
-from typing import Any, Optional, Sequence
+
+from typing import Any, Optional
 
 import torch
 
@@ -23,14 +23,6 @@ from pinxfer import _ops
 
 #: Largest int pinxfer's operators take, and so the largest byte count: an int64 (and off_t).
 INT64_MAX = 2**63 - 1
-
-_QUANTIZED_DTYPES = frozenset(
-    d for d in (getattr(torch, n, None) for n in ("qint8", "quint8", "qint32", "quint4x2",
-                                                  "quint2x4"))
-    if d is not None)
-
-_DIGITS = re.compile(r"\s*[0-9]+\s*")
-
 
 def integer(value: Any, op: str, name: str, *, lo: int, hi: int, hint: str = "") -> int:
     """``value`` as an int in ``[lo, hi]``.
@@ -60,41 +52,23 @@ def existing_numa_nodes() -> tuple[int, ...]:
 
 
 def numa_node(value: Any, op: str) -> Optional[int]:
-    """``numa_node`` argument: None (the current GPU's node), -1 (no binding) or a
-    node of this machine. An int that names no node would otherwise be truncated
-    or start a thread pool for a node that does not exist."""
+    """``numa_node`` argument: None (the current GPU's node) or an int (not a bool).
+    Which ints are nodes (-1, or a node in sysfs) is the C++ side's one rule
+    (``resolve_numa_node`` in csrc/memory/placement.h), which every way in shares."""
     if value is None:
         return None
     hint = " (-1: no binding; None: the current GPU's node)"
-    node = integer(value, op, "numa_node", lo=-1, hi=INT64_MAX, hint=hint)
-    if node != -1 and node not in existing_numa_nodes():
-        nodes = ", ".join(map(str, existing_numa_nodes()))
-        raise ValueError(f"pinxfer.{op}: numa_node must be -1 (no binding), None (the current "
-                         f"GPU's node) or a NUMA node of this machine ({nodes}); got {node}. "
-                         "`pinxfer.numa_nodes()` lists them.")
-    return node
+    return integer(value, op, "numa_node", lo=-(2**63), hi=INT64_MAX, hint=hint)
 
 
 def byte_count(value: Any, op: str, name: str) -> int:
     """A number of bytes: an int in ``[0, 2**63 - 1]`` or a size string such as
-    ``"8GiB"``. Strings of digits are read exactly (a byte count near 2**63 must
-    not pass through a double); other strings go to pinxfer's one size parser
-    (``pinxfer.memory.parse_bytes``). A string whose size rounds down to 0 bytes
-    ("0.5") is refused: 0 would silently mean "none"."""
+    ``"8GiB"``, read by pinxfer's one size parser (csrc/runtime/parse.cpp: exact
+    to 2**63 - 1, and a fraction of a byte is refused rather than read as 0)."""
     hint = (" (a whole number of bytes, or a size string such as '8GiB'); for a float "
             "pass int(x)")
     if isinstance(value, str):
-        if _DIGITS.fullmatch(value):
-            n = int(value)
-            if n > INT64_MAX:
-                raise ValueError(f"pinxfer.{op}: {name} must be at most 2**63 - 1 = {INT64_MAX} "
-                                 f"bytes, got {value!r}")
-            return n
-        n = _ops.parse_byte_size(value)  # ValueError naming the text and the accepted forms
-        if n == 0 and any(c in "123456789" for c in value):
-            raise ValueError(f"pinxfer.{op}: {name}={value!r} is less than one byte and would "
-                             "read as 0; pass a whole number of bytes (0 only where you mean 0)")
-        return n
+        return _ops.parse_byte_size(value)  # ValueError naming the text and the accepted forms
     return integer(value, op, name, lo=0, hi=INT64_MAX, hint=hint)
 
 
@@ -104,30 +78,7 @@ def dtype(value: Any, op: str) -> torch.dtype:
     if not isinstance(value, torch.dtype):
         raise TypeError(f"pinxfer.{op}: dtype must be a torch.dtype (e.g. torch.float32), got "
                         f"{type(value).__name__} {value!r}")
-    if value in _QUANTIZED_DTYPES:
-        raise TypeError(f"pinxfer.{op}: dtype {value} is quantized and needs a scale and zero "
-                        "point that an empty allocation has not; allocate its integer "
-                        "representation (e.g. torch.int8) or pin a quantized tensor with "
-                        "pinxfer.pin_memory")
     return value
-
-
-def sizes_fit(dims: Sequence[int], dt: torch.dtype, op: str) -> None:
-    """The byte count of a tensor of ``dims`` and ``dt`` fits in an int64: checked
-    before C++ multiplies them, so an impossible size never wraps to a small one."""
-    itemsize = _itemsize(dt)
-    total = itemsize
-    for d in dims:
-        total *= d
-    if total > INT64_MAX:
-        raise ValueError(f"pinxfer.{op}: a tensor of size {list(dims)} and dtype {dt} would take "
-                         f"{total} bytes, more than the 2**63 - 1 bytes any allocation can have; "
-                         "check the sizes")
-
-
-@functools.lru_cache(maxsize=None)
-def _itemsize(dt: torch.dtype) -> int:
-    return dt.itemsize
 
 
 def tensor(value: Any, op: str) -> torch.Tensor:

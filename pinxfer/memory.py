@@ -78,7 +78,6 @@ def empty(*size: int, dtype: Optional[torch.dtype] = None, numa_node: Optional[i
     """
     dims = _size_tuple(size)
     dt = torch.get_default_dtype() if dtype is None else _check.dtype(dtype, "empty")
-    _check.sizes_fit(dims, dt, "empty")
     if numa_node is not None:
         numa_node = _check.numa_node(numa_node, "empty")
     if not _ops.torch_cuda_ready:

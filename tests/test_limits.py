@@ -83,6 +83,8 @@ def test_bad_size_never_aliases_a_live_block(fresh_pool):
 def test_quantized_dtype_is_refused_by_empty():
     with pytest.raises(ValueError, match="quantized dtype"):
         pinxfer.empty(3, dtype=torch.qint8)
+    with pytest.raises(ValueError, match="quantized dtype"):
+        torch.ops.pinxfer.empty([3], torch.qint8, None)
 
 
 # ---- integers in range, or a clear error (the argument and its variable alike) ----
@@ -189,8 +191,10 @@ def test_pin_unpin_of_shared_memory_tensor_is_clean():
 
 def test_pin_of_quantized_tensor_is_refused():
     q = torch.quantize_per_tensor(torch.randn(64), 0.1, 0, torch.qint8)
+    with pytest.raises(ValueError, match="quantized"):
+        pinxfer.pin_(q)  # the Python edge
     with pytest.raises(RuntimeError, match="quantized tensors are not supported"):
-        pinxfer.pin_(q)
+        torch.ops.pinxfer.pin_(q)  # the operator
 
 
 def test_forked_child_sees_parent_pool_tensor_unpinned():
