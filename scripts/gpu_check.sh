@@ -27,8 +27,13 @@
 #   loader    benchmarks/bench_loader.py: a worker-fed DataLoader, pin_memory=True vs prefetch
 #             (staging) vs prefetch(slots=True). loader.json (with 2+ GPUs also 2 torchrun
 #             ranks at once: loader_rank0/1.json).
-#   all       all of the above but ab and loader (more than one 10-minute device call: pick
-#             subsets)
+#   loop      benchmarks/bench_loop.py (issue 22): every size 4 KiB - 1 GiB, back to back and
+#             after a 20 ms idle gap (sleep; a GPU kernel the host waits on), pinxfer's ways
+#             against torch's and the pinned copy, small-call rows, CPU per GB, idle CPU;
+#             PASS/MISS against the issue's targets. loop.json, loop.log (~5 min on an H100;
+#             LOOP_ARGS e.g. "--quick" or "--sizes 4K,1M,8M"). Kind: PINXFER_MACHINE_KIND.
+#   all       all of the above but ab, loader and loop (more than one 10-minute device call:
+#             pick subsets)
 #
 # Environment:
 #   OUT                   output folder (default ./gpu_out)
@@ -48,6 +53,8 @@
 #   MEMCHECK_API_ERRORS   compute-sanitizer --report-api-errors value (default "no": torch
 #                         and pinxfer check every CUDA return code themselves)
 #   MEMCHECK_FLAGS        more compute-sanitizer flags
+#   LOOP_ARGS             more bench_loop.py arguments (--quick, --sizes, --budget SECONDS)
+#   LOOP_TIMEOUT          seconds for the loop step (default 450)
 #   MEMCHECK_NO_CACHING   1: PYTORCH_NO_CUDA_MEMORY_CACHING=1 (a cudaMalloc per tensor, so
 #                         out-of-bounds accesses between tensors are caught; slower)
 #
@@ -57,7 +64,7 @@
 # scripts' JSON; split with
 #   python3 -c "import json; d = json.load(open('bench.json'))
 #   [json.dump(v, open(f'bench_{k}.json', 'w'), indent=1) for k, v in d.items()]"),
-# bench_cli.json, bench.log, sweep.json. Build, pytest, stress and memcheck logs stay
+# bench_cli.json, bench.log, sweep.json; loop.json and loop.log (loop step). Build, pytest, stress and memcheck logs stay
 # in /tmp (their tails are printed).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -66,7 +73,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 
 # ---- arguments: step names (separate or in one quoted list), -k EXPR, else a -k expression
-STEP_WORDS="all sweep test stress memcheck bench bus ab loader"
+STEP_WORDS="all sweep test stress memcheck bench bus ab loader loop"
 steps=""
 kexpr=${PYTEST_K:-}
 while [ $# -gt 0 ]; do
@@ -84,9 +91,9 @@ while [ $# -gt 0 ]; do
   shift
 done
 [ -z "${steps// /}" ] && steps=all
-want() {  # ab and loader only when named
+want() {  # ab, loader and loop only when named
   case " $steps " in *" $1 "*) return 0 ;; esac
-  case "$1" in ab | loader) return 1 ;; esac
+  case "$1" in ab | loader | loop) return 1 ;; esac
   case " $steps " in *" all "*) return 0 ;; esac
   return 1
 }
@@ -391,6 +398,19 @@ if want loader; then
   fi
   echo "loader: $(( $(date +%s) - t0 )) s"
   record loader "$(status_of "$rc")"
+fi
+
+if want loop; then
+  t0=$(date +%s)
+  echo "== bench_loop (${PINXFER_MACHINE_KIND:-kind from the GPU name})"
+  timeout -k 20 "${LOOP_TIMEOUT:-450}" python3 "$REPO/benchmarks/bench_loop.py" \
+    --json "$OUT/loop.json" ${LOOP_ARGS:-} > "$OUT/loop.log" 2>&1
+  rc=$?
+  # the compact table is printed last; the whole detail is in loop.log and loop.json
+  awk '/^== loop table/ {p = 1} p' "$OUT/loop.log" | tail -60
+  [ "$rc" -ne 0 ] && tail -30 "$OUT/loop.log"
+  echo "loop: $(( $(date +%s) - t0 )) s"
+  record loop "$(status_of "$rc")"
 fi
 
 finish
