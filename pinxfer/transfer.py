@@ -28,6 +28,9 @@ from pinxfer.memory import empty, record_stream
 
 DeviceLike = Union[torch.device, str, int]
 
+#: "cuda" without an index: the operators read it as the caller's current device.
+_CURRENT_CUDA = torch.device("cuda")
+
 #: Tensors below this many bytes in a batch are packed together (to_device_many).
 SMALL_TENSOR_BYTES = 1 << 20
 #: Largest staging chunk of the pipeline.
@@ -72,6 +75,8 @@ def profiler_range(name: str) -> contextlib.AbstractContextManager:
 
     Neither costs anything when no profiler runs: a 4 KiB to_device takes a few
     microseconds, and a context manager generator alone costs one of them."""
+    if torch.compiler.is_compiling():
+        return _NO_RANGE  # traced code: the compiled graph runs no Python to bracket
     if torch.autograd._profiler_enabled() or _NVTX_TOOL:
         return _profiled_range(name)
     return _NO_RANGE
@@ -211,6 +216,17 @@ def to_device(obj: Any, device: Optional[DeviceLike] = None, non_blocking: bool 
                                  hi=_check.INT64_MAX)
     num_buffers = _check.integer(num_buffers, "to_device", "num_buffers", lo=1,
                                  hi=_check.INT64_MAX)
+    if type(obj) is torch.Tensor and _ops.plain_dense_cpu(obj) and (device is None or
+                                                                   device == "cuda"):
+        # The hot case, one plain CPU tensor to the current GPU, without the batch
+        # machinery: its Python cost is most of a 4 KiB transfer's. The kernel
+        # resolves the current device itself.
+        _require_cuda("to_device")
+        with profiler_range("pinxfer::to_device"):
+            out = _ops.to_device(obj, _CURRENT_CUDA, chunk_bytes, num_buffers, staging)
+        if not non_blocking:
+            torch.cuda.current_stream().synchronize()
+        return out
     dev = resolve_device(device, "to_device")
     if dev.type == "cpu":
         return map_tensors(obj, lambda t: t.to("cpu"))

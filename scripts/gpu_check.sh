@@ -210,7 +210,7 @@ print(pinxfer.build_info())
 for where in ('before CUDA use', 'after CUDA use'):
     try:
         torch.ops.pinxfer.empty([-1], torch.float32, None)
-    except RuntimeError as e:
+    except (RuntimeError, ValueError) as e:
         print(where, 'error raised as expected:', str(e).splitlines()[0])
     t = pinxfer.empty(1 << 20); t.fill_(1); print(t.is_pinned(), pinxfer.lock_kind(t))
 " 2>&1 | tail -8

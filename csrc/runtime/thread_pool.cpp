@@ -130,7 +130,11 @@ void ThreadPool::worker_loop() {
   for (;;) {
     std::shared_ptr<Job> job;
     int wake_next = 0;
-    if (spin_us_ > 0 || spin_adaptive_) spin_for_work();
+    if (spin_us_ > 0 || spin_adaptive_) {
+      spinning_.fetch_add(1, std::memory_order_relaxed);
+      spin_for_work();
+      spinning_.fetch_sub(1, std::memory_order_relaxed);
+    }
     {
       std::unique_lock<std::mutex> lock(mutex_);
       wake_.wait(lock, [this] { return stopping_ || !jobs_.empty(); });

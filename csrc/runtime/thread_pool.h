@@ -52,6 +52,9 @@ class ThreadPool {
                     int max_threads = 0);
 
   int num_threads() const { return static_cast<int>(workers_.size()) + 1; }
+  // Workers spinning for work right now (they take a job at once, with no
+  // wake-up). A snapshot: it may change as soon as it is read.
+  int spinning_workers() const { return spinning_.load(std::memory_order_relaxed); }
   const std::vector<int>& cpus() const { return cpus_; }
 
  private:
@@ -73,6 +76,7 @@ class ThreadPool {
   std::atomic<bool> stopping_{false};
   // jobs_.size(), written under mutex_, read without it by spinning workers.
   std::atomic<size_t> queued_jobs_{0};
+  std::atomic<int> spinning_{0};  // workers inside spin_for_work()
   int spin_us_ = 0;        // the shortest spin (PINXFER_SPIN_US or 100)
   bool spin_adaptive_ = false;
   // Wall time of the pool's last parallel_for, for the adaptive spin; relaxed:
