@@ -216,17 +216,19 @@ def to_device(obj: Any, device: Optional[DeviceLike] = None, non_blocking: bool 
                                  hi=_check.INT64_MAX)
     num_buffers = _check.integer(num_buffers, "to_device", "num_buffers", lo=1,
                                  hi=_check.INT64_MAX)
-    if type(obj) is torch.Tensor and _ops.plain_dense_cpu(obj) and (device is None or
-                                                                   device == "cuda"):
-        # The hot case, one plain CPU tensor to the current GPU, without the batch
-        # machinery: its Python cost is most of a 4 KiB transfer's. The kernel
-        # resolves the current device itself.
-        _require_cuda("to_device")
-        with profiler_range("pinxfer::to_device"):
-            out = _ops.to_device(obj, _CURRENT_CUDA, chunk_bytes, num_buffers, staging)
-        if not non_blocking:
-            torch.cuda.current_stream().synchronize()
-        return out
+    if type(obj) is torch.Tensor and _ops.plain_dense_cpu(obj):
+        # The hot case, one plain CPU tensor to a GPU, without the batch machinery:
+        # its Python cost is most of a 4 KiB transfer's. The kernel resolves a
+        # device without an index to the current one itself.
+        dev = (_CURRENT_CUDA if device is None else
+               device if type(device) is torch.device else resolve_device(device, "to_device"))
+        if dev.type == "cuda":
+            _require_cuda("to_device")
+            with profiler_range("pinxfer::to_device"):
+                out = _ops.to_device(obj, dev, chunk_bytes, num_buffers, staging)
+            if not non_blocking:
+                torch.cuda.current_stream(out.device).synchronize()
+            return out
     dev = resolve_device(device, "to_device")
     if dev.type == "cpu":
         return map_tensors(obj, lambda t: t.to("cpu"))

@@ -211,6 +211,26 @@ void ThreadPool::parallel_for(size_t n, size_t grain,
   if (job->error) std::rethrow_exception(job->error);
 }
 
+// Spinning workers join at once; a sleeping one costs a wake-up, and on the
+// virtual machines we run on a worker woken after a compute step copies its
+// first bytes tens of microseconds later, on a core that was idle
+// (benchmarks/diag_latency.py, H100: a 1 MiB to_device after a 20 ms gap took
+// 431 µs with the caller alone and 473 µs with 11 helpers woken). So a
+// sleeping worker is woken only per kBytesPerWokenHelper of the copy, about
+// what the caller copies while the helper comes up. Even an awake one costs
+// its share of claims and of a chunk's completion (a chunk's DMA waits for
+// its slowest piece): at 1 MiB back to back one thread took 106 µs and twelve
+// 120 µs on the same H100. So an awake worker joins per kBytesPerAwakeHelper.
+constexpr size_t kBytesPerWokenHelper = size_t{512} << 10;
+constexpr size_t kBytesPerAwakeHelper = size_t{256} << 10;
+
+int ThreadPool::threads_for_copy(size_t nbytes) const {
+  const size_t awake =
+      std::min(static_cast<size_t>(spinning_workers()), nbytes / kBytesPerAwakeHelper);
+  const size_t helpers = std::max(awake, nbytes / kBytesPerWokenHelper);
+  return 1 + static_cast<int>(std::min(helpers, workers_.size()));
+}
+
 int default_num_threads() { return settings().copy_threads; }
 
 int default_spin_us() { return settings().spin_us; }

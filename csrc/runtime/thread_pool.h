@@ -55,6 +55,11 @@ class ThreadPool {
   // Workers spinning for work right now (they take a job at once, with no
   // wake-up). A snapshot: it may change as soon as it is read.
   int spinning_workers() const { return spinning_.load(std::memory_order_relaxed); }
+
+  // How many threads (the caller included) a host copy of `nbytes` should
+  // use: awake workers per 256 KiB, sleeping ones per 512 KiB (the .cpp says
+  // what was measured), at most num_threads(). For parallel_for's max_threads.
+  int threads_for_copy(size_t nbytes) const;
   const std::vector<int>& cpus() const { return cpus_; }
 
  private:

@@ -130,7 +130,9 @@ at::Tensor pin_memory_copy(const at::Tensor& self, std::optional<int64_t> numa_n
   if (nbytes == 0 || self.numel() == 0) return out;
 
   ThreadPool& pool = thread_pool_for_node(node);
-  const int max_threads = static_cast<int>(num_threads);
+  // num_threads 0: as many as this copy is worth (ThreadPool::threads_for_copy).
+  const int max_threads =
+      num_threads > 0 ? static_cast<int>(num_threads) : pool.threads_for_copy(nbytes);
   if (!overlapping && !self.is_conj() && !self.is_neg()) {
     parallel_memcpy(static_cast<char*>(out.data_ptr()),
                     static_cast<const char*>(self.const_data_ptr()), nbytes, pool, max_threads);

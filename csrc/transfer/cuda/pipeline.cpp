@@ -133,21 +133,6 @@ struct Pipeline {
   }
 };
 
-// How many threads (the caller included) a transfer of `nbytes` should use.
-// Spinning workers join at once and cost nothing; a sleeping one costs a
-// wake-up, and on the virtual machines we run on a worker woken after a
-// compute step copies its first bytes tens of microseconds later, on a core
-// that was idle (benchmarks/diag_latency.py, H100: a 1 MiB transfer after a
-// 20 ms gap took 431 µs with the caller alone and 473 µs with 11 helpers
-// woken). So a sleeping worker is woken only for each kBytesPerWokenHelper of
-// the transfer: about what the caller stages while the helper comes up.
-constexpr size_t kBytesPerWokenHelper = 512 * kKiB;
-size_t useful_threads(const ThreadPool& pool, size_t nbytes) {
-  const size_t helpers = std::max<size_t>(static_cast<size_t>(pool.spinning_workers()),
-                                          nbytes / kBytesPerWokenHelper);
-  return 1 + std::min(helpers, static_cast<size_t>(pool.num_threads() - 1));
-}
-
 // Hands staging blocks back to the pool, marked as read by `stream`, so the
 // pool reuses them only after the copies queued so far have finished.
 void return_staging(std::vector<c10::DataPtr>& blocks, PinnedPool& pool,
@@ -171,7 +156,7 @@ void pipelined_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex dev
   pl.dst = static_cast<char*>(out.data_ptr());
   pl.nbytes = src.nbytes();
   pl.plan = plan_chunks(pl.nbytes, options.chunk_bytes, options.num_buffers,
-                        useful_threads(threads, pl.nbytes));
+                        static_cast<size_t>(threads.threads_for_copy(pl.nbytes)));
   pl.policy = stage_policy(options.mode, options.cached_tail, pl.nbytes,
                            [&stream] { return stream_busy(stream); });
   pl.device = device;
@@ -295,7 +280,7 @@ void packed_copy(const std::vector<at::Tensor>& srcs, const std::vector<size_t>&
         const size_t grain = std::max<size_t>(1, srcs.size() * 64 * kKiB / total);
         ThreadPool& threads = thread_pool_for_node(node);
         threads.parallel_for(srcs.size(), grain, pack_and_send,
-                             static_cast<int>(useful_threads(threads, total)));
+                             threads.threads_for_copy(total));
       }
     } catch (...) {
       // Groups already queued read the block: it goes back marked by the stream.
