@@ -45,7 +45,9 @@ in_bad_fork = getattr(torch._C, "_cuda_isInBadFork", lambda: False)
 
 def eager() -> bool:
     """True where a fast call is equivalent to its operator: not tracing, no mode active."""
-    return not (_len_dispatch_modes() or _function_mode_on() or _compiling())
+    # _compiling() first: under dynamo it is a constant, and the two mode queries
+    # return ints dynamo cannot put in a graph (a graph break under fullgraph).
+    return not (_compiling() or _len_dispatch_modes() or _function_mode_on())
 
 
 def plain_dense_cpu(t: torch.Tensor) -> bool:
