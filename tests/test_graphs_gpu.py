@@ -26,8 +26,8 @@ def _clean(fresh_pool):
     torch.cuda.synchronize()
     yield
     torch.cuda.synchronize()
+    gc.collect()  # graphs in reference cycles (make_graphed_callables) go first
     pinxfer.uninstall()
-    gc.collect()
     pinxfer.empty_cache()
 
 
@@ -36,7 +36,28 @@ def installed(request):
     if request.param:
         pinxfer.install()
     yield request.param
+    gc.collect()  # a graph captured while installed must be gone before uninstall()
     pinxfer.uninstall()
+
+
+def test_uninstall_refuses_while_a_graph_of_pinxfer_lives():
+    """A graph gives its pool back to the host allocator installed when it dies:
+    after uninstall() that was torch's, which does not know the pool and aborted
+    the process (seen on nvidia-h200 when a make_graphed_callables graph was
+    collected after uninstall())."""
+    pinxfer.install()
+    x = torch.ones(1024, device="cuda")
+    _warm_up(lambda: x * 2)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = x * 2
+    with pytest.raises(RuntimeError, match="graph pool"):
+        pinxfer.uninstall()
+    assert pinxfer.is_installed()
+    del g, y
+    gc.collect()
+    pinxfer.uninstall()  # the pool was released: now it may go
+    assert not pinxfer.is_installed()
 
 
 def _warm_up(fn, n=3):

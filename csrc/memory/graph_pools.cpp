@@ -51,6 +51,13 @@ std::string id_text(PoolId id) {
 
 }  // namespace
 
+size_t live_pools() {
+  std::shared_lock<std::shared_mutex> lock(registry_mutex());
+  size_t n = 0;
+  for (const auto& [id, pool] : pools()) n += pool.use_count > 0 ? 1 : 0;
+  return n;
+}
+
 void begin_allocate_to_pool(PoolId id, StreamFilter filter, int device) {
   TORCH_CHECK(id != kShared, "pinxfer: begin_allocate_to_pool got the pool id (0, 0), which "
               "names the shared pool, not a graph pool");

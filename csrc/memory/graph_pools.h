@@ -56,6 +56,9 @@ void release_pool(PoolId id);
 PoolId pool_for_current_stream();
 // True while any begin_allocate_to_pool has no end yet.
 bool any_capture_open();
+// Graph pools whose graphs have not released them yet (use count > 0): torch
+// will call release_pool for each on the host allocator installed *then*.
+size_t live_pools();
 
 // Released pools to give back: synchronizes their capture devices (every
 // device with a context when `sync_all`, for blocks held outside any graph),

@@ -166,6 +166,18 @@ bool install_host_allocator(bool enable) {
     if (g_torch_allocator.load() == nullptr) g_torch_allocator = at::getHostAllocator(at::kCUDA);
     at::setHostAllocator(at::kCUDA, ours, kPriority);
   } else {
+    // A CUDA graph calls release_pool on the host allocator installed when it
+    // is destroyed, not on the one that served its capture: torch's own would
+    // look its pool up, fail (std::out_of_range in a destructor) and abort the
+    // process. So pinxfer stays installed while one of its graph pools lives.
+    const size_t live = graph_pools::live_pools();
+    TORCH_CHECK(live == 0, "pinxfer.uninstall(): ", live, " CUDA graph pool(s) captured while "
+                "pinxfer was installed are still alive; their graphs will give them back to "
+                "whichever host allocator is installed when they are destroyed, and torch's "
+                "own does not know them (it would abort the process). Delete those graphs "
+                "first (CUDAGraph objects, make_graphed_callables results; for "
+                "torch.compile(mode='reduce-overhead') call torch._dynamo.reset()), run "
+                "gc.collect(), then uninstall.");
     at::setHostAllocator(at::kCUDA, g_torch_allocator.load(), kPriority);
   }
   // Installed, torch's copy_(non_blocking=True) reports every copy from our
