@@ -129,7 +129,6 @@ void ThreadPool::spin_for_work() const {
 void ThreadPool::worker_loop() {
   for (;;) {
     std::shared_ptr<Job> job;
-    int wake_next = 0;
     if (spin_us_ > 0 || spin_adaptive_) {
       spinning_.fetch_add(1, std::memory_order_relaxed);
       spin_for_work();
@@ -142,17 +141,12 @@ void ThreadPool::worker_loop() {
       job = jobs_.front();
       // A job leaves the queue once it has all the helpers it may use or has
       // no chunks left to hand out.
-      const int helpers = job->helpers.fetch_add(1) + 1;
-      if (helpers >= job->max_helpers || job->next_chunk.load() >= job->num_chunks) {
+      if (job->helpers.fetch_add(1) + 1 >= job->max_helpers ||
+          job->next_chunk.load() >= job->num_chunks) {
         jobs_.pop_front();
         queued_jobs_.store(jobs_.size(), std::memory_order_relaxed);
-      } else {
-        // The job wants more helpers: pass the wake-up on to up to two
-        // sleeping workers (see parallel_for), so they join in a tree.
-        wake_next = std::min(2, job->max_helpers - helpers);
       }
     }
-    for (int i = 0; i < wake_next; ++i) wake_.notify_one();
     run_chunks(*job);
   }
 }
@@ -183,15 +177,21 @@ void ThreadPool::parallel_for(size_t n, size_t grain,
     jobs_.push_back(job);
     queued_jobs_.store(jobs_.size(), std::memory_order_relaxed);
   }
-  // The caller wakes one sleeping worker and starts its own share at once;
-  // each worker that takes the job and sees it wants more helpers wakes up to
-  // two more (worker_loop), so N helpers are up after about log2(N) wake-ups
-  // and none of them on the caller's path. Waking every worker from here cost the caller one
-  // inter-processor interrupt per sleeping worker before its first byte (on a
-  // virtual machine each is a VM exit): after a compute step, when all workers
-  // sleep, that was most of a 1 MiB transfer. Spinning workers need no wake-up
-  // at all: they see queued_jobs_.
-  wake_.notify_one();
+  // One futex call for many helpers: notify_one in a loop delays the caller's
+  // own share of the work by a system call per helper. Workers woken beyond
+  // max_helpers find the job gone and sleep again. Spinning workers need no
+  // wake-up at all: they see queued_jobs_. Small copies ask for few helpers
+  // (threads_for_copy), so a 1 MiB transfer after a compute step wakes one.
+  // (Tried 2026-11-25: the caller waking one worker and each woken worker two
+  // more, a tree. It took no wake-up off a small transfer that threads_for_copy
+  // had not already, and a 32 MiB transfer that needs every helper took 2.8
+  // ms instead of 1.7 on both the H100 and the H200: the last helpers came up
+  // three wake-ups late. results/<kind>/loop.json are of that trial.)
+  if (job->max_helpers > 1) {
+    wake_.notify_all();
+  } else {
+    wake_.notify_one();
+  }
   run_chunks(*job);
   {
     std::unique_lock<std::mutex> lock(job->done_mutex);
