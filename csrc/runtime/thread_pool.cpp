@@ -184,9 +184,11 @@ void ThreadPool::parallel_for(size_t n, size_t grain,
   // (threads_for_copy), so a 1 MiB transfer after a compute step wakes one.
   // (Tried 2026-11-25: the caller waking one worker and each woken worker two
   // more, a tree. It took no wake-up off a small transfer that threads_for_copy
-  // had not already, and a 32 MiB transfer that needs every helper took 2.8
-  // ms instead of 1.7 on both the H100 and the H200: the last helpers came up
-  // three wake-ups late. results/<kind>/loop.json are of that trial.)
+  // had not already, and with it a 32 MiB transfer back to back took 2.8 ms
+  // instead of 1.7 on both the H100 and the H200 -- most likely the last
+  // helpers coming up three wake-ups late; the tree was the only change on
+  // that path, but no A/B run isolated it. results/<kind>/loop.json are of
+  // that trial.)
   if (job->max_helpers > 1) {
     wake_.notify_all();
   } else {
