@@ -30,7 +30,9 @@ WORK="${PINXFER_SANITIZE_DIR:-$(mktemp -d "${TMPDIR:-/tmp}/pinxfer-sanitize-$MOD
 mkdir -p "$WORK"
 # The real interpreter (a pyenv shim is a shell script: keep the preload off it).
 PY="$(python3 -c 'import sys; print(sys.executable)')"
-TESTS="${PINXFER_SANITIZE_TESTS:-tests/test_pool_stress.py tests/test_allocator.py tests/test_pin_memory.py}"
+# Issue 27: the bad-input tests and the fuzz suite's short profile run under the
+# sanitizers too, so an overflow or use-after-free on an error path is a report.
+TESTS="${PINXFER_SANITIZE_TESTS:-tests/test_pool_stress.py tests/test_allocator.py tests/test_pin_memory.py tests/test_limits.py tests/test_fuzz.py}"
 
 echo "== pinxfer sanitizer job: $MODE, in $WORK"
 # A fresh copy of the tree; $WORK/src/build survives a rerun in the same

@@ -739,6 +739,8 @@ def test_the_operator_starts_no_thread_for_a_node_that_does_not_exist():
     assert result["extra"] == 0, result
 
 
+@pytest.mark.skipif(SANITIZER is not None, reason="an address-space limit leaves no room for a "
+                    "sanitizer's shadow memory")
 def test_thread_creation_failure_raises_instead_of_hanging():
     import resource
 
