@@ -24,10 +24,11 @@ So ``requires = []`` and this backend asks the interpreter pip runs (``sys.execu
 target environment's python; ``PINXFER_TORCH_PYTHON`` names another) for its ``sys.path``
 with pip's isolation undone, and appends those entries to its own: setup.py then imports the
 installed torch, and setuptools from the isolated environment if pip put one there, else the
-installed one. Nothing is downloaded when the target environment has setuptools >= 64, which
-it has wherever torch is (torch requires setuptools on Python >= 3.12; venvs of older
-Pythons carry it), so ``pip install .`` works offline; ``get_requires_for_build_*`` asks for
-setuptools only where it is missing or too old. Without torch there, every hook fails in
+installed one. Nothing is downloaded when the target environment has setuptools >= 70.1 (or
+>= 64 with ``wheel``), which it has wherever a recent torch is (torch 2.14 requires
+setuptools >= 77.0.3; older ones require setuptools on Python >= 3.12), so ``pip install .``
+works offline; ``get_requires_for_build_*`` asks for setuptools only where it is missing or
+too old (and that needs an index). Without torch there, every hook fails in
 seconds with one message saying what to run. With ``--no-build-isolation`` torch is already
 importable and nothing is probed.
 """
@@ -40,7 +41,12 @@ import os
 import subprocess
 import sys
 
-_MIN_SETUPTOOLS = (64, 0)  # PEP 660 editable installs (pip install -e .)
+# The target environment's setuptools is used when it can build wheels and editable
+# installs by itself: >= 70.1 has bdist_wheel built in; >= 64 (PEP 660 editables) needs the
+# `wheel` package beside it. Otherwise pip is asked for _WANTED_SETUPTOOLS (needs an index).
+_SELF_SUFFICIENT_SETUPTOOLS = (70, 1)
+_MIN_SETUPTOOLS_WITH_WHEEL = (64, 0)
+_WANTED_SETUPTOOLS = "setuptools>=70.1"
 
 # Run by the target interpreter with pip's isolation undone: what it can import.
 _PROBE = r"""
@@ -54,11 +60,12 @@ else:
     out["torch"] = torch.__version__
     out["torch_file"] = torch.__file__
     out["torch_cuda"] = torch.version.cuda
-try:
-    from importlib.metadata import version
-    out["setuptools"] = version("setuptools")
-except Exception:
-    out["setuptools"] = None
+from importlib.metadata import version
+for name in ("setuptools", "wheel"):
+    try:
+        out[name] = version(name)
+    except Exception:
+        out[name] = None
 print("PINXFER_PROBE" + json.dumps(out))
 """
 
@@ -98,9 +105,9 @@ def _torch_environment() -> dict | None:
     if "torch" not in found:
         isolated_venv = sys.prefix != sys.base_prefix and not os.environ.get("PINXFER_TORCH_PYTHON")
         _fail(
-            "pinxfer compiles against the torch it will run with, and the Python being installed "
-            f"into ({found['executable']}) cannot import torch ({found['torch_error']}).\n"
-            "Install torch there first, then pinxfer:\n"
+            f"cannot build: the Python being installed into ({found['executable']}) cannot "
+            f"import torch ({found['torch_error']}), and pinxfer compiles against the torch it "
+            "will run with. Install torch there first, then pinxfer:\n"
             f"    {found['executable']} -m pip install torch\n"
             f"    {found['executable']} -m pip install .\n"
             + ("This build runs in a separate virtual environment (python -m build, uv?): set "
@@ -133,17 +140,22 @@ def _setuptools_requirements() -> list[str]:
     """What pip must put in the isolated environment: nothing when the target environment's
     setuptools will do (the offline case), else a recent setuptools."""
     found = _torch_environment()
-    version = found["setuptools"] if found else _local_setuptools_version()
-    if version is None or _version_tuple(version) < _MIN_SETUPTOOLS:
-        return [f"setuptools>={_MIN_SETUPTOOLS[0]}"]
-    return []
+    if found is None:  # torch importable here: so is whatever this environment holds
+        setuptools, wheel = _local_version("setuptools"), _local_version("wheel")
+    else:
+        setuptools, wheel = found["setuptools"], found["wheel"]
+    if setuptools is not None:
+        have = _version_tuple(setuptools)
+        if have >= _SELF_SUFFICIENT_SETUPTOOLS or (have >= _MIN_SETUPTOOLS_WITH_WHEEL and wheel):
+            return []
+    return [_WANTED_SETUPTOOLS]
 
 
-def _local_setuptools_version() -> str | None:
+def _local_version(name: str) -> str | None:
     try:
         from importlib.metadata import version
 
-        return version("setuptools")
+        return version(name)
     except Exception:  # noqa: BLE001 - not installed (or unreadable): ask for it
         return None
 
