@@ -15,9 +15,11 @@ def _load_extension() -> None:
     # was it built for this torch? pinxfer/_build_check.py says why it must be first.
     from pinxfer import _build_check
 
+    global _C
     path = _build_check.check_before_loading()
     try:
-        from pinxfer import _C  # noqa: F401  (registers torch.ops.pinxfer)
+        # Exactly the file checked (registers torch.ops.pinxfer).
+        _C = _build_check.load_extension(path)
     except ImportError as err:  # pragma: no cover - exercised by broken installs only
         raise ImportError(
             f"pinxfer could not load its compiled extension {path}: {err}. Running torch "

@@ -10,9 +10,11 @@ that rebuilds. Only the standard library and torch's version strings are used he
 """
 from __future__ import annotations
 
+import importlib.machinery
 import importlib.util
 import mmap
 import os
+import sys
 from typing import Optional
 
 import torch
@@ -79,11 +81,22 @@ def mismatch_message(built: Optional[dict[str, str]], path: str) -> Optional[str
     )
 
 
+def extension_path() -> Optional[str]:
+    """pinxfer/_C*.so beside this file, or None. Looked up in this directory only, not
+    through the import system: another pinxfer's editable-install finder on sys.meta_path
+    would answer for "pinxfer._C" with that checkout's library."""
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = os.path.join(PACKAGE_DIR, "_C" + suffix)
+        if os.path.isfile(path):
+            return path
+    return None
+
+
 def check_before_loading() -> str:
     """Finds pinxfer._C without loading it and checks its build stamp; returns its path.
     Raises ImportError saying what to run when there is none or it was built for another torch."""
-    spec = importlib.util.find_spec("pinxfer._C")
-    if spec is None or not spec.origin or not os.path.isfile(spec.origin):
+    path = extension_path()
+    if path is None:
         root = checkout_root()
         if root is not None:
             raise ImportError(
@@ -96,7 +109,20 @@ def check_before_loading() -> str:
         raise ImportError(
             f"pinxfer is installed without its compiled extension pinxfer._C (in {PACKAGE_DIR}): "
             f"reinstall it: {rebuild_command()}.")
-    message = mismatch_message(read_build_stamp(spec.origin), spec.origin)
+    message = mismatch_message(read_build_stamp(path), path)
     if message is not None:
         raise ImportError(message)
-    return spec.origin
+    return path
+
+
+def load_extension(path: str):
+    """Loads the library at ``path`` (the one checked) as pinxfer._C and returns it."""
+    spec = importlib.util.spec_from_file_location("pinxfer._C", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["pinxfer._C"] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules["pinxfer._C"]
+        raise
+    return module
