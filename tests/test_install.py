@@ -38,56 +38,65 @@ def _run_hook(code: str, tmp_path, env_extra=None, timeout=300) -> subprocess.Co
                           capture_output=True, text=True, timeout=timeout)
 
 
-def test_isolated_interpreter_cannot_see_torch(tmp_path):
-    # The premise of the hook tests below: under -S, as under pip's isolation, no torch.
-    proc = _run_hook("import importlib.util; print(importlib.util.find_spec('torch'))", tmp_path)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == "None"
+@pytest.fixture(scope="module")
+def isolated_hooks(tmp_path_factory):
+    """Every hook pip calls, run once in one isolated interpreter (one probe of the target
+    torch; setup.py runs in-process for each hook): their answers as JSON."""
+    out = tmp_path_factory.mktemp("hooks")
+    code = (
+        "import importlib.util, json\n"
+        "torch_visible = importlib.util.find_spec('torch') is not None\n"
+        "answers = {'torch_visible_before': torch_visible,\n"
+        "           'wheel': backend.get_requires_for_build_wheel(),\n"
+        "           'editable': backend.get_requires_for_build_editable(),\n"
+        "           'sdist': backend.get_requires_for_build_sdist(),\n"
+        f"           'metadata': backend.prepare_metadata_for_build_wheel({str(out)!r}),\n"
+        f"           'sdist_name': backend.build_sdist({str(out)!r})}}\n"
+        "print('HOOKS' + json.dumps(answers))\n")
+    proc = _run_hook(code, out)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("HOOKS"))
+    return json.loads(line[5:]), proc, out
 
 
-def test_backend_asks_for_no_torch_and_downloads_nothing_here(tmp_path):
-    """get_requires_for_build_wheel/editable never name torch; where the target environment
-    has setuptools >= 64 (this one) they name nothing, so an offline pip install works."""
-    proc = _run_hook(
-        "import json\n"
-        "print('REQ' + json.dumps([backend.get_requires_for_build_wheel(),"
-        " backend.get_requires_for_build_editable(), backend.get_requires_for_build_sdist()]))",
-        tmp_path)
-    assert proc.returncode == 0, proc.stderr
-    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("REQ"))
-    wheel, editable, sdist = json.loads(line[3:])
-    for reqs in (wheel, editable, sdist):
-        assert not any(r.lower().startswith("torch") for r in reqs), reqs
-        assert reqs == [], reqs
+def test_isolated_interpreter_cannot_see_torch(isolated_hooks):
+    # The premise of the hook tests: under -S, as under pip's isolation, no torch.
+    answers, _, _ = isolated_hooks
+    assert answers["torch_visible_before"] is False
+
+
+def test_backend_asks_for_no_torch_and_downloads_nothing_here(isolated_hooks):
+    """get_requires_for_build_wheel/editable/sdist never name torch; where the target
+    environment has setuptools >= 70.1 (this one) they name nothing, so an offline pip
+    install works."""
+    answers, proc, _ = isolated_hooks
+    for hook in ("wheel", "editable", "sdist"):
+        reqs = answers[hook]
+        assert not any(r.lower().startswith("torch") for r in reqs), (hook, reqs)
+        assert reqs == [], (hook, reqs)
     assert f"building against torch {torch.__version__}" in proc.stderr
 
 
-def test_backend_metadata_builds_against_the_installed_torch(tmp_path):
+def test_backend_metadata_builds_against_the_installed_torch(isolated_hooks):
     """prepare_metadata_for_build_wheel runs setup.py (which imports torch) under isolation:
     the backend found the installed torch, and setup.py said which."""
-    out = tmp_path / "meta"
-    out.mkdir()
-    proc = _run_hook(f"print('DIST=' + backend.prepare_metadata_for_build_wheel({str(out)!r}))",
-                     tmp_path)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    dist = next(ln for ln in proc.stdout.splitlines() if ln.startswith("DIST="))[5:]
-    metadata = (out / dist / "METADATA").read_text()
+    answers, proc, out = isolated_hooks
+    metadata = (out / answers["metadata"] / "METADATA").read_text()
     assert "Name: pinxfer" in metadata
     assert "Provides-Extra: test" in metadata
     for dep in ("pytest", "numpy", "hypothesis"):
-        assert f"{dep}" in metadata and 'extra == "test"' in metadata, dep
+        assert any(ln.startswith(f"Requires-Dist: {dep}") and 'extra == "test"' in ln
+                   for ln in metadata.splitlines()), dep
     assert f"torch        {torch.__version__}" in proc.stdout + proc.stderr
 
 
-def test_sdist_carries_everything_a_build_needs(tmp_path):
+def test_sdist_carries_everything_a_build_needs(isolated_hooks):
     """An sdist (pip install pinxfer-*.tar.gz, pip install git+...) builds only if it holds
     the headers, the backend that pyproject.toml names, and setup.py."""
-    proc = _run_hook(f"print('SDIST=' + backend.build_sdist({str(tmp_path)!r}))", tmp_path)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    name = next(ln for ln in proc.stdout.splitlines() if ln.startswith("SDIST="))[6:]
-    with tarfile.open(tmp_path / name) as tar:
+    answers, _, out = isolated_hooks
+    with tarfile.open(out / answers["sdist_name"]) as tar:
         members = {m.name.split("/", 1)[1] for m in tar.getmembers() if "/" in m.name}
-    for needed in ("pyproject.toml", "setup.py", "build_backend/pinxfer_backend.py",
+    for needed in ("pyproject.toml", "setup.py", "MANIFEST.in", "build_backend/pinxfer_backend.py",
                    "csrc/module.cpp", "csrc/ops/kernels.h", "csrc/runtime/cuda_runtime.h",
                    "csrc/python/fast_calls.cpp", "pinxfer/__init__.py", "pinxfer/_build_check.py"):
         assert needed in members, needed
