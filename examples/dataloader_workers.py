@@ -8,6 +8,9 @@ workers build batches in shared memory and pinxfer stages them through pinned bu
 
     python examples/dataloader_workers.py --steps 50 --workers 4
     python examples/dataloader_workers.py --no-slots
+
+Exits 0 after training, 77 (SKIPPED) when it cannot run here (no usable CUDA device),
+so a script or CI can tell a skip from a pass; any other code is a failure.
 """
 from __future__ import annotations
 
@@ -18,6 +21,10 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 import pinxfer
+
+
+# Exit status of a run that could not happen here (the automake/ctest "skipped" code).
+SKIPPED = 77
 
 
 class SyntheticImages(Dataset):
@@ -45,8 +52,8 @@ def main() -> int:
 
     reason = pinxfer.cuda_unavailable_reason()
     if reason is not None:
-        print(f"dataloader_workers: needs a CUDA device ({reason}); skipping")
-        return 0
+        print(f"dataloader_workers: needs a CUDA device ({reason}); skipping (exit 77)")
+        return SKIPPED
     device = torch.device("cuda", torch.cuda.current_device())
     loader = DataLoader(
         SyntheticImages(args.steps * args.batch_size),

@@ -6,6 +6,9 @@ pinned memory on that GPU's NUMA node, and wraps its batches in
 
     torchrun --nproc_per_node=NUM_GPUS examples/ddp_torchrun.py --steps 50
     python examples/ddp_torchrun.py          # also runs alone, as a world of one
+
+Exits 0 after training, 77 (SKIPPED) when it cannot run here (no usable CUDA device),
+so a script or CI can tell a skip from a pass; any other code is a failure.
 """
 from __future__ import annotations
 
@@ -19,6 +22,10 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import pinxfer
+
+
+# Exit status of a run that could not happen here (the automake/ctest "skipped" code).
+SKIPPED = 77
 
 
 def _free_port() -> int:
@@ -36,8 +43,8 @@ def main() -> int:
 
     reason = pinxfer.cuda_unavailable_reason()
     if reason is not None:
-        print(f"ddp_torchrun: needs a CUDA device ({reason}); skipping")
-        return 0
+        print(f"ddp_torchrun: needs a CUDA device ({reason}); skipping (exit 77)")
+        return SKIPPED
     # Outside torchrun: a world of one on this host.
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",

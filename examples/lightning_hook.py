@@ -7,6 +7,10 @@ memory. Skips cleanly when Lightning is not installed.
 
     pip install lightning
     python examples/lightning_hook.py --steps 50
+
+Exits 0 after training, 77 (SKIPPED) when it cannot run here (no usable CUDA device, or
+Lightning not installed), so a script or CI can tell a skip from a pass; any other code is
+a failure.
 """
 from __future__ import annotations
 
@@ -25,6 +29,10 @@ except ImportError:
         import pytorch_lightning as pl  # the older package name
     except ImportError:
         pl = None
+
+
+# Exit status of a run that could not happen here (the automake/ctest "skipped" code).
+SKIPPED = 77
 
 
 def make_module(features: int, classes: int):
@@ -60,12 +68,12 @@ def main() -> int:
     args = p.parse_args()
 
     if pl is None:
-        print("lightning_hook: Lightning not installed, skipping (pip install lightning)")
-        return 0
+        print("lightning_hook: Lightning not installed, skipping (exit 77; pip install lightning)")
+        return SKIPPED
     reason = pinxfer.cuda_unavailable_reason()
     if reason is not None:
-        print(f"lightning_hook: needs a CUDA device ({reason}); skipping")
-        return 0
+        print(f"lightning_hook: needs a CUDA device ({reason}); skipping (exit 77)")
+        return SKIPPED
 
     classes = 16
     gen = torch.Generator().manual_seed(0)

@@ -11,15 +11,27 @@ import torch
 
 
 def _load_extension() -> None:
+    # Before loading _C (which registers its operators with this torch): is there one, and
+    # was it built for this torch? pinxfer/_build_check.py says why it must be first.
+    from pinxfer import _build_check
+
+    global _C
+    path = _build_check.check_before_loading()
     try:
-        from pinxfer import _C  # noqa: F401  (registers torch.ops.pinxfer)
+        # Exactly the file checked (registers torch.ops.pinxfer).
+        _C = _build_check.load_extension(path)
     except ImportError as err:  # pragma: no cover - exercised by broken installs only
         raise ImportError(
-            f"pinxfer could not load its compiled extension pinxfer._C: {err}. "
-            f"Running torch {torch.__version__} (CUDA {torch.version.cuda}). The extension must be "
-            "built against the torch you run: reinstall with "
-            "`pip install --no-build-isolation .` in the pinxfer checkout."
+            f"pinxfer could not load its compiled extension {path}: {err}. Running torch "
+            f"{torch.__version__} (CUDA {torch.version.cuda}). Rebuild it: "
+            f"{_build_check.rebuild_command()}."
         ) from err
+    # The module says it again once loaded (the stamp and these come from the same defines).
+    built = {"torch": getattr(_C, "built_with_torch", "unknown"),
+             "cuda": getattr(_C, "built_with_torch_cuda", "unknown")}
+    message = _build_check.mismatch_message(built, path)
+    if message is not None:
+        raise ImportError(message)
 
 
 _load_extension()

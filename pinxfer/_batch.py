@@ -8,7 +8,9 @@ Containers understood, in this order of precedence:
     Mapping as ``type(obj)(dict)``, else a dict;
   * namedtuples (``type(obj)(*values)``, paths name fields), tuples (``type(obj)(values)``, else a tuple);
   * MutableSequences: a list as a list, others as a copy with items replaced,
-    else a list.
+    else a list;
+  * other Sequences (range, a user's immutable Sequence): ``type(obj)(items)``, else a
+    list, as torch's DataLoader pinning does (``range(3)`` becomes ``[0, 1, 2]``).
 Strings and bytes are leaves. A caller may claim other objects first with
 ``other`` (pin_memory asks objects with their own ``pin_memory()`` to pin
 themselves); every remaining object passes through untouched.
@@ -37,7 +39,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import sys
-from collections.abc import Mapping, MutableMapping, MutableSequence
+from collections.abc import Mapping, MutableMapping, MutableSequence, Sequence
 from typing import Any, Callable, Optional
 
 import torch
@@ -111,6 +113,15 @@ def _walk(obj: Any, fn: Callable, other: Optional[Callable]) -> Any:
                 clone[i] = v
             return clone
         except Exception:  # noqa: BLE001
+            return items
+    if isinstance(obj, Sequence) and not isinstance(obj, (str, bytes, bytearray, memoryview)):
+        # An immutable sequence that is not a tuple (range, a user's Sequence): rebuilt as
+        # type(obj)(items), else a list -- what torch's DataLoader pinning does
+        # (torch/utils/data/_utils/pin_memory.py), so range(3) comes back as [0, 1, 2].
+        items = [_step(v, fn, other, i, "[]") for i, v in enumerate(obj)]
+        try:
+            return type(obj)(items)  # type: ignore[call-arg]
+        except TypeError:
             return items
     return obj
 
@@ -187,7 +198,8 @@ def _collect(obj: Any, found: list, other: Optional[Callable[[Any], bool]]) -> N
     elif isinstance(obj, Mapping):
         for v in obj.values():
             _collect(v, found, other)
-    elif isinstance(obj, (tuple, MutableSequence)):
+    elif isinstance(obj, (tuple, MutableSequence)) or (
+            isinstance(obj, Sequence) and not isinstance(obj, (str, bytes, bytearray, memoryview))):
         for v in obj:
             _collect(v, found, other)
 

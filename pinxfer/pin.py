@@ -105,11 +105,24 @@ class _PinMemoryGrad(torch.autograd.Function):
         return grad, None, None
 
 
+def _torch_refusal(tensor: torch.Tensor) -> str:
+    """torch's own error for pinning this tensor, word for word: code written against
+    ``Tensor.pin_memory()`` matches it ("cannot pin 'torch.cuda.FloatTensor' only dense CPU
+    tensors can be pinned"). torch refuses every tensor that is not on the CPU, before any
+    copy; the fallback spells the same words should a torch ever not refuse."""
+    try:
+        tensor.pin_memory()
+    except Exception as err:  # noqa: BLE001 - whatever torch raises, its words are wanted
+        return str(err).strip()
+    return f"cannot pin '{tensor.type()}' only dense CPU tensors can be pinned"
+
+
 def _pin_tensor(tensor: torch.Tensor, node: Optional[int], threads: int) -> torch.Tensor:
     if tensor.device.type != "cpu":
         raise RuntimeError(
             f"pinxfer.pin_memory: expected a CPU tensor, got a tensor on {tensor.device}. Only "
-            "host memory can be pinned; a tensor already on a device needs no pinning."
+            "host memory can be pinned; a tensor already on a device needs no pinning. "
+            f"torch says: {_torch_refusal(tensor)}"
         )
     if not _own_layout(tensor):
         # torch's own pin: same result, and where torch raises, torch's error. It

@@ -10,8 +10,9 @@
 #
 # Steps (run in this order whatever the order given; default: all):
 #   sweep     to_device/prefetch settings swept by benchmarks/sweep_to_device.py
-#   test      smoke check, then the whole suite with plain pytest (no xdist: a crash fails
-#             the step loudly, with faulthandler's stacks), "PYTEST EXIT n"
+#   test      smoke check, then the README's test command with plain pytest (no xdist: a crash
+#             fails the step loudly, with faulthandler's stacks), "PYTEST EXIT n"; then the
+#             soak-marked tests (-m soak), "SOAK EXIT n"
 #   stress    scripts/stress_gpu.py --mode both (plain, then pinxfer.install())
 #   memcheck  compute-sanitizer memcheck over tests/test_transfer_gpu.py and
 #             tests/test_allocator_gpu.py; error count in memcheck.txt
@@ -141,9 +142,11 @@ cat "$OUT/env.txt"
 build() {  # $1: C++ compiler; returns non-zero if the build or the import fails
   t0=$(date +%s)
   rm -rf build
-  CXX=$1 MAX_JOBS=16 python3 -m pip install --no-build-isolation --no-deps -v . > /tmp/pinxfer_build.log 2>&1 \
+  # Plain `pip install .` (build isolation on, as users type it): the in-tree backend
+  # builds against the torch installed here and downloads nothing (no network here).
+  CXX=$1 MAX_JOBS=16 python3 -m pip install --no-deps -v . > /tmp/pinxfer_build.log 2>&1 \
     || { tail -50 /tmp/pinxfer_build.log; echo "BUILD FAILED with $1"; return 1; }
-  grep -A5 "pinxfer build configuration" /tmp/pinxfer_build.log | head -6
+  grep -A8 "pinxfer build configuration" /tmp/pinxfer_build.log | head -9
   echo "build with $1 ($($1 --version | head -1)): $(( $(date +%s) - t0 )) s"
   # Tests and benchmarks run from the checkout (tests import tests.conftest), so
   # put the freshly built extension beside the sources as an in-place build would.
@@ -229,6 +232,15 @@ for where in ('before CUDA use', 'after CUDA use'):
   echo "PYTEST EXIT $rc"
   echo "tests: $(( $(date +%s) - t0 )) s"
   record test "$(status_of "$rc")"
+  # The soaks the README's test command deselects (README "Tests"): stress and leak runs.
+  t0=$(date +%s)
+  python3 -X faulthandler -m pytest -q -rs $xdist_off -p no:cacheprovider -m soak \
+    ${kexpr:+-k "$kexpr"} tests > /tmp/pinxfer_soak.log 2>&1
+  rc=$?
+  tail -15 /tmp/pinxfer_soak.log
+  echo "SOAK EXIT $rc"
+  echo "soak: $(( $(date +%s) - t0 )) s"
+  record soak "$(status_of "$rc")"
 fi
 
 if want stress; then

@@ -14,6 +14,8 @@
 #   PINXFER_STRESS_SECONDS   passed to tests/test_pool_stress.py (its default: 2)
 #   PINXFER_SANITIZE_DIR     where to build and keep logs (default: a new mktemp dir)
 #   PINXFER_SANITIZE_TESTS   test files to run (default: the three named above)
+#   PINXFER_SANITIZE_MARKS   pytest -m expression (default "not build": the soak-marked
+#                            stress tests run here, unlike in the plain test command)
 # Exit status: non-zero on a failed build, a failed test, or any sanitizer report
 # (from pytest's process or any child it spawned or forked).
 set -euo pipefail
@@ -54,7 +56,7 @@ if ! (cd "$WORK/src" && PINXFER_SANITIZE="$MODE" PINXFER_CPU_ONLY=1 MAX_JOBS="${
   exit 1
 fi
 t1=$(date +%s)
-grep -A6 "pinxfer build configuration" "$WORK/build.log" | head -7
+grep -A8 "pinxfer build configuration" "$WORK/build.log" | head -9
 echo "== build: $((t1 - t0)) s"
 
 SO="$(ls "$WORK"/src/pinxfer/_C*.so)"
@@ -90,7 +92,8 @@ import_rc=${PIPESTATUS[0]}
 t2=$(date +%s)
 # shellcheck disable=SC2086
 LD_PRELOAD="$RT" timeout "${PINXFER_SANITIZE_TIMEOUT:-2400}" \
-  "$PY" -m pytest -v -rs -p no:cacheprovider $TESTS 2>&1 | tee "$WORK/pytest.log"
+  "$PY" -m pytest -v -rs -p no:cacheprovider -m "${PINXFER_SANITIZE_MARKS:-not build}" $TESTS 2>&1 \
+  | tee "$WORK/pytest.log"
 pytest_rc=${PIPESTATUS[0]}
 t3=$(date +%s)
 set -e

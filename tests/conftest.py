@@ -13,15 +13,18 @@ import torch
 
 import pinxfer
 
-HAS_CUDA = pinxfer.cuda_unavailable_reason() is None
+# Why no GPU test can run here, in pinxfer's words: "no NVIDIA driver or GPU on this
+# machine" is told apart from a driver that is too old (csrc/runtime/cuda_runtime.cpp).
+NO_CUDA_REASON = pinxfer.cuda_unavailable_reason()
+HAS_CUDA = NO_CUDA_REASON is None
 
-requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason=f"needs a CUDA device: {NO_CUDA_REASON}")
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not HAS_CUDA:
-            item.add_marker(pytest.mark.skip(reason="GPU test: no CUDA device here"))
+            item.add_marker(pytest.mark.skip(reason=f"GPU test: {NO_CUDA_REASON}"))
 
 
 def vm_locked_kib() -> int:

@@ -461,8 +461,12 @@ _STORM = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("pause_us", [0, 50])
-def test_allocate_free_race_storm(pause_us):
+@pytest.mark.parametrize("pause_us, seconds", [
+    (50, 1),  # the default run: with the pause the old code failed within a second
+    pytest.param(0, 4, marks=pytest.mark.soak),  # longer storms: `-m soak` (README "Tests")
+    pytest.param(50, 4, marks=pytest.mark.soak),
+])
+def test_allocate_free_race_storm(pause_us, seconds):
     """Regression test of the allocate/free race (a block taken from the free set
     but marked in use only in a later critical section, so a concurrent free of
     its neighbour merged into it: two tensors shared memory, segments were unmapped
@@ -471,7 +475,7 @@ def test_allocate_free_race_storm(pause_us):
     critical sections the old code failed within a second. Runs in a child so a
     crash is reported as this test's failure with its signal."""
     out = subprocess.run([sys.executable, "-X", "faulthandler", "-c", _STORM,
-                          str(pause_us), "4", "8"],
+                          str(pause_us), str(seconds), "8"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, (out.returncode, out.stdout[-2000:], out.stderr[-3000:])
     assert "errors 0" in out.stdout

@@ -328,8 +328,10 @@ def test_example_help(name):
 @pytest.mark.parametrize("name", EXAMPLES)
 def test_example_without_cuda_exits_cleanly(name):
     proc = _run([f"examples/{name}", "--steps", "3"], timeout=120)
-    assert proc.returncode == 0, proc.stderr
+    # 77: the examples' documented "skipped" status (examples/README.md).
+    assert proc.returncode == 77, (proc.returncode, proc.stdout, proc.stderr)
     assert "needs a CUDA device" in proc.stdout or "Lightning not installed" in proc.stdout
+    assert "skipping (exit 77" in proc.stdout
 
 
 # ---------------------------------------------------------------- GPU (device)
@@ -381,6 +383,8 @@ def test_gpu_doctor_lists_every_gpu():
                                          ("lightning_hook.py", [])])
 def test_gpu_example_runs(name, extra):
     proc = _run([f"examples/{name}", "--steps", "3", *extra], timeout=180)
+    if proc.returncode == 77 and "Lightning not installed" in proc.stdout:
+        pytest.skip("Lightning is not installed here (the example exited 77, its skip status)")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.strip().splitlines()[-1].startswith(name[:-3] + ":")
 

@@ -5,11 +5,17 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 
 import pinxfer
 
 from .conftest import HAS_CUDA, vm_locked_kib
+
+# A soak (a million allocate/free cycles; longer with CUDA, where every free records an
+# event): deselected from the README's test command, run with `-m soak` by CI and
+# scripts/gpu_check.sh (README "Tests").
+pytestmark = pytest.mark.soak
 
 MiB = 1 << 20
 

@@ -30,6 +30,11 @@ import torch
 import pinxfer
 from tests.conftest import HAS_CUDA
 
+# A soak (threads hammer the pool for PINXFER_STRESS_SECONDS per test; CI: 20 s): deselected
+# from the README's test command, run with `-m soak` by CI and scripts/gpu_check.sh, and by
+# scripts/sanitize.sh under each sanitizer (README "Tests").
+pytestmark = pytest.mark.soak
+
 KiB = 1 << 10
 MiB = 1 << 20
 

@@ -23,6 +23,26 @@
 
 #include "ops/kernels.h"
 
+// What this library was built against, from setup.py's defines (a build that did not
+// define them is not one setup.py made: it says "unknown" rather than fail).
+#ifndef PINXFER_TORCH_VERSION_STR
+#define PINXFER_TORCH_VERSION_STR "unknown"
+#endif
+#ifndef PINXFER_TORCH_CUDA_VERSION_STR
+#define PINXFER_TORCH_CUDA_VERSION_STR "unknown"
+#endif
+
+// The build stamp, as plain bytes in the library's read-only data. pinxfer/_build_check.py
+// finds it by reading the .so file, so a _C built against another torch is refused before
+// it is loaded: loading alone runs this library's static initialisers (the TORCH_LIBRARY
+// registrations) against whatever torch is in the process, and install() would override
+// at::HostAllocator, whose virtuals change between torch releases. "used" and external
+// linkage keep the linker from dropping it. Format (one line, parsed by _build_check.py):
+//   PINXFER_BUILD_STAMP{torch=<torch.__version__>;cuda=<torch.version.cuda or none>}
+extern "C" __attribute__((used, visibility("default"))) const char pinxfer_build_stamp[] =
+    "PINXFER_BUILD_STAMP{torch=" PINXFER_TORCH_VERSION_STR ";cuda=" PINXFER_TORCH_CUDA_VERSION_STR
+    "}";
+
 namespace pinxfer::ops {
 namespace {
 
@@ -57,6 +77,12 @@ at::Tensor empty_fast(const std::vector<int64_t>& size, at::ScalarType dtype,
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "pinxfer's operators (torch.ops.pinxfer) and eager fast calls; see pinxfer/_ops.py";
+  // The torch (torch.__version__) and its CUDA (torch.version.cuda, "none" for a CPU build)
+  // this library was compiled against; pinxfer/__init__.py compares them with the running
+  // torch (first from the file's build stamp above, before loading; then these, after).
+  m.attr("built_with_torch") = PINXFER_TORCH_VERSION_STR;
+  m.attr("built_with_torch_cuda") = PINXFER_TORCH_CUDA_VERSION_STR;
+  m.attr("build_stamp") = pinxfer_build_stamp;
   m.def("pin_memory", torch::wrap_pybind_function_no_gil(&pinxfer::ops::pin_or_self),
         "pin_memory(tensor, numa_node, num_threads, ask_torch): the tensor itself if already "
         "pinned, else a pinned copy (dense CPU tensors)");

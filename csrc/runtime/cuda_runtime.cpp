@@ -4,7 +4,10 @@
 #include <cstdlib>
 #include <mutex>
 #include <new>
+#include <string>
 #include <vector>
+
+#include <unistd.h>
 
 #include <c10/util/Exception.h>
 
@@ -70,6 +73,44 @@ std::string error_text(cudaError_t err) {
   return std::string(cudaGetErrorName(err)) + ": " + cudaGetErrorString(err);
 }
 
+// Why cudaGetDeviceCount failed, in words that send the user the right way. The runtime
+// answers cudaErrorInsufficientDriver both when the driver is too old and when there is no
+// driver at all (no libcuda.so.1), which would send someone without a GPU to upgrade a
+// driver they do not have. cudaDriverGetVersion tells them apart: it gives 0 when no driver
+// is installed; /proc/driver/nvidia/version exists only while the kernel module is loaded.
+std::string driver_error_reason(cudaError_t err) {
+  int driver_version = 0;
+  (void)cudaDriverGetVersion(&driver_version);
+  (void)cudaGetLastError();
+  const bool kernel_module = access("/proc/driver/nvidia/version", F_OK) == 0;
+  if (err == cudaErrorInsufficientDriver || err == cudaErrorNoDevice) {
+    if (driver_version == 0 && !kernel_module) {
+      return "no NVIDIA driver or GPU on this machine (no loadable libcuda.so.1, no "
+             "/proc/driver/nvidia/version; the CUDA runtime reports " + error_text(err) + ")";
+    }
+    if (err == cudaErrorNoDevice) {
+      return "the NVIDIA driver is installed but sees no GPU (the CUDA runtime reports " +
+             error_text(err) + ")";
+    }
+    int runtime_version = 0;
+    (void)cudaRuntimeGetVersion(&runtime_version);
+    (void)cudaGetLastError();
+    auto dotted = [](int v) {
+      return std::to_string(v / 1000) + "." + std::to_string((v % 1000) / 10);
+    };
+    if (driver_version == 0) {
+      return "the NVIDIA kernel module is loaded but libcuda.so.1 cannot be loaded (driver "
+             "user-space library missing or mismatched; the CUDA runtime reports " +
+             error_text(err) + "): reinstall the NVIDIA driver";
+    }
+    return "the NVIDIA driver is too old for this build: it supports CUDA up to " +
+           dotted(driver_version) + ", pinxfer and torch use the CUDA " + dotted(runtime_version) +
+           " runtime (" + error_text(err) + "): upgrade the driver, or use a torch and pinxfer "
+           "built for an older CUDA";
+  }
+  return "the CUDA driver reports " + error_text(err);
+}
+
 // A thread of the parent may have held one of these locks at fork(); in the
 // child that thread does not exist, so the locks are rebuilt (the state they
 // guard is generation-checked: the child never uses the parent's events).
@@ -106,7 +147,7 @@ bool cuda_usable() {
   const cudaError_t err = cudaGetDeviceCount(&count);
   if (err != cudaSuccess) {
     (void)cudaGetLastError();  // clear the sticky-free error so torch does not see it
-    g_probe_error = "the CUDA driver reports " + error_text(err);
+    g_probe_error = driver_error_reason(err);
     g_usable_answer.store(0, std::memory_order_release);
     return false;
   }

@@ -1,0 +1,229 @@
+"""pinxfer's PEP 517 build backend: setuptools' own (``setuptools.build_meta``), run so that
+the extension compiles against the torch already installed where pip installs pinxfer.
+
+Why a backend of our own (pyproject.toml names it with ``backend-path``)
+------------------------------------------------------------------------
+``pinxfer._C`` links against torch's C++ ABI and overrides ``at::HostAllocator``, whose
+virtuals change between torch releases: it must be compiled against the very torch that will
+import it. Plain ``pip install .`` builds in an isolated environment that holds only the
+``[build-system] requires``, so setup.py cannot ``import torch``. The ways out, and why not:
+
+* ``requires = ["torch"]``: pip downloads a second torch (gigabytes) into the isolated
+  environment, the newest one, not necessarily the installed version or CUDA variant, so the
+  extension can be built for another torch than the one that runs it; with no package index
+  (the GPU machines have no network) it cannot install anything and fails.
+* a build constraint pinned to the installed torch: the user must write it, and pip still
+  installs a copy of torch into the isolated environment (no index: no copy).
+* building at first import (``torch.utils.cpp_extension.load``): a 5-minute stall at the first
+  ``import pinxfer`` in every new environment, a compiler needed wherever it runs, and a build
+  directory shared by every rank and worker that needs versioning and locking.
+* ``--no-build-isolation``: works, but is not what users type, and failed with "No module
+  named 'torch'" and no hint when they did not.
+
+So ``requires = []`` and this backend asks the interpreter pip runs (``sys.executable``, the
+target environment's python; ``PINXFER_TORCH_PYTHON`` names another) for its ``sys.path``
+with pip's isolation undone, and appends those entries to its own: setup.py then imports the
+installed torch, and setuptools from the isolated environment if pip put one there, else the
+installed one. Nothing is downloaded when the target environment has setuptools >= 70.1 (or
+>= 64 with ``wheel``), which it has wherever a recent torch is (torch 2.14 requires
+setuptools >= 77.0.3; older ones require setuptools on Python >= 3.12), so ``pip install .``
+works offline; ``get_requires_for_build_*`` asks for setuptools only where it is missing or
+too old (and that needs an index). Without torch there, every hook fails in
+seconds with one message saying what to run. With ``--no-build-isolation`` torch is already
+importable and nothing is probed.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+# The target environment's setuptools is used when it can build wheels and editable
+# installs by itself: >= 70.1 has bdist_wheel built in; >= 64 (PEP 660 editables) needs the
+# `wheel` package beside it. Otherwise pip is asked for _WANTED_SETUPTOOLS (needs an index).
+_SELF_SUFFICIENT_SETUPTOOLS = (70, 1)
+_MIN_SETUPTOOLS_WITH_WHEEL = (64, 0)
+_WANTED_SETUPTOOLS = "setuptools>=70.1"
+
+# Run by the target interpreter with pip's isolation undone: what it can import.
+_PROBE = r"""
+import json, sys
+out = {"executable": sys.executable, "path": sys.path}
+try:
+    import torch
+except Exception as err:  # ImportError, or a torch that fails to import
+    out["torch_error"] = f"{type(err).__name__}: {err}"
+else:
+    out["torch"] = torch.__version__
+    out["torch_file"] = torch.__file__
+    out["torch_cuda"] = torch.version.cuda
+from importlib.metadata import version
+for name in ("setuptools", "wheel"):
+    try:
+        out[name] = version(name)
+    except Exception:
+        out[name] = None
+print("PINXFER_PROBE" + json.dumps(out))
+"""
+
+
+class BuildEnvironmentError(SystemExit):
+    """Stops the build with one message (SystemExit: pip shows it without a traceback)."""
+
+
+def _fail(message: str):
+    raise BuildEnvironmentError("\npinxfer: " + message + "\n")
+
+
+@functools.lru_cache(maxsize=None)
+def _torch_environment() -> dict | None:
+    """The target interpreter's view (see _PROBE), or None when torch is importable here
+    already (--no-build-isolation, or torch among the build requirements)."""
+    python = os.environ.get("PINXFER_TORCH_PYTHON")
+    if not python and importlib.util.find_spec("torch") is not None:
+        return None
+    python = python or sys.executable
+    env = dict(os.environ)
+    # pip's isolation: PYTHONPATH names a sitecustomize that hides site-packages, and
+    # PYTHONNOUSERSITE hides the user's. Without them the interpreter sees what it sees
+    # when pinxfer is later imported.
+    env.pop("PYTHONPATH", None)
+    env.pop("PYTHONNOUSERSITE", None)
+    try:
+        proc = subprocess.run([python, "-c", _PROBE], env=env, capture_output=True, text=True,
+                              timeout=300)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        _fail(f"could not ask {python} for its torch: {err}")
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("PINXFER_PROBE")), None)
+    if line is None:
+        _fail(f"could not ask {python} for its torch (exit {proc.returncode}): "
+              f"{(proc.stderr or proc.stdout).strip()[-2000:]}")
+    found = json.loads(line[len("PINXFER_PROBE"):])
+    if "torch" not in found:
+        isolated_venv = sys.prefix != sys.base_prefix and not os.environ.get("PINXFER_TORCH_PYTHON")
+        _fail(
+            f"cannot build: the Python being installed into ({found['executable']}) cannot "
+            f"import torch ({found['torch_error']}), and pinxfer compiles against the torch it "
+            "will run with. Install torch there first, then pinxfer:\n"
+            f"    {found['executable']} -m pip install torch\n"
+            f"    {found['executable']} -m pip install .\n"
+            + ("This build runs in a separate virtual environment (python -m build, uv?): set "
+               "PINXFER_TORCH_PYTHON=/path/to/the/python/with/torch, or build without "
+               "isolation (python -m build --no-isolation, pip install --no-build-isolation .).\n"
+               if isolated_venv else
+               "(PINXFER_TORCH_PYTHON=/path/to/python builds against another interpreter's torch.)\n")
+        )
+    return found
+
+
+def _use_target_torch() -> None:
+    """Makes the target environment's torch (and the rest of its sys.path) importable here,
+    after what the isolated environment holds, and its scripts (ninja) findable."""
+    found = _torch_environment()
+    if found is None:
+        return
+    for entry in found["path"]:
+        if entry and entry not in sys.path:
+            sys.path.append(entry)
+    bin_dir = os.path.dirname(found["executable"])
+    path = os.environ.get("PATH", "").split(os.pathsep)
+    if bin_dir not in path:
+        os.environ["PATH"] = os.pathsep.join(path + [bin_dir])  # e.g. the venv's ninja
+    print(f"pinxfer: building against torch {found['torch']} (CUDA {found['torch_cuda']}) "
+          f"from {os.path.dirname(found['torch_file'])}", file=sys.stderr, flush=True)
+
+
+def _setuptools_requirements() -> list[str]:
+    """What pip must put in the isolated environment: nothing when the target environment's
+    setuptools will do (the offline case), else a recent setuptools."""
+    found = _torch_environment()
+    if found is None:  # torch importable here: so is whatever this environment holds
+        setuptools, wheel = _local_version("setuptools"), _local_version("wheel")
+    else:
+        setuptools, wheel = found["setuptools"], found["wheel"]
+    if setuptools is not None:
+        have = _version_tuple(setuptools)
+        if have >= _SELF_SUFFICIENT_SETUPTOOLS or (have >= _MIN_SETUPTOOLS_WITH_WHEEL and wheel):
+            return []
+    return [_WANTED_SETUPTOOLS]
+
+
+def _local_version(name: str) -> str | None:
+    try:
+        from importlib.metadata import version
+
+        return version(name)
+    except Exception:  # noqa: BLE001 - not installed (or unreadable): ask for it
+        return None
+
+
+def _version_tuple(text: str) -> tuple[int, ...]:
+    parts = []
+    for piece in text.split(".")[:2]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+def _setuptools_backend():
+    _use_target_torch()
+    try:
+        from setuptools import build_meta
+    except ImportError as err:
+        _fail(f"setuptools is not importable ({err}): `pip install 'setuptools>=64'` in the "
+              "environment pinxfer installs into, then build again.")
+    return build_meta
+
+
+def _requirements(hook: str, config_settings) -> list[str]:
+    # Fails fast (in seconds) when the target environment has no torch.
+    extra = _setuptools_requirements()
+    if extra:
+        # No usable setuptools yet: pip installs it, then calls the next hook.
+        return extra
+    backend = _setuptools_backend()
+    wanted = getattr(backend, hook)(config_settings)
+    # setuptools < 70.1 asks for "wheel"; drop it when the target environment has it.
+    return [r for r in wanted if not (r.startswith("wheel") and importlib.util.find_spec("wheel"))]
+
+
+# ---- PEP 517 / PEP 660 hooks: setuptools' own, after _use_target_torch ----
+
+
+def get_requires_for_build_wheel(config_settings=None):
+    return _requirements("get_requires_for_build_wheel", config_settings)
+
+
+def get_requires_for_build_editable(config_settings=None):
+    return _requirements("get_requires_for_build_editable", config_settings)
+
+
+def get_requires_for_build_sdist(config_settings=None):
+    return _requirements("get_requires_for_build_sdist", config_settings)
+
+
+def prepare_metadata_for_build_wheel(metadata_directory, config_settings=None):
+    return _setuptools_backend().prepare_metadata_for_build_wheel(metadata_directory,
+                                                                  config_settings)
+
+
+def prepare_metadata_for_build_editable(metadata_directory, config_settings=None):
+    return _setuptools_backend().prepare_metadata_for_build_editable(metadata_directory,
+                                                                     config_settings)
+
+
+def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
+    return _setuptools_backend().build_wheel(wheel_directory, config_settings,
+                                             metadata_directory)
+
+
+def build_editable(wheel_directory, config_settings=None, metadata_directory=None):
+    return _setuptools_backend().build_editable(wheel_directory, config_settings,
+                                                metadata_directory)
+
+
+def build_sdist(sdist_directory, config_settings=None):
+    return _setuptools_backend().build_sdist(sdist_directory, config_settings)

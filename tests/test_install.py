@@ -1,0 +1,218 @@
+"""Installing pinxfer: the in-tree build backend (build_backend/pinxfer_backend.py), the
+build stamp that ties _C to its torch (pinxfer/_build_check.py), and what a user reads when
+something is missing.
+
+The backend's hooks run here as pip runs them under build isolation: a fresh interpreter
+that cannot import the installed torch (``python -S``: no site-packages, like pip's
+isolated environment). Quick, no compiling. The full ``pip wheel .`` build carries the
+``build`` marker (minutes; deselected by default, run with ``-m build``).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+import venv
+
+import pytest
+import torch
+
+import pinxfer
+from pinxfer import _build_check
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BACKEND_DIR = os.path.join(ROOT, "build_backend")
+
+
+def _run_hook(code: str, tmp_path, env_extra=None, timeout=300) -> subprocess.CompletedProcess:
+    """Runs ``code`` with the backend imported as ``backend``, in an interpreter that sees
+    no site-packages (pip's build isolation hides them the same way), from the checkout."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PINXFER_TORCH_PYTHON")}
+    env.update(env_extra or {})
+    script = f"import sys; sys.path.insert(0, {BACKEND_DIR!r}); import pinxfer_backend as backend\n" + code
+    return subprocess.run([sys.executable, "-S", "-c", script], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def isolated_hooks(tmp_path_factory):
+    """Every hook pip calls, run once in one isolated interpreter (one probe of the target
+    torch; setup.py runs in-process for each hook): their answers as JSON."""
+    out = tmp_path_factory.mktemp("hooks")
+    code = (
+        "import importlib.util, json\n"
+        "torch_visible = importlib.util.find_spec('torch') is not None\n"
+        "answers = {'torch_visible_before': torch_visible,\n"
+        "           'wheel': backend.get_requires_for_build_wheel(),\n"
+        "           'editable': backend.get_requires_for_build_editable(),\n"
+        "           'sdist': backend.get_requires_for_build_sdist(),\n"
+        f"           'metadata': backend.prepare_metadata_for_build_wheel({str(out)!r}),\n"
+        f"           'sdist_name': backend.build_sdist({str(out)!r})}}\n"
+        "print('HOOKS' + json.dumps(answers))\n")
+    proc = _run_hook(code, out)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("HOOKS"))
+    return json.loads(line[5:]), proc, out
+
+
+def test_isolated_interpreter_cannot_see_torch(isolated_hooks):
+    # The premise of the hook tests: under -S, as under pip's isolation, no torch.
+    answers, _, _ = isolated_hooks
+    assert answers["torch_visible_before"] is False
+
+
+def test_backend_asks_for_no_torch_and_downloads_nothing_here(isolated_hooks):
+    """get_requires_for_build_wheel/editable/sdist never name torch; where the target
+    environment has setuptools >= 70.1 (this one) they name nothing, so an offline pip
+    install works."""
+    answers, proc, _ = isolated_hooks
+    for hook in ("wheel", "editable", "sdist"):
+        reqs = answers[hook]
+        assert not any(r.lower().startswith("torch") for r in reqs), (hook, reqs)
+        assert reqs == [], (hook, reqs)
+    assert f"building against torch {torch.__version__}" in proc.stderr
+
+
+def test_backend_metadata_builds_against_the_installed_torch(isolated_hooks):
+    """prepare_metadata_for_build_wheel runs setup.py (which imports torch) under isolation:
+    the backend found the installed torch, and setup.py said which."""
+    answers, proc, out = isolated_hooks
+    metadata = (out / answers["metadata"] / "METADATA").read_text()
+    assert "Name: pinxfer" in metadata
+    assert "Provides-Extra: test" in metadata
+    for dep in ("pytest", "numpy", "hypothesis"):
+        assert any(ln.startswith(f"Requires-Dist: {dep}") and 'extra == "test"' in ln
+                   for ln in metadata.splitlines()), dep
+    assert f"torch        {torch.__version__}" in proc.stdout + proc.stderr
+
+
+def test_sdist_carries_everything_a_build_needs(isolated_hooks):
+    """An sdist (pip install pinxfer-*.tar.gz, pip install git+...) builds only if it holds
+    the headers, the backend that pyproject.toml names, and setup.py."""
+    answers, _, out = isolated_hooks
+    with tarfile.open(out / answers["sdist_name"]) as tar:
+        members = {m.name.split("/", 1)[1] for m in tar.getmembers() if "/" in m.name}
+    for needed in ("pyproject.toml", "setup.py", "MANIFEST.in", "build_backend/pinxfer_backend.py",
+                   "csrc/module.cpp", "csrc/ops/kernels.h", "csrc/runtime/cuda_runtime.h",
+                   "csrc/python/fast_calls.cpp", "pinxfer/__init__.py", "pinxfer/_build_check.py"):
+        assert needed in members, needed
+    assert not any(m.endswith(".so") for m in members)
+
+
+def test_backend_without_torch_fails_in_seconds_saying_what_to_run(tmp_path):
+    """The target environment has no torch: one message naming the commands, no traceback,
+    long before anything compiles."""
+    env_dir = tmp_path / "venv-without-torch"
+    venv.create(env_dir, with_pip=False)
+    python = str(env_dir / "bin" / "python")
+    start = time.monotonic()
+    proc = _run_hook("backend.get_requires_for_build_wheel()", tmp_path,
+                     env_extra={"PINXFER_TORCH_PYTHON": python})
+    elapsed = time.monotonic() - start
+    assert proc.returncode != 0
+    assert elapsed < 30, elapsed
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert "cannot import torch" in proc.stderr
+    assert f"{python} -m pip install torch" in proc.stderr
+    assert f"{python} -m pip install ." in proc.stderr
+
+
+# ---------------------------------------------------------------- the build stamp
+
+
+def test_loaded_extension_is_stamped_with_this_torch():
+    path = pinxfer._C.__file__
+    stamp = _build_check.read_build_stamp(path)
+    assert stamp == {"torch": torch.__version__, "cuda": torch.version.cuda or "none"}
+    assert pinxfer._C.built_with_torch == torch.__version__
+    assert pinxfer._C.built_with_torch_cuda == (torch.version.cuda or "none")
+    assert _build_check.mismatch_message(stamp, path) is None
+
+
+def _copy_package(dest, with_checkout: bool):
+    """A copy of pinxfer's Python package (no _C) under dest/, optionally looking like a
+    source checkout (setup.py and csrc/module.cpp beside it)."""
+    shutil.copytree(os.path.join(ROOT, "pinxfer"), dest / "pinxfer",
+                    ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    if with_checkout:
+        (dest / "csrc").mkdir()
+        (dest / "csrc" / "module.cpp").write_text("")
+        (dest / "setup.py").write_text("")
+
+
+def _import_in(directory) -> subprocess.CompletedProcess:
+    code = ("import sys\n"
+            "try:\n"
+            "    import pinxfer\n"
+            "except ImportError as err:\n"
+            "    print('IMPORT ERROR:', err)\n"
+            "    print('C LOADED:', 'pinxfer._C' in sys.modules)\n"
+            "    sys.exit(3)\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return subprocess.run([sys.executable, "-c", code], cwd=directory, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_extension_built_for_another_torch_is_refused_before_loading(tmp_path):
+    """A _C whose stamp names another torch is never loaded: one ImportError with both
+    versions and the command that rebuilds."""
+    _copy_package(tmp_path, with_checkout=False)
+    so = pinxfer._C.__file__
+    data = open(so, "rb").read()
+    old = f"torch={torch.__version__};".encode()
+    assert data.count(old) == 1
+    other = "9.99.9".ljust(len(torch.__version__), "x")  # same length: the file stays valid
+    with open(tmp_path / "pinxfer" / os.path.basename(so), "wb") as f:
+        f.write(data.replace(old, f"torch={other};".encode()))
+    proc = _import_in(tmp_path)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert f"was built against torch {other}" in proc.stdout
+    assert f"this process runs torch {torch.__version__}" in proc.stdout
+    assert "pip install --force-reinstall --no-deps --no-cache-dir ." in proc.stdout
+    assert "C LOADED: False" in proc.stdout
+
+
+def test_checkout_without_build_says_so_not_circular_import(tmp_path):
+    _copy_package(tmp_path, with_checkout=True)
+    proc = _import_in(tmp_path)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert f"this checkout ({tmp_path}) has no built extension" in proc.stdout
+    assert f"run `pip install -e .` in {tmp_path}" in proc.stdout
+    assert "circular" not in proc.stdout
+
+
+def test_install_without_extension_says_reinstall(tmp_path):
+    _copy_package(tmp_path, with_checkout=False)
+    proc = _import_in(tmp_path)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "installed without its compiled extension" in proc.stdout
+    assert "pip install --force-reinstall" in proc.stdout
+
+
+# ---------------------------------------------------------------- the full build (minutes)
+
+
+@pytest.mark.build
+def test_pip_wheel_builds_with_isolation_and_no_index(tmp_path):
+    """`pip wheel --no-index .` with build isolation on (pip's default): no torch among the
+    build requirements, nothing downloaded, and the wheel's _C is stamped with the installed
+    torch. About 5 minutes on 2 cores."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-index", "--no-deps", "-v",
+                           "-w", str(tmp_path), ROOT], env=env, capture_output=True, text=True,
+                          timeout=1800)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    wheels = list(tmp_path.glob("pinxfer-*.whl"))
+    assert len(wheels) == 1
+    import zipfile
+
+    with zipfile.ZipFile(wheels[0]) as whl:
+        so_name = next(n for n in whl.namelist() if n.startswith("pinxfer/_C") and n.endswith(".so"))
+        whl.extract(so_name, tmp_path)
+    stamp = _build_check.read_build_stamp(str(tmp_path / so_name))
+    assert stamp == {"torch": torch.__version__, "cuda": torch.version.cuda or "none"}
