@@ -33,6 +33,9 @@ _CURRENT_CUDA = torch.device("cuda")
 
 #: Tensors below this many bytes in a batch are packed together (to_device_many).
 SMALL_TENSOR_BYTES = 1 << 20
+#: The kernel's fast call; absent from a build without CUDA (the op then says why).
+_FAST_TO_DEVICE = hasattr(_ops.fast, "to_device")
+
 #: Largest staging chunk of the pipeline.
 DEFAULT_CHUNK_BYTES = 16 << 20
 #: Staging chunks in the ring.
@@ -212,14 +215,27 @@ def to_device(obj: Any, device: Optional[DeviceLike] = None, non_blocking: bool 
     Raises:
         RuntimeError: if pinxfer was built without CUDA or no GPU is usable.
     """
+    if (_FAST_TO_DEVICE and type(obj) is torch.Tensor and chunk_bytes is DEFAULT_CHUNK_BYTES
+            and num_buffers is DEFAULT_NUM_BUFFERS and staging == "auto"
+            and (device is None or type(device) is torch.device and device.type == "cuda")
+            and _ops.plain_dense_cpu(obj) and _ops.eager()):
+        # The hot case, one plain CPU tensor to a GPU with the default settings, in
+        # eager mode: straight to the kernel's fast call. Its Python cost is most of
+        # a 4 KiB transfer's (benchmarks/diag_small_calls.py), so nothing here that
+        # the kernel checks anyway: it resolves a device without an index to the
+        # current one and raises if CUDA is unusable.
+        with profiler_range("pinxfer::to_device"):
+            out = _ops.fast.to_device(obj, _CURRENT_CUDA if device is None else device,
+                                      chunk_bytes, num_buffers, "auto")
+        if not non_blocking:
+            torch.cuda.current_stream(out.device).synchronize()
+        return out
     chunk_bytes = _check.integer(chunk_bytes, "to_device", "chunk_bytes", lo=4096,
                                  hi=_check.INT64_MAX)
     num_buffers = _check.integer(num_buffers, "to_device", "num_buffers", lo=1,
                                  hi=_check.INT64_MAX)
     if type(obj) is torch.Tensor and _ops.plain_dense_cpu(obj):
-        # The hot case, one plain CPU tensor to a GPU, without the batch machinery:
-        # its Python cost is most of a 4 KiB transfer's. The kernel resolves a
-        # device without an index to the current one itself.
+        # One plain CPU tensor with other settings: no batch machinery either.
         dev = (_CURRENT_CUDA if device is None else
                device if type(device) is torch.device else resolve_device(device, "to_device"))
         if dev.type == "cuda":

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "ops/kernels.h"
+#include "python/call_breakdown.h"
 
 // What this library was built against, from setup.py's defines (a build that did not
 // define them is not one setup.py made: it says "unknown" rather than fail).
@@ -102,4 +103,6 @@ PYBIND11_MODULE(_C, m) {
         "to_device_many(tensors, device): CPU tensors packed into one copy; views of the "
         "device buffer");
 #endif
+  m.def("_call_breakdown", &pinxfer::diag::call_breakdown,
+        "_call_breakdown(iterations): ns per piece of a small call (diagnostics, not an API)");
 }

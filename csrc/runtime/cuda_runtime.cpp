@@ -323,10 +323,21 @@ bool current_stream_if_active(c10::Stream* out) {
   return true;
 }
 
+// stream_is_capturing() reads a NULL handle as the legacy default stream.
+#ifdef CUDA_API_PER_THREAD_DEFAULT_STREAM
+#error "pinxfer assumes the legacy default stream (see stream_is_capturing)"
+#endif
+
 bool stream_is_capturing(const c10::Stream& stream, std::string* error) {
   if (!cuda_usable()) return false;
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
   const auto raw = c10::cuda::CUDAStream(c10::cuda::CUDAStream::UNCHECKED, stream).stream();
+  // torch's default stream is the legacy NULL stream (handle 0 in this library,
+  // built without per-thread default streams), which CUDA never lets capture
+  // (cudaStreamBeginCapture refuses it). Most small calls run there: the query
+  // cost 150-500 ns of a 4 KiB transfer's budget on an H100
+  // (benchmarks/results/h100/small_breakdown.json).
+  if (raw == nullptr) return false;
   const cudaError_t err = cudaStreamIsCapturing(raw, &status);
   if (err != cudaSuccess) {
     (void)cudaGetLastError();
