@@ -37,7 +37,8 @@ class Env:
         else:
             note = ""
         if first != 2:
-            note += f"argmax returned {first}, not the first maximum: first_bad_byte is some bad byte"
+            note += (f"argmax returned {first}, not the first maximum: first_bad_byte is some "
+                     f"bad byte")
         return note
 
     def first_true(self, ne: torch.Tensor) -> torch.Tensor:
