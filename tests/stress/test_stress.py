@@ -31,7 +31,8 @@ MIN_WEIGHT = 4  # rarer operations (maintenance, graph) may miss a short run
 MIN_TRANSFERS = max(10, int(SECONDS * (200 if HAS_CUDA else 20)))
 
 
-def run_stress(tmp_path: Path, *args: str, seconds: float = SECONDS) -> tuple[subprocess.CompletedProcess, dict]:
+def run_stress(tmp_path: Path, *args: str,
+               seconds: float = SECONDS) -> tuple[subprocess.CompletedProcess, dict]:
     """The stress's command line in a child; returns it and its JSON report."""
     out = tmp_path / "stress.json"
     cmd = [sys.executable, "-X", "faulthandler", "-m", "tests.stress", "--seconds", str(seconds),
@@ -46,7 +47,8 @@ def run_stress(tmp_path: Path, *args: str, seconds: float = SECONDS) -> tuple[su
 
 
 def _tail(proc: subprocess.CompletedProcess) -> str:
-    return f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-6000:]}\n--- stderr\n{proc.stderr[-6000:]}"
+    return (f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-6000:]}\n"
+            f"--- stderr\n{proc.stderr[-6000:]}")
 
 
 @pytest.mark.parametrize("mode", ["plain", "install"])
