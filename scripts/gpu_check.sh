@@ -13,7 +13,7 @@
 #   test      smoke check, then the README's test command with plain pytest (no xdist: a crash
 #             fails the step loudly, with faulthandler's stacks), "PYTEST EXIT n"; then the
 #             soak-marked tests (-m soak), "SOAK EXIT n"
-#   stress    scripts/stress_gpu.py --mode both (plain, then pinxfer.install())
+#   stress    scripts/stress_gpu.py (tests/stress/) --mode both (plain, then pinxfer.install())
 #   memcheck  compute-sanitizer memcheck over tests/test_transfer_gpu.py and
 #             tests/test_allocator_gpu.py; error count in memcheck.txt
 #   bench     benchmarks/bench_{allocator,pin_memory,transfer,small_calls}.py and `pinxfer bench`
