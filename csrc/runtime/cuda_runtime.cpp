@@ -1,12 +1,15 @@
 #include "runtime/cuda_runtime.h"
 
 #include <atomic>
+#include <chrono>
 #include <cstdlib>
 #include <mutex>
 #include <new>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include <sys/prctl.h>
 #include <unistd.h>
 
 #include <c10/util/Exception.h>
@@ -298,6 +301,32 @@ bool event_done(const Event& event, std::string* error) {
 void event_synchronize(const Event& event) {
   const cudaError_t err = cudaEventSynchronize(static_cast<cudaEvent_t>(event.handle));
   TORCH_CHECK(err == cudaSuccess, "pinxfer: cudaEventSynchronize failed: ", error_text(err));
+}
+
+void event_wait_sleeping(const Event& event) {
+  using Clock = std::chrono::steady_clock;
+  const auto ev = static_cast<cudaEvent_t>(event.handle);
+  const auto spin_until = Clock::now() + std::chrono::microseconds(kEventWaitSpinUs);
+  // The sleeps are short: keep this thread's timer slack (50 us by default) from
+  // stretching each one, and give the caller's back afterwards.
+  const int old_slack = prctl(PR_GET_TIMERSLACK, 0, 0, 0, 0);
+  bool slack_set = false;
+  for (;;) {
+    const cudaError_t err = cudaEventQuery(ev);
+    if (err == cudaSuccess) break;
+    if (err != cudaErrorNotReady) {
+      (void)cudaGetLastError();
+      if (slack_set) prctl(PR_SET_TIMERSLACK, static_cast<unsigned long>(old_slack), 0, 0, 0);
+      TORCH_CHECK(false, "pinxfer: cudaEventQuery failed while waiting for a copy: ",
+                  error_text(err));
+    }
+    if (Clock::now() < spin_until) continue;
+    if (!slack_set && old_slack > 1000) {
+      slack_set = prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0) == 0;
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(kEventWaitSleepUs));
+  }
+  if (slack_set) prctl(PR_SET_TIMERSLACK, static_cast<unsigned long>(old_slack), 0, 0, 0);
 }
 
 void release_event(const Event& event) {

@@ -65,8 +65,17 @@ bool try_record_event(const c10::Stream& stream, Event* out, std::string* error)
 // cudaEventQuery: true once complete. A CUDA error other than "not ready" is
 // reported as complete-with-error through *error (the caller decides).
 bool event_done(const Event& event, std::string* error);
-// Blocks until the event completes.
+// Blocks until the event completes (cudaEventSynchronize: the driver spins,
+// since our events are made without cudaEventBlockingSync).
 void event_synchronize(const Event& event);
+// Blocks until the event completes without holding a core: polls for
+// kEventWaitSpinUs, then sleeps kEventWaitSleepUs between polls. For waits
+// that last as long as a chunk's DMA (hundreds of µs): a staging thread
+// waiting for its ring slot. cudaEventSynchronize there kept every waiting
+// copy thread spinning, most of pinxfer's CPU per GB over t.to()'s (issue 22).
+void event_wait_sleeping(const Event& event);
+constexpr int kEventWaitSpinUs = 20;
+constexpr int kEventWaitSleepUs = 15;
 // Returns an event to its device's free list.
 void release_event(const Event& event);
 

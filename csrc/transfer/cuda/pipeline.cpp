@@ -67,7 +67,7 @@ struct Pipeline {
       // this piece first: the handle stays valid while we wait on it.
       ev = events[slot];
     }
-    cuda::event_synchronize(ev);
+    cuda::event_wait_sleeping(ev);
     return true;
   }
 
