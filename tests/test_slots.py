@@ -22,7 +22,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 import pinxfer
-from pinxfer import slots as slots_mod
+from pinxfer.slots import layout
 from pinxfer._batch import map_tensors, tensors_in
 
 from .conftest import HAS_CUDA, MLOCK_IS_REAL, vm_locked_kib
@@ -122,8 +122,9 @@ def assert_same(got, want):
 def states(pf):
     """Counts of the slots' header states: FREE, TAKEN, HELD."""
     ring = pf.slots._ring
-    s = [ring.words[slots_mod._SLOT0 + 4 * i] for i in range(ring.num_slots)]
-    return {name: s.count(v) for name, v in (("free", 0), ("taken", 1), ("held", 2))}
+    s = [ring.header.state(i) for i in range(ring.num_slots)]
+    return {name: s.count(v) for name, v in (("free", layout.FREE), ("taken", layout.TAKEN),
+                                             ("held", layout.HELD))}
 
 
 def memfds():
