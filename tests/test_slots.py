@@ -418,6 +418,10 @@ def test_cpu_transfer_returning_slot_views_raises():
                           slot_bytes=1 << 16) as pf:
         with pytest.raises(RuntimeError, match="view of a batch slot"):
             list(pf)
+        # The lease whose send failed gave its slot back; the pass's end returned the rest.
+        st = pf.slots.stats()
+        assert st["held"] == 0 and st["pending"] == 0
+        assert states(pf) == {"free": st["num_slots"], "taken": 0, "held": 0}
 
 
 def test_arguments_checked():

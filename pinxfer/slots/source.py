@@ -42,7 +42,7 @@ from pinxfer._ops import inplace_lock_kind, plain_dense_cpu
 from pinxfer.prefetch import StagedLease
 from pinxfer.slots.layout import PAGE, bytes_in_slot, header_bytes, round_up
 from pinxfer.slots.loader import LoaderCopy, batches_in_loader, check_loader
-from pinxfer.slots.ring import Ring, SlotLease
+from pinxfer.slots.ring import Ring
 from pinxfer.slots.worker import Fallback, SlotBatch
 
 _HEADROOM = 1.25
