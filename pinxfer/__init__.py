@@ -57,6 +57,7 @@ from pinxfer.pin import is_pinned, pin_, pin_memory, unpin_  # noqa: E402
 from pinxfer.topology import GpuTopology, numa_nodes, topology  # noqa: E402
 
 from pinxfer.prefetch import Prefetcher, prefetch  # noqa: E402
+from pinxfer import slots  # noqa: E402,F401  (pinxfer.slots after import pinxfer)
 from pinxfer.transfer import HostTransfer, to_device, to_host  # noqa: E402
 
 __version__ = "0.1.0"

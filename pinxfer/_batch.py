@@ -63,6 +63,46 @@ def _is_dataclass_instance(obj: Any) -> bool:
     return dataclasses.is_dataclass(obj) and not isinstance(obj, type)
 
 
+# The containers a walk looks into, in order of precedence: _kind is the one
+# classification, and _set_fields / _values give each kind's children in the one order
+# that map_tensors, tensors_in and the cycle search all follow.
+_DATACLASS, _MAPPING, _NAMEDTUPLE, _TUPLE, _MUTABLE_SEQUENCE, _SEQUENCE = range(6)
+_NOT_SEQUENCES = (str, bytes, bytearray, memoryview)
+
+
+def _kind(obj: Any) -> Optional[int]:
+    """The container kind of a non-tensor, non-leaf object; None: not a container."""
+    if _is_dataclass_instance(obj):
+        return _DATACLASS
+    if isinstance(obj, Mapping):
+        return _MAPPING
+    if isinstance(obj, tuple):
+        return _NAMEDTUPLE if getattr(type(obj), "_fields", None) is not None else _TUPLE
+    if isinstance(obj, MutableSequence):
+        return _MUTABLE_SEQUENCE
+    if isinstance(obj, Sequence) and not isinstance(obj, _NOT_SEQUENCES):
+        return _SEQUENCE
+    return None
+
+
+# Exactly a tuple, list or dict (most batches): _kind's answer without its isinstance chain.
+_PLAIN_KINDS = {tuple: _TUPLE, list: _MUTABLE_SEQUENCE, dict: _MAPPING}
+
+
+def _set_fields(obj: Any) -> list[str]:
+    """A dataclass instance's fields that are set (an init=False field may be unset)."""
+    return [f.name for f in dataclasses.fields(obj) if hasattr(obj, f.name)]
+
+
+def _values(obj: Any, kind: int) -> Any:
+    """A container's children, in walk order."""
+    if kind == _DATACLASS:
+        return [getattr(obj, name) for name in _set_fields(obj)]
+    if kind == _MAPPING:
+        return obj.values()
+    return obj  # tuples, namedtuples, sequences: their own order
+
+
 def _walk(obj: Any, fn: Callable, other: Optional[Callable]) -> Any:
     if isinstance(obj, torch.Tensor):
         return fn(obj)
@@ -72,14 +112,17 @@ def _walk(obj: Any, fn: Callable, other: Optional[Callable]) -> Any:
         claimed = other(obj)
         if claimed is not PASS:
             return claimed
-    if _is_dataclass_instance(obj):
+    kind = _PLAIN_KINDS.get(type(obj))
+    if kind is None:
+        kind = _kind(obj)
+        if kind is None:
+            return obj
+    if kind == _DATACLASS:
         clone = copy.copy(obj)
-        for f in dataclasses.fields(obj):
-            if hasattr(obj, f.name):  # an init=False field may be unset
-                object.__setattr__(clone, f.name, _step(getattr(obj, f.name), fn, other,
-                                                        f.name, "."))
+        for name in _set_fields(obj):
+            object.__setattr__(clone, name, _step(getattr(obj, name), fn, other, name, "."))
         return clone
-    if isinstance(obj, Mapping):
+    if kind == _MAPPING:
         values = {k: _step(v, fn, other, k, "[]") for k, v in obj.items()}
         if isinstance(obj, MutableMapping):
             try:
@@ -92,19 +135,17 @@ def _walk(obj: Any, fn: Callable, other: Optional[Callable]) -> Any:
             return type(obj)(values)  # type: ignore[call-arg]
         except Exception:  # noqa: BLE001
             return values
-    if isinstance(obj, tuple):
-        fields = getattr(type(obj), "_fields", None)
-        if fields is not None:  # namedtuple: paths name the fields
-            return type(obj)(*(_step(v, fn, other, f, ".") for f, v in zip(fields, obj)))
-        items = [_step(v, fn, other, i, "[]") for i, v in enumerate(obj)]
+    if kind == _NAMEDTUPLE:  # paths name the fields
+        return type(obj)(*(_step(v, fn, other, f, ".") for f, v in zip(type(obj)._fields, obj)))
+    items = [_step(v, fn, other, i, "[]") for i, v in enumerate(obj)]
+    if kind == _TUPLE:
         if type(obj) is tuple:
             return tuple(items)
         try:
             return type(obj)(items)
         except Exception:  # noqa: BLE001
             return tuple(items)
-    if isinstance(obj, MutableSequence):
-        items = [_step(v, fn, other, i, "[]") for i, v in enumerate(obj)]
+    if kind == _MUTABLE_SEQUENCE:
         if type(obj) is list:
             return items
         try:
@@ -114,16 +155,13 @@ def _walk(obj: Any, fn: Callable, other: Optional[Callable]) -> Any:
             return clone
         except Exception:  # noqa: BLE001
             return items
-    if isinstance(obj, Sequence) and not isinstance(obj, (str, bytes, bytearray, memoryview)):
-        # An immutable sequence that is not a tuple (range, a user's Sequence): rebuilt as
-        # type(obj)(items), else a list -- what torch's DataLoader pinning does
-        # (torch/utils/data/_utils/pin_memory.py), so range(3) comes back as [0, 1, 2].
-        items = [_step(v, fn, other, i, "[]") for i, v in enumerate(obj)]
-        try:
-            return type(obj)(items)  # type: ignore[call-arg]
-        except TypeError:
-            return items
-    return obj
+    # An immutable sequence that is not a tuple (range, a user's Sequence): rebuilt as
+    # type(obj)(items), else a list -- what torch's DataLoader pinning does
+    # (torch/utils/data/_utils/pin_memory.py), so range(3) comes back as [0, 1, 2].
+    try:
+        return type(obj)(items)  # type: ignore[call-arg]
+    except TypeError:
+        return items
 
 
 def _step(value: Any, fn: Callable, other: Optional[Callable], key: Any, style: str) -> Any:
@@ -189,18 +227,13 @@ def tensors_in(obj: Any, *, other: Optional[Callable[[Any], bool]] = None) -> li
 def _collect(obj: Any, found: list, other: Optional[Callable[[Any], bool]]) -> None:
     if isinstance(obj, torch.Tensor):
         found.append(obj)
-    elif isinstance(obj, _LEAF_TYPES) or (other is not None and other(obj)):
-        return
-    elif _is_dataclass_instance(obj):
-        for f in dataclasses.fields(obj):
-            if hasattr(obj, f.name):
-                _collect(getattr(obj, f.name), found, other)
-    elif isinstance(obj, Mapping):
-        for v in obj.values():
-            _collect(v, found, other)
-    elif isinstance(obj, (tuple, MutableSequence)) or (
-            isinstance(obj, Sequence) and not isinstance(obj, (str, bytes, bytearray, memoryview))):
-        for v in obj:
+    elif not (isinstance(obj, _LEAF_TYPES) or (other is not None and other(obj))):
+        kind = _PLAIN_KINDS.get(type(obj))
+        if kind is None:
+            kind = _kind(obj)
+            if kind is None:
+                return
+        for v in _values(obj, kind):
             _collect(v, found, other)
 
 
@@ -208,16 +241,18 @@ def _children(obj: Any) -> list[tuple[str, Any]]:
     """(path part, child) of a container, as :func:`_walk` visits them; [] for leaves."""
     if isinstance(obj, (torch.Tensor,) + _LEAF_TYPES):
         return []
-    if _is_dataclass_instance(obj):
-        return [(_part(f.name, "."), getattr(obj, f.name)) for f in dataclasses.fields(obj)
-                if hasattr(obj, f.name)]
-    if isinstance(obj, Mapping):
-        return [(_part(k, "[]"), v) for k, v in obj.items()]
-    if isinstance(obj, tuple) and getattr(type(obj), "_fields", None) is not None:
-        return [(_part(f, "."), v) for f, v in zip(type(obj)._fields, obj)]
-    if isinstance(obj, (tuple, MutableSequence)):
-        return [(_part(i, "[]"), v) for i, v in enumerate(obj)]
-    return []
+    kind = _kind(obj)
+    if kind is None:
+        return []
+    if kind == _DATACLASS:
+        keys, style = _set_fields(obj), "."
+    elif kind == _MAPPING:
+        keys, style = list(obj.keys()), "[]"
+    elif kind == _NAMEDTUPLE:
+        keys, style = list(type(obj)._fields), "."
+    else:
+        keys, style = range(len(obj)), "[]"
+    return [(_part(k, style), v) for k, v in zip(keys, _values(obj, kind))]
 
 
 def _too_deep(obj: Any, root: str) -> ValueError:

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import functools
 import operator
-
-from typing import Any, Optional
+import os
+from typing import Any, Optional, Union
 
 import torch
 
@@ -23,6 +23,50 @@ from pinxfer import _ops
 
 #: Largest int pinxfer's operators take, and so the largest byte count: an int64 (and off_t).
 INT64_MAX = 2**63 - 1
+
+#: What a ``device`` argument may be: a torch.device, a string such as ``"cuda:1"``, a GPU index.
+DeviceLike = Union[torch.device, str, int]
+
+_cuda_usable_in_pid: Optional[int] = None  # the process that found CUDA usable
+
+
+def require_cuda(op: str, hint: str = "") -> None:
+    """Raises RuntimeError unless this process can use a CUDA device: the Python side's one
+    "is CUDA usable" check, with the reason from :func:`pinxfer.cuda_unavailable_reason`.
+
+    Once usable, CUDA stays usable in a process (a forked child is another pid), so after the
+    first success this is one ``os.getpid()``."""
+    global _cuda_usable_in_pid
+    if torch.compiler.is_compiling():
+        # Traced (torch.compile): dynamo cannot trace os.getpid; the op checks CUDA
+        # itself when the compiled code runs.
+        return
+    if _cuda_usable_in_pid == os.getpid():
+        return
+    reason = _ops.cuda_unavailable_reason()
+    if reason is not None:
+        raise RuntimeError(f"pinxfer.{op}: expected a usable CUDA device, but {reason}.{hint}")
+    _cuda_usable_in_pid = os.getpid()
+
+
+def as_device(value: DeviceLike) -> torch.device:
+    """A device argument as a torch.device (an int is that GPU), neither resolved nor checked."""
+    return torch.device("cuda", value) if isinstance(value, int) else torch.device(value)
+
+
+def device(value: Optional[DeviceLike], op: str, hint: str = "") -> torch.device:
+    """The device a call names, resolved once, at the edge: None is the current GPU, an int
+    that GPU, a CUDA device without an index the current one. A CUDA device is checked to
+    be usable (:func:`require_cuda`); the layers below take the result as it is."""
+    if value is None:
+        require_cuda(op, hint)
+        return torch.device("cuda", torch.cuda.current_device())
+    dev = as_device(value)
+    if dev.type == "cuda":
+        require_cuda(op, hint)
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
 
 def integer(value: Any, op: str, name: str, *, lo: int, hi: int, hint: str = "") -> int:
     """``value`` as an int in ``[lo, hi]``.

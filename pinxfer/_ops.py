@@ -20,6 +20,12 @@ use them only where the dispatcher would add nothing: :func:`eager` must be
 true (no tracing, no ``__torch_function__`` or ``__torch_dispatch__`` mode) and
 the tensors are plain (``type(t) is torch.Tensor``), dense, on the CPU and need
 no autograd (:func:`plain_dense_cpu`). Everything else takes the operators.
+Each kernel's choice is made at one call site: ``memory.empty``, ``pin.pin_memory``
+(one tensor), ``pin._pin_batch`` (``pin_memory_many``), ``pin.is_pinned`` (a query:
+autograd does not matter, so any plain dense tensor), and :func:`to_device` and
+:func:`to_device_many` here. (They are not all wrappers here: on the
+``pin_memory``/``empty`` hot paths one more Python call would cost about 5% of a
+small call.)
 """
 from __future__ import annotations
 
@@ -50,10 +56,22 @@ def eager() -> bool:
     return not (_compiling() or _len_dispatch_modes() or _function_mode_on())
 
 
+_STRIDED = torch.strided
+_TENSOR = torch.Tensor
+
+
+def dense_layout(t: torch.Tensor) -> bool:
+    """Memory pinxfer's kernels read as one strided storage: not sparse, nested or
+    quantized (those go to torch's own functions: ``Tensor.pin_memory()``, ``Tensor.to()``)."""
+    return t.layout is _STRIDED and not t.is_nested and not t.is_quantized
+
+
 def plain_dense_cpu(t: torch.Tensor) -> bool:
-    """A plain dense CPU tensor that needs no autograd: what the fast calls take."""
-    return (type(t) is torch.Tensor and t.layout is torch.strided and not t.requires_grad
-            and not t.is_nested and not t.is_quantized and t.is_cpu)
+    """The one plain-dense predicate: a plain (not a subclass) dense CPU tensor that needs
+    no autograd. What the fast calls take, what ``to_device`` stages and packs itself, what
+    a batch slot holds. (Faster than one long expression: module-level names, the cheap
+    tests first; this is on every small call's path.)"""
+    return type(t) is _TENSOR and t.is_cpu and not t.requires_grad and dense_layout(t)
 
 
 # ---- the pinned pool (kernels: csrc/ops/memory_ops.cpp) ----

@@ -143,10 +143,7 @@ def record_stream(tensor: torch.Tensor, stream: Optional[StreamLike] = None) -> 
     """
     _check.tensor(tensor, "record_stream")
     if stream is None:
-        reason = _ops.cuda_unavailable_reason()
-        if reason is not None:
-            raise RuntimeError(f"pinxfer.record_stream: marks a CUDA stream's use of a tensor, "
-                               f"but {reason}")
+        _check.require_cuda("record_stream")
         stream = torch.cuda.current_stream()
     elif not isinstance(stream, (torch.cuda.Stream, torch.Stream)):
         raise TypeError(f"pinxfer.record_stream: stream must be a torch.cuda.Stream (or None: "

@@ -8,19 +8,19 @@ page-lock an existing tensor's memory without copying.
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import torch
 
 from pinxfer import _batch, _check, _ops
+from pinxfer._check import DeviceLike
 
 # The in-place query is its operator as it stands.
 from pinxfer._ops import inplace_lock_kind  # noqa: F401
-from pinxfer._ops import eager, fast, in_bad_fork, plain_dense_cpu
+from pinxfer._ops import dense_layout, eager, fast, in_bad_fork, plain_dense_cpu
 
 __all__ = ["inplace_lock_kind", "is_pinned", "pin_", "pin_memory", "unpin_"]
 
-DeviceLike = Union[int, str, torch.device]
 
 
 def _node_for(device: Optional[DeviceLike], numa_node: Optional[int]) -> Optional[int]:
@@ -33,7 +33,7 @@ def _node_for(device: Optional[DeviceLike], numa_node: Optional[int]) -> Optiona
         return _check.numa_node(numa_node, "pin_memory")
     if device is None:
         return None  # C++ resolves the current GPU's node
-    dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    dev = _check.as_device(device)
     if dev.type != "cuda":
         raise ValueError(
             f"pinxfer.pin_memory: device names the GPU the batch is going to, so it must be a "
@@ -49,13 +49,6 @@ def _threads(num_threads: Optional[int]) -> int:
         return 0
     return _check.integer(num_threads, "pin_memory", "num_threads", lo=0, hi=_check.INT64_MAX,
                           hint=" (0 or None: the pool's default; more than the pool has: all)")
-
-
-def _own_layout(tensor: torch.Tensor) -> bool:
-    """True for the tensors pinxfer pins itself: dense (strided), not nested, not
-    quantized. Every other layout (sparse COO/CSR/CSC/BSR/BSC, nested strided or
-    jagged, quantized) goes to torch's ``Tensor.pin_memory()``."""
-    return tensor.layout == torch.strided and not tensor.is_nested and not tensor.is_quantized
 
 
 def _torch_is_pinned(tensor: torch.Tensor) -> bool:
@@ -80,7 +73,7 @@ def is_pinned(tensor: torch.Tensor) -> bool:
         raise TypeError(f"pinxfer.is_pinned: expected a torch.Tensor, got {type(tensor).__name__}")
     if tensor.device.type != "cpu":
         return False
-    if not _own_layout(tensor):
+    if not dense_layout(tensor):
         return _torch_is_pinned(tensor)
     if type(tensor) is torch.Tensor and eager():
         return fast.is_pinned(tensor, not in_bad_fork())
@@ -124,7 +117,7 @@ def _pin_tensor(tensor: torch.Tensor, node: Optional[int], threads: int) -> torc
             "host memory can be pinned; a tensor already on a device needs no pinning. "
             f"torch says: {_torch_refusal(tensor)}"
         )
-    if not _own_layout(tensor):
+    if not dense_layout(tensor):
         # torch's own pin: same result, and where torch raises, torch's error. It
         # returns the tensor itself if it is already pinned.
         return _torch_pin(tensor)

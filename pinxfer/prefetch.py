@@ -17,6 +17,27 @@ The thread/queue machinery does not depend on CUDA: the per-batch step is a
 pluggable ``transfer`` function, and with ``device="cpu"`` batches are
 prefetched by the thread and yielded unchanged.
 
+**One road, one lease protocol.** The producer thread takes *leases* from a batch
+source and never asks what a lease holds. A lease is one batch on its way:
+
+* ``send(to)`` starts the batch's transfer as :class:`Delivery` ``to`` says (device,
+  the caller's ``transfer`` or pinxfer's, staging chunks), with the producer's stream
+  current, and returns the result;
+* ``done(event)``: the producer is through with the batch's host memory, which may be
+  reused once ``event`` has completed (recorded on the producer's stream after
+  ``send``; None on the CPU, and after a failed ``send``, once the device has been
+  synchronized: no copy reads it any more).
+
+A batch source is an iterable whose passes (``iter(source)``) yield leases and have a
+``close()``; the source itself has ``close()`` (and ``len()`` where its batches have one).
+There are two: :class:`StagedSource` makes a :class:`StagedLease` of every batch of any
+iterable (``to_device`` stages it; its staging memory is gated by pinxfer's pool, so
+``done`` has nothing to give back), and :class:`pinxfer.slots.SlotSource` makes a
+:class:`pinxfer.slots.SlotLease` of every batch a DataLoader worker wrote into a pinned
+slot (sent as one copy of the slot; ``done`` hands the slot back after ``event``), and a
+:class:`StagedLease` of a batch that did not fit. Which source a Prefetcher reads is
+decided once, when it is made.
+
 Lifetime: iterating starts a *pass* (one ``iter(source)``, one thread). The
 pass stops, its thread is joined and its queued batches are freed when it is
 exhausted, when the source raises, when the ``for`` loop is left early
@@ -39,29 +60,24 @@ a Prefetcher from one thread to another between batches is fine.
 """
 from __future__ import annotations
 
-import functools
 import itertools
 import os
 import queue
 import sys
 import threading
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, NamedTuple, Optional
 
 import torch
 from torch.utils.data import DataLoader
 
 from pinxfer import _check
 from pinxfer._batch import tensors_in
-from pinxfer.slots import SlotLease, SlotSource, SlotTransfer
-from pinxfer.transfer import (
-    DEFAULT_CHUNK_BYTES,
-    DEFAULT_NUM_BUFFERS,
-    DeviceLike,
-    cuda_unavailable_reason,
-    profiler_range,
-    resolve_device,
-    to_device,
-)
+from pinxfer._check import DeviceLike
+from pinxfer._ops import cuda_unavailable_reason
+from pinxfer.transfer import DEFAULT_CHUNK_BYTES, DEFAULT_NUM_BUFFERS, profiler_range, to_device
+
+if TYPE_CHECKING:
+    from pinxfer.slots import SlotSource
 
 _ITEM, _END, _ERROR = "item", "end", "error"
 _pass_ids = itertools.count()
@@ -77,6 +93,76 @@ _SECOND_CONSUMER = (
     "or have one thread consume it and pass the batches on through a queue.Queue")
 
 
+# ---- the lease protocol ----
+
+
+class Delivery(NamedTuple):
+    """Where a Prefetcher sends its batches and how: what every lease's ``send`` gets."""
+
+    device: torch.device  # resolved: cuda:N, or cpu (batches are yielded as they are)
+    transfer: Optional[Callable[[Any], Any]]  # the caller's per-batch step; None: pinxfer's
+    chunk_bytes: int  # to_device's largest staging chunk
+    num_buffers: int  # to_device's staging chunks in flight
+
+
+class StagedLease:
+    """Any batch as a lease: sent by the caller's ``transfer``, else by :func:`to_device`
+    (pageable tensors through pinned staging, pinned ones directly), else (CPU) as it is."""
+
+    __slots__ = ("batch",)
+
+    def __init__(self, batch: Any):
+        self.batch = batch
+
+    def send(self, to: Delivery) -> Any:
+        if to.transfer is not None:
+            return to.transfer(self.batch)
+        if to.device.type == "cpu":
+            return self.batch
+        return to_device(self.batch, to.device, True, to.chunk_bytes, to.num_buffers)
+
+    def done(self, event: Optional[torch.cuda.Event]) -> None:
+        # Staging blocks wait for the copy in pinxfer's pool; the batch is the caller's.
+        self.batch = None
+
+
+class StagedSource:
+    """Any iterable of batches as a batch source: each batch a :class:`StagedLease`."""
+
+    def __init__(self, iterable: Iterable):
+        self._iterable = iterable
+
+    def __iter__(self) -> "_StagedPass":
+        return _StagedPass(iter(self._iterable))
+
+    def __len__(self) -> int:
+        return len(self._iterable)  # type: ignore[arg-type]
+
+    def close(self) -> None:
+        pass  # the iterable is the caller's
+
+
+class _StagedPass:
+    __slots__ = ("_it",)
+
+    def __init__(self, it: Iterator[Any]):
+        self._it = it
+
+    def __iter__(self) -> "_StagedPass":
+        return self
+
+    def __next__(self) -> StagedLease:
+        return StagedLease(next(self._it))
+
+    def close(self) -> None:
+        close = getattr(self._it, "close", None)  # generators: run their finally blocks
+        if callable(close):
+            close()
+
+
+# ---- the road: one producer thread per pass ----
+
+
 class _Pass:
     """One pass over the source: a producer thread, a queue and depth slots.
 
@@ -84,11 +170,10 @@ class _Pass:
     the Prefetcher lets it be collected (and its finaliser stop the pass).
     """
 
-    def __init__(self, source: Iterable, transfer: Callable[[Any], Any],
-                 device: Optional[torch.device], depth: int):
-        self.iterator: Optional[Iterator] = iter(source)  # in the caller's thread, as DataLoader wants
-        self.transfer = transfer
-        self.device = device  # a CUDA device, or None for a CPU pass
+    def __init__(self, batches: Any, to: Delivery, depth: int):
+        self.leases: Optional[Iterator] = iter(batches)  # in the caller's thread, as DataLoader wants
+        self.to = to
+        self.device = to.device if to.device.type == "cuda" else None  # None: a CPU pass
         self.queue: "queue.SimpleQueue[tuple[str, Any, Any]]" = queue.SimpleQueue()
         self.slots = threading.Semaphore(depth)
         self.stop = threading.Event()
@@ -173,17 +258,17 @@ class _Pass:
         # another thread (close() from a second thread): give it one back.
         self.queue.put((_END, None, None))
         if not thread.is_alive():
-            it, self.iterator = self.iterator, None
-            close = getattr(it, "close", None)  # generators: run their finally blocks
-            if callable(close):
+            leases, self.leases = self.leases, None
+            if leases is not None:
                 try:
-                    close()
+                    leases.close()  # the source's pass: a generator's finally, a slot pass's slots
                 except Exception:  # noqa: BLE001 - best effort at shutdown
                     pass
 
 
 def _produce(p: _Pass) -> None:
-    """Producer thread body: fetch, transfer, enqueue, until the end or a stop."""
+    """Producer thread body: take a lease, send it, give it back, enqueue the result,
+    until the end or a stop."""
     try:
         stream = None
         if p.device is not None:
@@ -202,7 +287,7 @@ def _produce(p: _Pass) -> None:
                 return
             try:
                 with profiler_range("pinxfer::prefetch::fetch"):
-                    batch = next(p.iterator)  # type: ignore[arg-type]
+                    lease = next(p.leases)  # type: ignore[arg-type]
             except StopIteration:
                 p.queue.put((_END, None, None))
                 return
@@ -211,29 +296,23 @@ def _produce(p: _Pass) -> None:
                 p.queue.put((_ERROR, err, None))
                 return
             if p.stop.is_set():
-                return  # a lease dropped here is put back when the source's pass closes
-            lease = batch if isinstance(batch, SlotLease) else None  # prefetch(slots=True)
-            if lease is not None and not getattr(p.transfer, "takes_slot_lease", False):
-                batch = lease.batch  # a custom transfer gets views of the pinned slot
+                return  # a slot lease dropped here is put back when the source's pass closes
             try:
                 event = None
                 with profiler_range("pinxfer::prefetch::transfer"):
-                    out = p.transfer(batch)
+                    out = lease.send(p.to)
                     if stream is not None:
                         event = torch.cuda.Event()
                         event.record(stream)
-                if lease is not None:
-                    # The slot goes back after the copy (CUDA) or now (CPU: out is a copy).
-                    lease.done(event, out)
+                lease.done(event)
             except BaseException as err:  # noqa: BLE001 - re-raised in the consumer
-                if lease is not None:
-                    if stream is not None:
-                        torch.cuda.synchronize(p.device)  # no copy may still read the slot
-                    lease.done()
+                if stream is not None:
+                    torch.cuda.synchronize(p.device)  # no copy may still read the batch
+                lease.done(None)
                 _note(err, f"raised while pinxfer.prefetch transferred batch {step}")
                 p.queue.put((_ERROR, err, None))
                 return
-            del batch, lease
+            del lease
             p.queue.put((_ITEM, out, event))
             del out, event
             step += 1
@@ -252,39 +331,39 @@ def _note(err: BaseException, text: str) -> None:
 class Prefetcher:
     """Iterates over a source with batches copied to a device ahead of time.
 
-    Made by :func:`prefetch`; see the module docstring for the guarantees.
-    Consume it from one thread at a time: a second thread asking for a batch while
-    another waits for one raises RuntimeError.
+    Made by :func:`prefetch` (whose arguments it takes; ``slots`` defaults to False
+    here); see the module docstring for the guarantees. Consume it from one thread at a
+    time: a second thread asking for a batch while another waits for one raises
+    RuntimeError.
     """
 
     def __init__(self, source: Iterable, device: Optional[DeviceLike] = None, depth: int = 2,
                  transfer: Optional[Callable[[Any], Any]] = None,
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, num_buffers: int = DEFAULT_NUM_BUFFERS):
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, num_buffers: int = DEFAULT_NUM_BUFFERS,
+                 *, slots: Optional[bool] = False, slot_bytes: Optional[int] = None,
+                 num_slots: Optional[int] = None):
         depth = _checked_depth(depth)
-        requested = _requested_device(device)
-        if requested.type == "cuda":
-            reason = cuda_unavailable_reason()
-            if reason is not None:
-                raise RuntimeError(f"pinxfer.prefetch: asked for device {requested}, but {reason}. "
-                                   "Pass device='cpu' to prefetch on the host only.")
-        elif requested.type != "cpu":
-            raise ValueError(f"pinxfer.prefetch: expected a CUDA device or 'cpu', got {requested}")
-        dev = resolve_device(requested, "prefetch")
+        dev = _prefetch_device(device)
+        if slots is None:
+            slots = _slots_by_default(source, dev, transfer)
+        self._slots: Optional[SlotSource] = None
+        if slots:
+            # Imported here: the slots build on this module's StagedLease.
+            from pinxfer.slots import SlotSource
+
+            self._slots = SlotSource(source, depth=depth, slot_bytes=slot_bytes,
+                                     num_slots=num_slots)
+        elif slot_bytes is not None or num_slots is not None:
+            raise ValueError("pinxfer.prefetch: slot_bytes and num_slots are for batch slots, "
+                             "which this call does not use (slots=False, or the source is not a "
+                             "DataLoader(num_workers > 0, pin_memory=False) feeding a GPU); drop "
+                             "them or pass slots=True")
+        # The batch source, chosen here once: the road below never asks which it is.
+        self._batches = self._slots if self._slots is not None else StagedSource(source)
         self._source = source
         self.device = dev
         self.depth = depth
-        if transfer is None:
-            if dev.type == "cuda":
-                transfer = functools.partial(to_device, device=dev, non_blocking=True,
-                                             chunk_bytes=chunk_bytes, num_buffers=num_buffers)
-                if isinstance(source, SlotSource):  # a slot batch: one copy of its slot
-                    transfer = SlotTransfer(transfer, transfer)
-            elif isinstance(source, SlotSource):
-                # The slot is reused once the transfer returns: one copy of its bytes.
-                transfer = SlotTransfer(torch.clone, _identity)
-            else:
-                transfer = _identity
-        self._transfer = transfer
+        self._to = Delivery(dev, transfer, chunk_bytes, num_buffers)
         self._pass: Optional[_Pass] = None
 
     def _start_pass(self) -> _Pass:
@@ -292,8 +371,7 @@ class Prefetcher:
         if current is not None and not current.finished and current.consumer.locked():
             raise RuntimeError(_SECOND_CONSUMER)  # a new pass would end that thread's
         self.close()
-        self._pass = _Pass(self._source, self._transfer,
-                           self.device if self.device.type == "cuda" else None, self.depth)
+        self._pass = _Pass(self._batches, self._to, self.depth)
         return self._pass
 
     def __iter__(self) -> Iterator[Any]:
@@ -344,14 +422,13 @@ class Prefetcher:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-        if isinstance(self._source, SlotSource):
-            self._source.close()
+        self._batches.close()  # a slot ring is freed; an iterable is the caller's
 
     @property
     def slots(self) -> Optional[SlotSource]:
         """The slot ring's source with ``prefetch(..., slots=True)`` (``stats()``,
         ``close()``), else None."""
-        return self._source if isinstance(self._source, SlotSource) else None
+        return self._slots
 
     def __del__(self) -> None:
         p = getattr(self, "_pass", None)
@@ -368,16 +445,20 @@ def _checked_depth(depth: Any) -> int:
                           hint=" (batches kept ready ahead of the consumer)")
 
 
-def _identity(batch: Any) -> Any:
-    return batch
-
-
 def _requested_device(device: Optional[DeviceLike]) -> torch.device:
-    """The device prefetch was asked for: None is the current GPU, or the CPU without
-    CUDA; an int is that GPU."""
+    """The device prefetch was asked for, not yet resolved: None is the current GPU, or the
+    CPU without CUDA; an int is that GPU."""
     if device is None:
         device = "cpu" if cuda_unavailable_reason() is not None else "cuda"
-    return torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    return _check.as_device(device)
+
+
+def _prefetch_device(device: Optional[DeviceLike]) -> torch.device:
+    """The one resolution of prefetch's device: cuda:N (usable) or cpu."""
+    requested = _requested_device(device)
+    if requested.type not in ("cuda", "cpu"):
+        raise ValueError(f"pinxfer.prefetch: expected a CUDA device or 'cpu', got {requested}")
+    return _check.device(requested, "prefetch", " Pass device='cpu' to prefetch on the host only.")
 
 
 def _slots_by_default(iterable: Iterable, device: Optional[DeviceLike],
@@ -445,15 +526,6 @@ def prefetch(iterable: Iterable, device: Optional[DeviceLike] = None, depth: int
         ``len()`` it when the source has a length, ``close()`` it or use it as a
         context manager.
     """
-    depth = _checked_depth(depth)  # before SlotSource counts slots with it
-    if slots is None:
-        slots = _slots_by_default(iterable, device, transfer)
-    if slots:
-        iterable = SlotSource(iterable, depth=depth, slot_bytes=slot_bytes, num_slots=num_slots)
-    elif slot_bytes is not None or num_slots is not None:
-        raise ValueError("pinxfer.prefetch: slot_bytes and num_slots are for batch slots, which "
-                         "this call does not use (slots=False, or the source is not a "
-                         "DataLoader(num_workers > 0, pin_memory=False) feeding a GPU); drop "
-                         "them or pass slots=True")
     return Prefetcher(iterable, device=device, depth=depth, transfer=transfer,
-                      chunk_bytes=chunk_bytes, num_buffers=num_buffers)
+                      chunk_bytes=chunk_bytes, num_buffers=num_buffers, slots=slots,
+                      slot_bytes=slot_bytes, num_slots=num_slots)

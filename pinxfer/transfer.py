@@ -17,16 +17,15 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, Iterator, Optional, Union
+from typing import Any, Iterator, Optional
 
 import torch
 
 from pinxfer import _check, _ops
 from pinxfer._batch import map_tensors, tensors_in
-from pinxfer._ops import cuda_unavailable_reason
+from pinxfer._check import DeviceLike
+from pinxfer._ops import plain_dense_cpu
 from pinxfer.memory import empty, record_stream
-
-DeviceLike = Union[torch.device, str, int]
 
 #: "cuda" without an index: the operators read it as the caller's current device.
 _CURRENT_CUDA = torch.device("cuda")
@@ -56,8 +55,9 @@ def copy_stream(device: Optional[DeviceLike] = None) -> torch.cuda.Stream:
     Returns:
         The stream, as a ``torch.cuda.Stream``.
     """
-    dev = resolve_device(device, "copy_stream")
-    _require_cuda("copy_stream")
+    dev = _check.device(device, "copy_stream")
+    if dev.type != "cuda":
+        raise ValueError(f"pinxfer.copy_stream: expected a CUDA device, got {dev}")
     stream_id, device_index, device_type = _ops.copy_stream(dev)
     return torch.cuda.Stream(stream_id=stream_id, device_index=device_index,
                              device_type=device_type)
@@ -100,45 +100,6 @@ def _profiled_range(name: str) -> Iterator[None]:
                 torch.cuda.nvtx.range_pop()
 
 
-_cuda_usable_in_pid: Optional[int] = None  # the process that found CUDA usable
-
-
-def _require_cuda(op: str) -> None:
-    global _cuda_usable_in_pid
-    if torch.compiler.is_compiling():
-        # Traced (torch.compile): dynamo cannot trace os.getpid; the op checks CUDA
-        # itself when the compiled code runs.
-        return
-    # Once usable, CUDA stays usable in this process (a forked child is another pid).
-    if _cuda_usable_in_pid == os.getpid():
-        return
-    reason = cuda_unavailable_reason()
-    if reason is not None:
-        raise RuntimeError(f"pinxfer.{op}: expected a usable CUDA device, but {reason}.")
-    _cuda_usable_in_pid = os.getpid()
-
-
-def resolve_device(device: Optional[DeviceLike], op: str) -> torch.device:
-    """``device`` as a torch.device with an index for CUDA; None means the current GPU."""
-    if device is None:
-        _require_cuda(op)
-        return torch.device("cuda", torch.cuda.current_device())
-    if isinstance(device, int):
-        device = torch.device("cuda", device)
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        _require_cuda(op)
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
-def _is_plain_dense(t: torch.Tensor) -> bool:
-    # Plain tensors only: subclasses and autograd-tracked tensors go through
-    # tensor.to(), which keeps their type and graph.
-    return (type(t) is torch.Tensor and t.layout == torch.strided and not t.is_quantized
-            and not t.requires_grad)
-
-
 def _send_leaves(tensors: list[torch.Tensor], device: torch.device, non_blocking: bool,
                  chunk_bytes: int, num_buffers: int, staging: str = "auto") -> list[torch.Tensor]:
     out: list[Optional[torch.Tensor]] = [None] * len(tensors)
@@ -146,7 +107,7 @@ def _send_leaves(tensors: list[torch.Tensor], device: torch.device, non_blocking
     for i, t in enumerate(tensors):
         if t.device == device:
             out[i] = t
-        elif t.device.type == "cpu" and _is_plain_dense(t):
+        elif plain_dense_cpu(t):
             if t.numel() * t.element_size() < SMALL_TENSOR_BYTES:
                 small.append(i)
             else:
@@ -180,7 +141,7 @@ def to_device(obj: Any, device: Optional[DeviceLike] = None, non_blocking: bool 
     buffer and sent with one copy; they come back as views of one device buffer.
     Non-contiguous CPU tensors are made contiguous on the host first, and results
     are contiguous. Tensors already on ``device`` are returned as they are; tensors
-    on another GPU, sparse, quantized, subclassed or ``requires_grad`` tensors use
+    on another GPU, sparse, nested, quantized, subclassed or ``requires_grad`` tensors use
     ``tensor.to(device)``. Other leaves (numbers, strings, None, ...) pass through.
 
     Copies of more than 256 KiB run on pinxfer's copy stream (:func:`copy_stream`)
@@ -218,7 +179,7 @@ def to_device(obj: Any, device: Optional[DeviceLike] = None, non_blocking: bool 
     if (_FAST_TO_DEVICE and type(obj) is torch.Tensor and chunk_bytes is DEFAULT_CHUNK_BYTES
             and num_buffers is DEFAULT_NUM_BUFFERS and staging == "auto"
             and (device is None or type(device) is torch.device and device.type == "cuda")
-            and _ops.plain_dense_cpu(obj) and _ops.eager()):
+            and plain_dense_cpu(obj) and _ops.eager()):
         # The hot case, one plain CPU tensor to a GPU with the default settings, in
         # eager mode: straight to the kernel's fast call. Its Python cost is most of
         # a 4 KiB transfer's (benchmarks/diag_small_calls.py), so nothing here that
@@ -234,23 +195,22 @@ def to_device(obj: Any, device: Optional[DeviceLike] = None, non_blocking: bool 
                                  hi=_check.INT64_MAX)
     num_buffers = _check.integer(num_buffers, "to_device", "num_buffers", lo=1,
                                  hi=_check.INT64_MAX)
-    if type(obj) is torch.Tensor and _ops.plain_dense_cpu(obj):
+    if type(obj) is torch.Tensor and plain_dense_cpu(obj):
         # One plain CPU tensor with other settings: no batch machinery either.
         dev = (_CURRENT_CUDA if device is None else
-               device if type(device) is torch.device else resolve_device(device, "to_device"))
+               device if type(device) is torch.device else _check.device(device, "to_device"))
         if dev.type == "cuda":
-            _require_cuda("to_device")
+            _check.require_cuda("to_device")
             with profiler_range("pinxfer::to_device"):
                 out = _ops.to_device(obj, dev, chunk_bytes, num_buffers, staging)
             if not non_blocking:
                 torch.cuda.current_stream(out.device).synchronize()
             return out
-    dev = resolve_device(device, "to_device")
+    dev = _check.device(device, "to_device")  # a CUDA device: resolved and usable
     if dev.type == "cpu":
         return map_tensors(obj, lambda t: t.to("cpu"))
     if dev.type != "cuda":
         raise ValueError(f"pinxfer.to_device: expected a CUDA device or 'cpu', got {dev}")
-    _require_cuda("to_device")
     with profiler_range("pinxfer::to_device"):
         if isinstance(obj, torch.Tensor):
             out = _send_leaves([obj], dev, non_blocking, chunk_bytes, num_buffers, staging)[0]
@@ -326,7 +286,7 @@ def to_host(obj: Any) -> HostTransfer:
     Raises:
         RuntimeError: if pinxfer was built without CUDA or no GPU is usable.
     """
-    _require_cuda("to_host")
+    _check.require_cuda("to_host")
     if torch.cuda.is_current_stream_capturing():
         raise RuntimeError(
             "pinxfer.to_host: called while the current CUDA stream is capturing a graph; its "

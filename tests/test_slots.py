@@ -22,7 +22,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 import pinxfer
-from pinxfer import slots as slots_mod
+from pinxfer.slots import layout
 from pinxfer._batch import map_tensors, tensors_in
 
 from .conftest import HAS_CUDA, MLOCK_IS_REAL, vm_locked_kib
@@ -122,8 +122,9 @@ def assert_same(got, want):
 def states(pf):
     """Counts of the slots' header states: FREE, TAKEN, HELD."""
     ring = pf.slots._ring
-    s = [ring.words[slots_mod._SLOT0 + 4 * i] for i in range(ring.num_slots)]
-    return {name: s.count(v) for name, v in (("free", 0), ("taken", 1), ("held", 2))}
+    s = [ring.header.state(i) for i in range(ring.num_slots)]
+    return {name: s.count(v) for name, v in (("free", layout.FREE), ("taken", layout.TAKEN),
+                                             ("held", layout.HELD))}
 
 
 def memfds():
@@ -417,6 +418,10 @@ def test_cpu_transfer_returning_slot_views_raises():
                           slot_bytes=1 << 16) as pf:
         with pytest.raises(RuntimeError, match="view of a batch slot"):
             list(pf)
+        # The lease whose send failed gave its slot back; the pass's end returned the rest.
+        st = pf.slots.stats()
+        assert st["held"] == 0 and st["pending"] == 0
+        assert states(pf) == {"free": st["num_slots"], "taken": 0, "held": 0}
 
 
 def test_arguments_checked():
