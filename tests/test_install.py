@@ -212,7 +212,14 @@ def test_pip_wheel_builds_with_isolation_and_no_index(tmp_path):
     import zipfile
 
     with zipfile.ZipFile(wheels[0]) as whl:
-        so_name = next(n for n in whl.namelist() if n.startswith("pinxfer/_C") and n.endswith(".so"))
+        names = whl.namelist()
+        so_name = next(n for n in names if n.startswith("pinxfer/_C") and n.endswith(".so"))
         whl.extract(so_name, tmp_path)
+    # Every module of the source tree ships (a package missing from the list once made
+    # the installed pinxfer fail at import).
+    package_root = os.path.join(ROOT, "pinxfer")
+    sources = {os.path.relpath(os.path.join(d, f), ROOT).replace(os.sep, "/")
+               for d, _, files in os.walk(package_root) for f in files if f.endswith(".py")}
+    assert sources <= set(names), sorted(sources - set(names))
     stamp = _build_check.read_build_stamp(str(tmp_path / so_name))
     assert stamp == {"torch": torch.__version__, "cuda": torch.version.cuda or "none"}
