@@ -190,16 +190,21 @@ def main() -> None:
 
     # table
     print(f"\npinxfer allocator benchmark on {report['device'] or 'CPU only (mlock path)'}")
-    print(f"{'cold alloc+fill':>18} {'pinxfer ms':>11} {'torch ms':>9} {'torch reg8 ms':>14} {'x default':>9} {'x reg8':>7}")
+    print(f"{'cold alloc+fill':>18} {'pinxfer ms':>11} {'torch ms':>9} {'torch reg8 ms':>14} "
+          f"{'x default':>9} {'x reg8':>7}")
+    nan = float("nan")
     for r in cold:
-        print(f"{r['bytes'] // MiB:>14} MiB {r['pinxfer_ms']:>11.1f} {r.get('torch_default_ms', float('nan')):>9.1f} "
-              f"{r.get('torch_register8_ms', float('nan')):>14.1f} {r.get('speedup_vs_torch_default', float('nan')):>9.2f} "
-              f"{r.get('speedup_vs_torch_register8', float('nan')):>7.2f}")
+        print(f"{r['bytes'] // MiB:>14} MiB {r['pinxfer_ms']:>11.1f} "
+              f"{r.get('torch_default_ms', nan):>9.1f} "
+              f"{r.get('torch_register8_ms', nan):>14.1f} "
+              f"{r.get('speedup_vs_torch_default', nan):>9.2f} "
+              f"{r.get('speedup_vs_torch_register8', nan):>7.2f}")
     print(f"cache hit 64 KiB: pinxfer.empty {hit['pinxfer_us']:.2f} us, torch.empty(pin_memory=True) "
           f"{hit.get('torch_us', float('nan')):.2f} us, same call with pinxfer installed "
           f"{hit.get('pinxfer_installed_us', float('nan')):.2f} us")
     for r in waste:
-        print(f"reserved/requested {r['workload']:>26}: pinxfer {r['pinxfer_ratio']:.3f}, torch {r.get('torch_ratio', float('nan')):.3f}")
+        print(f"reserved/requested {r['workload']:>26}: pinxfer {r['pinxfer_ratio']:.3f}, "
+              f"torch {r.get('torch_ratio', nan):.3f}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=2)

@@ -379,13 +379,15 @@ def print_summary(report: dict) -> None:
         if name.startswith("to_device_"):
             print(f"{name:18s} pinxfer {r['pinxfer']['gbps_median']:6.1f} GB/s  ceiling "
                   f"{r['ceiling_pinned']['gbps_median']:6.1f}  ratio "
-                  f"{r['pinxfer_vs_ceiling']['median']:.2f} (best {r['pinxfer_vs_ceiling']['best']:.2f})"
+                  f"{r['pinxfer_vs_ceiling']['median']:.2f} "
+                  f"(best {r['pinxfer_vs_ceiling']['best']:.2f})"
                   f"  t.to {r['torch_to']['gbps_median']:5.1f}  cpu s/GB pinxfer "
                   f"{r['pinxfer']['cpu_s_per_gb']:.3f} t.to {r['torch_to']['cpu_s_per_gb']:.3f}")
         elif name.startswith("prefetch_"):
             print(f"{name:18s} prefetch {r['prefetch']['gbps_median']:6.1f} GB/s  ceiling "
                   f"{r['ceiling_pinned']['gbps_median']:6.1f}  ratio "
-                  f"{r['prefetch_vs_ceiling']['median']:.2f} (best {r['prefetch_vs_ceiling']['best']:.2f})"
+                  f"{r['prefetch_vs_ceiling']['median']:.2f} "
+                  f"(best {r['prefetch_vs_ceiling']['best']:.2f})"
                   f"  after the first batch {r['prefetch_steady_vs_ceiling']['median']:.2f}"
                   f" (first batch {r['prefetch']['fill_s_median'] * 1e3:.2f} ms)"
                   f"  vs sequential to_device {r['prefetch_vs_sequential']['median']:.2f}  cpu s/GB "

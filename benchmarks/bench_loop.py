@@ -466,9 +466,9 @@ def self_test() -> int:
     table = compact_table(rows, small)
     lines = table.splitlines()
     assert len(lines) == 2 + len(SIZES) * len(PATTERNS) + 2 + len(small) + 1, len(lines)
-    line_1m = next(l for l in lines if l.strip().startswith("1MiB sleep"))
+    line_1m = next(ln for ln in lines if ln.strip().startswith("1MiB sleep"))
     assert "MISS td xp<0.5" in line_1m and "td,batch xp>=0.5" in line_1m, line_1m
-    line_8m = next(l for l in lines if l.strip().startswith("8MiB gpu"))
+    line_8m = next(ln for ln in lines if ln.strip().startswith("8MiB gpu"))
     assert line_8m.rstrip().endswith("PASS"), line_8m
     assert lines[-1].startswith("targets: ") and "MISS" in lines[-1]
     detail = detail_table(rows)
@@ -677,7 +677,9 @@ class Bench:
                       f"{pre['prefetch_steady']['median_us']:9.1f}  loop "
                       f"{pre['loop_steady']['median_us']:9.1f}  "
                       f"({time.perf_counter() - t0:.1f} s)", flush=True)
-            del t, pinned, batch, batches, ways
+            del batches, ways
+            # Freed by rebinding, not del: the closures above read them (ruff's F821).
+            t = pinned = batch = None
         return cells
 
     # -- issue 22's small-call rows, CPU per GB, idle CPU, then install() last
@@ -767,7 +769,8 @@ class Bench:
         ours, ref = cpg["pinxfer"]["cpu_s_per_gb"], cpg["torch_to"]["cpu_s_per_gb"]
         add("CPU s/GB 1 GiB", ours, ref, 1.5 * ref, "<= 1.5x t.to()",
             ours_text=f"{ours:.3f} s/GB", ref_text=f"{ref:.3f} s/GB")
-        del t
+        # Freed by rebinding, not del: the closures above read it (ruff's F821).
+        t = None
 
         # idle CPU of the process after the transfers
         self.sync()

@@ -86,7 +86,7 @@ def main() -> None:
         proc = subprocess.run([sys.executable, __file__, "--child", "--rounds", str(args.rounds)],
                               env=dict(os.environ, **env), capture_output=True, text=True,
                               timeout=300)
-        line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+        line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
         if proc.returncode != 0 or not line:
             print(proc.stdout, proc.stderr)
             raise SystemExit(f"diag_latency: variant {variant} failed")

@@ -114,7 +114,8 @@ def _torch_environment() -> dict | None:
                "PINXFER_TORCH_PYTHON=/path/to/the/python/with/torch, or build without "
                "isolation (python -m build --no-isolation, pip install --no-build-isolation .).\n"
                if isolated_venv else
-               "(PINXFER_TORCH_PYTHON=/path/to/python builds against another interpreter's torch.)\n")
+               "(PINXFER_TORCH_PYTHON=/path/to/python builds against another interpreter's "
+               "torch.)\n")
         )
     return found
 

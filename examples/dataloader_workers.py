@@ -80,7 +80,8 @@ def main() -> int:
     torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
     print(f"dataloader_workers: {n} samples in {seconds:.2f} s ({n / seconds:,.0f} samples/s) with "
-          f"{args.workers} workers on {torch.cuda.get_device_name(device)}, checksum {float(checksum):.1f}")
+          f"{args.workers} workers on {torch.cuda.get_device_name(device)}, "
+          f"checksum {float(checksum):.1f}")
     return 0
 
 

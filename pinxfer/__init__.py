@@ -1,9 +1,10 @@
 """pinxfer: move data between host memory and NVIDIA GPUs at the speed of the bus.
 
 Importing pinxfer loads its C++ operators (``torch.ops.pinxfer.*``) and never
-initialises CUDA; it does not import the command line (``pinxfer.cli``). The first call that pins (``empty``, ``pin_memory``, ``pin_``)
-where CUDA is usable initialises torch's CUDA state, as torch's own pinning does,
-so that ``Tensor.is_pinned()`` answers True for pinxfer's memory.
+initialises CUDA; it does not import the command line (``pinxfer.cli``). The first
+call that pins (``empty``, ``pin_memory``, ``pin_``) where CUDA is usable initialises
+torch's CUDA state, as torch's own pinning does, so that ``Tensor.is_pinned()``
+answers True for pinxfer's memory.
 """
 from __future__ import annotations
 

@@ -70,7 +70,8 @@ def mismatch_message(built: Optional[dict[str, str]], path: str) -> Optional[str
     if built is not None and built["torch"] == running["torch"] and built["cuda"] == running["cuda"]:
         return None
     if built is None:
-        what = "carries no build stamp (built by an older pinxfer), so the torch it was built for is unknown"
+        what = ("carries no build stamp (built by an older pinxfer), so the torch it was built "
+                "for is unknown")
     else:
         what = f"was built against torch {built['torch']} (CUDA {built['cuda']})"
     return (

@@ -25,7 +25,7 @@ from pinxfer import _ops
 INT64_MAX = 2**63 - 1
 
 #: What a ``device`` argument may be: a torch.device, a string such as ``"cuda:1"``, a GPU index.
-DeviceLike = Union[torch.device, str, int]
+DeviceLike = torch.device | str | int
 
 _cuda_usable_in_pid: Optional[int] = None  # the process that found CUDA usable
 

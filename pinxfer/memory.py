@@ -35,7 +35,7 @@ __all__ = [
     "set_max_pinned_bytes", "uninstall",
 ]
 
-StreamLike = Union[torch.cuda.Stream, torch.Stream]
+StreamLike = torch.cuda.Stream | torch.Stream
 
 
 def _size_tuple(size: Sequence[int] | tuple) -> list[int]:

@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from pinxfer._ops import parse_byte_size as parse_bytes
 
@@ -115,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``pinxfer`` console script; returns the exit status."""
     args = build_parser().parse_args(argv)
     # Each command imports only its own module: doctor does not pay for the bench.

@@ -206,9 +206,9 @@ def _from_nvml() -> list[dict[str, Any]]:
             name = name.decode() if isinstance(name, bytes) else name
             bus = bus.decode() if isinstance(bus, bytes) else bus
 
-            def q(fn: str) -> Optional[int]:
+            def q(fn: str, handle: Any = h) -> Optional[int]:  # handle=h: this GPU, bound now
                 try:
-                    return int(getattr(pynvml, fn)(h))
+                    return int(getattr(pynvml, fn)(handle))
                 except Exception:
                     return None
 
@@ -444,7 +444,8 @@ def diagnose(report: dict[str, Any]) -> list[dict[str, str]]:
             warn("memlock_below_cap",
                  f"memlock limit {format_bytes(soft)} is below the pinned cap {format_bytes(cap)}: "
                  "where pinxfer locks memory with mlock (no usable CUDA) it fails past the limit "
-                 f"and the memory stays pageable. {fix.capitalize()} or lower PINXFER_MAX_PINNED_BYTES.")
+                 f"and the memory stays pageable. {fix.capitalize()} or lower "
+                 "PINXFER_MAX_PINNED_BYTES.")
         elif cap == 0 and soft < GIB:
             warn("memlock_low",
                  f"memlock limit {format_bytes(soft)} is below 1 GiB and the process lacks "
@@ -466,9 +467,10 @@ def diagnose(report: dict[str, Any]) -> list[dict[str, str]]:
             warn("affinity_far_from_gpu",
                  f"GPU {g['index']} ({g['pci_bus_id']}) is on NUMA node {node} (CPUs "
                  f"{_compact(sorted(cpus))}) but this process may run only on CPUs "
-                 f"{_compact(sorted(affinity))}: the threads that fill its pinned buffers work across "
-                 f"the NUMA interconnect (H2D ~10% slower from a far node). Run under `numactl --cpunodebind={node} "
-                 f"--membind={node}` or `taskset -c {_compact(sorted(cpus))}`, or set "
+                 f"{_compact(sorted(affinity))}: the threads that fill its pinned buffers work "
+                 "across the NUMA interconnect (H2D ~10% slower from a far node). Run under "
+                 f"`numactl --cpunodebind={node} --membind={node}` or "
+                 f"`taskset -c {_compact(sorted(cpus))}`, or set "
                  "PINXFER_NUMA_NODE.")
         link = g["pcie"] or {}
         cur_g, max_g = link.get("current_gen"), link.get("max_gen")
@@ -571,7 +573,8 @@ def render(report: dict[str, Any]) -> str:
         "pinxfer settings:",
         f"  build: with_cuda={bi['with_cuda']} cuda_version={bi['cuda_version'] or '-'} "
         f"cuda_usable={bi['cuda_usable']}",
-        f"  pinned cap: {format_bytes(st['max_pinned_bytes']) if st['max_pinned_bytes'] else 'none'}",
+        "  pinned cap: "
+        f"{format_bytes(st['max_pinned_bytes']) if st['max_pinned_bytes'] else 'none'}",
         f"  torch host allocator installed: {st['installed']}",
     ]
     for name, setting in st["values"].items():

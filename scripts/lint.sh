@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The style checks CI runs (.ci/run): ruff's lint rules and formatting (pyproject.toml),
+# clang-format over csrc/ (.clang-format), and no trailing whitespace or missing final
+# newline in tracked text files. Changes nothing; fails on any finding, after running
+# every check. scripts/format.sh fixes most findings.
+#
+#   bash scripts/lint.sh
+#
+# Uses the versions pinned in scripts/lint-requirements.txt (RUFF / CLANG_FORMAT name them
+# if they are not on PATH).
+set -uo pipefail
+source "$(dirname "$0")/lint_common.sh"
+
+require_pinned "$RUFF" ruff
+require_pinned "$CLANG_FORMAT" clang-format
+
+failed=()
+
+echo "lint: ruff check"
+python_files | xargs -0 "$RUFF" check --no-fix -- || failed+=("ruff check")
+
+echo "lint: ruff format --check"
+python_files | xargs -0 "$RUFF" format --check -- || failed+=("ruff format")
+
+echo "lint: clang-format"
+cxx_files | xargs -0 "$CLANG_FORMAT" --dry-run -Werror -- || failed+=("clang-format")
+
+# Recorded benchmark output (benchmarks/results/) is kept byte for byte as it was written.
+echo "lint: whitespace"
+text_files() {
+  git ls-files -z -- . ':!benchmarks/results/' | xargs -0 grep -IlZ '' -- 2>/dev/null
+}
+if text_files | xargs -0 grep -n -E '[[:space:]]+$' --; then
+  echo "lint: trailing whitespace on the lines above" >&2
+  failed+=("whitespace")
+fi
+while IFS= read -r -d '' file; do
+  if [ -s "$file" ] && [ -n "$(tail -c1 -- "$file")" ]; then
+    echo "$file: no newline at the end of the file" >&2
+    failed+=("final newline")
+  fi
+done < <(text_files)
+
+if [ "${#failed[@]}" -ne 0 ]; then
+  echo "lint: FAILED: ${failed[*]}. bash scripts/format.sh fixes formatting and most ruff" \
+       "findings; the rest need an edit." >&2
+  exit 1
+fi
+echo "lint: all checks passed"
