@@ -16,6 +16,14 @@ require_pinned "$CLANG_FORMAT" clang-format
 
 failed=()
 
+# .pre-commit-config.yaml installs its own copies of the tools: the same versions.
+while IFS= read -r pin; do
+  if ! grep -qF "\"$pin\"" .pre-commit-config.yaml; then
+    echo "lint: .pre-commit-config.yaml does not pin $pin (scripts/lint-requirements.txt does)" >&2
+    failed+=("pre-commit pins")
+  fi
+done < <(grep -E '^[A-Za-z0-9_.-]+==' scripts/lint-requirements.txt)
+
 echo "lint: ruff check"
 python_files | xargs -0 "$RUFF" check --no-fix -- || failed+=("ruff check")
 
