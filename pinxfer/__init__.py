@@ -61,6 +61,8 @@ from pinxfer.prefetch import Prefetcher, prefetch  # noqa: E402
 from pinxfer import slots  # noqa: E402,F401  (pinxfer.slots after import pinxfer)
 from pinxfer.transfer import HostTransfer, to_device, to_host  # noqa: E402
 
+# The one place the version is written: pyproject.toml reads it (dynamic version), so the
+# installed metadata and a source checkout agree. CHANGELOG.md says what each one holds.
 __version__ = "0.1.0"
 
 __all__ = [

@@ -6,7 +6,7 @@ nothing is pinned whole and the bus runs near its limit; pinned tensors go with
 one DMA. Many small tensors of a batch are packed into one staging buffer and
 sent with one copy. The copies run on a per-device copy stream and the caller's
 current stream waits for them, so the results are safe to use right away on
-that stream. The design note is at the top of csrc/ops/cuda/to_device_cuda.cpp.
+that stream. The design note is csrc/README.md, "Transfers" (and csrc/transfer/'s headers).
 
 ``to_host`` returns a :class:`HostTransfer`: the pinned host tensor is reachable
 only through ``wait()``/``tensor``, which wait for the copy first. That closes
