@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build pinxfer from source against the torch that
-# is there (no network), then run the chosen steps and leave logs and JSON under
-# $OUT (default: ./gpu_out). Exits non-zero if the build or any step failed; the
-# last lines printed are a per-step summary (also appended to $OUT/env.txt).
+# is there (no network), then run the chosen steps and leave JSON results under
+# $OUT (default: ./gpu_out) and logs under $OUT/logs. Exits non-zero if the build or any
+# step failed; the last lines printed are a per-step summary (also appended to
+# $OUT/logs/env.txt).
 #
 #   bash scripts/gpu_check.sh [STEP...] [-k PYTEST_EXPR]
 #   bash scripts/gpu_check.sh "test stress memcheck"     # one quoted list works too
@@ -15,7 +16,7 @@
 #             soak-marked tests (-m soak), "SOAK EXIT n"
 #   stress    scripts/stress_gpu.py (tests/stress/) --mode both (plain, then pinxfer.install())
 #   memcheck  compute-sanitizer memcheck over tests/test_transfer_gpu.py and
-#             tests/test_allocator_gpu.py; error count in memcheck.txt
+#             tests/test_allocator_gpu.py; error count in logs/memcheck.txt
 #   bench     benchmarks/bench_{allocator,pin_memory,transfer,small_calls}.py and `pinxfer bench`
 #   bus       benchmarks/bench_bus.py: ratios to the pinned ceiling (one process; with 2+ GPUs
 #             also 2 torchrun ranks at once); bus.json (+ bus_rank0/1.json); then
@@ -31,7 +32,7 @@
 #   loop      benchmarks/bench_loop.py (issue 22): every size 4 KiB - 1 GiB, back to back and
 #             after a 20 ms idle gap (sleep; a GPU kernel the host waits on), pinxfer's ways
 #             against torch's and the pinned copy, small-call rows, CPU per GB, idle CPU;
-#             PASS/MISS against the issue's targets. loop.json, loop.log (~5 min on an H100;
+#             PASS/MISS against the issue's targets. loop.json, logs/loop.log (~5 min on an H100;
 #             LOOP_ARGS e.g. "--quick" or "--sizes 4K,1M,8M"). Kind: PINXFER_MACHINE_KIND.
 #   all       all of the above but ab, loader and loop (more than one 10-minute device call:
 #             pick subsets)
@@ -59,18 +60,20 @@
 #   MEMCHECK_NO_CACHING   1: PYTORCH_NO_CUDA_MEMORY_CACHING=1 (a cudaMalloc per tensor, so
 #                         out-of-bounds accesses between tensors are caught; slower)
 #
-# Files written under $OUT (at most 8 come back from the device; `all` writes exactly 8):
-# env.txt (environment + step summary), junit.xml, stress.json, memcheck.txt,
-# bench.json ({"allocator": ..., "pin_memory": ..., "transfer": ...}: the three bench
+# Files written (at most 8 come back from the device; `all` writes exactly 8). Results, as
+# JSON, under $OUT: stress.json, bench.json ({"allocator": ..., "pin_memory": ..., "transfer": ...}: the three bench
 # scripts' JSON; split with
 #   python3 -c "import json; d = json.load(open('bench.json'))
 #   [json.dump(v, open(f'bench_{k}.json', 'w'), indent=1) for k, v in d.items()]"),
-# bench_cli.json, bench.log, sweep.json; loop.json and loop.log (loop step). Build, pytest, stress and memcheck logs stay
-# in /tmp (their tails are printed).
+# bench_cli.json, sweep.json, loop.json (loop step). Logs under $OUT/logs: env.txt
+# (environment + step summary), junit.xml, memcheck.txt, bench.log, loop.log (loop step).
+# Keep them apart the same way in benchmarks/results/<machine>/ and <machine>/logs/. Build,
+# pytest, stress and memcheck logs stay in /tmp (their tails are printed).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}
-mkdir -p "$OUT"
+LOGS="$OUT/logs"  # everything that is not a JSON result
+mkdir -p "$OUT" "$LOGS"
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 
 # ---- arguments: step names (separate or in one quoted list), -k EXPR, else a -k expression
@@ -122,11 +125,11 @@ finish() {
     for i in "${!STEP_NAMES[@]}"; do
       printf '  %-9s %s\n' "${STEP_NAMES[$i]}" "${STEP_STATUS[$i]}"
     done
-  } | tee -a "$OUT/env.txt"
+  } | tee -a "$LOGS/env.txt"
   for i in "${!STEP_STATUS[@]}"; do
     case "${STEP_STATUS[$i]}" in OK*) ;; *) failed=1 ;; esac
   done
-  echo "GPU CHECK $([ $failed -eq 0 ] && echo PASSED || echo FAILED)" | tee -a "$OUT/env.txt"
+  echo "GPU CHECK $([ $failed -eq 0 ] && echo PASSED || echo FAILED)" | tee -a "$LOGS/env.txt"
   exit $failed
 }
 
@@ -135,8 +138,8 @@ finish() {
   python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
   nproc; ulimit -l; cat /sys/kernel/mm/transparent_hugepage/enabled
   echo "steps:$steps${kexpr:+ (pytest -k \"$kexpr\")}"
-} > "$OUT/env.txt" 2>&1
-cat "$OUT/env.txt"
+} > "$LOGS/env.txt" 2>&1
+cat "$LOGS/env.txt"
 
 # ---- build
 build() {  # $1: C++ compiler; returns non-zero if the build or the import fails
@@ -221,7 +224,7 @@ for where in ('before CUDA use', 'after CUDA use'):
   record smoke "$(status_of "$rc")"
   # Plain pytest in this process: a crash ends the run and fails the step (xdist
   # would replace the crashed worker and go on, hiding it).
-  python3 -X faulthandler -m pytest -q -rs $xdist_off -p no:cacheprovider --junitxml "$OUT/junit.xml" \
+  python3 -X faulthandler -m pytest -q -rs $xdist_off -p no:cacheprovider --junitxml "$LOGS/junit.xml" \
     ${kexpr:+-k "$kexpr"} ${PYTEST_M:+-m "$PYTEST_M"} tests > /tmp/pinxfer_pytest.log 2>&1
   rc=$?
   if [ "$rc" -gt 128 ] && grep -q "Fatal Python error" /tmp/pinxfer_pytest.log; then
@@ -267,7 +270,7 @@ if want memcheck; then
        /usr/local/cuda-*/bin/compute-sanitizer /usr/local/cuda/compute-sanitizer/compute-sanitizer \
        2>/dev/null | head -1)
   if [ -z "$cs" ]; then
-    echo "compute-sanitizer not found (PATH, /usr/local/cuda*/bin)" | tee "$OUT/memcheck.txt"
+    echo "compute-sanitizer not found (PATH, /usr/local/cuda*/bin)" | tee "$LOGS/memcheck.txt"
     record memcheck "FAILED (compute-sanitizer not found)"
   else
     mk=${MEMCHECK_K:-}
@@ -302,9 +305,9 @@ if want memcheck; then
       grep -E "^========= " /tmp/pinxfer_memcheck.log | grep -v "ERROR SUMMARY" | head -80
       echo "--- pytest failures"
       grep -E "^(FAILED|ERROR) |Fatal Python error" /tmp/pinxfer_memcheck.log | head -20
-    } > "$OUT/memcheck.txt"
+    } > "$LOGS/memcheck.txt"
     tail -30 /tmp/pinxfer_memcheck.log
-    cat "$OUT/memcheck.txt" | head -20
+    cat "$LOGS/memcheck.txt" | head -20
     echo "MEMCHECK EXIT $rc, errors $errors"
     echo "memcheck: $(( $(date +%s) - t0 )) s"
     if [ "$summaries" -eq 0 ]; then
@@ -328,9 +331,9 @@ if want bench; then
     timeout 240 python3 "$REPO/benchmarks/bench_$b.py" --out "/tmp/pinxfer_bench_$b.json" 2>&1 | tail -25
     rc=${PIPESTATUS[0]}
     [ "$rc" -ne 0 ] && { echo "bench_$b: $(status_of "$rc")"; bench_rc=$rc; }
-  done 2>&1 | tee "$OUT/bench.log"
+  done 2>&1 | tee "$LOGS/bench.log"
   # the loop ran in a pipeline's subshell: take its failures from the log
-  grep -q "^bench_[a-z_]*: FAILED" "$OUT/bench.log" && bench_rc=1
+  grep -q "^bench_[a-z_]*: FAILED" "$LOGS/bench.log" && bench_rc=1
   python3 - "$OUT/bench.json" <<'EOF'
 import json, os, sys
 out = {}
@@ -416,11 +419,11 @@ if want loop; then
   t0=$(date +%s)
   echo "== bench_loop (${PINXFER_MACHINE_KIND:-kind from the GPU name})"
   timeout -k 20 "${LOOP_TIMEOUT:-450}" python3 "$REPO/benchmarks/bench_loop.py" \
-    --json "$OUT/loop.json" ${LOOP_ARGS:-} > "$OUT/loop.log" 2>&1
+    --json "$OUT/loop.json" ${LOOP_ARGS:-} > "$LOGS/loop.log" 2>&1
   rc=$?
   # the compact table is printed last; the whole detail is in loop.log and loop.json
-  awk '/^== loop table/ {p = 1} p' "$OUT/loop.log" | tail -60
-  [ "$rc" -ne 0 ] && tail -30 "$OUT/loop.log"
+  awk '/^== loop table/ {p = 1} p' "$LOGS/loop.log" | tail -60
+  [ "$rc" -ne 0 ] && tail -30 "$LOGS/loop.log"
   echo "loop: $(( $(date +%s) - t0 )) s"
   record loop "$(status_of "$rc")"
 fi
