@@ -19,6 +19,7 @@ Sanitizer builds (orthogonal to the above), PINXFER_SANITIZE=...:
   run Python with LD_PRELOAD=$(g++ -print-file-name=libasan.so) (or libtsan.so).
   scripts/sanitize.sh does all of it, on the CPU-only variant, in a scratch copy.
 """
+
 import glob
 import os
 import sys
@@ -39,7 +40,7 @@ def _find_cuda_home() -> None:
     nvcc = shutil.which("nvcc")
     if nvcc:
         candidates.append(os.path.dirname(os.path.dirname(os.path.realpath(nvcc))))
-    candidates += ["/usr/local/cuda"] + sorted(glob.glob("/usr/local/cuda-*"), reverse=True)
+    candidates += ["/usr/local/cuda", *sorted(glob.glob("/usr/local/cuda-*"), reverse=True)]
     for root in candidates:
         if os.path.exists(os.path.join(root, "include", "cuda_runtime.h")):
             os.environ["CUDA_HOME"] = root
@@ -48,8 +49,8 @@ def _find_cuda_home() -> None:
 
 _find_cuda_home()
 
-import torch  # noqa: E402
-from torch.utils import cpp_extension  # noqa: E402
+import torch
+from torch.utils import cpp_extension
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -119,7 +120,7 @@ if sanitize:
     _, san_compile, san_link = _SANITIZERS[sanitize]
     # -O1 keeps stacks readable and runs fast enough; -UNDEBUG undoes Python's
     # -DNDEBUG so assert()s run too.
-    cxx_flags = ["-g", "-O1", "-fno-omit-frame-pointer", "-UNDEBUG"] + san_compile + cxx_flags[1:]
+    cxx_flags = ["-g", "-O1", "-fno-omit-frame-pointer", "-UNDEBUG", *san_compile, *cxx_flags[1:]]
     link_flags = san_link
     define_macros.append(("PINXFER_DEBUG_INVARIANTS", "1"))
 if with_cuda:
@@ -129,7 +130,9 @@ if with_cuda:
     try:
         out = subprocess.run(
             [os.path.join(cpp_extension.CUDA_HOME, "bin", "nvcc"), "--version"],
-            capture_output=True, text=True, check=True,
+            capture_output=True,
+            text=True,
+            check=True,
         ).stdout
         release = out.split("release ")[1].split(",")[0]
     except Exception:  # noqa: BLE001 - report "unknown" rather than fail the build
@@ -143,8 +146,10 @@ try:
     cpp_extension.verify_ninja_availability()
     compile_mode = f"ninja, MAX_JOBS={jobs} files at a time"
 except RuntimeError:
-    compile_mode = ("one file at a time: ninja not found (`pip install ninja` makes the build "
-                    f"{jobs}x parallel)")
+    compile_mode = (
+        "one file at a time: ninja not found (`pip install ninja` makes the build "
+        f"{jobs}x parallel)"
+    )
 
 Extension = cpp_extension.CUDAExtension if with_cuda else cpp_extension.CppExtension
 print(

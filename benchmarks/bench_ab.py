@@ -28,6 +28,7 @@ after/before (for GB/s > 1 is faster, for µs < 1 is faster), also after/before 
 between processes). A measure is flagged "slower" when after is worse than before by
 more than --tolerance (default 5%) in the median over rounds AND in most rounds.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,22 +39,27 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
 
 # ---- one run: in the process of one build ----
 
+
 def measure(root: str, repeats: int) -> dict:
     sys.path.insert(0, root)
     import torch
+
     import pinxfer
 
     where = os.path.realpath(pinxfer.__file__)
     if not where.startswith(os.path.realpath(root) + os.sep):
-        raise SystemExit(f"imported pinxfer from {where}, expected a build under {root}: "
-                         "is another pinxfer installed ahead of it on sys.path?")
+        raise SystemExit(
+            f"imported pinxfer from {where}, expected a build under {root}: "
+            "is another pinxfer installed ahead of it on sys.path?"
+        )
     dev = torch.device("cuda")
     sync = torch.cuda.synchronize
 
@@ -80,16 +86,25 @@ def measure(root: str, repeats: int) -> dict:
             if synced:
                 sync()
             return (time.perf_counter() - t0) / calls * 1e6
+
         sample()
         times = [sample() for _ in range(repeats)]
         return {"median": statistics.median(times), "best": min(times)}
 
-    out: dict = {"root": root, "pinxfer_file": where, "torch": torch.__version__,
-                 "gpu": torch.cuda.get_device_name(), "measures": {}}
+    out: dict = {
+        "root": root,
+        "pinxfer_file": where,
+        "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name(),
+        "measures": {},
+    }
     m = out["measures"]
 
-    for name, nbytes in (("to_device_8m", 8 * MiB), ("to_device_64m", 64 * MiB),
-                         ("to_device_1g", GiB)):
+    for name, nbytes in (
+        ("to_device_8m", 8 * MiB),
+        ("to_device_64m", 64 * MiB),
+        ("to_device_1g", GiB),
+    ):
         src = torch.empty(nbytes, dtype=torch.uint8).fill_(7)  # every page touched
         pinned = src.pin_memory()
         # Short transfers vary most between samples: take more of them (8 MiB: 64).
@@ -104,38 +119,60 @@ def measure(root: str, repeats: int) -> dict:
         batches = [torch.empty(nbytes, dtype=torch.uint8).fill_(i) for i in range(count)]
 
         def drain() -> None:
-            for b in pinxfer.prefetch(batches, dev):
+            for _b in pinxfer.prefetch(batches, dev):
                 pass
+
         row = gbps(nbytes * count, seconds(drain))
         row["unit"] = "GB/s"
         m[name] = row
 
     src = torch.empty(64 * MiB, dtype=torch.uint8).fill_(3)
-    m["pin_memory_64m"] = {**gbps(64 * MiB, seconds(lambda: pinxfer.pin_memory(src))), "unit": "GB/s"}
+    m["pin_memory_64m"] = {
+        **gbps(64 * MiB, seconds(lambda: pinxfer.pin_memory(src))),
+        "unit": "GB/s",
+    }
 
     x64 = torch.randn(16 * KiB)
     m["pin_memory_64k_us"] = {**per_call_us(lambda: pinxfer.pin_memory(x64), 2000), "unit": "us"}
     m["empty_16k_us"] = {**per_call_us(lambda: pinxfer.empty(16384), 2000), "unit": "us"}
     x4 = torch.randint(0, 255, (4 * KiB,), dtype=torch.uint8)
-    m["to_device_4k_us"] = {**per_call_us(lambda: pinxfer.to_device(x4, dev), 2000, True),
-                            "unit": "us"}
+    m["to_device_4k_us"] = {
+        **per_call_us(lambda: pinxfer.to_device(x4, dev), 2000, True),
+        "unit": "us",
+    }
     g = torch.Generator().manual_seed(0)
-    batch = {f"t{i}": torch.randint(0, 255, ((4 * KiB) << (i % 7),), dtype=torch.uint8,
-                                    generator=g) for i in range(64)}
-    m["to_device_batch_64_us"] = {**per_call_us(lambda: pinxfer.to_device(batch, dev), 100, True),
-                                  "unit": "us"}
+    batch = {
+        f"t{i}": torch.randint(0, 255, ((4 * KiB) << (i % 7),), dtype=torch.uint8, generator=g)
+        for i in range(64)
+    }
+    m["to_device_batch_64_us"] = {
+        **per_call_us(lambda: pinxfer.to_device(batch, dev), 100, True),
+        "unit": "us",
+    }
     return out
 
 
 # ---- driver: alternate the builds, compare round by round ----
 
+
 def run_one(script: str, root: str, repeats: int, tmp: str) -> dict:
-    cmd = [sys.executable, script, "--measure", "--root", root, "--repeats", str(repeats),
-           "--out", tmp]
+    cmd = [
+        sys.executable,
+        script,
+        "--measure",
+        "--root",
+        root,
+        "--repeats",
+        str(repeats),
+        "--out",
+        tmp,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
-        raise SystemExit(f"measuring {root} failed (exit {proc.returncode}):\n"
-                         f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+        raise SystemExit(
+            f"measuring {root} failed (exit {proc.returncode}):\n"
+            f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+        )
     with open(tmp) as f:
         return json.load(f)
 
@@ -151,15 +188,24 @@ def compare(runs: dict, tolerance: float) -> dict:
     for name in names:
         unit = runs["before"][0]["measures"][name]["unit"]
         per_round = {side: [r["measures"][name]["median"] for r in runs[side]] for side in runs}
-        row: dict = {"unit": unit, "per_round_median": per_round,
-                     "best": {s: (max if better_is_higher(unit) else min)(
-                         r["measures"][name]["best"] for r in runs[s]) for s in runs}}
+        row: dict = {
+            "unit": unit,
+            "per_round_median": per_round,
+            "best": {
+                s: (max if better_is_higher(unit) else min)(
+                    r["measures"][name]["best"] for r in runs[s]
+                )
+                for s in runs
+            },
+        }
         med = {s: statistics.median(v) for s, v in per_round.items()}
         row["median_over_rounds"] = med
         row["after_over_before"] = med["after"] / med["before"]
         if "of_ceiling" in runs["before"][0]["measures"][name]:
-            of = {s: statistics.median(r["measures"][name]["of_ceiling"] for r in runs[s])
-                  for s in runs}
+            of = {
+                s: statistics.median(r["measures"][name]["of_ceiling"] for r in runs[s])
+                for s in runs
+            }
             row["of_ceiling_median"] = of
             row["of_ceiling_after_over_before"] = of["after"] / of["before"]
         # "slower" needs both: the median over rounds worse by more than the tolerance,
@@ -178,13 +224,16 @@ def compare(runs: dict, tolerance: float) -> dict:
         # median's.
         best = row["best"]
         row["best_after_over_before"] = best["after"] / best["before"]
-        row["verdict"] = ("slower" if worse_median and worse_rounds * 2 > len(per_round["after"])
-                          else "not slower")
+        row["verdict"] = (
+            "slower"
+            if worse_median and worse_rounds * 2 > len(per_round["after"])
+            else "not slower"
+        )
         table[name] = row
     return table
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--measure", action="store_true", help="one run of one build (internal)")
     ap.add_argument("--root", help="with --measure: the checkout to import pinxfer from")
@@ -208,6 +257,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not (args.before and args.after):
         ap.error("give --before DIR and --after DIR (or --measure --root DIR)")
     import torch
+
     if not torch.cuda.is_available():
         with open(args.out, "w") as f:
             json.dump({"benchmark": "ab", "skipped": "no CUDA device"}, f, indent=1)
@@ -222,30 +272,47 @@ def main(argv: Optional[list[str]] = None) -> int:
         order = ("before", "after") if rnd % 2 == 0 else ("after", "before")
         for side in order:
             runs[side].append(run_one(script, roots[side], args.repeats, tmp))
-            print(f"round {rnd + 1}/{args.rounds} {side} done ({time.time() - t0:.0f} s)",
-                  flush=True)
+            print(
+                f"round {rnd + 1}/{args.rounds} {side} done ({time.time() - t0:.0f} s)", flush=True
+            )
     os.unlink(tmp)
     table = compare(runs, args.tolerance)
     result = {
-        "benchmark": "ab", "kind": args.kind,
+        "benchmark": "ab",
+        "kind": args.kind,
         "labels": {"before": args.before_label, "after": args.after_label},
-        "machine": {"gpu": torch.cuda.get_device_name(), "host": platform.node(),
-                    "cpus": os.cpu_count(), "torch": torch.__version__},
-        "rounds": args.rounds, "repeats": args.repeats, "tolerance": args.tolerance,
+        "machine": {
+            "gpu": torch.cuda.get_device_name(),
+            "host": platform.node(),
+            "cpus": os.cpu_count(),
+            "torch": torch.__version__,
+        },
+        "rounds": args.rounds,
+        "repeats": args.repeats,
+        "tolerance": args.tolerance,
         "order": "rounds alternate: before,after then after,before ...",
-        "table": table, "runs": runs,
+        "table": table,
+        "runs": runs,
     }
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
-    print(f"{'measure':24s} {'unit':5s} {args.before_label:>10s} {args.after_label:>10s} "
-          f"{'after/before':>12s}  verdict")
+    print(
+        f"{'measure':24s} {'unit':5s} {args.before_label:>10s} {args.after_label:>10s} "
+        f"{'after/before':>12s}  verdict"
+    )
     for name, row in table.items():
         med = row["median_over_rounds"]
-        extra = (f"  (of ceiling {row['of_ceiling_median']['before']:.2f} -> "
-                 f"{row['of_ceiling_median']['after']:.2f})" if "of_ceiling_median" in row else "")
-        print(f"{name:24s} {row['unit']:5s} {med['before']:10.2f} {med['after']:10.2f} "
-              f"{row['after_over_before']:12.3f}  {row['verdict']} (best: "
-              f"{row['best_after_over_before']:.3f}){extra}")
+        extra = (
+            f"  (of ceiling {row['of_ceiling_median']['before']:.2f} -> "
+            f"{row['of_ceiling_median']['after']:.2f})"
+            if "of_ceiling_median" in row
+            else ""
+        )
+        print(
+            f"{name:24s} {row['unit']:5s} {med['before']:10.2f} {med['after']:10.2f} "
+            f"{row['after_over_before']:12.3f}  {row['verdict']} (best: "
+            f"{row['best_after_over_before']:.3f}){extra}"
+        )
     return 0
 
 

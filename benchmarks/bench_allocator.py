@@ -9,6 +9,7 @@
 
 Usage: python benchmarks/bench_allocator.py --out results.json [--quick]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -81,8 +82,11 @@ def _workloads():
         return [32 * 3 * 224 * 224, 32 * seq * 8, 32 * seq, 32 * seq * 64 * 2, 32 * 8]
 
     fixed = [int(2 ** random.Random(3).uniform(12, 24)) for _ in range(64)]
-    return {"64_random_sizes_per_step": random64, "5_tensors_varlen_seq": varlen,
-            "64_fixed_mixed_sizes": lambda step: fixed}
+    return {
+        "64_random_sizes_per_step": random64,
+        "5_tensors_varlen_seq": varlen,
+        "64_fixed_mixed_sizes": lambda step: fixed,
+    }
 
 
 def _run_workload(alloc, sizes_for_step, steps=100, window=2) -> int:
@@ -102,7 +106,9 @@ def child_main(args) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true", help="skip the 4 GiB size")
     ap.add_argument("--reps", type=int, default=3)
@@ -113,9 +119,15 @@ def main() -> None:
         return child_main(args)
 
     has_cuda = pinxfer.cuda_unavailable_reason() is None
-    report = {"benchmark": "allocator", "device": torch.cuda.get_device_name() if has_cuda else None,
-              "torch": torch.__version__, "pinxfer": pinxfer.__version__,
-              "date": time.strftime("%Y-%m-%d"), "results": {}, "skipped": []}
+    report = {
+        "benchmark": "allocator",
+        "device": torch.cuda.get_device_name() if has_cuda else None,
+        "torch": torch.__version__,
+        "pinxfer": pinxfer.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+        "results": {},
+        "skipped": [],
+    }
     if has_cuda:
         torch.cuda.init()
     # 1. cold allocation + fill
@@ -123,14 +135,20 @@ def main() -> None:
     best_conf = {}
     if has_cuda:
         env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF=TORCH_BEST_CONF)
-        cmd = [sys.executable, __file__, "--child-torch-cold", "--reps", str(args.reps)] + (["--quick"] if args.quick else [])
+        cmd = [sys.executable, __file__, "--child-torch-cold", "--reps", str(args.reps)] + (
+            ["--quick"] if args.quick else []
+        )
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if proc.returncode == 0:
             best_conf = json.loads(proc.stdout.strip().splitlines()[-1])
         else:
-            report["skipped"].append({"section": "cold torch best setting", "reason": proc.stderr[-500:]})
+            report["skipped"].append(
+                {"section": "cold torch best setting", "reason": proc.stderr[-500:]}
+            )
     else:
-        report["skipped"].append({"section": "cold: torch", "reason": "no CUDA device: torch cannot pin"})
+        report["skipped"].append(
+            {"section": "cold: torch", "reason": "no CUDA device: torch cannot pin"}
+        )
     for n in _sizes(args.quick):
         reps = args.reps if n < 4096 * MiB else 2
         px, parts = _cold_pinxfer(n, reps)
@@ -146,17 +164,22 @@ def main() -> None:
     report["results"]["cold_alloc_fill"] = cold
 
     # 2. cache-hit latency at 64 KiB
-    hit = {"bytes": 64 * 1024,
-           "pinxfer_us": 1e6 * _hit_latency(lambda: pinxfer.empty(65536, dtype=torch.uint8))}
+    hit = {
+        "bytes": 64 * 1024,
+        "pinxfer_us": 1e6 * _hit_latency(lambda: pinxfer.empty(65536, dtype=torch.uint8)),
+    }
     if has_cuda:
-        hit["torch_us"] = 1e6 * _hit_latency(lambda: torch.empty(65536, dtype=torch.uint8, pin_memory=True))
+        hit["torch_us"] = 1e6 * _hit_latency(
+            lambda: torch.empty(65536, dtype=torch.uint8, pin_memory=True)
+        )
         hit["torch_over_pinxfer"] = hit["torch_us"] / hit["pinxfer_us"]
         # The allocator itself, without the torch.ops call overhead: torch's own
         # factory function served by pinxfer's pool (install()).
         pinxfer.install()
         try:
             hit["pinxfer_installed_us"] = 1e6 * _hit_latency(
-                lambda: torch.empty(65536, dtype=torch.uint8, pin_memory=True))
+                lambda: torch.empty(65536, dtype=torch.uint8, pin_memory=True)
+            )
         finally:
             pinxfer.uninstall()
         hit["torch_over_pinxfer_installed"] = hit["torch_us"] / hit["pinxfer_installed_us"]
@@ -170,11 +193,14 @@ def main() -> None:
         pinxfer.reset_accumulated_memory_stats()
         peak = _run_workload(lambda n: pinxfer.empty(n, dtype=torch.uint8), fn)
         s = pinxfer.memory_stats()
-        row = {"workload": name, "peak_requested": peak,
-               "pinxfer_reserved_peak": s["reserved_bytes.peak"],
-               "pinxfer_ratio": s["reserved_bytes.peak"] / peak,
-               "pinxfer_segment_maps": s["num_segment_maps"],
-               "pinxfer_pin_ms": s["pin_time_ns"] / 1e6}
+        row = {
+            "workload": name,
+            "peak_requested": peak,
+            "pinxfer_reserved_peak": s["reserved_bytes.peak"],
+            "pinxfer_ratio": s["reserved_bytes.peak"] / peak,
+            "pinxfer_segment_maps": s["num_segment_maps"],
+            "pinxfer_pin_ms": s["pin_time_ns"] / 1e6,
+        }
         pinxfer.empty_cache()
         if has_cuda:
             torch._C._host_emptyCache()
@@ -182,29 +208,42 @@ def main() -> None:
             peak_t = _run_workload(lambda n: torch.empty(n, dtype=torch.uint8, pin_memory=True), fn)
             ts = torch.cuda.host_memory_stats()
             reserved_t = ts.get("allocated_bytes.peak", ts.get("reserved_bytes.peak"))
-            row.update({"torch_reserved_peak": reserved_t, "torch_ratio": reserved_t / peak_t,
-                        "torch_host_allocs": ts.get("num_host_alloc")})
+            row.update(
+                {
+                    "torch_reserved_peak": reserved_t,
+                    "torch_ratio": reserved_t / peak_t,
+                    "torch_host_allocs": ts.get("num_host_alloc"),
+                }
+            )
             torch._C._host_emptyCache()
         waste.append(row)
     report["results"]["reserved_over_requested"] = waste
 
     # table
     print(f"\npinxfer allocator benchmark on {report['device'] or 'CPU only (mlock path)'}")
-    print(f"{'cold alloc+fill':>18} {'pinxfer ms':>11} {'torch ms':>9} {'torch reg8 ms':>14} "
-          f"{'x default':>9} {'x reg8':>7}")
+    print(
+        f"{'cold alloc+fill':>18} {'pinxfer ms':>11} {'torch ms':>9} {'torch reg8 ms':>14} "
+        f"{'x default':>9} {'x reg8':>7}"
+    )
     nan = float("nan")
     for r in cold:
-        print(f"{r['bytes'] // MiB:>14} MiB {r['pinxfer_ms']:>11.1f} "
-              f"{r.get('torch_default_ms', nan):>9.1f} "
-              f"{r.get('torch_register8_ms', nan):>14.1f} "
-              f"{r.get('speedup_vs_torch_default', nan):>9.2f} "
-              f"{r.get('speedup_vs_torch_register8', nan):>7.2f}")
-    print(f"cache hit 64 KiB: pinxfer.empty {hit['pinxfer_us']:.2f} us, torch.empty(pin_memory=True) "
-          f"{hit.get('torch_us', float('nan')):.2f} us, same call with pinxfer installed "
-          f"{hit.get('pinxfer_installed_us', float('nan')):.2f} us")
+        print(
+            f"{r['bytes'] // MiB:>14} MiB {r['pinxfer_ms']:>11.1f} "
+            f"{r.get('torch_default_ms', nan):>9.1f} "
+            f"{r.get('torch_register8_ms', nan):>14.1f} "
+            f"{r.get('speedup_vs_torch_default', nan):>9.2f} "
+            f"{r.get('speedup_vs_torch_register8', nan):>7.2f}"
+        )
+    print(
+        f"cache hit 64 KiB: pinxfer.empty {hit['pinxfer_us']:.2f} us, torch.empty(pin_memory=True) "
+        f"{hit.get('torch_us', float('nan')):.2f} us, same call with pinxfer installed "
+        f"{hit.get('pinxfer_installed_us', float('nan')):.2f} us"
+    )
     for r in waste:
-        print(f"reserved/requested {r['workload']:>26}: pinxfer {r['pinxfer_ratio']:.3f}, "
-              f"torch {r.get('torch_ratio', nan):.3f}")
+        print(
+            f"reserved/requested {r['workload']:>26}: pinxfer {r['pinxfer_ratio']:.3f}, "
+            f"torch {r.get('torch_ratio', nan):.3f}"
+        )
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=2)

@@ -27,9 +27,11 @@ Usage:
   torchrun --nproc-per-node 2 benchmarks/bench_bus.py --kind nvidia-h200-x2
   python3 benchmarks/bench_bus.py --quick --out /tmp/bus.json      # fewer, smaller runs
 """
+
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -38,8 +40,9 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 
@@ -80,19 +83,31 @@ class Dist:
 
 def _stats(times: list[float], cpu: float, nbytes: int, runs: int) -> dict[str, float]:
     med, best = statistics.median(times), min(times)
-    return {"median_s": med, "min_s": best, "gbps_median": nbytes / med / 1e9,
-            "gbps_best": nbytes / best / 1e9, "cpu_s_per_gb": cpu / (runs * nbytes / 1e9)}
+    return {
+        "median_s": med,
+        "min_s": best,
+        "gbps_median": nbytes / med / 1e9,
+        "gbps_best": nbytes / best / 1e9,
+        "cpu_s_per_gb": cpu / (runs * nbytes / 1e9),
+    }
 
 
-def measure(fn: Callable[[], Any], nbytes: int, runs: int, dist: Dist, device: torch.device,
-            warmup: int = 1) -> dict[str, float]:
+def measure(
+    fn: Callable[[], Any], nbytes: int, runs: int, dist: Dist, device: torch.device, warmup: int = 1
+) -> dict[str, float]:
     """Median and minimum seconds of `runs` calls of fn (each synced), GB/s of
     both, and CPU seconds per GB over all runs."""
     return measure_set({"only": fn}, nbytes, runs, dist, device, warmup)["only"]
 
 
-def measure_set(fns: dict[str, Callable[[], Any]], nbytes: int, runs: int, dist: Dist,
-                device: torch.device, warmup: int = 1) -> dict[str, dict[str, Any]]:
+def measure_set(
+    fns: dict[str, Callable[[], Any]],
+    nbytes: int,
+    runs: int,
+    dist: Dist,
+    device: torch.device,
+    warmup: int = 1,
+) -> dict[str, dict[str, Any]]:
     """measure() for several ways of moving the same bytes, interleaved: each round
     runs every way once (after `warmup` untimed calls of it), in an order rotated
     round by round, so the host's drift (these are shared machines) falls on all of
@@ -108,7 +123,7 @@ def measure_set(fns: dict[str, Callable[[], Any]], nbytes: int, runs: int, dist:
     fill_bytes: dict[str, int] = {}
     cpu = dict.fromkeys(names, 0.0)
     for r in range(runs):
-        for name in names[r % len(names):] + names[:r % len(names)]:
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             # Untimed calls of the same way first: each timed call finds the state its
             # own way leaves (caches, awake copy threads, pooled blocks), as in a loop
             # of that way alone, not the state the previous way left.
@@ -145,20 +160,36 @@ def section_to_device(sizes: list[int], runs: int, dist: Dist, dev: torch.device
     for nbytes in sizes:
         t = torch.randn(nbytes // 4)  # pageable, touched
         pinned = t.pin_memory()
-        m = measure_set({"ceiling": lambda: pinned.to(dev, non_blocking=True),
-                         "pinxfer": lambda: pinxfer.to_device(t, dev),
-                         "torch_to": lambda: t.to(dev)}, nbytes, runs, dist, dev)
+        m = measure_set(
+            {
+                "ceiling": lambda: pinned.to(dev, non_blocking=True),
+                "pinxfer": lambda: pinxfer.to_device(t, dev),
+                "torch_to": lambda: t.to(dev),
+            },
+            nbytes,
+            runs,
+            dist,
+            dev,
+        )
         ceiling, ours, torch_to = m["ceiling"], m["pinxfer"], m["torch_to"]
         assert torch.equal(pinxfer.to_device(t, dev).cpu(), t), "to_device changed the bytes"
-        rows.append({"row": f"to_device_{nbytes // MiB}MiB", "bytes": nbytes,
-                     "ceiling_pinned": ceiling, "pinxfer": ours, "torch_to": torch_to,
-                     "pinxfer_vs_ceiling": ratio(ours, ceiling),
-                     "pinxfer_vs_torch_to": ratio(ours, torch_to)})
+        rows.append(
+            {
+                "row": f"to_device_{nbytes // MiB}MiB",
+                "bytes": nbytes,
+                "ceiling_pinned": ceiling,
+                "pinxfer": ours,
+                "torch_to": torch_to,
+                "pinxfer_vs_ceiling": ratio(ours, ceiling),
+                "pinxfer_vs_torch_to": ratio(ours, torch_to),
+            }
+        )
     return rows
 
 
-def section_prefetch(sizes: list[int], total: int, runs: int, dist: Dist,
-                     dev: torch.device) -> list[dict]:
+def section_prefetch(
+    sizes: list[int], total: int, runs: int, dist: Dist, dev: torch.device
+) -> list[dict]:
     rows = []
     for nbytes in sizes:
         n = max(4, total // nbytes)
@@ -184,21 +215,35 @@ def section_prefetch(sizes: list[int], total: int, runs: int, dist: Dist,
             for b in batches:
                 pinxfer.to_device(b, dev)
 
-        m = measure_set({"ceiling": ceiling_run, "prefetch": prefetch_run,
-                         "sequential": sequential_run}, moved, runs, dist, dev)
+        m = measure_set(
+            {"ceiling": ceiling_run, "prefetch": prefetch_run, "sequential": sequential_run},
+            moved,
+            runs,
+            dist,
+            dev,
+        )
         ceiling, pre, seq = m["ceiling"], m["prefetch"], m["sequential"]
-        rows.append({"row": f"prefetch_{nbytes // MiB}MiB", "bytes": moved, "batches": n,
-                     "ceiling_pinned": ceiling, "prefetch": pre, "to_device_sequential": seq,
-                     "prefetch_vs_ceiling": ratio(pre, ceiling),
-                     # after the pass's first batch is on the GPU (thread start and one
-                     # unhidden batch excluded): the rate an epoch of many batches runs at
-                     "prefetch_steady_vs_ceiling": ratio(pre["steady"], ceiling),
-                     "prefetch_vs_sequential": ratio(pre, seq)})
+        rows.append(
+            {
+                "row": f"prefetch_{nbytes // MiB}MiB",
+                "bytes": moved,
+                "batches": n,
+                "ceiling_pinned": ceiling,
+                "prefetch": pre,
+                "to_device_sequential": seq,
+                "prefetch_vs_ceiling": ratio(pre, ceiling),
+                # after the pass's first batch is on the GPU (thread start and one
+                # unhidden batch excluded): the rate an epoch of many batches runs at
+                "prefetch_steady_vs_ceiling": ratio(pre["steady"], ceiling),
+                "prefetch_vs_sequential": ratio(pre, seq),
+            }
+        )
     return rows
 
 
-def section_compute_bound(nbytes: int, steps: int, runs: int, dist: Dist,
-                          dev: torch.device) -> dict:
+def section_compute_bound(
+    nbytes: int, steps: int, runs: int, dist: Dist, dev: torch.device
+) -> dict:
     """A step whose compute takes about 2x a batch's copy: prefetch must hide the copies."""
     batches = [torch.randn(nbytes // 4) for _ in range(4)]
     on_gpu = [b.to(dev) for b in batches]
@@ -232,19 +277,34 @@ def section_compute_bound(nbytes: int, steps: int, runs: int, dist: Dist,
             step(b)
         return {"fill_s": fill, "fill_bytes": 0}
 
-    m = measure_set({"pure": lambda: [step(on_gpu[i % len(on_gpu)]) for i in range(steps)],
-                     "fed": fed_run}, steps * nbytes, runs, dist, dev)
+    m = measure_set(
+        {"pure": lambda: [step(on_gpu[i % len(on_gpu)]) for i in range(steps)], "fed": fed_run},
+        steps * nbytes,
+        runs,
+        dist,
+        dev,
+    )
     pure, fed = m["pure"], m["fed"]
-    return {"row": "compute_bound", "batch_bytes": nbytes, "steps": steps,
-            "matmuls_per_step": per_step, "copy_s": copy, "pure_compute": pure,
-            "prefetch_fed": fed,
-            # steps once the first batch is on the GPU, against the same steps on data
-            # already there: the per-step cost of feeding them
-            "step_time_vs_pure_compute": {"median": fed["steady"]["median_s"] / pure["median_s"],
-                                          "best": fed["steady"]["min_s"] / pure["min_s"]},
-            # the whole loop, the first batch's copy (which nothing can hide) included
-            "loop_time_vs_pure_compute": {"median": fed["median_s"] / pure["median_s"],
-                                          "best": fed["min_s"] / pure["min_s"]}}
+    return {
+        "row": "compute_bound",
+        "batch_bytes": nbytes,
+        "steps": steps,
+        "matmuls_per_step": per_step,
+        "copy_s": copy,
+        "pure_compute": pure,
+        "prefetch_fed": fed,
+        # steps once the first batch is on the GPU, against the same steps on data
+        # already there: the per-step cost of feeding them
+        "step_time_vs_pure_compute": {
+            "median": fed["steady"]["median_s"] / pure["median_s"],
+            "best": fed["steady"]["min_s"] / pure["min_s"],
+        },
+        # the whole loop, the first batch's copy (which nothing can hide) included
+        "loop_time_vs_pure_compute": {
+            "median": fed["median_s"] / pure["median_s"],
+            "best": fed["min_s"] / pure["min_s"],
+        },
+    }
 
 
 def section_idle_cpu(dev: torch.device) -> dict:
@@ -254,8 +314,7 @@ def section_idle_cpu(dev: torch.device) -> dict:
     torch.cuda.synchronize(dev)
     c0, t0 = cpu_seconds(), time.perf_counter()
     time.sleep(1.0)
-    return {"row": "idle_cpu", "wall_s": time.perf_counter() - t0,
-            "cpu_s": cpu_seconds() - c0}
+    return {"row": "idle_cpu", "wall_s": time.perf_counter() - t0, "cpu_s": cpu_seconds() - c0}
 
 
 def section_timeline(nbytes: int, n: int, dev: torch.device) -> dict:
@@ -281,22 +340,25 @@ def section_timeline(nbytes: int, n: int, dev: torch.device) -> dict:
             end.record(copy)
             marks.append((h0, h1, start, end))
             return out
+
         return transfer
 
     def summarize(marks: list, wall: float) -> dict[str, Any]:
         torch.cuda.synchronize(dev)
         med = statistics.median
         host_call = [(h1 - h0) * 1e6 for h0, h1, _, _ in marks]
-        between_calls = [(b[0] - a[1]) * 1e6 for a, b in zip(marks, marks[1:])]
+        between_calls = [(b[0] - a[1]) * 1e6 for a, b in itertools.pairwise(marks)]
         engine_batch = [s.elapsed_time(e) * 1e3 for _, _, s, e in marks]
-        engine_idle = [a[3].elapsed_time(b[2]) * 1e3 for a, b in zip(marks, marks[1:])]
-        return {"gbps": n * nbytes / wall / 1e9,
-                "host_to_device_call_us_median": med(host_call),
-                "host_between_calls_us_median": med(between_calls),
-                "host_between_calls_us_max": max(between_calls),
-                "copy_stream_batch_us_median": med(engine_batch),
-                "copy_stream_idle_between_batches_us_median": med(engine_idle),
-                "copy_stream_idle_between_batches_us_total": sum(engine_idle)}
+        engine_idle = [a[3].elapsed_time(b[2]) * 1e3 for a, b in itertools.pairwise(marks)]
+        return {
+            "gbps": n * nbytes / wall / 1e9,
+            "host_to_device_call_us_median": med(host_call),
+            "host_between_calls_us_median": med(between_calls),
+            "host_between_calls_us_max": max(between_calls),
+            "copy_stream_batch_us_median": med(engine_batch),
+            "copy_stream_idle_between_batches_us_median": med(engine_idle),
+            "copy_stream_idle_between_batches_us_total": sum(engine_idle),
+        }
 
     for _ in pinxfer.prefetch(batches[:2], device=dev):  # warm the pools and the thread
         pass
@@ -318,7 +380,7 @@ def section_timeline(nbytes: int, n: int, dev: torch.device) -> dict:
     return result
 
 
-def section_multi_gpu(nbytes: int, runs: int) -> Optional[dict]:
+def section_multi_gpu(nbytes: int, runs: int) -> dict | None:
     """One process, one thread per GPU, each sending its own tensor at once."""
     count = torch.cuda.device_count()
     if count < 2:
@@ -356,19 +418,28 @@ def section_multi_gpu(nbytes: int, runs: int) -> Optional[dict]:
         together(fn)
         ts = [together(fn) for _ in range(runs)]
         med, best = statistics.median(ts), min(ts)
-        return {"median_s": med, "min_s": best, "gbps_per_gpu_median": nbytes / med / 1e9,
-                "gbps_per_gpu_best": nbytes / best / 1e9}
+        return {
+            "median_s": med,
+            "min_s": best,
+            "gbps_per_gpu_median": nbytes / med / 1e9,
+            "gbps_per_gpu_best": nbytes / best / 1e9,
+        }
 
     ceiling = rows(lambda i: pinned[i].to(devs[i], non_blocking=True))
     ours = rows(lambda i: pinxfer.to_device(srcs[i], devs[i]))
     for i in range(count):
         assert torch.equal(pinxfer.to_device(srcs[i], devs[i]).cpu(), srcs[i])
-    return {"row": "multi_gpu", "gpus": count, "bytes_per_gpu": nbytes, "ceiling_pinned": ceiling,
-            "pinxfer": ours,
-            "pinxfer_vs_ceiling": {"median": ours["gbps_per_gpu_median"] /
-                                   ceiling["gbps_per_gpu_median"],
-                                   "best": ours["gbps_per_gpu_best"] /
-                                   ceiling["gbps_per_gpu_best"]}}
+    return {
+        "row": "multi_gpu",
+        "gpus": count,
+        "bytes_per_gpu": nbytes,
+        "ceiling_pinned": ceiling,
+        "pinxfer": ours,
+        "pinxfer_vs_ceiling": {
+            "median": ours["gbps_per_gpu_median"] / ceiling["gbps_per_gpu_median"],
+            "best": ours["gbps_per_gpu_best"] / ceiling["gbps_per_gpu_best"],
+        },
+    }
 
 
 def print_summary(report: dict) -> None:
@@ -377,40 +448,50 @@ def print_summary(report: dict) -> None:
     for r in report["rows"]:
         name = r["row"]
         if name.startswith("to_device_"):
-            print(f"{name:18s} pinxfer {r['pinxfer']['gbps_median']:6.1f} GB/s  ceiling "
-                  f"{r['ceiling_pinned']['gbps_median']:6.1f}  ratio "
-                  f"{r['pinxfer_vs_ceiling']['median']:.2f} "
-                  f"(best {r['pinxfer_vs_ceiling']['best']:.2f})"
-                  f"  t.to {r['torch_to']['gbps_median']:5.1f}  cpu s/GB pinxfer "
-                  f"{r['pinxfer']['cpu_s_per_gb']:.3f} t.to {r['torch_to']['cpu_s_per_gb']:.3f}")
+            print(
+                f"{name:18s} pinxfer {r['pinxfer']['gbps_median']:6.1f} GB/s  ceiling "
+                f"{r['ceiling_pinned']['gbps_median']:6.1f}  ratio "
+                f"{r['pinxfer_vs_ceiling']['median']:.2f} "
+                f"(best {r['pinxfer_vs_ceiling']['best']:.2f})"
+                f"  t.to {r['torch_to']['gbps_median']:5.1f}  cpu s/GB pinxfer "
+                f"{r['pinxfer']['cpu_s_per_gb']:.3f} t.to {r['torch_to']['cpu_s_per_gb']:.3f}"
+            )
         elif name.startswith("prefetch_"):
-            print(f"{name:18s} prefetch {r['prefetch']['gbps_median']:6.1f} GB/s  ceiling "
-                  f"{r['ceiling_pinned']['gbps_median']:6.1f}  ratio "
-                  f"{r['prefetch_vs_ceiling']['median']:.2f} "
-                  f"(best {r['prefetch_vs_ceiling']['best']:.2f})"
-                  f"  after the first batch {r['prefetch_steady_vs_ceiling']['median']:.2f}"
-                  f" (first batch {r['prefetch']['fill_s_median'] * 1e3:.2f} ms)"
-                  f"  vs sequential to_device {r['prefetch_vs_sequential']['median']:.2f}  cpu s/GB "
-                  f"{r['prefetch']['cpu_s_per_gb']:.3f}")
+            print(
+                f"{name:18s} prefetch {r['prefetch']['gbps_median']:6.1f} GB/s  ceiling "
+                f"{r['ceiling_pinned']['gbps_median']:6.1f}  ratio "
+                f"{r['prefetch_vs_ceiling']['median']:.2f} "
+                f"(best {r['prefetch_vs_ceiling']['best']:.2f})"
+                f"  after the first batch {r['prefetch_steady_vs_ceiling']['median']:.2f}"
+                f" (first batch {r['prefetch']['fill_s_median'] * 1e3:.2f} ms)"
+                f"  vs sequential to_device {r['prefetch_vs_sequential']['median']:.2f}  cpu s/GB "
+                f"{r['prefetch']['cpu_s_per_gb']:.3f}"
+            )
         elif name == "compute_bound":
-            print(f"{name:18s} step / pure compute {r['step_time_vs_pure_compute']['median']:.3f} "
-                  f"(best {r['step_time_vs_pure_compute']['best']:.3f}); whole loop with the "
-                  f"first batch's copy {r['loop_time_vs_pure_compute']['median']:.3f}")
+            print(
+                f"{name:18s} step / pure compute {r['step_time_vs_pure_compute']['median']:.3f} "
+                f"(best {r['step_time_vs_pure_compute']['best']:.3f}); whole loop with the "
+                f"first batch's copy {r['loop_time_vs_pure_compute']['median']:.3f}"
+            )
         elif name == "idle_cpu":
             print(f"{name:18s} {r['cpu_s'] * 1e3:.1f} ms CPU in {r['wall_s']:.2f} s idle")
         elif name == "timeline":
             for way in ("prefetch", "sequential"):
                 w = r[way]
-                print(f"timeline {way:10s} {w['gbps']:5.1f} GB/s  to_device call "
-                      f"{w['host_to_device_call_us_median']:.0f} us, between calls "
-                      f"{w['host_between_calls_us_median']:.0f} us (max "
-                      f"{w['host_between_calls_us_max']:.0f}); copy stream per batch "
-                      f"{w['copy_stream_batch_us_median']:.0f} us, idle between batches "
-                      f"{w['copy_stream_idle_between_batches_us_median']:.0f} us")
+                print(
+                    f"timeline {way:10s} {w['gbps']:5.1f} GB/s  to_device call "
+                    f"{w['host_to_device_call_us_median']:.0f} us, between calls "
+                    f"{w['host_between_calls_us_median']:.0f} us (max "
+                    f"{w['host_between_calls_us_max']:.0f}); copy stream per batch "
+                    f"{w['copy_stream_batch_us_median']:.0f} us, idle between batches "
+                    f"{w['copy_stream_idle_between_batches_us_median']:.0f} us"
+                )
         elif name == "multi_gpu":
-            print(f"{name:18s} {r['gpus']} GPUs at once: {r['pinxfer']['gbps_per_gpu_median']:.1f} "
-                  f"GB/s each, ceiling {r['ceiling_pinned']['gbps_per_gpu_median']:.1f}, ratio "
-                  f"{r['pinxfer_vs_ceiling']['median']:.2f}")
+            print(
+                f"{name:18s} {r['gpus']} GPUs at once: {r['pinxfer']['gbps_per_gpu_median']:.1f} "
+                f"GB/s each, ceiling {r['ceiling_pinned']['gbps_per_gpu_median']:.1f}, ratio "
+                f"{r['pinxfer_vs_ceiling']['median']:.2f}"
+            )
 
 
 def results_dir(kind: str) -> Path:
@@ -419,10 +500,13 @@ def results_dir(kind: str) -> Path:
     return RESULTS / short
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--kind", default=os.environ.get("PINXFER_MACHINE_KIND", "unknown"),
-                    help="machine kind, e.g. nvidia-h100-x1 (names the results folder)")
+    ap.add_argument(
+        "--kind",
+        default=os.environ.get("PINXFER_MACHINE_KIND", "unknown"),
+        help="machine kind, e.g. nvidia-h100-x1 (names the results folder)",
+    )
     ap.add_argument("--out", help="JSON path (default: benchmarks/results/<kind>/bus[_rankN].json)")
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="small sizes, 3 runs (a smoke test)")
@@ -442,13 +526,21 @@ def main(argv: Optional[list[str]] = None) -> int:
     names, values, sources = torch.ops.pinxfer.settings()
     settings = {n: {"value": v, "source": s} for n, v, s in zip(names, values, sources)}
     report: dict[str, Any] = {
-        "benchmark": "bench_bus", "kind": args.kind, "rank": dist.rank,
-        "world_size": dist.world, "gpu": torch.cuda.get_device_name(dev),
-        "gpus_visible": torch.cuda.device_count(), "host_cpus": os.cpu_count(),
+        "benchmark": "bench_bus",
+        "kind": args.kind,
+        "rank": dist.rank,
+        "world_size": dist.world,
+        "gpu": torch.cuda.get_device_name(dev),
+        "gpus_visible": torch.cuda.device_count(),
+        "host_cpus": os.cpu_count(),
         "affinity_cpus": len(os.sched_getaffinity(0)),
-        "copy_threads": settings["PINXFER_NUM_THREADS"]["value"], "settings": settings,
-        "torch": torch.__version__, "python": platform.python_version(), "runs": runs,
-        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "rows": [],
+        "copy_threads": settings["PINXFER_NUM_THREADS"]["value"],
+        "settings": settings,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "runs": runs,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "rows": [],
     }
     rows = report["rows"]
     rows += section_to_device(sizes, runs, dist, dev)

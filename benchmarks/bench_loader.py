@@ -47,6 +47,7 @@ Usage:
   python3 benchmarks/bench_loader.py --cpu-smoke --out /tmp/loader_smoke.json   # no GPU
 Without CUDA (and without --cpu-smoke) every row is skipped, said so in the JSON, exit 0.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -60,8 +61,9 @@ import resource
 import statistics
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -155,7 +157,7 @@ class Shape:
     dtype: torch.dtype
 
     @staticmethod
-    def for_mib(batch_mib: float, batch_size: int, pad: int, dtype: torch.dtype) -> "Shape":
+    def for_mib(batch_mib: float, batch_size: int, pad: int, dtype: torch.dtype) -> Shape:
         esize = torch.empty((), dtype=dtype).element_size()
         side = max(8, round(math.sqrt(batch_mib * MiB / (batch_size * 3 * esize))))
         return Shape(batch_mib, batch_size, side, pad, dtype)
@@ -180,11 +182,16 @@ class Shape:
         return (self.image_bytes + 63) // 64 * 64 + self.label_bytes
 
     def describe(self) -> dict[str, Any]:
-        return {"batch_mib_asked": self.batch_mib, "batch_size": self.batch_size,
-                "image_chw": [3, self.side, self.side], "stored_chw": [3, self.side + self.pad,
-                                                                     self.side + self.pad],
-                "dtype": str(self.dtype).removeprefix("torch."), "batch_bytes": self.batch_bytes,
-                "batch_mib": self.batch_bytes / MiB, "slot_bytes": self.slot_bytes}
+        return {
+            "batch_mib_asked": self.batch_mib,
+            "batch_size": self.batch_size,
+            "image_chw": [3, self.side, self.side],
+            "stored_chw": [3, self.side + self.pad, self.side + self.pad],
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "batch_bytes": self.batch_bytes,
+            "batch_mib": self.batch_bytes / MiB,
+            "slot_bytes": self.slot_bytes,
+        }
 
 
 def crop_offsets(i: int, pad: int) -> tuple[int, int]:
@@ -211,7 +218,7 @@ class CropImages(Dataset):
         s = self.shape
         top, left = crop_offsets(i, s.pad)
         img = self.images[i % len(self.images)]
-        return img[:, top:top + s.side, left:left + s.side].to(s.dtype), i
+        return img[:, top : top + s.side, left : left + s.side].to(s.dtype), i
 
 
 def make_images(shape: Shape, n: int) -> torch.Tensor:
@@ -222,8 +229,14 @@ def make_images(shape: Shape, n: int) -> torch.Tensor:
 
 
 def make_loader(ds: Dataset, shape: Shape, workers: int, pin: bool) -> DataLoader:
-    return DataLoader(ds, batch_size=shape.batch_size, shuffle=False, num_workers=workers,
-                      pin_memory=pin, persistent_workers=False)  # default prefetch_factor
+    return DataLoader(
+        ds,
+        batch_size=shape.batch_size,
+        shuffle=False,
+        num_workers=workers,
+        pin_memory=pin,
+        persistent_workers=False,
+    )  # default prefetch_factor
 
 
 # ---- the three ways ----
@@ -247,7 +260,7 @@ class PinMemoryWay(Way):
     key = "pin_memory"
 
     def __init__(self, ds: Dataset, shape: Shape, workers: int, dev: torch.device) -> None:
-        self.loader: Optional[DataLoader] = make_loader(ds, shape, workers, pin=True)
+        self.loader: DataLoader | None = make_loader(ds, shape, workers, pin=True)
         self.dev = dev
 
     def batches(self) -> Iterator[Any]:
@@ -267,15 +280,20 @@ class PrefetchWay(Way):
     Prefetcher for all repeats of a group: each ``iter()`` is a new pass with fresh workers,
     and with slots the ring is made and page-locked once, as in a training run's epochs."""
 
-    def __init__(self, ds: Dataset, shape: Shape, workers: int, dev: torch.device,
-                 slots: bool) -> None:
+    def __init__(
+        self, ds: Dataset, shape: Shape, workers: int, dev: torch.device, slots: bool
+    ) -> None:
         self.key = "slots" if slots else "staging"
         loader = make_loader(ds, shape, workers, pin=False)
         # slot_bytes given: the ring is sized (and pinned) now, so no warm-up batch falls
         # back for 'sizing' and the first pass already runs on slots.
-        self.pf: Optional[pinxfer.Prefetcher] = pinxfer.prefetch(
-            loader, device=dev, depth=DEPTH, slots=slots,
-            slot_bytes=shape.slot_bytes if slots else None)
+        self.pf: pinxfer.Prefetcher | None = pinxfer.prefetch(
+            loader,
+            device=dev,
+            depth=DEPTH,
+            slots=slots,
+            slot_bytes=shape.slot_bytes if slots else None,
+        )
 
     def batches(self) -> Iterator[Any]:
         return iter(self.pf)  # type: ignore[arg-type]
@@ -327,7 +345,7 @@ class Compute:
         return statistics.median(times)
 
 
-def make_step(kind: str, compute: Optional[Compute]) -> Callable[[torch.Tensor], None]:
+def make_step(kind: str, compute: Compute | None) -> Callable[[torch.Tensor], None]:
     if kind == "transfer_bound":
         return lambda x: x.sum()  # reads the batch: queued after its copy, nothing more
 
@@ -336,6 +354,7 @@ def make_step(kind: str, compute: Optional[Compute]) -> Callable[[torch.Tensor],
     def step(x: torch.Tensor) -> None:
         x.sum()
         compute.run(compute.k)
+
     return step
 
 
@@ -353,16 +372,21 @@ class Counts:
         return self.warm + self.timed + self.tail
 
 
-def run_pass(way: Way, step: Callable[[torch.Tensor], None], counts: Counts,
-             dev: torch.device, dist: Dist,
-             check: Optional[Callable[[torch.Tensor, torch.Tensor], bool]]) -> dict[str, Any]:
+def run_pass(
+    way: Way,
+    step: Callable[[torch.Tensor], None],
+    counts: Counts,
+    dev: torch.device,
+    dist: Dist,
+    check: Callable[[torch.Tensor, torch.Tensor], bool] | None,
+) -> dict[str, Any]:
     """One pass: warm-up, timed batches (wall and trainer CPU), untimed tail to the end."""
     children0 = children_cpu()
     dist.barrier()  # before the workers start, not after the warm-up: waiting there would
     # let every loader queue fill up and the timed loop start on a backlog
     wall0 = time.perf_counter()
     it = way.batches()
-    checked: Optional[bool] = None
+    checked: bool | None = None
     for k in range(counts.warm):
         x, y = next(it)
         if k == 0 and check is not None:
@@ -383,11 +407,17 @@ def run_pass(way: Way, step: Callable[[torch.Tensor], None], counts: Counts,
     del it
     sync(dev)
     if drained != counts.tail:
-        raise RuntimeError(f"{way.key}: the pass yielded {counts.warm + counts.timed + drained} "
-                           f"batches, expected {counts.total}")
-    return {"seconds": seconds, "trainer_cpu_s": cpu,
-            "worker_cpu_s_reaped": children_cpu() - children0, "check_ok": checked,
-            "pass_wall_s": time.perf_counter() - wall0}
+        raise RuntimeError(
+            f"{way.key}: the pass yielded {counts.warm + counts.timed + drained} "
+            f"batches, expected {counts.total}"
+        )
+    return {
+        "seconds": seconds,
+        "trainer_cpu_s": cpu,
+        "worker_cpu_s_reaped": children_cpu() - children0,
+        "check_ok": checked,
+        "pass_wall_s": time.perf_counter() - wall0,
+    }
 
 
 def make_check(ds: CropImages, shape: Shape) -> Callable[[torch.Tensor, torch.Tensor], bool]:
@@ -398,15 +428,25 @@ def make_check(ds: CropImages, shape: Shape) -> Callable[[torch.Tensor, torch.Te
 
     def check(x: torch.Tensor, y: torch.Tensor) -> bool:
         return bool(torch.equal(x.cpu(), want_x) and torch.equal(y.cpu(), want_y))
+
     return check
 
 
 # ---- a group: one batch shape, one step kind, every way, every repeat ----
 
 
-def run_group(shape: Shape, images: torch.Tensor, kind: str, ways: list[str], counts: Counts,
-              repeats: int, workers: int, dev: torch.device, dist: Dist,
-              compute: Optional[Compute]) -> list[dict]:
+def run_group(
+    shape: Shape,
+    images: torch.Tensor,
+    kind: str,
+    ways: list[str],
+    counts: Counts,
+    repeats: int,
+    workers: int,
+    dev: torch.device,
+    dist: Dist,
+    compute: Compute | None,
+) -> list[dict]:
     ds = CropImages(images, shape, counts.total * shape.batch_size)
     check = make_check(ds, shape)
     step = make_step(kind, compute)
@@ -418,10 +458,11 @@ def run_group(shape: Shape, images: torch.Tensor, kind: str, ways: list[str], co
         for r in range(repeats):
             # Interleaved and rotated: drift over the run (clocks, page cache, other ranks)
             # falls on every way alike, and no way is always first after a barrier.
-            order = ways[r % len(ways):] + ways[:r % len(ways)]
+            order = ways[r % len(ways) :] + ways[: r % len(ways)]
             for key in order:
-                runs[key].append(run_pass(made[key], step, counts, dev, dist,
-                                          check if r == 0 else None))
+                runs[key].append(
+                    run_pass(made[key], step, counts, dev, dist, check if r == 0 else None)
+                )
     finally:
         extras = {key: way.close() for key, way in made.items()}
     rows = []
@@ -429,28 +470,42 @@ def run_group(shape: Shape, images: torch.Tensor, kind: str, ways: list[str], co
         secs = [p["seconds"] for p in runs[key]]
         cpu = [p["trainer_cpu_s"] / gb_timed for p in runs[key]]
         wcpu = [p["worker_cpu_s_reaped"] / gb_pass for p in runs[key]]
-        rows.append({
-            "batch_mib": shape.batch_mib, "step": kind, "way": key, "way_desc": WAYS[key],
-            "batch_bytes": shape.batch_bytes, "repeats": repeats, "timed_batches": counts.timed,
-            "warmup_batches": counts.warm, "tail_batches": counts.tail, "workers": workers,
-            "seconds": med_best(secs),
-            "batches_per_s": {"median": counts.timed / statistics.median(secs),
-                              "best": counts.timed / min(secs)},
-            "gbps": {"median": gb_timed / statistics.median(secs), "best": gb_timed / min(secs)},
-            "trainer_cpu_s_per_gb": med_best(cpu),
-            "worker_cpu_s_per_gb_reaped_children": med_best(wcpu),
-            # the whole pass: worker start-up, warm-up, timed, tail, shutdown (for budgeting)
-            "pass_wall_s": statistics.median([p["pass_wall_s"] for p in runs[key]]),
-            "check_ok": runs[key][0]["check_ok"],
-            **extras[key],
-        })
+        rows.append(
+            {
+                "batch_mib": shape.batch_mib,
+                "step": kind,
+                "way": key,
+                "way_desc": WAYS[key],
+                "batch_bytes": shape.batch_bytes,
+                "repeats": repeats,
+                "timed_batches": counts.timed,
+                "warmup_batches": counts.warm,
+                "tail_batches": counts.tail,
+                "workers": workers,
+                "seconds": med_best(secs),
+                "batches_per_s": {
+                    "median": counts.timed / statistics.median(secs),
+                    "best": counts.timed / min(secs),
+                },
+                "gbps": {
+                    "median": gb_timed / statistics.median(secs),
+                    "best": gb_timed / min(secs),
+                },
+                "trainer_cpu_s_per_gb": med_best(cpu),
+                "worker_cpu_s_per_gb_reaped_children": med_best(wcpu),
+                # the whole pass: worker start-up, warm-up, timed, tail, shutdown (for budgeting)
+                "pass_wall_s": statistics.median([p["pass_wall_s"] for p in runs[key]]),
+                "check_ok": runs[key][0]["check_ok"],
+                **extras[key],
+            }
+        )
     return rows
 
 
 # ---- ratios and targets ----
 
 
-def target_for(name: str, kind: str) -> Optional[tuple[str, float]]:
+def target_for(name: str, kind: str) -> tuple[str, float] | None:
     for tname, op, bound, applies in TARGETS:
         if tname == name and applies in ("any", kind):
             return op, bound
@@ -467,7 +522,7 @@ def ratio_entry(name: str, kind: str, median: float, best: float) -> dict[str, A
     return entry
 
 
-def summarize(rows: list[dict], kind: str, pure: Optional[dict]) -> dict[str, Any]:
+def summarize(rows: list[dict], kind: str, pure: dict | None) -> dict[str, Any]:
     """Issue 13's ratios for one (batch size, step) group; each with the median of the
     repeats (ratio of medians) and the best (ratio of the best runs)."""
     by = {r["way"]: r for r in rows}
@@ -478,13 +533,17 @@ def summarize(rows: list[dict], kind: str, pure: Optional[dict]) -> dict[str, An
         if s is None or o is None:
             continue
         out[f"slots_vs_{other}_batches_per_s"] = ratio_entry(
-            f"slots_vs_{other}_batches_per_s", kind,
+            f"slots_vs_{other}_batches_per_s",
+            kind,
             s["batches_per_s"]["median"] / o["batches_per_s"]["median"],
-            s["batches_per_s"]["best"] / o["batches_per_s"]["best"])
+            s["batches_per_s"]["best"] / o["batches_per_s"]["best"],
+        )
         out[f"slots_vs_{other}_trainer_cpu_per_gb"] = ratio_entry(
-            f"slots_vs_{other}_trainer_cpu_per_gb", kind,
+            f"slots_vs_{other}_trainer_cpu_per_gb",
+            kind,
             s["trainer_cpu_s_per_gb"]["median"] / o["trainer_cpu_s_per_gb"]["median"],
-            s["trainer_cpu_s_per_gb"]["best"] / o["trainer_cpu_s_per_gb"]["best"])
+            s["trainer_cpu_s_per_gb"]["best"] / o["trainer_cpu_s_per_gb"]["best"],
+        )
     if pure is not None:
         out["pure_compute_seconds"] = {"median": pure["median"], "best": pure["best"]}
         out["pure_compute_trainer_cpu_s"] = pure["trainer_cpu_s"]
@@ -492,24 +551,30 @@ def summarize(rows: list[dict], kind: str, pure: Optional[dict]) -> dict[str, An
         # path's own CPU per GB (raw figures stay in trainer_cpu_s_per_gb).
         for r in rows:
             gb = r["timed_batches"] * r["batch_bytes"] / 1e9
-            net = {q: max(0.0, r["trainer_cpu_s_per_gb"][q] - pure["trainer_cpu_s"][q] / gb)
-                   for q in ("median", "best")}
+            net = {
+                q: max(0.0, r["trainer_cpu_s_per_gb"][q] - pure["trainer_cpu_s"][q] / gb)
+                for q in ("median", "best")
+            }
             r["trainer_data_cpu_s_per_gb"] = net
         for other in ("pin_memory", "staging"):
             o = by.get(other)
             if s is None or o is None or not o["trainer_data_cpu_s_per_gb"]["median"]:
                 continue
             out[f"slots_vs_{other}_trainer_data_cpu_per_gb"] = ratio_entry(
-                f"slots_vs_{other}_trainer_cpu_per_gb", kind,
-                s["trainer_data_cpu_s_per_gb"]["median"]
-                / o["trainer_data_cpu_s_per_gb"]["median"],
+                f"slots_vs_{other}_trainer_cpu_per_gb",
+                kind,
+                s["trainer_data_cpu_s_per_gb"]["median"] / o["trainer_data_cpu_s_per_gb"]["median"],
                 s["trainer_data_cpu_s_per_gb"]["best"]
-                / max(o["trainer_data_cpu_s_per_gb"]["best"], 1e-12))
+                / max(o["trainer_data_cpu_s_per_gb"]["best"], 1e-12),
+            )
         out["step_vs_pure_compute"] = {}
         for r in rows:
-            e = ratio_entry("step_vs_pure_compute", kind,
-                            r["seconds"]["median"] / pure["median"],
-                            r["seconds"]["best"] / pure["best"])
+            e = ratio_entry(
+                "step_vs_pure_compute",
+                kind,
+                r["seconds"]["median"] / pure["median"],
+                r["seconds"]["best"] / pure["best"],
+            )
             r["step_vs_pure_compute"] = e
             out["step_vs_pure_compute"][r["way"]] = e
     out["all_checks_ok"] = all(r["check_ok"] is not False for r in rows)
@@ -517,8 +582,14 @@ def summarize(rows: list[dict], kind: str, pure: Optional[dict]) -> dict[str, An
     return out
 
 
-def pure_compute(step: Callable[[torch.Tensor], None], counts: Counts, repeats: int,
-                 dev: torch.device, dist: Dist, batch: torch.Tensor) -> dict:
+def pure_compute(
+    step: Callable[[torch.Tensor], None],
+    counts: Counts,
+    repeats: int,
+    dev: torch.device,
+    dist: Dist,
+    batch: torch.Tensor,
+) -> dict:
     """The timed steps on a batch already on the device: what the fed loop should match.
     Also the trainer CPU those steps cost by themselves (launches, the final sync's wait),
     which the fed loops spend too: ``summarize`` subtracts it to give the data path's CPU."""
@@ -541,7 +612,7 @@ def pure_compute(step: Callable[[torch.Tensor], None], counts: Counts, repeats: 
 # ---- driver ----
 
 
-def machine_info(kind: str, dev: Optional[torch.device]) -> dict[str, Any]:
+def machine_info(kind: str, dev: torch.device | None) -> dict[str, Any]:
     names, values, sources = torch.ops.pinxfer.settings()
     settings = {n: {"value": v, "source": s} for n, v, s in zip(names, values, sources)}
     cpu_model = None
@@ -554,10 +625,15 @@ def machine_info(kind: str, dev: Optional[torch.device]) -> dict[str, Any]:
     except OSError:
         pass
     info: dict[str, Any] = {
-        "kind": kind, "host_cpus": os.cpu_count(), "affinity_cpus": len(os.sched_getaffinity(0)),
-        "cpu_model": cpu_model, "platform": platform.platform(),
-        "python": platform.python_version(), "torch": torch.__version__,
-        "pinxfer": pinxfer.__version__, "build_info": pinxfer.build_info()._asdict(),
+        "kind": kind,
+        "host_cpus": os.cpu_count(),
+        "affinity_cpus": len(os.sched_getaffinity(0)),
+        "cpu_model": cpu_model,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "pinxfer": pinxfer.__version__,
+        "build_info": pinxfer.build_info()._asdict(),
         # pinxfer.install() would make the pin_memory way use pinxfer's pool: it must not be
         "pinxfer_is_torch_host_allocator": pinxfer.is_installed(),
         "mp_start_method": multiprocessing.get_start_method(),
@@ -566,12 +642,15 @@ def machine_info(kind: str, dev: Optional[torch.device]) -> dict[str, Any]:
         "settings": settings,
     }
     if dev is not None and dev.type == "cuda":
-        info.update(gpu=torch.cuda.get_device_name(dev), gpu_index=dev.index,
-                    gpus_visible=torch.cuda.device_count())
+        info.update(
+            gpu=torch.cuda.get_device_name(dev),
+            gpu_index=dev.index,
+            gpus_visible=torch.cuda.device_count(),
+        )
     return info
 
 
-def cuda_skip_reason() -> Optional[str]:
+def cuda_skip_reason() -> str | None:
     if not torch.cuda.is_available():
         why = pinxfer.cuda_unavailable_reason()
         return "torch.cuda.is_available() is False" + (f" ({why})" if why else "")
@@ -585,18 +664,22 @@ def fmt(d: dict[str, float], spec: str) -> str:
 def print_rows(rows: list[dict], summary: dict, prefix: str = "") -> None:
     """One line per way (median (best)), then the group's ratios against their targets."""
     for r in rows:
-        line = (f"{prefix}{r['batch_mib']:>5g} MiB {r['step']:15s} {r['way']:10s} "
-                f"batches/s {fmt(r['batches_per_s'], '7.1f')}  GB/s {fmt(r['gbps'], '6.2f')}  "
-                f"trainer CPU s/GB {fmt(r['trainer_cpu_s_per_gb'], '.3f')}  "
-                f"worker CPU s/GB* {r['worker_cpu_s_per_gb_reaped_children']['median']:.3f}")
+        line = (
+            f"{prefix}{r['batch_mib']:>5g} MiB {r['step']:15s} {r['way']:10s} "
+            f"batches/s {fmt(r['batches_per_s'], '7.1f')}  GB/s {fmt(r['gbps'], '6.2f')}  "
+            f"trainer CPU s/GB {fmt(r['trainer_cpu_s_per_gb'], '.3f')}  "
+            f"worker CPU s/GB* {r['worker_cpu_s_per_gb_reaped_children']['median']:.3f}"
+        )
         if "step_vs_pure_compute" in r:
             line += f"  step/pure {fmt(r['step_vs_pure_compute'], '.3f')}"
         if "trainer_data_cpu_s_per_gb" in r:
             line += f"  data-path CPU s/GB {fmt(r['trainer_data_cpu_s_per_gb'], '.3f')}"
         if "fallbacks_total" in r:
             st = r["slot_stats"]
-            line += (f"  fallbacks {r['fallbacks_total']} of {st['batches']}"
-                     f" (pinned {st['pinned']}, {st['lock_kind']})")
+            line += (
+                f"  fallbacks {r['fallbacks_total']} of {st['batches']}"
+                f" (pinned {st['pinned']}, {st['lock_kind']})"
+            )
         if r["check_ok"] is False:
             line += "  BYTES DIFFER"
         print(line)
@@ -607,9 +690,11 @@ def print_rows(rows: list[dict], summary: dict, prefix: str = "") -> None:
                 tgt = f"  target {e['target']}: {'met' if e['met'] else 'NOT met'}"
             print(f"{prefix}      {name:42s} {e['median']:.3f} (best {e['best']:.3f}){tgt}")
     for way, e in summary.get("step_vs_pure_compute", {}).items():
-        print(f"{prefix}      step_vs_pure_compute {way:21s} {e['median']:.3f} "
-              f"(best {e['best']:.3f})"
-              f"  target {e['target']}: {'met' if e['met'] else 'NOT met'}")
+        print(
+            f"{prefix}      step_vs_pure_compute {way:21s} {e['median']:.3f} "
+            f"(best {e['best']:.3f})"
+            f"  target {e['target']}: {'met' if e['met'] else 'NOT met'}"
+        )
 
 
 def results_dir(kind: str) -> Path:
@@ -617,26 +702,43 @@ def results_dir(kind: str) -> Path:
     return RESULTS / kind.removeprefix("nvidia-").removesuffix("-x1")
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--kind", default=os.environ.get("PINXFER_MACHINE_KIND", "unknown"),
-                    help="machine kind, e.g. nvidia-h100-x1 (stored; names the results folder)")
-    ap.add_argument("--out", help="JSON path (default benchmarks/results/<kind>/loader.json; "
-                                  "_rank<N> added under torchrun)")
+    ap.add_argument(
+        "--kind",
+        default=os.environ.get("PINXFER_MACHINE_KIND", "unknown"),
+        help="machine kind, e.g. nvidia-h100-x1 (stored; names the results folder)",
+    )
+    ap.add_argument(
+        "--out",
+        help="JSON path (default benchmarks/results/<kind>/loader.json; "
+        "_rank<N> added under torchrun)",
+    )
     ap.add_argument("--quick", action="store_true", help="half the timed batches, 2 repeats")
-    ap.add_argument("--cpu-smoke", action="store_true",
-                    help="device='cpu', 2 workers, 4 MiB batches, few batches: the plumbing only")
+    ap.add_argument(
+        "--cpu-smoke",
+        action="store_true",
+        help="device='cpu', 2 workers, 4 MiB batches, few batches: the plumbing only",
+    )
     ap.add_argument("--batch-mib", default="16,64", help="comma list of batch sizes in MiB")
     ap.add_argument("--batch-size", type=int, default=64, help="samples per batch")
     ap.add_argument("--dtype", choices=("float32", "float16"), default="float32")
     ap.add_argument("--pad", type=int, default=32, help="stored image side minus crop side")
     ap.add_argument("--workers", type=int, default=8, help="DataLoader workers per rank")
     ap.add_argument("--batches", type=int, default=30, help="timed batches per pass")
-    ap.add_argument("--warmup", type=int, default=None,
-                    help="untimed first batches per pass (default workers + 2)")
+    ap.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help="untimed first batches per pass (default workers + 2)",
+    )
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--compute-factor", type=float, default=3.0,
-                    help="compute-bound step = this x the slowest way's transfer-bound batch time")
+    ap.add_argument(
+        "--compute-factor",
+        type=float,
+        default=3.0,
+        help="compute-bound step = this x the slowest way's transfer-bound batch time",
+    )
     args = ap.parse_args(argv)
 
     smoke = args.cpu_smoke
@@ -652,12 +754,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     # batch keep every worker busy through it.
     counts = Counts(max(1, warm), args.batches, args.workers * PREFETCH_FACTOR + DEPTH + 2)
     dtype = getattr(torch, args.dtype)
-    shapes = [Shape.for_mib(float(m), args.batch_size, args.pad, dtype)
-              for m in args.batch_mib.split(",")]
+    shapes = [
+        Shape.for_mib(float(m), args.batch_size, args.pad, dtype) for m in args.batch_mib.split(",")
+    ]
 
     skip = None if smoke else cuda_skip_reason()
     dist = Dist(init=skip is None)
-    dev: Optional[torch.device] = None
+    dev: torch.device | None = None
     if smoke:
         dev = torch.device("cpu")
     elif skip is None:
@@ -665,17 +768,29 @@ def main(argv: Optional[list[str]] = None) -> int:
         torch.cuda.set_device(dev)
 
     report: dict[str, Any] = {
-        "benchmark": "bench_loader", "issue": 13, "kind": args.kind, "rank": dist.rank,
-        "world_size": dist.world, "local_rank": dist.local_rank,
+        "benchmark": "bench_loader",
+        "issue": 13,
+        "kind": args.kind,
+        "rank": dist.rank,
+        "world_size": dist.world,
+        "local_rank": dist.local_rank,
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "quick": args.quick, "cpu_smoke": smoke,
+        "quick": args.quick,
+        "cpu_smoke": smoke,
         "machine": machine_info(args.kind, dev),
-        "config": {"device": str(dev) if dev is not None else None, "workers": args.workers,
-                   "prefetch_factor": PREFETCH_FACTOR, "prefetch_depth": DEPTH,
-                   "persistent_workers": False, "repeats": args.repeats,
-                   "warmup_batches": counts.warm, "timed_batches": counts.timed,
-                   "tail_batches": counts.tail, "compute_factor": args.compute_factor,
-                   "shapes": [s.describe() for s in shapes]},
+        "config": {
+            "device": str(dev) if dev is not None else None,
+            "workers": args.workers,
+            "prefetch_factor": PREFETCH_FACTOR,
+            "prefetch_depth": DEPTH,
+            "persistent_workers": False,
+            "repeats": args.repeats,
+            "warmup_batches": counts.warm,
+            "timed_batches": counts.timed,
+            "tail_batches": counts.tail,
+            "compute_factor": args.compute_factor,
+            "shapes": [s.describe() for s in shapes],
+        },
         "targets": [{"ratio": n, "op": op, "bound": b, "step": k} for n, op, b, k in TARGETS],
         "notes": [
             "GB/s: 1e9 bytes of batch (images + labels) per second, timed batches only.",
@@ -693,26 +808,36 @@ def main(argv: Optional[list[str]] = None) -> int:
             "the device.",
             "check_ok: the first batch of each way's first pass equals the dataset's bytes.",
         ],
-        "rows": [], "summary": [], "calibration": [], "skipped": [],
+        "rows": [],
+        "summary": [],
+        "calibration": [],
+        "skipped": [],
     }
     ways = list(WAYS)
     if smoke:
-        report["notes"].append("CPU smoke run: device='cpu' (prefetch moves nothing, slots' "
-                               "default transfer clones each slot); proves the plumbing, the "
-                               "figures mean nothing and the targets are not expected to be met.")
+        report["notes"].append(
+            "CPU smoke run: device='cpu' (prefetch moves nothing, slots' "
+            "default transfer clones each slot); proves the plumbing, the "
+            "figures mean nothing and the targets are not expected to be met."
+        )
         if not torch.cuda.is_available():
             ways.remove("pin_memory")
-            report["skipped"].append({
-                "way": "pin_memory", "reason": "DataLoader(pin_memory=True) needs an accelerator "
-                "and torch.cuda.is_available() is False (torch would not pin)"})
+            report["skipped"].append(
+                {
+                    "way": "pin_memory",
+                    "reason": "DataLoader(pin_memory=True) needs an accelerator "
+                    "and torch.cuda.is_available() is False (torch would not pin)",
+                }
+            )
 
     t_all = time.perf_counter()
     if skip is not None:
         for s in shapes:
             for kind in STEPS:
                 for key in ways:
-                    report["skipped"].append({"batch_mib": s.batch_mib, "step": kind, "way": key,
-                                              "reason": skip})
+                    report["skipped"].append(
+                        {"batch_mib": s.batch_mib, "step": kind, "way": key, "reason": skip}
+                    )
         print(f"bench_loader: skipping every row: {skip}")
     else:
         assert dev is not None
@@ -722,9 +847,11 @@ def main(argv: Optional[list[str]] = None) -> int:
             torch.set_num_threads(1)
         compute = Compute(dev, 256 if smoke else 2048)
         prefix = f"[rank {dist.rank}] " if dist.world > 1 else ""
-        print(f"{prefix}bench_loader on {report['machine'].get('gpu', dev)}: median (best) of "
-              f"{args.repeats} repeats of {counts.timed} timed batches; worker CPU* is "
-              "RUSAGE_CHILDREN of the reaped workers over whole passes")
+        print(
+            f"{prefix}bench_loader on {report['machine'].get('gpu', dev)}: median (best) of "
+            f"{args.repeats} repeats of {counts.timed} timed batches; worker CPU* is "
+            "RUSAGE_CHILDREN of the reaped workers over whole passes"
+        )
         for shape in shapes:
             t_shape = time.perf_counter()
             images = make_images(shape, 4 * shape.batch_size)
@@ -738,18 +865,34 @@ def main(argv: Optional[list[str]] = None) -> int:
                     period = slowest["seconds"]["median"] / counts.timed
                     per_mm = compute.seconds_per_matmul()
                     compute.k = max(1, math.ceil(args.compute_factor * period / per_mm))
-                    report["calibration"].append({
-                        "batch_mib": shape.batch_mib, "period_s": period,
-                        "period_from_way": slowest["way"], "matmul_s": per_mm,
-                        "matmuls_per_step": compute.k,
-                        "target_step_s": args.compute_factor * period})
+                    report["calibration"].append(
+                        {
+                            "batch_mib": shape.batch_mib,
+                            "period_s": period,
+                            "period_from_way": slowest["way"],
+                            "matmul_s": per_mm,
+                            "matmuls_per_step": compute.k,
+                            "target_step_s": args.compute_factor * period,
+                        }
+                    )
                     ds = CropImages(images, shape, shape.batch_size)
                     x0 = torch.stack([ds[i][0] for i in range(shape.batch_size)])
-                    pure = pure_compute(make_step(kind, compute), counts, args.repeats, dev,
-                                        dist, x0)
+                    pure = pure_compute(
+                        make_step(kind, compute), counts, args.repeats, dev, dist, x0
+                    )
                     del ds, x0
-                rows = run_group(shape, images, kind, ways, counts, args.repeats, args.workers,
-                                 dev, dist, compute if kind == "compute_bound" else None)
+                rows = run_group(
+                    shape,
+                    images,
+                    kind,
+                    ways,
+                    counts,
+                    args.repeats,
+                    args.workers,
+                    dev,
+                    dist,
+                    compute if kind == "compute_bound" else None,
+                )
                 summary = summarize(rows, kind, pure)
                 print_rows(rows, summary, prefix)
                 report["rows"] += rows

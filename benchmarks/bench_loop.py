@@ -49,6 +49,7 @@ Usage:
   python3 benchmarks/bench_loop.py --self-test      # statistics and table code, CPU only
 Kind: --kind, else PINXFER_MACHINE_KIND, else torch.cuda.get_device_name() as a slug.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -59,26 +60,33 @@ import re
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 torch: Any = None  # imported by main(): the self-test needs neither torch nor pinxfer
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
-SIZES = [4 * KiB, 64 * KiB, 256 * KiB, MiB, 4 * MiB, 8 * MiB, 32 * MiB, 64 * MiB,
-         256 * MiB, GiB]
+SIZES = [4 * KiB, 64 * KiB, 256 * KiB, MiB, 4 * MiB, 8 * MiB, 32 * MiB, 64 * MiB, 256 * MiB, GiB]
 QUICK_SIZES = [4 * KiB, MiB, 8 * MiB, 64 * MiB]
 PATTERNS = ["b2b", "sleep", "gpu"]
 GAP_S = 0.020
-CALL_WAYS = ["to_device", "to_device_batch", "pin_memory", "torch_to", "torch_pinned_to",
-             "torch_pin_to", "torch_pin"]
-PINXFER_WAYS = {"to_device", "to_device_batch", "pin_memory", "prefetch_steady",
-                "prefetch_pass"}
+CALL_WAYS = [
+    "to_device",
+    "to_device_batch",
+    "pin_memory",
+    "torch_to",
+    "torch_pinned_to",
+    "torch_pin_to",
+    "torch_pin",
+]
+PINXFER_WAYS = {"to_device", "to_device_batch", "pin_memory", "prefetch_steady", "prefetch_pass"}
 #: Idle CPU allowed over 1 s ("idle copy threads use no CPU"): timer and allocator noise only.
 IDLE_CPU_LIMIT_S = 0.005
 
 
 # ---------------------------------------------------------------- pure helpers (self-tested)
+
 
 def size_label(n: int) -> str:
     for unit, name in ((GiB, "GiB"), (MiB, "MiB"), (KiB, "KiB")):
@@ -101,7 +109,7 @@ def parse_sizes(text: str) -> list[int]:
     return out
 
 
-def kind_slug(env_kind: Optional[str], device_name: str) -> str:
+def kind_slug(env_kind: str | None, device_name: str) -> str:
     """The machine kind: PINXFER_MACHINE_KIND if set, else the device name as a slug."""
     if env_kind:
         return env_kind
@@ -117,17 +125,22 @@ def batch_layout(nbytes: int) -> dict[str, int]:
     return {"x": x, "y": y, "meta": meta}
 
 
-def summarize(times_s: list[float], nbytes: int, cpu_s: Optional[list[float]] = None) -> dict:
+def summarize(times_s: list[float], nbytes: int, cpu_s: list[float] | None = None) -> dict:
     """Median and minimum µs of the samples, GB/s of both, and CPU s per GB if given."""
     med, best = statistics.median(times_s), min(times_s)
-    out = {"n": len(times_s), "median_us": med * 1e6, "min_us": best * 1e6,
-           "gbps_median": nbytes / med / 1e9, "gbps_best": nbytes / best / 1e9}
+    out = {
+        "n": len(times_s),
+        "median_us": med * 1e6,
+        "min_us": best * 1e6,
+        "gbps_median": nbytes / med / 1e9,
+        "gbps_best": nbytes / best / 1e9,
+    }
     if cpu_s is not None:
         out["cpu_s_per_gb"] = sum(cpu_s) / (len(cpu_s) * nbytes / 1e9)
     return out
 
 
-def speed_ratio(ours: Optional[dict], ref: Optional[dict]) -> Optional[dict]:
+def speed_ratio(ours: dict | None, ref: dict | None) -> dict | None:
     """ref time / our time (> 1: ours faster), by medians and by minima."""
     if ours is None or ref is None:
         return None
@@ -137,19 +150,33 @@ def speed_ratio(ours: Optional[dict], ref: Optional[dict]) -> Optional[dict]:
 def plan_samples(round_s: float, cell_budget_s: float, nbytes: int, quick: bool = False) -> int:
     """Samples for a cell: as many rounds as its share of the budget allows, at least 3,
     at most a cap that falls with the size (many for 4 KiB, 3 for 1 GiB)."""
-    cap = 31 if nbytes <= 256 * KiB else 21 if nbytes <= 8 * MiB else 11 if nbytes <= 64 * MiB \
-        else 5 if nbytes <= 256 * MiB else 3
+    cap = (
+        31
+        if nbytes <= 256 * KiB
+        else 21
+        if nbytes <= 8 * MiB
+        else 11
+        if nbytes <= 64 * MiB
+        else 5
+        if nbytes <= 256 * MiB
+        else 3
+    )
     if quick:
         cap = min(cap, 7)
     fit = int(cell_budget_s / max(round_s, 1e-6))
     return max(3, min(cap, fit))
 
 
-def run_rounds(ways: dict[str, Callable[[], Any]], n: int, sync: Callable[[], None],
-               gap: Optional[Callable[[], None]] = None, warm_each: bool = False,
-               cpu_clock: Callable[[], float] = time.process_time,
-               clock: Callable[[], float] = time.perf_counter,
-               order_log: Optional[list] = None) -> tuple[dict, dict]:
+def run_rounds(
+    ways: dict[str, Callable[[], Any]],
+    n: int,
+    sync: Callable[[], None],
+    gap: Callable[[], None] | None = None,
+    warm_each: bool = False,
+    cpu_clock: Callable[[], float] = time.process_time,
+    clock: Callable[[], float] = time.perf_counter,
+    order_log: list | None = None,
+) -> tuple[dict, dict]:
     """n rounds; each round calls every way once, timed to completion (call + sync), in an
     order rotated round by round. warm_each: an untimed call of the same way (synced) just
     before the timed one (back to back); gap: called just before the timed call (idle).
@@ -190,7 +217,7 @@ def pass_samples(passes: list[tuple[float, list[float]]]) -> dict[str, list[floa
     return {"steady": steady, "pass": whole}
 
 
-def pinned_target(nbytes: int) -> Optional[float]:
+def pinned_target(nbytes: int) -> float | None:
     """Issue 22: to_device >= 0.5x the pinned copy at 1 MiB, 0.8x at 8 MiB, 0.9x from 32 MiB."""
     if nbytes >= 32 * MiB:
         return 0.9
@@ -217,8 +244,9 @@ def judge(row: dict) -> None:
     if not targets:
         row["verdict"], row["missed"] = None, []
         return
-    missed = [label for label, key, low in targets
-              if row.get(key) is None or row[key]["median"] < low]
+    missed = [
+        label for label, key, low in targets if row.get(key) is None or row[key]["median"] < low
+    ]
     row["missed"] = missed
     row["verdict"] = "MISS" if missed else "PASS"
 
@@ -235,20 +263,35 @@ def build_rows(cells: list[dict]) -> list[dict]:
         torch_xfer = [calls[w] for w in ("torch_to", "torch_pin_to") if w in calls]
         best = None
         if torch_xfer:  # torch's best way: the faster median, the faster minimum
-            best = {"median_us": min(s["median_us"] for s in torch_xfer),
-                    "min_us": min(s["min_us"] for s in torch_xfer),
-                    "way": min(("torch_to", "torch_pin_to"),
-                               key=lambda w: calls[w]["median_us"] if w in calls else 1e30)}
-        refs = {"to_device": best, "to_device_batch": best, "pin_memory": calls.get("torch_pin"),
-                "prefetch_steady": pre.get("loop_steady"), "prefetch_pass": pre.get("loop_pass")}
+            best = {
+                "median_us": min(s["median_us"] for s in torch_xfer),
+                "min_us": min(s["min_us"] for s in torch_xfer),
+                "way": min(
+                    ("torch_to", "torch_pin_to"),
+                    key=lambda w: calls[w]["median_us"] if w in calls else 1e30,
+                ),
+            }
+        refs = {
+            "to_device": best,
+            "to_device_batch": best,
+            "pin_memory": calls.get("torch_pin"),
+            "prefetch_steady": pre.get("loop_steady"),
+            "prefetch_pass": pre.get("loop_pass"),
+        }
         stats_by_way = dict(calls)
         stats_by_way.update(pre)
         for way, st in stats_by_way.items():
-            row = {"bytes": nbytes, "size": size_label(nbytes), "pattern": pattern, "way": way,
-                   **st,
-                   "ratio_torch": speed_ratio(st, refs.get(way)),
-                   "ratio_pinned": None if way in ("pin_memory", "torch_pin")
-                   else speed_ratio(st, pinned)}
+            row = {
+                "bytes": nbytes,
+                "size": size_label(nbytes),
+                "pattern": pattern,
+                "way": way,
+                **st,
+                "ratio_torch": speed_ratio(st, refs.get(way)),
+                "ratio_pinned": None
+                if way in ("pin_memory", "torch_pin")
+                else speed_ratio(st, pinned),
+            }
             if way in ("to_device", "to_device_batch") and best is not None:
                 row["torch_ref"] = best["way"]
             judge(row)
@@ -268,11 +311,11 @@ def judge_small(rows: list[dict]) -> None:
             r["verdict"] = "PASS" if r["value"] <= r["limit"] else "MISS"
 
 
-def _f(x: Optional[float], fmt: str = "{:.2f}") -> str:
+def _f(x: float | None, fmt: str = "{:.2f}") -> str:
     return "-" if x is None else fmt.format(x)
 
 
-def _us(x: Optional[float]) -> str:
+def _us(x: float | None) -> str:
     if x is None:
         return "-"
     return f"{x:.1f}" if x < 100 else f"{x:.0f}"
@@ -280,15 +323,19 @@ def _us(x: Optional[float]) -> str:
 
 def detail_table(rows: list[dict]) -> str:
     """Every (size, pattern, way): median/min µs, GB/s, x torch and x pinned (median/min)."""
-    out = [f"{'size':>7} {'pattern':7} {'way':16} {'med us':>9} {'min us':>9} {'GB/s':>6} "
-           f"{'x torch med/min':>15} {'x pinned med/min':>16} {'verdict':7}"]
+    out = [
+        f"{'size':>7} {'pattern':7} {'way':16} {'med us':>9} {'min us':>9} {'GB/s':>6} "
+        f"{'x torch med/min':>15} {'x pinned med/min':>16} {'verdict':7}"
+    ]
     for r in sorted(rows, key=lambda r: (r["bytes"], PATTERNS.index(r["pattern"]), r["way"])):
         rt, rp = r.get("ratio_torch"), r.get("ratio_pinned")
-        out.append(f"{r['size']:>7} {r['pattern']:7} {r['way']:16} {_us(r['median_us']):>9} "
-                   f"{_us(r['min_us']):>9} {r['gbps_median']:6.2f} "
-                   f"{(_f(rt['median']) + '/' + _f(rt['min'])) if rt else '-':>15} "
-                   f"{(_f(rp['median']) + '/' + _f(rp['min'])) if rp else '-':>16} "
-                   f"{r['verdict'] or '':7}")
+        out.append(
+            f"{r['size']:>7} {r['pattern']:7} {r['way']:16} {_us(r['median_us']):>9} "
+            f"{_us(r['min_us']):>9} {r['gbps_median']:6.2f} "
+            f"{(_f(rt['median']) + '/' + _f(rt['min'])) if rt else '-':>15} "
+            f"{(_f(rp['median']) + '/' + _f(rp['min'])) if rp else '-':>16} "
+            f"{r['verdict'] or '':7}"
+        )
     return "\n".join(out)
 
 
@@ -299,13 +346,18 @@ def compact_table(rows: list[dict], small: list[dict]) -> str:
     by = {}
     for r in rows:
         by.setdefault((r["bytes"], r["pattern"]), {})[r["way"]] = r
-    head = (f"{'size':>7} {'pat':5} {'pinned':>7} {'torch':>7} | {'to_device us xt xp':>20} | "
-            f"{'batch us xt xp':>20} | {'prefetch steady us xt xp':>24} | "
-            f"{'pass us xt':>13} | {'pin us xt':>13} | {'targets':40} | result")
-    out = ["== loop table (us: median per call or per batch; xt/xp: speed vs torch's best / "
-           "the pinned copy, >1 = pinxfer faster)", head]
+    head = (
+        f"{'size':>7} {'pat':5} {'pinned':>7} {'torch':>7} | {'to_device us xt xp':>20} | "
+        f"{'batch us xt xp':>20} | {'prefetch steady us xt xp':>24} | "
+        f"{'pass us xt':>13} | {'pin us xt':>13} | {'targets':40} | result"
+    )
+    out = [
+        "== loop table (us: median per call or per batch; xt/xp: speed vs torch's best / "
+        "the pinned copy, >1 = pinxfer faster)",
+        head,
+    ]
 
-    def cellfmt(r: Optional[dict], width: int, pinned: bool = True) -> str:
+    def cellfmt(r: dict | None, width: int, pinned: bool = True) -> str:
         if r is None:
             return f"{'-':>{width}}"
         rt, rp = r.get("ratio_torch"), r.get("ratio_pinned")
@@ -314,43 +366,62 @@ def compact_table(rows: list[dict], small: list[dict]) -> str:
             s += f" {_f(rp['median'] if rp else None)}"
         return f"{s:>{width}}"
 
-    for (nbytes, pattern) in sorted(by, key=lambda k: (k[0], PATTERNS.index(k[1]))):
+    for nbytes, pattern in sorted(by, key=lambda k: (k[0], PATTERNS.index(k[1]))):
         w = by[(nbytes, pattern)]
         pinned = w.get("torch_pinned_to")
-        torch_best = min((w[k]["median_us"] for k in ("torch_to", "torch_pin_to") if k in w),
-                         default=None)
-        ours = [w.get(k) for k in ("to_device", "to_device_batch", "prefetch_steady",
-                                   "prefetch_pass", "pin_memory")]
+        torch_best = min(
+            (w[k]["median_us"] for k in ("torch_to", "torch_pin_to") if k in w), default=None
+        )
+        ours = [
+            w.get(k)
+            for k in (
+                "to_device",
+                "to_device_batch",
+                "prefetch_steady",
+                "prefetch_pass",
+                "pin_memory",
+            )
+        ]
         shorts = ("td", "batch", "pf", "pass", "pin")
         parts = ["all xt>=1"] if any(r and r["targets"] for r in ours) else []
         groups: dict[str, list[str]] = {}
         for short, r in zip(shorts, ours):
-            for t in (r["targets"] if r else []):
+            for t in r["targets"] if r else []:
                 if t.startswith("x pinned"):
                     groups.setdefault(t.replace("x pinned >= ", "xp>="), []).append(short)
         parts += [f"{','.join(ws)} {t}" for t, ws in groups.items()]
         target_text = "; ".join(parts) or "-"
-        misses = [f"{short} {m.replace('x pinned >= ', 'xp<').replace('x torch >= ', 'xt<')}"
-                  for short, r in zip(shorts, ours) if r for m in r["missed"]]
+        misses = [
+            f"{short} {m.replace('x pinned >= ', 'xp<').replace('x torch >= ', 'xt<')}"
+            for short, r in zip(shorts, ours)
+            if r
+            for m in r["missed"]
+        ]
         judged = [r for r in ours if r and r["verdict"]]
         result = "-" if not judged else ("MISS " + ",".join(misses)) if misses else "PASS"
-        out.append(f"{size_label(nbytes):>7} {pattern:5} {_us(pinned['median_us']) if pinned else '-':>7} "
-                   f"{_us(torch_best):>7} | {cellfmt(ours[0], 20)} | {cellfmt(ours[1], 20)} | "
-                   f"{cellfmt(ours[2], 24)} | {cellfmt(ours[3], 13, False)} | "
-                   f"{cellfmt(ours[4], 13, False)} | {target_text:40} | {result}")
+        out.append(
+            f"{size_label(nbytes):>7} {pattern:5} {_us(pinned['median_us']) if pinned else '-':>7} "
+            f"{_us(torch_best):>7} | {cellfmt(ours[0], 20)} | {cellfmt(ours[1], 20)} | "
+            f"{cellfmt(ours[2], 24)} | {cellfmt(ours[3], 13, False)} | "
+            f"{cellfmt(ours[4], 13, False)} | {target_text:40} | {result}"
+        )
     if small:
         out.append("== small calls and CPU (issue 22's rows)")
         out.append(f"{'row':24} {'pinxfer':>12} {'torch':>12} {'target':34} result")
         for r in small:
-            out.append(f"{r['name']:24} {r['ours_text']:>12} {r['ref_text']:>12} "
-                       f"{r['target']:34} {r['verdict'] or '-'}")
-    verdicts = [r["verdict"] for r in rows if r.get("verdict")] + \
-               [r["verdict"] for r in small if r.get("verdict")]
+            out.append(
+                f"{r['name']:24} {r['ours_text']:>12} {r['ref_text']:>12} "
+                f"{r['target']:34} {r['verdict'] or '-'}"
+            )
+    verdicts = [r["verdict"] for r in rows if r.get("verdict")] + [
+        r["verdict"] for r in small if r.get("verdict")
+    ]
     out.append(f"targets: {verdicts.count('PASS')} PASS, {verdicts.count('MISS')} MISS")
     return "\n".join(out)
 
 
 # ---------------------------------------------------------------- self-test (CPU only)
+
 
 def self_test() -> int:
     import random
@@ -364,8 +435,18 @@ def self_test() -> int:
             pass
         else:
             raise AssertionError(f"parse_sizes accepted {bad!r}")
-    assert [size_label(s) for s in SIZES] == ["4KiB", "64KiB", "256KiB", "1MiB", "4MiB", "8MiB",
-                                              "32MiB", "64MiB", "256MiB", "1GiB"]
+    assert [size_label(s) for s in SIZES] == [
+        "4KiB",
+        "64KiB",
+        "256KiB",
+        "1MiB",
+        "4MiB",
+        "8MiB",
+        "32MiB",
+        "64MiB",
+        "256MiB",
+        "1GiB",
+    ]
     assert kind_slug("nvidia-h100-x1", "whatever") == "nvidia-h100-x1"
     assert kind_slug(None, "NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
     for s in SIZES:
@@ -394,21 +475,33 @@ def self_test() -> int:
             calls.append(name)
             fake_now[0] += cost
             return name
+
         return fn
 
     gaps = []
     order: list[str] = []
-    times, cpu = run_rounds({"a": way("a", 1.0), "b": way("b", 2.0), "c": way("c", 3.0)}, 4,
-                            sync=lambda: None, gap=lambda: gaps.append(1), warm_each=False,
-                            clock=lambda: fake_now[0], order_log=order)
-    assert order == list("abc" "bca" "cab" "abc"), order
+    times, cpu = run_rounds(
+        {"a": way("a", 1.0), "b": way("b", 2.0), "c": way("c", 3.0)},
+        4,
+        sync=lambda: None,
+        gap=lambda: gaps.append(1),
+        warm_each=False,
+        clock=lambda: fake_now[0],
+        order_log=order,
+    )
+    assert order == list("abcbcacababc"), order
     assert len(gaps) == 12 and calls == order
     assert times == {"a": [1.0] * 4, "b": [2.0] * 4, "c": [3.0] * 4}, times
     assert all(len(v) == 4 for v in cpu.values())
     calls.clear()
-    times, _ = run_rounds({"a": way("a", 1.0), "b": way("b", 2.0)}, 2, sync=lambda: None,
-                          warm_each=True, clock=lambda: fake_now[0])
-    assert calls == list("aabb" "bbaa"), calls  # warm-up call right before each timed one
+    times, _ = run_rounds(
+        {"a": way("a", 1.0), "b": way("b", 2.0)},
+        2,
+        sync=lambda: None,
+        warm_each=True,
+        clock=lambda: fake_now[0],
+    )
+    assert calls == list("aabbbbaa"), calls  # warm-up call right before each timed one
     assert times == {"a": [1.0, 1.0], "b": [2.0, 2.0]}
 
     ps = pass_samples([(0.5, [2.0, 1.0, 1.0, 1.0]), (0.0, [1.0, 3.0, 3.0])])
@@ -423,17 +516,26 @@ def self_test() -> int:
     for s in SIZES:
         for p in PATTERNS:
             pinned_us = 10 + s / 50e3  # ~50 GB/s
-            base = {"torch_pinned_to": pinned_us, "torch_to": pinned_us * 7,
-                    "torch_pin_to": pinned_us * 5, "torch_pin": pinned_us * 4,
-                    "to_device": pinned_us * (2.2 if s == MiB else 1.05),
-                    "to_device_batch": pinned_us * 1.1, "pin_memory": pinned_us * 2}
+            base = {
+                "torch_pinned_to": pinned_us,
+                "torch_to": pinned_us * 7,
+                "torch_pin_to": pinned_us * 5,
+                "torch_pin": pinned_us * 4,
+                "to_device": pinned_us * (2.2 if s == MiB else 1.05),
+                "to_device_batch": pinned_us * 1.1,
+                "pin_memory": pinned_us * 2,
+            }
             calls_st = {}
             for w, us in base.items():
                 samples = [us * 1e-6 * (1 + 0.1 * rng.random()) for _ in range(5)]
                 calls_st[w] = summarize(samples, s, [1e-6] * 5)
             pre = {}
-            for w, us in (("prefetch_steady", pinned_us * 1.1), ("prefetch_pass", pinned_us * 2),
-                          ("loop_steady", pinned_us * 6), ("loop_pass", pinned_us * 6)):
+            for w, us in (
+                ("prefetch_steady", pinned_us * 1.1),
+                ("prefetch_pass", pinned_us * 2),
+                ("loop_steady", pinned_us * 6),
+                ("loop_pass", pinned_us * 6),
+            ):
                 pre[w] = summarize([us * 1e-6 * (1 + 0.1 * rng.random()) for _ in range(3)], s)
             cells.append({"bytes": s, "pattern": p, "calls": calls_st, "prefetch": pre})
     rows = build_rows(cells)
@@ -453,14 +555,41 @@ def self_test() -> int:
     assert abs(pf["ratio_torch"]["median"] - pf["ratio_torch"]["median"]) == 0
     assert 4.5 < pf["ratio_torch"]["median"] < 6.6, pf["ratio_torch"]
 
-    small = [{"name": "to_device_4k", "value": 10.0, "limit": 8.0 + 3,
-              "ours_text": "10.0 us", "ref_text": "8.0 us", "target": "<= pinned .to(nb) + 3 us"},
-             {"name": "small_64", "value": 400.0, "limit": 350.0,
-              "ours_text": "400 us", "ref_text": "2137 us", "target": "<= 350 us"},
-             {"name": "small_64 x torch", "value": 0.9, "limit": 1.0, "cmp": ">=",
-              "ours_text": "0.90x", "ref_text": "torch_to", "target": "x torch >= 1"},
-             {"name": "idle_cpu", "value": None, "limit": 0.005,
-              "ours_text": "-", "ref_text": "-", "target": "<= 5 ms CPU in 1 s"}]
+    small = [
+        {
+            "name": "to_device_4k",
+            "value": 10.0,
+            "limit": 8.0 + 3,
+            "ours_text": "10.0 us",
+            "ref_text": "8.0 us",
+            "target": "<= pinned .to(nb) + 3 us",
+        },
+        {
+            "name": "small_64",
+            "value": 400.0,
+            "limit": 350.0,
+            "ours_text": "400 us",
+            "ref_text": "2137 us",
+            "target": "<= 350 us",
+        },
+        {
+            "name": "small_64 x torch",
+            "value": 0.9,
+            "limit": 1.0,
+            "cmp": ">=",
+            "ours_text": "0.90x",
+            "ref_text": "torch_to",
+            "target": "x torch >= 1",
+        },
+        {
+            "name": "idle_cpu",
+            "value": None,
+            "limit": 0.005,
+            "ours_text": "-",
+            "ref_text": "-",
+            "target": "<= 5 ms CPU in 1 s",
+        },
+    ]
     judge_small(small)
     assert [r["verdict"] for r in small] == ["PASS", "MISS", "MISS", None]
     table = compact_table(rows, small)
@@ -483,10 +612,12 @@ def self_test() -> int:
 
 # ---------------------------------------------------------------- the GPU benchmark
 
+
 class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
-        import pinxfer
         from bench_bus import cpu_seconds  # this script's directory is on sys.path
+
+        import pinxfer
 
         self.px = pinxfer
         self.cpu_seconds = cpu_seconds
@@ -554,19 +685,24 @@ class Bench:
         t = torch.empty(numel, dtype=base.dtype)
         whole = numel // block * block
         t[:whole].view(-1, block).copy_(base)
-        t[whole:] = base[:numel - whole]
+        t[whole:] = base[: numel - whole]
         return t
 
     def make_batch(self, nbytes: int, seed: int) -> dict:
         lay = batch_layout(nbytes)
-        return {"x": self.filled(lay["x"] // 4, seed),
-                "y": self.filled(lay["y"] // 8, seed + 1000, torch.int64),
-                "meta": [torch.tensor(seed), torch.tensor(nbytes)]}
+        return {
+            "x": self.filled(lay["x"] // 4, seed),
+            "y": self.filled(lay["y"] // 8, seed + 1000, torch.int64),
+            "meta": [torch.tensor(seed), torch.tensor(nbytes)],
+        }
 
     def to_cuda_plain(self, b: dict) -> dict:
         dev = self.dev
-        return {"x": b["x"].to(dev, non_blocking=True), "y": b["y"].to(dev, non_blocking=True),
-                "meta": [m.to(dev, non_blocking=True) for m in b["meta"]]}
+        return {
+            "x": b["x"].to(dev, non_blocking=True),
+            "y": b["y"].to(dev, non_blocking=True),
+            "meta": [m.to(dev, non_blocking=True) for m in b["meta"]],
+        }
 
     # -- one (size, pattern): the per-call ways
     def calls_cell(self, ways: dict, nbytes: int, pattern: str, cells_left: int) -> dict:
@@ -624,7 +760,7 @@ class Bench:
         passes: dict[str, list] = {w: [] for w in ways}
         names = list(ways)
         for r in range(n):
-            for name in names[r % 2:] + names[:r % 2]:
+            for name in names[r % 2 :] + names[: r % 2]:
                 passes[name].append(ways[name]())
                 self.sync()
         out = {}
@@ -649,13 +785,15 @@ class Bench:
             assert torch.equal(gb["x"].cpu(), batch["x"]) and torch.equal(gb["y"].cpu(), batch["y"])
             assert [int(m) for m in gb["meta"]] == [0, nbytes]
             del got, gb
-            ways = {"to_device": lambda: px.to_device(t, dev),
-                    "to_device_batch": lambda: px.to_device(batch, dev),
-                    "pin_memory": lambda: px.pin_memory(t),
-                    "torch_to": lambda: t.to(dev),
-                    "torch_pinned_to": lambda: pinned.to(dev, non_blocking=True),
-                    "torch_pin_to": lambda: t.pin_memory().to(dev, non_blocking=True),
-                    "torch_pin": lambda: t.pin_memory()}
+            ways = {
+                "to_device": lambda: px.to_device(t, dev),
+                "to_device_batch": lambda: px.to_device(batch, dev),
+                "pin_memory": lambda: px.pin_memory(t),
+                "torch_to": lambda: t.to(dev),
+                "torch_pinned_to": lambda: pinned.to(dev, non_blocking=True),
+                "torch_pin_to": lambda: t.pin_memory().to(dev, non_blocking=True),
+                "torch_pin": lambda: t.pin_memory(),
+            }
             k = 16 if nbytes <= 64 * MiB else 8 if nbytes <= 256 * MiB else 4
             batches = [batch] + [self.make_batch(nbytes, i) for i in range(1, k)]
             for pattern in PATTERNS:
@@ -665,18 +803,26 @@ class Bench:
                 kk = k if pattern == "b2b" else max(4, k // 2)
                 pre = self.prefetch_cell(batches[:kk], nbytes, pattern, cells_left)
                 cells_left -= 1
-                cells.append({"bytes": nbytes, "pattern": pattern, "calls": calls,
-                              "prefetch": {k2: v for k2, v in pre.items()
-                                           if k2 != "batches_per_pass"},
-                              "batches_per_pass": pre["batches_per_pass"],
-                              "seconds": time.perf_counter() - t0})
-                print(f"  {size_label(nbytes):>7} {pattern:5} n={calls['to_device']['n']:2d} "
-                      f"to_device {calls['to_device']['median_us']:9.1f} us  pinned "
-                      f"{calls['torch_pinned_to']['median_us']:9.1f}  torch_to "
-                      f"{calls['torch_to']['median_us']:9.1f}  prefetch steady "
-                      f"{pre['prefetch_steady']['median_us']:9.1f}  loop "
-                      f"{pre['loop_steady']['median_us']:9.1f}  "
-                      f"({time.perf_counter() - t0:.1f} s)", flush=True)
+                cells.append(
+                    {
+                        "bytes": nbytes,
+                        "pattern": pattern,
+                        "calls": calls,
+                        "prefetch": {k2: v for k2, v in pre.items() if k2 != "batches_per_pass"},
+                        "batches_per_pass": pre["batches_per_pass"],
+                        "seconds": time.perf_counter() - t0,
+                    }
+                )
+                print(
+                    f"  {size_label(nbytes):>7} {pattern:5} n={calls['to_device']['n']:2d} "
+                    f"to_device {calls['to_device']['median_us']:9.1f} us  pinned "
+                    f"{calls['torch_pinned_to']['median_us']:9.1f}  torch_to "
+                    f"{calls['torch_to']['median_us']:9.1f}  prefetch steady "
+                    f"{pre['prefetch_steady']['median_us']:9.1f}  loop "
+                    f"{pre['loop_steady']['median_us']:9.1f}  "
+                    f"({time.perf_counter() - t0:.1f} s)",
+                    flush=True,
+                )
             del batches, ways
             # Freed by rebinding, not del: the closures above read them (ruff's F821).
             t = pinned = batch = None
@@ -685,6 +831,7 @@ class Bench:
     # -- issue 22's small-call rows, CPU per GB, idle CPU, then install() last
     def per_call(self, fns: dict, calls: int, reps: int, sync: bool) -> dict:
         """µs per call: `reps` samples of `calls` calls (each synced if `sync`), interleaved."""
+
         def sample(fn: Callable[[], Any]) -> float:
             t0 = time.perf_counter()
             for _ in range(calls):
@@ -712,63 +859,134 @@ class Bench:
         raw: dict[str, Any] = {}
 
         def add(name, ours_us, ref_us, limit, target, ours_text=None, ref_text=None, cmp="<="):
-            rows.append({"name": name, "value": ours_us, "ref": ref_us, "limit": limit,
-                         "cmp": cmp, "target": target,
-                         "ours_text": ours_text or f"{ours_us:.2f} us",
-                         "ref_text": ref_text or ("-" if ref_us is None else f"{ref_us:.2f} us")})
+            rows.append(
+                {
+                    "name": name,
+                    "value": ours_us,
+                    "ref": ref_us,
+                    "limit": limit,
+                    "cmp": cmp,
+                    "target": target,
+                    "ours_text": ours_text or f"{ours_us:.2f} us",
+                    "ref_text": ref_text or ("-" if ref_us is None else f"{ref_us:.2f} us"),
+                }
+            )
 
         x4 = torch.randint(0, 255, (4 * KiB,), dtype=torch.uint8)
         x4p = x4.pin_memory()
-        m = self.per_call({"pinxfer": lambda: px.to_device(x4, dev),
-                           "torch_pinned": lambda: x4p.to(dev, non_blocking=True),
-                           "torch_to": lambda: x4.to(dev)}, calls // 2, reps, sync=True)
+        m = self.per_call(
+            {
+                "pinxfer": lambda: px.to_device(x4, dev),
+                "torch_pinned": lambda: x4p.to(dev, non_blocking=True),
+                "torch_to": lambda: x4.to(dev),
+            },
+            calls // 2,
+            reps,
+            sync=True,
+        )
         raw["to_device_4k"] = m
-        add("to_device_4k (synced)", m["pinxfer"]["median_us"], m["torch_pinned"]["median_us"],
-            m["torch_pinned"]["median_us"] + 3, "<= pinned .to(nb) + 3 us")
+        add(
+            "to_device_4k (synced)",
+            m["pinxfer"]["median_us"],
+            m["torch_pinned"]["median_us"],
+            m["torch_pinned"]["median_us"] + 3,
+            "<= pinned .to(nb) + 3 us",
+        )
 
         x64 = torch.randn(16 * KiB)
-        m = self.per_call({"pinxfer": lambda: px.pin_memory(x64),
-                           "torch": lambda: x64.pin_memory()}, calls, reps, sync=False)
+        m = self.per_call(
+            {"pinxfer": lambda: px.pin_memory(x64), "torch": lambda: x64.pin_memory()},
+            calls,
+            reps,
+            sync=False,
+        )
         raw["pin_memory_64k"] = m
-        add("pin_memory_64k hit", m["pinxfer"]["median_us"], m["torch"]["median_us"],
-            m["torch"]["median_us"], "<= x.pin_memory()")
+        add(
+            "pin_memory_64k hit",
+            m["pinxfer"]["median_us"],
+            m["torch"]["median_us"],
+            m["torch"]["median_us"],
+            "<= x.pin_memory()",
+        )
 
-        m = self.per_call({"pinxfer": lambda: px.empty(16384),
-                           "torch": lambda: torch.empty(16384, pin_memory=True)},
-                          calls, reps, sync=False)
+        m = self.per_call(
+            {
+                "pinxfer": lambda: px.empty(16384),
+                "torch": lambda: torch.empty(16384, pin_memory=True),
+            },
+            calls,
+            reps,
+            sync=False,
+        )
         raw["empty_16k"] = m
-        add("empty(16384)", m["pinxfer"]["median_us"], m["torch"]["median_us"],
-            m["torch"]["median_us"], "<= torch.empty(pin_memory=True)")
+        add(
+            "empty(16384)",
+            m["pinxfer"]["median_us"],
+            m["torch"]["median_us"],
+            m["torch"]["median_us"],
+            "<= torch.empty(pin_memory=True)",
+        )
 
         from bench_small_calls import the_batch  # 64 uint8 tensors, 4-256 KiB
         from torch.utils.data._utils.pin_memory import pin_memory as dataloader_pin
 
         b64 = the_batch()
-        m = self.per_call({
-            "pinxfer": lambda: px.to_device(b64, dev),
-            "torch_to": lambda: {k: v.to(dev) for k, v in b64.items()},
-            "torch_to_nb": lambda: {k: v.to(dev, non_blocking=True) for k, v in b64.items()},
-            "torch_pin_to": lambda: {k: v.to(dev, non_blocking=True)
-                                     for k, v in dataloader_pin(b64).items()}},
-            max(10, calls // 20), reps, sync=True)
+        m = self.per_call(
+            {
+                "pinxfer": lambda: px.to_device(b64, dev),
+                "torch_to": lambda: {k: v.to(dev) for k, v in b64.items()},
+                "torch_to_nb": lambda: {k: v.to(dev, non_blocking=True) for k, v in b64.items()},
+                "torch_pin_to": lambda: {
+                    k: v.to(dev, non_blocking=True) for k, v in dataloader_pin(b64).items()
+                },
+            },
+            max(10, calls // 20),
+            reps,
+            sync=True,
+        )
         raw["small_64"] = m
         best = min(("torch_to", "torch_to_nb", "torch_pin_to"), key=lambda k: m[k]["median_us"])
-        add("64 small -> GPU", m["pinxfer"]["median_us"], m[best]["median_us"], 350.0,
-            "<= 350 us", ref_text=f"{m[best]['median_us']:.0f} us")
+        add(
+            "64 small -> GPU",
+            m["pinxfer"]["median_us"],
+            m[best]["median_us"],
+            350.0,
+            "<= 350 us",
+            ref_text=f"{m[best]['median_us']:.0f} us",
+        )
         speed = m[best]["median_us"] / m["pinxfer"]["median_us"]
-        add("64 small x torch best", speed, None, 1.0, "x torch >= 1 (speed)",
-            ours_text=f"{speed:.2f}x", ref_text=best, cmp=">=")
+        add(
+            "64 small x torch best",
+            speed,
+            None,
+            1.0,
+            "x torch >= 1 (speed)",
+            ours_text=f"{speed:.2f}x",
+            ref_text=best,
+            cmp=">=",
+        )
 
         # CPU seconds per GB, 1 GiB, back to back, interleaved
         t = self.filled(GiB // 4, 54321)
-        times, cpu = run_rounds({"pinxfer": lambda: px.to_device(t, dev),
-                                 "torch_to": lambda: t.to(dev)}, 3 if q else 5, self.sync,
-                                warm_each=True, cpu_clock=self.cpu_seconds)
+        times, cpu = run_rounds(
+            {"pinxfer": lambda: px.to_device(t, dev), "torch_to": lambda: t.to(dev)},
+            3 if q else 5,
+            self.sync,
+            warm_each=True,
+            cpu_clock=self.cpu_seconds,
+        )
         cpg = {k: summarize(times[k], GiB, cpu[k]) for k in times}
         raw["cpu_per_gb_1g"] = cpg
         ours, ref = cpg["pinxfer"]["cpu_s_per_gb"], cpg["torch_to"]["cpu_s_per_gb"]
-        add("CPU s/GB 1 GiB", ours, ref, 1.5 * ref, "<= 1.5x t.to()",
-            ours_text=f"{ours:.3f} s/GB", ref_text=f"{ref:.3f} s/GB")
+        add(
+            "CPU s/GB 1 GiB",
+            ours,
+            ref,
+            1.5 * ref,
+            "<= 1.5x t.to()",
+            ours_text=f"{ours:.3f} s/GB",
+            ref_text=f"{ref:.3f} s/GB",
+        )
         # Freed by rebinding, not del: the closures above read it (ruff's F821).
         t = None
 
@@ -779,9 +997,14 @@ class Bench:
         time.sleep(1.0)
         idle = self.cpu_seconds() - c0
         raw["idle_cpu"] = {"cpu_s": idle, "wall_s": time.perf_counter() - t0}
-        add("idle CPU over 1 s", idle, None, IDLE_CPU_LIMIT_S,
+        add(
+            "idle CPU over 1 s",
+            idle,
+            None,
+            IDLE_CPU_LIMIT_S,
             f"<= {IDLE_CPU_LIMIT_S * 1e3:.0f} ms (copy threads: none)",
-            ours_text=f"{idle * 1e3:.2f} ms")
+            ours_text=f"{idle * 1e3:.2f} ms",
+        )
 
         # last: with install(), torch's own pinned allocation
         torch_fn = lambda: torch.empty(16384, pin_memory=True)  # noqa: E731
@@ -793,64 +1016,95 @@ class Bench:
             px.uninstall()
         after = after["torch_installed"]
         raw["installed_empty_16k"] = {"torch": before, "torch_installed": after}
-        add("install: torch.empty 16k", after["median_us"], before["median_us"],
-            1.05 * before["median_us"], "<= 1.05x torch's own")
+        add(
+            "install: torch.empty 16k",
+            after["median_us"],
+            before["median_us"],
+            1.05 * before["median_us"],
+            "<= 1.05x torch's own",
+        )
         judge_small(rows)
         return rows, raw
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", help="comma list, e.g. 4K,1M,1G (default: all ten)")
-    ap.add_argument("--quick", action="store_true",
-                    help=f"sizes {','.join(size_label(s) for s in QUICK_SIZES)}, budget 45 s, "
-                         "fewer samples")
-    ap.add_argument("--budget", type=float, default=None,
-                    help="seconds for the size x pattern matrix (default 240; --quick 45)")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"sizes {','.join(size_label(s) for s in QUICK_SIZES)}, budget 45 s, fewer samples",
+    )
+    ap.add_argument(
+        "--budget",
+        type=float,
+        default=None,
+        help="seconds for the size x pattern matrix (default 240; --quick 45)",
+    )
     ap.add_argument("--json", help="JSON path (default benchmarks/results/<kind>/loop.json)")
-    ap.add_argument("--kind", default=None, help="machine kind (default PINXFER_MACHINE_KIND "
-                    "or the GPU's name)")
+    ap.add_argument(
+        "--kind", default=None, help="machine kind (default PINXFER_MACHINE_KIND or the GPU's name)"
+    )
     ap.add_argument("--no-small", action="store_true", help="skip the small-call/CPU rows")
-    ap.add_argument("--self-test", action="store_true",
-                    help="check the statistics and table code on the CPU (no CUDA, no pinxfer)")
+    ap.add_argument(
+        "--self-test",
+        action="store_true",
+        help="check the statistics and table code on the CPU (no CUDA, no pinxfer)",
+    )
     args = ap.parse_args(argv)
     if args.self_test:
         return self_test()
     global torch
     import torch
+
     sizes = parse_sizes(args.sizes) if args.sizes else (QUICK_SIZES if args.quick else SIZES)
     if args.budget is None:
         args.budget = 45.0 if args.quick else 240.0
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_bus, bench_small_calls
     sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # pinxfer from a checkout
-    import pinxfer
     from bench_bus import results_dir
+
+    import pinxfer
 
     reason = pinxfer.cuda_unavailable_reason()
     if reason is not None:
-        print(f"bench_loop: needs a CUDA device ({reason}); --self-test runs without one",
-              file=sys.stderr)
+        print(
+            f"bench_loop: needs a CUDA device ({reason}); --self-test runs without one",
+            file=sys.stderr,
+        )
         return 2
-    kind = kind_slug(args.kind or os.environ.get("PINXFER_MACHINE_KIND"),
-                     torch.cuda.get_device_name())
+    kind = kind_slug(
+        args.kind or os.environ.get("PINXFER_MACHINE_KIND"), torch.cuda.get_device_name()
+    )
     started = time.perf_counter()
     bench = Bench(args)
     names, values, sources = torch.ops.pinxfer.settings()
     report: dict[str, Any] = {
-        "benchmark": "bench_loop", "issue": 22, "kind": kind,
-        "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-        "cuda": torch.version.cuda, "python": platform.python_version(),
-        "host_cpus": os.cpu_count(), "affinity_cpus": len(os.sched_getaffinity(0)),
-        "pinxfer_settings": {n: {"value": v, "source": s}
-                             for n, v, s in zip(names, values, sources)},
+        "benchmark": "bench_loop",
+        "issue": 22,
+        "kind": kind,
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "host_cpus": os.cpu_count(),
+        "affinity_cpus": len(os.sched_getaffinity(0)),
+        "pinxfer_settings": {
+            n: {"value": v, "source": s} for n, v, s in zip(names, values, sources)
+        },
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "sizes": sizes, "patterns": PATTERNS, "budget_s": args.budget, "quick": args.quick,
+        "sizes": sizes,
+        "patterns": PATTERNS,
+        "budget_s": args.budget,
+        "quick": args.quick,
         "gaps": bench.measured_gaps(),
         "ratios": "speed ratios: reference time / pinxfer time (> 1: pinxfer faster)",
     }
-    print(f"bench_loop on {kind} ({report['gpu']}), torch {torch.__version__}; gaps "
-          f"{report['gaps']}", flush=True)
+    print(
+        f"bench_loop on {kind} ({report['gpu']}), torch {torch.__version__}; gaps {report['gaps']}",
+        flush=True,
+    )
     cells = bench.matrix(sizes)
     rows = build_rows(cells)
     report["cells"] = cells

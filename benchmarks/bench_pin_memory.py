@@ -17,6 +17,7 @@ mlock'ed memory (pageable past `ulimit -l`).
 
 Usage: python benchmarks/bench_pin_memory.py --out results/pin_memory.json [--size-mib 1024]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,7 +28,8 @@ import statistics
 import sys
 import threading
 import time
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -41,8 +43,9 @@ MiB = 1 << 20
 HAS_CUDA = pinxfer.cuda_unavailable_reason() is None
 
 
-def median_seconds(fn: Callable[[], Any], repeats: int, warmup: int = 2,
-                   before: Optional[Callable[[], None]] = None) -> tuple[float, list[float]]:
+def median_seconds(
+    fn: Callable[[], Any], repeats: int, warmup: int = 2, before: Callable[[], None] | None = None
+) -> tuple[float, list[float]]:
     """Median wall seconds of fn(); `before` runs untimed ahead of each call."""
     for _ in range(warmup):
         if before:
@@ -61,6 +64,7 @@ def median_seconds(fn: Callable[[], Any], repeats: int, warmup: int = 2,
 
 def in_thread_with_one_torch_thread(fn: Callable[[], Any]) -> Callable[[], Any]:
     """fn run on a fresh thread that first calls torch.set_num_threads(1)."""
+
     def run() -> Any:
         box: dict[str, Any] = {}
 
@@ -74,6 +78,7 @@ def in_thread_with_one_torch_thread(fn: Callable[[], Any]) -> Callable[[], Any]:
         th.start()
         th.join()
         return box
+
     return run
 
 
@@ -87,9 +92,15 @@ def in_thread_median(fn: Callable[[], Any], repeats: int) -> tuple[float, list[f
 
 
 def row(section: str, way: str, nbytes: int, seconds: float, samples: list[float]) -> dict:
-    return {"section": section, "way": way, "bytes": nbytes, "seconds": seconds,
-            "ms": seconds * 1e3, "gbps": nbytes / seconds / 1e9 if seconds > 0 else 0.0,
-            "samples_ms": [s * 1e3 for s in samples]}
+    return {
+        "section": section,
+        "way": way,
+        "bytes": nbytes,
+        "seconds": seconds,
+        "ms": seconds * 1e3,
+        "gbps": nbytes / seconds / 1e9 if seconds > 0 else 0.0,
+        "samples_ms": [s * 1e3 for s in samples],
+    }
 
 
 def empty_caches() -> None:
@@ -107,7 +118,7 @@ def mixed_batch(total_target: int) -> dict[str, list[torch.Tensor]]:
     sizes = [max(4096, int(s * scale) // 4 * 4) for s in sizes]
     perm = torch.randperm(64, generator=g).tolist()
     tensors = [torch.randn(sizes[i] // 4, generator=g) for i in perm]
-    return {f"field{k}": tensors[k * 8:(k + 1) * 8] for k in range(8)}
+    return {f"field{k}": tensors[k * 8 : (k + 1) * 8] for k in range(8)}
 
 
 def batch_bytes(batch: dict[str, list[torch.Tensor]]) -> int:
@@ -174,24 +185,30 @@ def run(size_mib: int, repeats: int) -> dict:
     for section in dict.fromkeys(r["section"] for r in rows):
         if (section, "pinxfer") in by and (section, "torch") in by:
             # > 1: pinxfer is faster (throughput ratio = inverse time ratio).
-            ratios[section] = by[(section, "torch")]["seconds"] / by[(section, "pinxfer")]["seconds"]
+            ratios[section] = (
+                by[(section, "torch")]["seconds"] / by[(section, "pinxfer")]["seconds"]
+            )
     return {"rows": rows, "ratios_pinxfer_over_torch_speed": ratios, "skipped": skipped}
 
 
 def print_table(report: dict) -> None:
-    print(f"device: {report['device']}   pinxfer threads: {report['pinxfer_threads']}   "
-          f"torch threads: {report['torch_threads']}")
+    print(
+        f"device: {report['device']}   pinxfer threads: {report['pinxfer_threads']}   "
+        f"torch threads: {report['torch_threads']}"
+    )
     print(f"{'section':<18}{'way':<10}{'MiB':>8}{'ms':>10}{'GB/s':>9}")
     for r in report["rows"]:
-        print(f"{r['section']:<18}{r['way']:<10}{r['bytes'] / MiB:>8.0f}{r['ms']:>10.2f}"
-              f"{r['gbps']:>9.1f}")
+        print(
+            f"{r['section']:<18}{r['way']:<10}{r['bytes'] / MiB:>8.0f}{r['ms']:>10.2f}"
+            f"{r['gbps']:>9.1f}"
+        )
     for section, ratio in report["ratios_pinxfer_over_torch_speed"].items():
         print(f"  {section}: pinxfer is {ratio:.2f}x torch's speed")
     for s in report["skipped"]:
         print(f"  skipped: {s}")
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="write the JSON report here")
     ap.add_argument("--size-mib", type=int, default=1024, help="warm/cold tensor size (1024)")

@@ -18,6 +18,7 @@ Without a CUDA device, torch cannot pin: rows that need it are listed as skipped
 
 Usage: python benchmarks/bench_small_calls.py --out results/small_calls.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,7 +28,8 @@ import platform
 import statistics
 import sys
 import time
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -37,18 +39,20 @@ except ImportError:  # run from a checkout with the extension built in place
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import pinxfer
 
-from torch.utils._pytree import tree_flatten, tree_unflatten  # noqa: E402
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from pinxfer import _batch  # noqa: E402
+from pinxfer import _batch
 
 KiB = 1 << 10
 HAS_CUDA = pinxfer.cuda_unavailable_reason() is None
 
 
-def per_call_us(fn: Callable[[], Any], calls: int, repeats: int,
-                sync: Optional[Callable[[], None]] = None) -> dict:
+def per_call_us(
+    fn: Callable[[], Any], calls: int, repeats: int, sync: Callable[[], None] | None = None
+) -> dict:
     """µs per call of fn(): `repeats` samples of `calls` calls each (after a warm-up
     sample); `sync` (if any) runs inside each sample after the calls."""
+
     def sample() -> float:
         t0 = time.perf_counter()
         for _ in range(calls):
@@ -62,7 +66,7 @@ def per_call_us(fn: Callable[[], Any], calls: int, repeats: int,
     return {"median_us": statistics.median(times), "min_us": min(times), "samples_us": times}
 
 
-def row(name: str, ours: dict, theirs: Optional[dict], what: str, floor: Optional[dict] = None) -> dict:
+def row(name: str, ours: dict, theirs: dict | None, what: str, floor: dict | None = None) -> dict:
     out = {"name": name, "what": what, "pinxfer": ours}
     if theirs is not None:
         out["torch"] = theirs
@@ -76,8 +80,10 @@ def row(name: str, ours: dict, theirs: Optional[dict], what: str, floor: Optiona
 def the_batch() -> dict:
     g = torch.Generator().manual_seed(0)
     sizes = [4 * KiB << (i % 7) for i in range(64)]  # 4 KiB .. 256 KiB
-    return {f"t{i}": torch.randint(0, 255, (n,), dtype=torch.uint8, generator=g)
-            for i, n in enumerate(sizes)}
+    return {
+        f"t{i}": torch.randint(0, 255, (n,), dtype=torch.uint8, generator=g)
+        for i, n in enumerate(sizes)
+    }
 
 
 def main() -> None:
@@ -95,9 +101,14 @@ def main() -> None:
     rows.append(row("pin_memory_64k", ours, theirs, "pinxfer.pin_memory(x) vs x.pin_memory()"))
 
     ours = per_call_us(lambda: pinxfer.empty(16384), calls, reps)
-    theirs = per_call_us(lambda: torch.empty(16384, pin_memory=True), calls, reps) if HAS_CUDA else None
-    rows.append(row("empty_16k", ours, theirs,
-                    "pinxfer.empty(16384) vs torch.empty(16384, pin_memory=True)"))
+    theirs = (
+        per_call_us(lambda: torch.empty(16384, pin_memory=True), calls, reps) if HAS_CUDA else None
+    )
+    rows.append(
+        row(
+            "empty_16k", ours, theirs, "pinxfer.empty(16384) vs torch.empty(16384, pin_memory=True)"
+        )
+    )
 
     if HAS_CUDA:
         theirs = per_call_us(lambda: torch.empty(16384, pin_memory=True), calls, reps)
@@ -106,8 +117,14 @@ def main() -> None:
             ours = per_call_us(lambda: torch.empty(16384, pin_memory=True), calls, reps)
         finally:
             pinxfer.uninstall()
-        rows.append(row("installed_empty_16k", ours, theirs,
-                        "torch.empty(16384, pin_memory=True): pinxfer installed vs torch's allocator"))
+        rows.append(
+            row(
+                "installed_empty_16k",
+                ours,
+                theirs,
+                "torch.empty(16384, pin_memory=True): pinxfer installed vs torch's allocator",
+            )
+        )
     else:
         skipped.append("installed_empty_16k: no CUDA device")
 
@@ -120,8 +137,14 @@ def main() -> None:
         theirs = per_call_us(lambda: dataloader_pin(batch), calls // 20, reps)
     else:
         theirs = None
-    rows.append(row("pin_batch_64", ours, theirs,
-                    f"dict of 64 tensors ({batch_bytes} B): pinxfer.pin_memory vs DataLoader pinning"))
+    rows.append(
+        row(
+            "pin_batch_64",
+            ours,
+            theirs,
+            f"dict of 64 tensors ({batch_bytes} B): pinxfer.pin_memory vs DataLoader pinning",
+        )
+    )
 
     if HAS_CUDA:
         dev = torch.device("cuda")
@@ -136,16 +159,27 @@ def main() -> None:
         theirs = per_call_us(torch_way, calls // 20, reps, sync)
         flat = torch.empty(batch_bytes, dtype=torch.uint8, pin_memory=True)
         floor = per_call_us(lambda: flat.to(dev, non_blocking=True), calls // 20, reps, sync)
-        rows.append(row("to_device_batch_64", ours, theirs,
-                        "64-tensor batch to GPU: pinxfer.to_device vs DataLoader pin + .to per "
-                        "tensor; bus_floor: one pinned copy of the same bytes", floor))
+        rows.append(
+            row(
+                "to_device_batch_64",
+                ours,
+                theirs,
+                "64-tensor batch to GPU: pinxfer.to_device vs DataLoader pin + .to per "
+                "tensor; bus_floor: one pinned copy of the same bytes",
+                floor,
+            )
+        )
 
         x4 = torch.randint(0, 255, (4 * KiB,), dtype=torch.uint8)
         x4_pinned = x4.pin_memory()
         ours = per_call_us(lambda: pinxfer.to_device(x4, dev), calls, reps, sync)
         theirs = per_call_us(lambda: x4_pinned.to(dev, non_blocking=True), calls, reps, sync)
-        r = row("to_device_4k", ours, theirs,
-                "pinxfer.to_device(4 KiB pageable) vs pinned.to(cuda, non_blocking=True)")
+        r = row(
+            "to_device_4k",
+            ours,
+            theirs,
+            "pinxfer.to_device(4 KiB pageable) vs pinned.to(cuda, non_blocking=True)",
+        )
         r["excess_median_us"] = ours["median_us"] - theirs["median_us"]
         rows.append(r)
     else:
@@ -158,24 +192,36 @@ def main() -> None:
         return tree_unflatten(leaves, spec)
 
     theirs = per_call_us(pytree_roundtrip, calls // 10, reps)
-    rows.append(row("walker_64", ours, theirs,
-                    "pinxfer's batch walker vs torch.utils._pytree flatten+unflatten, 64 leaves"))
+    rows.append(
+        row(
+            "walker_64",
+            ours,
+            theirs,
+            "pinxfer's batch walker vs torch.utils._pytree flatten+unflatten, 64 leaves",
+        )
+    )
 
     result = {
         "benchmark": "small_calls",
         "machine": {
             "gpu": torch.cuda.get_device_name() if HAS_CUDA else None,
-            "host": platform.node(), "cpus": os.cpu_count(),
-            "torch": torch.__version__, "pinxfer": pinxfer.__version__,
+            "host": platform.node(),
+            "cpus": os.cpu_count(),
+            "torch": torch.__version__,
+            "pinxfer": pinxfer.__version__,
         },
-        "calls_per_sample": calls, "repeats": reps,
-        "rows": rows, "skipped": skipped,
+        "calls_per_sample": calls,
+        "repeats": reps,
+        "rows": rows,
+        "skipped": skipped,
     }
     for r in rows:
         ratio = f"{r['ratio_median']:.2f}x" if "ratio_median" in r else "-"
         theirs = f"{r['torch']['median_us']:8.2f}" if "torch" in r else "       -"
-        print(f"{r['name']:22s} pinxfer {r['pinxfer']['median_us']:8.2f} us  torch {theirs} us  "
-              f"ratio {ratio}")
+        print(
+            f"{r['name']:22s} pinxfer {r['pinxfer']['median_us']:8.2f} us  torch {theirs} us  "
+            f"ratio {ratio}"
+        )
     for s in skipped:
         print("skipped:", s)
     if args.out:

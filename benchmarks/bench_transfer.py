@@ -16,6 +16,7 @@ repeats after a warm-up. Without a GPU every section is skipped (said so in the 
 
 Usage: python benchmarks/bench_transfer.py --out results/transfer.json [--quick]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,7 +27,8 @@ import statistics
 import sys
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -78,27 +80,39 @@ def section_bandwidth(quick: bool) -> list[dict]:
             ref = t.to("cuda")
         ways = {
             "torch t.to(cuda)": lambda: t.to("cuda"),
-            "torch t.pin_memory().to(cuda, non_blocking)":
-                lambda: t.pin_memory().to("cuda", non_blocking=True),
+            "torch t.pin_memory().to(cuda, non_blocking)": lambda: t.pin_memory().to(
+                "cuda", non_blocking=True
+            ),
             "pinxfer.to_device": lambda: pinxfer.to_device(t),
-            "pinxfer.to_device (all nontemporal staging)":
-                lambda: pinxfer.to_device(t, staging="nt"),
-            "pinxfer.to_device (all cached staging)":
-                lambda: pinxfer.to_device(t, staging="movsb"),
+            "pinxfer.to_device (all nontemporal staging)": lambda: pinxfer.to_device(
+                t, staging="nt"
+            ),
+            "pinxfer.to_device (all cached staging)": lambda: pinxfer.to_device(t, staging="movsb"),
         }
         base = None
         for name, fn in ways.items():
             s = timed(fn, reps)
-            row = {"section": "1_pageable_to_gpu", "bytes": nbytes, "way": name,
-                   "seconds": s, "gbps": gbps(nbytes, s)}
+            row = {
+                "section": "1_pageable_to_gpu",
+                "bytes": nbytes,
+                "way": name,
+                "seconds": s,
+                "gbps": gbps(nbytes, s),
+            }
             if base is None:
                 base = s
             row["speedup_vs_torch_to"] = base / s
             rows.append(row)
         if ref is not None:
             ok = torch.equal(pinxfer.to_device(t), ref)
-            rows.append({"section": "1_pageable_to_gpu", "bytes": nbytes, "way": "check",
-                         "pinxfer_equals_torch": bool(ok)})
+            rows.append(
+                {
+                    "section": "1_pageable_to_gpu",
+                    "bytes": nbytes,
+                    "way": "check",
+                    "pinxfer_equals_torch": bool(ok),
+                }
+            )
         ref = None
         torch.cuda.empty_cache()
     return rows
@@ -141,13 +155,27 @@ def section_double_buffer(quick: bool) -> list[dict]:
         ("pinxfer.prefetch, pinned source", lambda: prefetch_run(pinned), ideal_pinned),
     ]:
         s = timed(fn, 2 if quick else 3, warmup=1)
-        rows.append({"section": "2_double_buffer", "way": name, "seconds": s,
-                     "ideal_seconds": ideal, "ratio_to_ideal": s / ideal,
-                     "steps": steps, "batch_bytes": nbytes})
-    rows.append({"section": "2_double_buffer", "way": "components",
-                 "compute_ms": t_compute * 1e3, "copy_pinned_ms": t_copy_pinned * 1e3,
-                 "copy_pinxfer_pageable_ms": t_copy_px * 1e3,
-                 "ideal_formula": "first copy + steps * max(copy, compute)"})
+        rows.append(
+            {
+                "section": "2_double_buffer",
+                "way": name,
+                "seconds": s,
+                "ideal_seconds": ideal,
+                "ratio_to_ideal": s / ideal,
+                "steps": steps,
+                "batch_bytes": nbytes,
+            }
+        )
+    rows.append(
+        {
+            "section": "2_double_buffer",
+            "way": "components",
+            "compute_ms": t_compute * 1e3,
+            "copy_pinned_ms": t_copy_pinned * 1e3,
+            "copy_pinxfer_pageable_ms": t_copy_px * 1e3,
+            "ideal_formula": "first copy + steps * max(copy, compute)",
+        }
+    )
     return rows
 
 
@@ -200,14 +228,24 @@ def run_loop(batches_iter, step: Callable, cuda_batches: bool) -> tuple[float, i
     return time.perf_counter() - t0, n
 
 
-def e2e_row(section: str, bound: str, way: str, seconds: float, n: int, t_step: float,
-            **extra: Any) -> dict:
+def e2e_row(
+    section: str, bound: str, way: str, seconds: float, n: int, t_step: float, **extra: Any
+) -> dict:
     nbytes = n * ROWS * COLS * 4
     compute = n * t_step
-    return {"section": section, "bound": bound, "way": way, "batches": n, "seconds": seconds,
-            "samples_per_s": n * ROWS / seconds, "delivered_gbps": gbps(nbytes, seconds),
-            "pure_compute_seconds": compute, "gpu_idle_seconds": max(0.0, seconds - compute),
-            "ratio_to_pure_compute": seconds / compute, **extra}
+    return {
+        "section": section,
+        "bound": bound,
+        "way": way,
+        "batches": n,
+        "seconds": seconds,
+        "samples_per_s": n * ROWS / seconds,
+        "delivered_gbps": gbps(nbytes, seconds),
+        "pure_compute_seconds": compute,
+        "gpu_idle_seconds": max(0.0, seconds - compute),
+        "ratio_to_pure_compute": seconds / compute,
+        **extra,
+    }
 
 
 def section_in_memory(quick: bool) -> list[dict]:
@@ -224,8 +262,15 @@ def section_in_memory(quick: bool) -> list[dict]:
         loader = torch.utils.data.DataLoader(InMemory(seq), batch_size=None, pin_memory=True)
         run_loop(iter(loader), step, False)  # warm: pinned cache, kernels
         s, n = run_loop(iter(loader), step, False)
-        torch_row = e2e_row("3a_in_memory", bound, "DataLoader(pin_memory=True) + non_blocking",
-                            s, n, t_step, step=desc)
+        torch_row = e2e_row(
+            "3a_in_memory",
+            bound,
+            "DataLoader(pin_memory=True) + non_blocking",
+            s,
+            n,
+            t_step,
+            step=desc,
+        )
         run_loop(pinxfer.prefetch(seq[:4]), step, True)  # warm staging
         s, n = run_loop(pinxfer.prefetch(seq, depth=2), step, True)
         px_row = e2e_row("3a_in_memory", bound, "pinxfer.prefetch(list)", s, n, t_step, step=desc)
@@ -248,8 +293,9 @@ def section_in_memory_tensor(quick: bool, source: list[torch.Tensor]) -> list[di
     g = source[0].to("cuda")
     t_step = timed(lambda: step(g), 10)
     g = None
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x), batch_size=ROWS,
-                                         pin_memory=True)
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(x), batch_size=ROWS, pin_memory=True
+    )
 
     def torch_pass() -> tuple[float, int]:
         n = 0
@@ -263,14 +309,21 @@ def section_in_memory_tensor(quick: bool, source: list[torch.Tensor]) -> list[di
 
     torch_pass()  # warm
     s, n = torch_pass()
-    torch_row = e2e_row("3a_in_memory", "transfer_bound",
-                        "DataLoader(TensorDataset(x), batch_size=4096, pin_memory=True) + non_blocking",
-                        s, n, t_step, step=desc)
+    torch_row = e2e_row(
+        "3a_in_memory",
+        "transfer_bound",
+        "DataLoader(TensorDataset(x), batch_size=4096, pin_memory=True) + non_blocking",
+        s,
+        n,
+        t_step,
+        step=desc,
+    )
     views = list(x.split(ROWS)) * (2 if quick else 3)
     run_loop(pinxfer.prefetch(views[:4]), step, True)
     s, n = run_loop(pinxfer.prefetch(views), step, True)
-    px_row = e2e_row("3a_in_memory", "transfer_bound", "pinxfer.prefetch(x.split(4096))", s, n,
-                     t_step, step=desc)
+    px_row = e2e_row(
+        "3a_in_memory", "transfer_bound", "pinxfer.prefetch(x.split(4096))", s, n, t_step, step=desc
+    )
     px_row["speedup_vs_dataloader"] = px_row["samples_per_s"] / torch_row["samples_per_s"]
     return [torch_row, px_row]
 
@@ -289,8 +342,9 @@ def breakdown(quick: bool) -> dict:
         for _ in range(3):
             y = torch.randn(ROWS, COLS).share_memory_()
         # share_memory_ (what sending a tensor from a worker costs there) minus the build
-        out["worker_to_shm_ms"] = max(0.0, (time.perf_counter() - t) / 3 * 1e3
-                                      - out["worker_build_ms"])
+        out["worker_to_shm_ms"] = max(
+            0.0, (time.perf_counter() - t) / 3 * 1e3 - out["worker_build_ms"]
+        )
         res: dict[str, float] = {}
 
         def pin_in_thread() -> None:
@@ -316,8 +370,9 @@ def breakdown(quick: bool) -> dict:
 
 
 def loader_only_rate(workers: int, pin: bool, n: int) -> float:
-    loader = torch.utils.data.DataLoader(Built(n), batch_size=None, num_workers=workers,
-                                         pin_memory=pin)
+    loader = torch.utils.data.DataLoader(
+        Built(n), batch_size=None, num_workers=workers, pin_memory=pin
+    )
     it = iter(loader)
     for _ in range(min(4, n // 2)):
         next(it)
@@ -339,17 +394,24 @@ def section_workers(quick: bool) -> list[dict]:
         t_step = timed(lambda: step(g), 10)
         g = None
         first = len(rows)
-        for way in ("DataLoader(pin_memory=True) + non_blocking",
-                    "pinxfer.prefetch(DataLoader(pin_memory=False))",
-                    "pinxfer.prefetch(DataLoader(pin_memory=False), slots=True)"):
+        for way in (
+            "DataLoader(pin_memory=True) + non_blocking",
+            "pinxfer.prefetch(DataLoader(pin_memory=False))",
+            "pinxfer.prefetch(DataLoader(pin_memory=False), slots=True)",
+        ):
             torch_way = way.startswith("DataLoader")
             slots = way.endswith("slots=True)")
-            loader = torch.utils.data.DataLoader(Built(steps + warm), batch_size=None,
-                                                 num_workers=workers, pin_memory=torch_way)
+            loader = torch.utils.data.DataLoader(
+                Built(steps + warm), batch_size=None, num_workers=workers, pin_memory=torch_way
+            )
             pf = None
             if not torch_way:  # slots: sized up front so that no warm-up batch falls back
-                pf = pinxfer.prefetch(loader, depth=2, slots=slots,  # False: the staging way
-                                      slot_bytes=ROWS * COLS * 4 if slots else None)
+                pf = pinxfer.prefetch(
+                    loader,
+                    depth=2,
+                    slots=slots,  # False: the staging way
+                    slot_bytes=ROWS * COLS * 4 if slots else None,
+                )
             it = iter(loader) if torch_way else iter(pf)
             for _ in range(warm):  # workers started, queues filled: steady state below
                 b = next(it)
@@ -359,18 +421,32 @@ def section_workers(quick: bool) -> list[dict]:
             extra = {"slot_stats": pf.slots.stats()} if slots else {}
             if slots:
                 pf.slots.close()
-            rows.append(e2e_row("3b_workers", bound, way, s, n, t_step, step=desc,
-                                workers=workers, warmup_batches_excluded=warm, **extra))
-        for r in rows[first + 1:]:
+            rows.append(
+                e2e_row(
+                    "3b_workers",
+                    bound,
+                    way,
+                    s,
+                    n,
+                    t_step,
+                    step=desc,
+                    workers=workers,
+                    warmup_batches_excluded=warm,
+                    **extra,
+                )
+            )
+        for r in rows[first + 1 :]:
             r["speedup_vs_dataloader"] = r["samples_per_s"] / rows[first]["samples_per_s"]
     n = 16 if quick else 24
     bd = breakdown(quick)
     bd["loader_only_batches_per_s_pin_false"] = loader_only_rate(workers, False, n)
     bd["loader_only_batches_per_s_pin_true"] = loader_only_rate(workers, True, n)
     bd["batch_bytes"] = ROWS * COLS * 4
-    bd["notes"] = ("per-batch stage costs measured separately on one thread each (as in a "
-                   "worker / the pin thread); loader_only rates iterate the 8-worker loader with no "
-                   "GPU work, so they bound what any consumer can get")
+    bd["notes"] = (
+        "per-batch stage costs measured separately on one thread each (as in a "
+        "worker / the pin thread); loader_only rates iterate the 8-worker loader with no "
+        "GPU work, so they bound what any consumer can get"
+    )
     rows.append({"section": "3b_workers", "way": "breakdown", **bd})
     return rows
 
@@ -383,14 +459,26 @@ def print_table(rows: list[dict]) -> None:
         keys = [k for k in ("section", "bound", "bytes", "way") if k in r]
         head = " | ".join(str(r[k]) for k in keys)
         vals = []
-        for k in ("gbps", "speedup_vs_torch_to", "seconds", "ideal_seconds", "ratio_to_ideal",
-                  "samples_per_s", "delivered_gbps", "gpu_idle_seconds", "ratio_to_pure_compute",
-                  "speedup_vs_dataloader"):
+        for k in (
+            "gbps",
+            "speedup_vs_torch_to",
+            "seconds",
+            "ideal_seconds",
+            "ratio_to_ideal",
+            "samples_per_s",
+            "delivered_gbps",
+            "gpu_idle_seconds",
+            "ratio_to_pure_compute",
+            "speedup_vs_dataloader",
+        ):
             if k in r:
                 vals.append(f"{k}={r[k]:.3f}" if isinstance(r[k], float) else f"{k}={r[k]}")
         if r.get("way") in ("breakdown", "components", "check"):
-            vals = [f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()
-                    if k not in ("section", "way")]
+            vals = [
+                f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
+                for k, v in r.items()
+                if k not in ("section", "way")
+            ]
         print(f"{head:70s} {'  '.join(vals)}")
 
 
@@ -410,8 +498,10 @@ def main(argv: list[str] | None = None) -> int:
         "python": platform.python_version(),
         "cpus": os.cpu_count(),
         "quick": args.quick,
-        "notes": ("steps reduced to keep the run short: section 2 uses seed 000's 10 steps; "
-                  "section 3 uses 48 (a) / 40 (b) batches of 64 MiB per way (24 with --quick)"),
+        "notes": (
+            "steps reduced to keep the run short: section 2 uses seed 000's 10 steps; "
+            "section 3 uses 48 (a) / 40 (b) batches of 64 MiB per way (24 with --quick)"
+        ),
         "results": [],
         "skipped": [],
     }
@@ -424,8 +514,12 @@ def main(argv: list[str] | None = None) -> int:
         report["device"] = torch.cuda.get_device_name()
         torch.cuda.init()
         t_all = time.perf_counter()
-        for key, fn in [("1", section_bandwidth), ("2", section_double_buffer),
-                        ("3a", section_in_memory), ("3b", section_workers)]:
+        for key, fn in [
+            ("1", section_bandwidth),
+            ("2", section_double_buffer),
+            ("3a", section_in_memory),
+            ("3b", section_workers),
+        ]:
             if key not in wanted:
                 continue
             t0 = time.perf_counter()

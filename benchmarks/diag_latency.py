@@ -16,6 +16,7 @@ never sleep through the gap). Cost of waking the helpers = default - spinning.
 
     python benchmarks/diag_latency.py [--json out.json] [--rounds 15]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,8 +31,11 @@ import torch
 
 SIZES = [4 << 10, 1 << 20, 8 << 20]
 GAP_S = 0.020
-VARIANTS = {"default": {}, "threads=1": {"PINXFER_NUM_THREADS": "1"},
-            "spinning": {"PINXFER_SPIN_US": "50000"}}
+VARIANTS = {
+    "default": {},
+    "threads=1": {"PINXFER_NUM_THREADS": "1"},
+    "spinning": {"PINXFER_SPIN_US": "50000"},
+}
 
 
 def measure(rounds: int) -> dict:
@@ -65,7 +69,8 @@ def measure(rounds: int) -> dict:
                     torch.cuda.synchronize()
                     samples[name].append((time.perf_counter() - t0) * 1e6)
             out[f"{size}:{pattern}"] = {
-                k: {"median_us": statistics.median(v), "min_us": min(v)} for k, v in samples.items()}
+                k: {"median_us": statistics.median(v), "min_us": min(v)} for k, v in samples.items()
+            }
     return out
 
 
@@ -83,24 +88,40 @@ def main() -> None:
         return
     results = {}
     for variant, env in VARIANTS.items():
-        proc = subprocess.run([sys.executable, __file__, "--child", "--rounds", str(args.rounds)],
-                              env=dict(os.environ, **env), capture_output=True, text=True,
-                              timeout=300)
+        proc = subprocess.run(
+            [sys.executable, __file__, "--child", "--rounds", str(args.rounds)],
+            env=dict(os.environ, **env),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
         if proc.returncode != 0 or not line:
             print(proc.stdout, proc.stderr)
             raise SystemExit(f"diag_latency: variant {variant} failed")
-        results[variant] = json.loads(line[0][len("RESULT "):])
-    print(f"{'size:pattern':<22} {'variant':<10} " + " ".join(f"{w:>14}" for w in
-          ("pinned", "torch.to", "op", "fast", "public")) + "   (median / min µs)")
+        results[variant] = json.loads(line[0][len("RESULT ") :])
+    print(
+        f"{'size:pattern':<22} {'variant':<10} "
+        + " ".join(f"{w:>14}" for w in ("pinned", "torch.to", "op", "fast", "public"))
+        + "   (median / min µs)"
+    )
     for key in results["default"]:
         for variant in VARIANTS:
             row = results[variant][key]
-            print(f"{key:<22} {variant:<10} " + " ".join(
-                f"{row[w]['median_us']:7.1f}/{row[w]['min_us']:<6.1f}" for w in
-                ("pinned", "torch.to", "op", "fast", "public")))
-    doc = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-           "gap_s": GAP_S, "rounds": args.rounds, "results": results}
+            print(
+                f"{key:<22} {variant:<10} "
+                + " ".join(
+                    f"{row[w]['median_us']:7.1f}/{row[w]['min_us']:<6.1f}"
+                    for w in ("pinned", "torch.to", "op", "fast", "public")
+                )
+            )
+    doc = {
+        "device": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "gap_s": GAP_S,
+        "rounds": args.rounds,
+        "results": results,
+    }
     if args.json:
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)

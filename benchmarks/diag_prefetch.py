@@ -19,22 +19,23 @@ Each variant moves the same in-memory pageable batches to the GPU; median of
 
 Usage: python3 benchmarks/diag_prefetch.py [--out diag.json]
 """
+
 from __future__ import annotations
 
 import argparse
 import json
 import os
 import queue
-import subprocess
 import statistics
+import subprocess
 import sys
 import threading
 import time
 
 import torch
+from bench_bus import cpu_seconds  # this script's directory is on sys.path
 
 import pinxfer
-from bench_bus import cpu_seconds  # this script's directory is on sys.path
 from pinxfer import _ops
 
 MiB = 1 << 20
@@ -51,8 +52,11 @@ def timed(fn, nbytes: int, runs: int, dev) -> dict:
         times.append(time.perf_counter() - t0)
         cpu += cpu_seconds() - c0
     med = statistics.median(times)
-    return {"gbps_median": nbytes / med / 1e9, "gbps_best": nbytes / min(times) / 1e9,
-            "cpu_s_per_gb": cpu / (runs * nbytes / 1e9)}
+    return {
+        "gbps_median": nbytes / med / 1e9,
+        "gbps_best": nbytes / min(times) / 1e9,
+        "cpu_s_per_gb": cpu / (runs * nbytes / 1e9),
+    }
 
 
 def in_thread(fn):
@@ -60,6 +64,7 @@ def in_thread(fn):
         th = threading.Thread(target=fn)
         th.start()
         th.join()
+
     return run
 
 
@@ -123,6 +128,7 @@ def main() -> int:
             def run():
                 for _ in pinxfer.prefetch(batches, device=dev, depth=depth):
                     pass
+
             return run
 
         row["ceiling"] = timed(ceiling, moved, args.runs, dev)
@@ -159,17 +165,27 @@ def main() -> int:
         print(json.dumps(report))
         return 0
     for label, spin in (("spin_100us", "100"), ("spin_1ms", "1000")):
-        proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", "--runs",
-                               str(args.runs)], env={**os.environ, "PINXFER_SPIN_US": spin},
-                              capture_output=True, text=True, timeout=120)
+        proc = subprocess.run(
+            [sys.executable, os.path.abspath(__file__), "--child", "--runs", str(args.runs)],
+            env={**os.environ, "PINXFER_SPIN_US": spin},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         if proc.returncode != 0:
             print(f"{label} child failed:", proc.stderr[-1500:])
             continue
         report[label] = json.loads(proc.stdout.strip().splitlines()[-1])["rows"]
         for r in report[label]:
-            print(label, r["batch_mib"], "MiB: seq_thread %.1f prefetch_d2 %.1f ceiling %.1f" % (
-                r["seq_thread"]["gbps_median"], r["prefetch_d2"]["gbps_median"],
-                r["ceiling"]["gbps_median"]))
+            print(
+                label,
+                r["batch_mib"],
+                "MiB: seq_thread {:.1f} prefetch_d2 {:.1f} ceiling {:.1f}".format(
+                    r["seq_thread"]["gbps_median"],
+                    r["prefetch_d2"]["gbps_median"],
+                    r["ceiling"]["gbps_median"],
+                ),
+            )
 
     # Does the op release the GIL? Count a Python loop's iterations during 20 calls.
     big = torch.randn(256 * MiB // 4)

@@ -7,6 +7,7 @@ equivalents in the same process. Microseconds per call, median of 7 rounds.
 Writes benchmarks/results/<kind>/small_breakdown.json by default (kind from
 PINXFER_MACHINE_KIND, e.g. nvidia-h100-x1 -> h100).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -15,17 +16,19 @@ import os
 import statistics
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import pinxfer  # noqa: E402
-from pinxfer import _ops  # noqa: E402
+import pinxfer
+from pinxfer import _ops
 
 
-def us_per_call(fn: Callable[[], Any], calls: int = 2000, rounds: int = 7,
-                sync: bool = False) -> float:
+def us_per_call(
+    fn: Callable[[], Any], calls: int = 2000, rounds: int = 7, sync: bool = False
+) -> float:
     fn()
     samples = []
     for _ in range(rounds):
@@ -42,8 +45,9 @@ def us_per_call(fn: Callable[[], Any], calls: int = 2000, rounds: int = 7,
 
 def kind_dir() -> str:
     kind = os.environ.get("PINXFER_MACHINE_KIND", "local")
-    return {"nvidia-h100-x1": "h100", "nvidia-h200": "h200",
-            "nvidia-h200-x2": "h200-x2"}.get(kind, kind)
+    return {"nvidia-h100-x1": "h100", "nvidia-h200": "h200", "nvidia-h200-x2": "h200-x2"}.get(
+        kind, kind
+    )
 
 
 def main() -> None:
@@ -54,7 +58,8 @@ def main() -> None:
     if cuda:
         torch.cuda.init()
     result: dict[str, Any] = {
-        "torch": torch.__version__, "kind": os.environ.get("PINXFER_MACHINE_KIND", "local"),
+        "torch": torch.__version__,
+        "kind": os.environ.get("PINXFER_MACHINE_KIND", "local"),
         "native_ns": pinxfer._C._call_breakdown(20000),
     }
     x64k = torch.randn(16384)
@@ -69,23 +74,34 @@ def main() -> None:
         dev = torch.device("cuda")
         t4k = torch.randn(1024)
         p4k = t4k.pin_memory()
-        calls.update({
-            "torch.empty(16384, pin_memory=True)": lambda: torch.empty(16384, pin_memory=True),
-            "x.pin_memory() 64KiB": lambda: x64k.pin_memory(),
-            "pinxfer.to_device(4KiB)": lambda: pinxfer.to_device(t4k),
-            "_C.to_device(4KiB)": lambda: _ops.fast.to_device(t4k, dev, 16 << 20, 4, "auto"),
-            "pinned.to(nb) 4KiB": lambda: p4k.to(dev, non_blocking=True),
-            "t.to(cuda) 4KiB": lambda: t4k.to(dev),
-            "torch.empty(1024, device=cuda)": lambda: torch.empty(1024, device=dev),
-        })
+        calls.update(
+            {
+                "torch.empty(16384, pin_memory=True)": lambda: torch.empty(16384, pin_memory=True),
+                "x.pin_memory() 64KiB": lambda: x64k.pin_memory(),
+                "pinxfer.to_device(4KiB)": lambda: pinxfer.to_device(t4k),
+                "_C.to_device(4KiB)": lambda: _ops.fast.to_device(t4k, dev, 16 << 20, 4, "auto"),
+                "pinned.to(nb) 4KiB": lambda: p4k.to(dev, non_blocking=True),
+                "t.to(cuda) 4KiB": lambda: t4k.to(dev),
+                "torch.empty(1024, device=cuda)": lambda: torch.empty(1024, device=dev),
+            }
+        )
     result["python_us"] = {name: us_per_call(fn) for name, fn in calls.items()}
     if cuda:
-        synced = {k: calls[k] for k in ("pinxfer.to_device(4KiB)", "_C.to_device(4KiB)",
-                                         "pinned.to(nb) 4KiB", "t.to(cuda) 4KiB")}
-        result["python_us_synced"] = {name: us_per_call(fn, calls=500, sync=True)
-                                      for name, fn in synced.items()}
-    out = args.json or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                    kind_dir(), "small_breakdown.json")
+        synced = {
+            k: calls[k]
+            for k in (
+                "pinxfer.to_device(4KiB)",
+                "_C.to_device(4KiB)",
+                "pinned.to(nb) 4KiB",
+                "t.to(cuda) 4KiB",
+            )
+        }
+        result["python_us_synced"] = {
+            name: us_per_call(fn, calls=500, sync=True) for name, fn in synced.items()
+        }
+    out = args.json or os.path.join(
+        os.path.dirname(os.path.abspath(__file__)), "results", kind_dir(), "small_breakdown.json"
+    )
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:
         json.dump(result, f, indent=1)

@@ -9,6 +9,7 @@ each call sends the next of distinct tensors holding 512 MiB in all.
 
 Usage: python3 benchmarks/sweep_chunking.py --out chunking.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -66,7 +67,8 @@ def child(runs: int) -> dict:
         for label, chunk, bufs in LAYOUTS:
             for kind in STAGING:
                 row[f"{label} {kind}"] = timed(
-                    lambda: _ops.to_device(nxt(), dev, chunk, bufs, kind))
+                    lambda: _ops.to_device(nxt(), dev, chunk, bufs, kind)
+                )
         check = _ops.to_device(srcs[1], dev, 1 * MiB, 4, "movsb")
         assert torch.equal(check.cpu(), srcs[1])
         out[f"{nbytes // MiB}MiB"] = row
@@ -88,9 +90,13 @@ def main() -> int:
         env = dict(os.environ)
         if threads:
             env["PINXFER_NUM_THREADS"] = threads
-        proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child",
-                               "--runs", str(args.runs)], env=env, capture_output=True,
-                              text=True, timeout=300)
+        proc = subprocess.run(
+            [sys.executable, os.path.abspath(__file__), "--child", "--runs", str(args.runs)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         name = f"threads {threads or 'default'}"
         if proc.returncode != 0:
             print(f"{name}: FAILED\n{proc.stderr[-2000:]}")
@@ -99,11 +105,15 @@ def main() -> int:
         for size, row in table[name].items():
             ceiling = row["ceiling"]
             best = sorted(((v, k) for k, v in row.items() if k != "ceiling"), reverse=True)[:4]
-            print(f"{name:16s} {size:6s} ceiling {ceiling:5.1f}  " +
-                  "  ".join(f"{k} {v:5.1f} ({v / ceiling:.2f})" for v, k in best), flush=True)
+            print(
+                f"{name:16s} {size:6s} ceiling {ceiling:5.1f}  "
+                + "  ".join(f"{k} {v:5.1f} ({v / ceiling:.2f})" for v, k in best),
+                flush=True,
+            )
     with open(args.out, "w") as f:
-        json.dump({"unit": "GB/s, median of runs of 8 calls, cold sources", "results": table},
-                  f, indent=1)
+        json.dump(
+            {"unit": "GB/s, median of runs of 8 calls, cold sources", "results": table}, f, indent=1
+        )
     return 0
 
 

@@ -11,6 +11,7 @@ holds the comparisons with torch.
 
 Usage: python benchmarks/sweep_to_device.py --out sweep.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,9 +39,9 @@ def child() -> list[dict]:
     import torch
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    import pinxfer
-
     from bench_transfer import timed as timed_once  # this script's directory is on sys.path
+
+    import pinxfer
 
     def timed(fn, repeats: int) -> float:
         return timed_once(fn, repeats, warmup=3)
@@ -64,8 +65,10 @@ def child() -> list[dict]:
         src = torch.rand(nbytes // 4)
         variants = [("", {})]
         if nbytes == 1024 * MiB:
-            variants += [(" ring 8Mx4", {"chunk_bytes": 8 * MiB, "num_buffers": 4}),
-                         (" ring 16Mx8", {"num_buffers": 8})]
+            variants += [
+                (" ring 8Mx4", {"chunk_bytes": 8 * MiB, "num_buffers": 4}),
+                (" ring 16Mx8", {"num_buffers": 8}),
+            ]
         for label, kw in variants:
             s = timed(lambda: pinxfer.to_device(src, "cuda", **kw), reps)
             row(f"to_device {nbytes // MiB}M{label}", nbytes, s)
@@ -84,15 +87,22 @@ def child() -> list[dict]:
 
     pinned = torch.empty(1024 * MiB // 4).pin_memory()
     dst = torch.empty_like(pinned, device="cuda")
-    row("pinned DMA 1G (ceiling)", 1024 * MiB, timed(lambda: dst.copy_(pinned, non_blocking=True), 7))
+    row(
+        "pinned DMA 1G (ceiling)",
+        1024 * MiB,
+        timed(lambda: dst.copy_(pinned, non_blocking=True), 7),
+    )
     # Freed by rebinding, not del: the closures above read them (ruff's F821).
     pinned = dst = None
 
     seq = [batches[i % 16] for i in range(48)]
     w = torch.randn(4096, 4096, device="cuda")
     small = [b.view(4, 1024, 4096)[i] for b in batches for i in range(4)]  # 16 MiB views
-    for label, seq_, kw in (("64M x48", seq, {}), ("64M x48 depth 3", seq, {"depth": 3}),
-                            ("16M x192", small * 3, {})):
+    for label, seq_, kw in (
+        ("64M x48", seq, {}),
+        ("64M x48 depth 3", seq, {"depth": 3}),
+        ("16M x192", small * 3, {}),
+    ):
         results = []
         for _ in range(4):
             torch.cuda.synchronize()
@@ -118,18 +128,29 @@ def main() -> int:
     table: dict[str, dict[str, float]] = {}
     for name in names:
         env = {**os.environ, **SETTINGS[name]}
-        proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child"], env=env,
-                              capture_output=True, text=True, timeout=120)
+        proc = subprocess.run(
+            [sys.executable, os.path.abspath(__file__), "--child"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         if proc.returncode != 0:
             print(f"{name}: FAILED\n{proc.stderr[-2000:]}")
             continue
         rows = json.loads(proc.stdout.strip().splitlines()[-1])
-        table[name] = {r["what"]: (r["us"] if "latency" in r["what"] else r["gbps"])
-                       for r in rows}
+        table[name] = {r["what"]: (r["us"] if "latency" in r["what"] else r["gbps"]) for r in rows}
         print(name, "done", flush=True)
     with open(args.out, "w") as f:
-        json.dump({"unit": "GB/s (latency rows: us)", "settings": {n: SETTINGS[n] for n in names},
-                   "results": table}, f, indent=1)
+        json.dump(
+            {
+                "unit": "GB/s (latency rows: us)",
+                "settings": {n: SETTINGS[n] for n in names},
+                "results": table,
+            },
+            f,
+            indent=1,
+        )
     if table:
         settings = list(table)
         print("\nGB/s (latency: us)".ljust(30) + "".join(n[:12].rjust(13) for n in settings))

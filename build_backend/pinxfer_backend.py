@@ -32,6 +32,7 @@ too old (and that needs an index). Without torch there, every hook fails in
 seconds with one message saying what to run. With ``--no-build-isolation`` torch is already
 importable and nothing is probed.
 """
+
 from __future__ import annotations
 
 import functools
@@ -78,7 +79,7 @@ def _fail(message: str):
     raise BuildEnvironmentError("\npinxfer: " + message + "\n")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _torch_environment() -> dict | None:
     """The target interpreter's view (see _PROBE), or None when torch is importable here
     already (--no-build-isolation, or torch among the build requirements)."""
@@ -93,15 +94,18 @@ def _torch_environment() -> dict | None:
     env.pop("PYTHONPATH", None)
     env.pop("PYTHONNOUSERSITE", None)
     try:
-        proc = subprocess.run([python, "-c", _PROBE], env=env, capture_output=True, text=True,
-                              timeout=300)
+        proc = subprocess.run(
+            [python, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=300
+        )
     except (OSError, subprocess.TimeoutExpired) as err:
         _fail(f"could not ask {python} for its torch: {err}")
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("PINXFER_PROBE")), None)
     if line is None:
-        _fail(f"could not ask {python} for its torch (exit {proc.returncode}): "
-              f"{(proc.stderr or proc.stdout).strip()[-2000:]}")
-    found = json.loads(line[len("PINXFER_PROBE"):])
+        _fail(
+            f"could not ask {python} for its torch (exit {proc.returncode}): "
+            f"{(proc.stderr or proc.stdout).strip()[-2000:]}"
+        )
+    found = json.loads(line[len("PINXFER_PROBE") :])
     if "torch" not in found:
         isolated_venv = sys.prefix != sys.base_prefix and not os.environ.get("PINXFER_TORCH_PYTHON")
         _fail(
@@ -110,12 +114,14 @@ def _torch_environment() -> dict | None:
             "will run with. Install torch there first, then pinxfer:\n"
             f"    {found['executable']} -m pip install torch\n"
             f"    {found['executable']} -m pip install .\n"
-            + ("This build runs in a separate virtual environment (python -m build, uv?): set "
-               "PINXFER_TORCH_PYTHON=/path/to/the/python/with/torch, or build without "
-               "isolation (python -m build --no-isolation, pip install --no-build-isolation .).\n"
-               if isolated_venv else
-               "(PINXFER_TORCH_PYTHON=/path/to/python builds against another interpreter's "
-               "torch.)\n")
+            + (
+                "This build runs in a separate virtual environment (python -m build, uv?): set "
+                "PINXFER_TORCH_PYTHON=/path/to/the/python/with/torch, or build without "
+                "isolation (python -m build --no-isolation, pip install --no-build-isolation .).\n"
+                if isolated_venv
+                else "(PINXFER_TORCH_PYTHON=/path/to/python builds against another interpreter's "
+                "torch.)\n"
+            )
         )
     return found
 
@@ -132,9 +138,13 @@ def _use_target_torch() -> None:
     bin_dir = os.path.dirname(found["executable"])
     path = os.environ.get("PATH", "").split(os.pathsep)
     if bin_dir not in path:
-        os.environ["PATH"] = os.pathsep.join(path + [bin_dir])  # e.g. the venv's ninja
-    print(f"pinxfer: building against torch {found['torch']} (CUDA {found['torch_cuda']}) "
-          f"from {os.path.dirname(found['torch_file'])}", file=sys.stderr, flush=True)
+        os.environ["PATH"] = os.pathsep.join([*path, bin_dir])  # e.g. the venv's ninja
+    print(
+        f"pinxfer: building against torch {found['torch']} (CUDA {found['torch_cuda']}) "
+        f"from {os.path.dirname(found['torch_file'])}",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def _setuptools_requirements() -> list[str]:
@@ -174,8 +184,10 @@ def _setuptools_backend():
     try:
         from setuptools import build_meta
     except ImportError as err:
-        _fail(f"setuptools is not importable ({err}): `pip install 'setuptools>=64'` in the "
-              "environment pinxfer installs into, then build again.")
+        _fail(
+            f"setuptools is not importable ({err}): `pip install 'setuptools>=64'` in the "
+            "environment pinxfer installs into, then build again."
+        )
     return build_meta
 
 
@@ -207,23 +219,25 @@ def get_requires_for_build_sdist(config_settings=None):
 
 
 def prepare_metadata_for_build_wheel(metadata_directory, config_settings=None):
-    return _setuptools_backend().prepare_metadata_for_build_wheel(metadata_directory,
-                                                                  config_settings)
+    return _setuptools_backend().prepare_metadata_for_build_wheel(
+        metadata_directory, config_settings
+    )
 
 
 def prepare_metadata_for_build_editable(metadata_directory, config_settings=None):
-    return _setuptools_backend().prepare_metadata_for_build_editable(metadata_directory,
-                                                                     config_settings)
+    return _setuptools_backend().prepare_metadata_for_build_editable(
+        metadata_directory, config_settings
+    )
 
 
 def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
-    return _setuptools_backend().build_wheel(wheel_directory, config_settings,
-                                             metadata_directory)
+    return _setuptools_backend().build_wheel(wheel_directory, config_settings, metadata_directory)
 
 
 def build_editable(wheel_directory, config_settings=None, metadata_directory=None):
-    return _setuptools_backend().build_editable(wheel_directory, config_settings,
-                                                metadata_directory)
+    return _setuptools_backend().build_editable(
+        wheel_directory, config_settings, metadata_directory
+    )
 
 
 def build_sdist(sdist_directory, config_settings=None):

@@ -12,6 +12,7 @@ workers build batches in shared memory and pinxfer stages them through pinned bu
 Exits 0 after training, 77 (SKIPPED) when it cannot run here (no usable CUDA device),
 so a script or CI can tell a skip from a pass; any other code is a failure.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,7 +23,6 @@ from torch.utils.data import DataLoader, Dataset
 
 import pinxfer
 
-
 # Exit status of a run that could not happen here (the automake/ctest "skipped" code).
 SKIPPED = 77
 
@@ -30,7 +30,9 @@ SKIPPED = 77
 class SyntheticImages(Dataset):
     """Deterministic fake images: sample i is the same in every worker and run."""
 
-    def __init__(self, length: int, shape: tuple[int, ...] = (3, 224, 224), classes: int = 10) -> None:
+    def __init__(
+        self, length: int, shape: tuple[int, ...] = (3, 224, 224), classes: int = 10
+    ) -> None:
         self.length, self.shape, self.classes = length, shape, classes
 
     def __len__(self) -> int:
@@ -46,8 +48,11 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=20, help="batches to consume (default 20)")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--workers", type=int, default=2, help="DataLoader worker processes (default 2)")
-    p.add_argument("--no-slots", action="store_true",
-                   help="prefetch(loader, slots=False): stage batches instead of batch slots")
+    p.add_argument(
+        "--no-slots",
+        action="store_true",
+        help="prefetch(loader, slots=False): stage batches instead of batch slots",
+    )
     args = p.parse_args()
 
     reason = pinxfer.cuda_unavailable_reason()
@@ -63,8 +68,11 @@ def main() -> int:
         persistent_workers=False,
     )
     model = torch.nn.Sequential(
-        torch.nn.Conv2d(3, 16, 3, stride=2), torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1),
-        torch.nn.Flatten(), torch.nn.Linear(16, 10),
+        torch.nn.Conv2d(3, 16, 3, stride=2),
+        torch.nn.ReLU(),
+        torch.nn.AdaptiveAvgPool2d(1),
+        torch.nn.Flatten(),
+        torch.nn.Linear(16, 10),
     ).to(device)
 
     n = 0
@@ -79,9 +87,11 @@ def main() -> int:
         n += images.shape[0]
     torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
-    print(f"dataloader_workers: {n} samples in {seconds:.2f} s ({n / seconds:,.0f} samples/s) with "
-          f"{args.workers} workers on {torch.cuda.get_device_name(device)}, "
-          f"checksum {float(checksum):.1f}")
+    print(
+        f"dataloader_workers: {n} samples in {seconds:.2f} s ({n / seconds:,.0f} samples/s) with "
+        f"{args.workers} workers on {torch.cuda.get_device_name(device)}, "
+        f"checksum {float(checksum):.1f}"
+    )
     return 0
 
 

@@ -10,6 +10,7 @@ pinned memory on that GPU's NUMA node, and wraps its batches in
 Exits 0 after training, 77 (SKIPPED) when it cannot run here (no usable CUDA device),
 so a script or CI can tell a skip from a pass; any other code is a failure.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,7 +23,6 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import pinxfer
-
 
 # Exit status of a run that could not happen here (the automake/ctest "skipped" code).
 SKIPPED = 77
@@ -47,8 +47,13 @@ def main() -> int:
         return SKIPPED
     # Outside torchrun: a world of one on this host.
     if "RANK" not in os.environ:
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(_free_port()))
+        os.environ.update(
+            RANK="0",
+            LOCAL_RANK="0",
+            WORLD_SIZE="1",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(_free_port()),
+        )
     local_rank = int(os.environ["LOCAL_RANK"])
     device = torch.device("cuda", local_rank)
     torch.cuda.set_device(device)  # first: pinxfer places staging memory by the current GPU
@@ -65,9 +70,12 @@ def main() -> int:
         pool.append((x, (x @ teacher).argmax(dim=1)))
     batches = (pool[i % len(pool)] for i in range(args.steps))
 
-    model = DDP(torch.nn.Sequential(
-        torch.nn.Linear(args.features, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, classes)
-    ).to(device), device_ids=[local_rank])
+    model = DDP(
+        torch.nn.Sequential(
+            torch.nn.Linear(args.features, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, classes)
+        ).to(device),
+        device_ids=[local_rank],
+    )
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
 
     losses = []
@@ -85,9 +93,11 @@ def main() -> int:
     dist.all_reduce(summary)
     summary /= world
     if rank == 0:
-        print(f"ddp_torchrun: world {world}, {len(losses)} steps per rank in {seconds:.2f} s, "
-              f"mean loss {summary[0]:.3f} -> {summary[1]:.3f}, "
-              f"{world * len(losses) * args.batch_size / seconds:,.0f} samples/s")
+        print(
+            f"ddp_torchrun: world {world}, {len(losses)} steps per rank in {seconds:.2f} s, "
+            f"mean loss {summary[0]:.3f} -> {summary[1]:.3f}, "
+            f"{world * len(losses) * args.batch_size / seconds:,.0f} samples/s"
+        )
     dist.destroy_process_group()
     return 0
 

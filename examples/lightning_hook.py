@@ -12,6 +12,7 @@ Exits 0 after training, 77 (SKIPPED) when it cannot run here (no usable CUDA dev
 Lightning not installed), so a script or CI can tell a skip from a pass; any other code is
 a failure.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,7 +41,8 @@ def make_module(features: int, classes: int):
         def __init__(self) -> None:
             super().__init__()
             self.net = torch.nn.Sequential(
-                torch.nn.Linear(features, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, classes))
+                torch.nn.Linear(features, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, classes)
+            )
             self.losses: list[float] = []
 
         def transfer_batch_to_device(self, batch, device, dataloader_idx):
@@ -84,15 +86,23 @@ def main() -> int:
 
     module = make_module(args.features, classes)
     trainer = pl.Trainer(
-        accelerator="gpu", devices=1, max_steps=args.steps, max_epochs=1, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        accelerator="gpu",
+        devices=1,
+        max_steps=args.steps,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
     )
     t0 = time.perf_counter()
     trainer.fit(module, loader)
     seconds = time.perf_counter() - t0
     losses = module.losses
-    print(f"lightning_hook: {len(losses)} steps in {seconds:.2f} s, "
-          f"loss {losses[0]:.3f} -> {losses[-1]:.3f} (batches moved by pinxfer.to_device)")
+    print(
+        f"lightning_hook: {len(losses)} steps in {seconds:.2f} s, "
+        f"loss {losses[0]:.3f} -> {losses[-1]:.3f} (batches moved by pinxfer.to_device)"
+    )
     return 0
 
 

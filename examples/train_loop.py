@@ -10,6 +10,7 @@ the copy hides under compute instead of adding to it.
 Exits 0 after training, 77 (SKIPPED) when it cannot run here (no usable CUDA device),
 so a script or CI can tell a skip from a pass; any other code is a failure.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,7 +19,6 @@ import time
 import torch
 
 import pinxfer
-
 
 # Exit status of a run that could not happen here (the automake/ctest "skipped" code).
 SKIPPED = 77
@@ -72,8 +72,10 @@ def main() -> int:
     torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
     first, last = float(losses[0]), float(losses[-1])
-    print(f"train_loop: {len(losses)} steps on {torch.cuda.get_device_name(device)}, "
-          f"loss {first:.3f} -> {last:.3f}, {len(losses) * args.batch_size / seconds:,.0f} samples/s")
+    print(
+        f"train_loop: {len(losses)} steps on {torch.cuda.get_device_name(device)}, "
+        f"loss {first:.3f} -> {last:.3f}, {len(losses) * args.batch_size / seconds:,.0f} samples/s"
+    )
     return 0
 
 

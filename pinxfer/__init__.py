@@ -6,6 +6,7 @@ call that pins (``empty``, ``pin_memory``, ``pin_``) where CUDA is usable initia
 torch's CUDA state, as torch's own pinning does, so that ``Tensor.is_pinned()``
 answers True for pinxfer's memory.
 """
+
 from __future__ import annotations
 
 import torch
@@ -28,8 +29,10 @@ def _load_extension() -> None:
             f"{_build_check.rebuild_command()}."
         ) from err
     # The module says it again once loaded (the stamp and these come from the same defines).
-    built = {"torch": getattr(_C, "built_with_torch", "unknown"),
-             "cuda": getattr(_C, "built_with_torch_cuda", "unknown")}
+    built = {
+        "torch": getattr(_C, "built_with_torch", "unknown"),
+        "cuda": getattr(_C, "built_with_torch_cuda", "unknown"),
+    }
     message = _build_check.mismatch_message(built, path)
     if message is not None:
         raise ImportError(message)
@@ -37,7 +40,8 @@ def _load_extension() -> None:
 
 _load_extension()
 
-from pinxfer.memory import (  # noqa: E402
+from pinxfer import slots  # noqa: F401  (pinxfer.slots after import pinxfer)
+from pinxfer.memory import (
     build_info,
     cuda_unavailable_reason,
     empty,
@@ -54,30 +58,23 @@ from pinxfer.memory import (  # noqa: E402
     set_max_pinned_bytes,
     uninstall,
 )
-from pinxfer.pin import is_pinned, pin_, pin_memory, unpin_  # noqa: E402
-from pinxfer.topology import GpuTopology, numa_nodes, topology  # noqa: E402
-
-from pinxfer.prefetch import Prefetcher, prefetch  # noqa: E402
-from pinxfer import slots  # noqa: E402,F401  (pinxfer.slots after import pinxfer)
-from pinxfer.transfer import HostTransfer, to_device, to_host  # noqa: E402
+from pinxfer.pin import is_pinned, pin_, pin_memory, unpin_
+from pinxfer.prefetch import Prefetcher, prefetch
+from pinxfer.topology import GpuTopology, numa_nodes, topology
+from pinxfer.transfer import HostTransfer, to_device, to_host
 
 # The one place the version is written: pyproject.toml reads it (dynamic version), so the
 # installed metadata and a source checkout agree. CHANGELOG.md says what each one holds.
 __version__ = "0.1.0"
 
 __all__ = [
+    "GpuTopology",
     "HostTransfer",
     "Prefetcher",
     "build_info",
     "cuda_unavailable_reason",
     "empty",
     "empty_cache",
-    "GpuTopology",
-    "numa_nodes",
-    "pin_",
-    "pin_memory",
-    "topology",
-    "unpin_",
     "get_max_pinned_bytes",
     "install",
     "is_installed",
@@ -85,6 +82,9 @@ __all__ = [
     "is_pool_tensor",
     "lock_kind",
     "memory_stats",
+    "numa_nodes",
+    "pin_",
+    "pin_memory",
     "prefetch",
     "record_stream",
     "reset_accumulated_memory_stats",
@@ -92,5 +92,7 @@ __all__ = [
     "set_max_pinned_bytes",
     "to_device",
     "to_host",
+    "topology",
     "uninstall",
+    "unpin_",
 ]

@@ -6,7 +6,8 @@ Containers understood, in this order of precedence:
   * Mappings: a MutableMapping is rebuilt as ``copy.copy(obj)`` with its values
     replaced (keeps OrderedDict, defaultdict's factory, subclasses), any other
     Mapping as ``type(obj)(dict)``, else a dict;
-  * namedtuples (``type(obj)(*values)``, paths name fields), tuples (``type(obj)(values)``, else a tuple);
+  * namedtuples (``type(obj)(*values)``, paths name fields), tuples (``type(obj)(values)``,
+    else a tuple);
   * MutableSequences: a list as a list, others as a copy with items replaced,
     else a list;
   * other Sequences (range, a user's immutable Sequence): ``type(obj)(items)``, else a
@@ -34,13 +35,14 @@ Measured against ``torch.utils._pytree`` (which needs dataclasses registered and
 treats Mapping subclasses other than dict/OrderedDict/defaultdict as leaves):
 see ``benchmarks/bench_small_calls.py``.
 """
+
 from __future__ import annotations
 
 import copy
 import dataclasses
 import sys
-from collections.abc import Mapping, MutableMapping, MutableSequence, Sequence
-from typing import Any, Callable, Optional
+from collections.abc import Callable, Mapping, MutableMapping, MutableSequence, Sequence
+from typing import Any
 
 import torch
 
@@ -70,7 +72,7 @@ _DATACLASS, _MAPPING, _NAMEDTUPLE, _TUPLE, _MUTABLE_SEQUENCE, _SEQUENCE = range(
 _NOT_SEQUENCES = (str, bytes, bytearray, memoryview)
 
 
-def _kind(obj: Any) -> Optional[int]:
+def _kind(obj: Any) -> int | None:
     """The container kind of a non-tensor, non-leaf object; None: not a container."""
     if _is_dataclass_instance(obj):
         return _DATACLASS
@@ -103,7 +105,7 @@ def _values(obj: Any, kind: int) -> Any:
     return obj  # tuples, namedtuples, sequences: their own order
 
 
-def _walk(obj: Any, fn: Callable, other: Optional[Callable]) -> Any:
+def _walk(obj: Any, fn: Callable, other: Callable | None) -> Any:
     if isinstance(obj, torch.Tensor):
         return fn(obj)
     if isinstance(obj, _LEAF_TYPES):
@@ -164,7 +166,7 @@ def _walk(obj: Any, fn: Callable, other: Optional[Callable]) -> Any:
         return items
 
 
-def _step(value: Any, fn: Callable, other: Optional[Callable], key: Any, style: str) -> Any:
+def _step(value: Any, fn: Callable, other: Callable | None, key: Any, style: str) -> Any:
     try:
         return _walk(value, fn, other)
     except _WhereError as where:
@@ -178,10 +180,14 @@ def _part(key: Any, style: str) -> str:
     return f".{key}" if style == "." else f"[{key!r}]"
 
 
-def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any], *,
-                other: Optional[Callable[[Any], Any]] = None,
-                describe: Callable[[BaseException, str], BaseException] = lambda e, _p: e,
-                root: str = "batch") -> Any:
+def map_tensors(
+    obj: Any,
+    fn: Callable[[torch.Tensor], Any],
+    *,
+    other: Callable[[Any], Any] | None = None,
+    describe: Callable[[BaseException, str], BaseException] = lambda e, _p: e,
+    root: str = "batch",
+) -> Any:
     """Returns ``obj`` with every tensor ``t`` inside it replaced by ``fn(t)``.
 
     Args:
@@ -211,7 +217,7 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any], *,
         raise described from err
 
 
-def tensors_in(obj: Any, *, other: Optional[Callable[[Any], bool]] = None) -> list[torch.Tensor]:
+def tensors_in(obj: Any, *, other: Callable[[Any], bool] | None = None) -> list[torch.Tensor]:
     """Every tensor in a nested batch, in the order :func:`map_tensors` visits them.
 
     ``other(obj)`` True marks an object that :func:`map_tensors`'s ``other``
@@ -224,7 +230,7 @@ def tensors_in(obj: Any, *, other: Optional[Callable[[Any], bool]] = None) -> li
     return found
 
 
-def _collect(obj: Any, found: list, other: Optional[Callable[[Any], bool]]) -> None:
+def _collect(obj: Any, found: list, other: Callable[[Any], bool] | None) -> None:
     if isinstance(obj, torch.Tensor):
         found.append(obj)
     elif not (isinstance(obj, _LEAF_TYPES) or (other is not None and other(obj))):
@@ -239,7 +245,7 @@ def _collect(obj: Any, found: list, other: Optional[Callable[[Any], bool]]) -> N
 
 def _children(obj: Any) -> list[tuple[str, Any]]:
     """(path part, child) of a container, as :func:`_walk` visits them; [] for leaves."""
-    if isinstance(obj, (torch.Tensor,) + _LEAF_TYPES):
+    if isinstance(obj, (torch.Tensor, *_LEAF_TYPES)):
         return []
     kind = _kind(obj)
     if kind is None:
@@ -268,7 +274,8 @@ def _too_deep(obj: Any, root: str) -> ValueError:
                 return ValueError(
                     f"pinxfer: the batch contains itself: {child_path} is {path_ids[id(child)]} "
                     "(a cycle), so it cannot be walked; pass a batch whose containers do not "
-                    "refer back to an enclosing one")
+                    "refer back to an enclosing one"
+                )
             grandchildren = _children(child)
             if grandchildren:
                 path_ids[id(child)] = child_path
@@ -277,5 +284,7 @@ def _too_deep(obj: Any, root: str) -> ValueError:
         else:
             stack.pop()
             path_ids.pop(id(container), None)
-    return ValueError(f"pinxfer: the batch nests deeper than Python's recursion limit "
-                      f"({sys.getrecursionlimit()}) allows walking; flatten it")
+    return ValueError(
+        f"pinxfer: the batch nests deeper than Python's recursion limit "
+        f"({sys.getrecursionlimit()}) allows walking; flatten it"
+    )

@@ -10,12 +10,13 @@ internal-assert message. The C++ operators check again for callers of
 Each check is cheap (a few isinstance tests) because ``empty`` and
 ``pin_memory`` are hot paths; the list of NUMA nodes is read once per process.
 """
+
 from __future__ import annotations
 
 import functools
 import operator
 import os
-from typing import Any, Optional, Union
+from typing import Any
 
 import torch
 
@@ -27,7 +28,7 @@ INT64_MAX = 2**63 - 1
 #: What a ``device`` argument may be: a torch.device, a string such as ``"cuda:1"``, a GPU index.
 DeviceLike = torch.device | str | int
 
-_cuda_usable_in_pid: Optional[int] = None  # the process that found CUDA usable
+_cuda_usable_in_pid: int | None = None  # the process that found CUDA usable
 
 
 def require_cuda(op: str, hint: str = "") -> None:
@@ -54,7 +55,7 @@ def as_device(value: DeviceLike) -> torch.device:
     return torch.device("cuda", value) if isinstance(value, int) else torch.device(value)
 
 
-def device(value: Optional[DeviceLike], op: str, hint: str = "") -> torch.device:
+def device(value: DeviceLike | None, op: str, hint: str = "") -> torch.device:
     """The device a call names, resolved once, at the edge: None is the current GPU, an int
     that GPU, a CUDA device without an index the current one. A CUDA device is checked to
     be usable (:func:`require_cuda`); the layers below take the result as it is."""
@@ -68,20 +69,23 @@ def device(value: Optional[DeviceLike], op: str, hint: str = "") -> torch.device
             dev = torch.device("cuda", torch.cuda.current_device())
     return dev
 
+
 def integer(value: Any, op: str, name: str, *, lo: int, hi: int, hint: str = "") -> int:
     """``value`` as an int in ``[lo, hi]``.
 
     Accepts ints and objects with ``__index__`` (numpy integers, 0-d integer
     tensors); rejects bool (``True`` is not a count), float and everything else
     with TypeError, and a value out of range with ValueError."""
-    if isinstance(value, bool) or isinstance(value, float):
-        raise TypeError(f"pinxfer.{op}: {name} must be an int, got {type(value).__name__} "
-                        f"{value!r}{hint}")
+    if isinstance(value, (bool, float)):
+        raise TypeError(
+            f"pinxfer.{op}: {name} must be an int, got {type(value).__name__} {value!r}{hint}"
+        )
     try:
         n = operator.index(value)
     except TypeError:
-        raise TypeError(f"pinxfer.{op}: {name} must be an int, got {type(value).__name__} "
-                        f"{value!r}{hint}") from None
+        raise TypeError(
+            f"pinxfer.{op}: {name} must be an int, got {type(value).__name__} {value!r}{hint}"
+        ) from None
     if not lo <= n <= hi:
         raise ValueError(f"pinxfer.{op}: {name} must be in [{lo}, {hi}], got {n}{hint}")
     return n
@@ -95,7 +99,7 @@ def existing_numa_nodes() -> tuple[int, ...]:
     return tuple(_ops.online_nodes(_ops.sysfs_root())) or (0,)
 
 
-def numa_node(value: Any, op: str) -> Optional[int]:
+def numa_node(value: Any, op: str) -> int | None:
     """``numa_node`` argument: None (the current GPU's node) or an int (not a bool).
     Which ints are nodes (-1, or a node in sysfs) is the C++ side's one rule
     (``resolve_numa_node`` in csrc/memory/placement.h), which every way in shares."""
@@ -109,8 +113,7 @@ def byte_count(value: Any, op: str, name: str) -> int:
     """A number of bytes: an int in ``[0, 2**63 - 1]`` or a size string such as
     ``"8GiB"``, read by pinxfer's one size parser (csrc/runtime/parse.cpp: exact
     to 2**63 - 1, and a fraction of a byte is refused rather than read as 0)."""
-    hint = (" (a whole number of bytes, or a size string such as '8GiB'); for a float "
-            "pass int(x)")
+    hint = " (a whole number of bytes, or a size string such as '8GiB'); for a float pass int(x)"
     if isinstance(value, str):
         return _ops.parse_byte_size(value)  # ValueError naming the text and the accepted forms
     return integer(value, op, name, lo=0, hi=INT64_MAX, hint=hint)
@@ -120,8 +123,10 @@ def dtype(value: Any, op: str) -> torch.dtype:
     """A ``torch.dtype`` that a plain tensor can hold (not quantized: a quantized
     tensor needs a quantizer, which a bare allocation does not have)."""
     if not isinstance(value, torch.dtype):
-        raise TypeError(f"pinxfer.{op}: dtype must be a torch.dtype (e.g. torch.float32), got "
-                        f"{type(value).__name__} {value!r}")
+        raise TypeError(
+            f"pinxfer.{op}: dtype must be a torch.dtype (e.g. torch.float32), got "
+            f"{type(value).__name__} {value!r}"
+        )
     return value
 
 
@@ -133,15 +138,21 @@ def tensor(value: Any, op: str) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"pinxfer.{op}: expected a torch.Tensor, got {type(value).__name__}")
     if value.is_nested:
-        raise ValueError(f"pinxfer.{op}: expected a dense (strided) tensor, got a nested tensor; "
-                         "ask about its buffer (t.values() for a jagged one) or unbind() it")
+        raise ValueError(
+            f"pinxfer.{op}: expected a dense (strided) tensor, got a nested tensor; "
+            "ask about its buffer (t.values() for a jagged one) or unbind() it"
+        )
     if value.layout != torch.strided:
-        raise ValueError(f"pinxfer.{op}: expected a dense (strided) tensor, got layout "
-                         f"{value.layout}; a sparse tensor's memory is its indices and values "
-                         "tensors: ask about those (e.g. t.values())")
+        raise ValueError(
+            f"pinxfer.{op}: expected a dense (strided) tensor, got layout "
+            f"{value.layout}; a sparse tensor's memory is its indices and values "
+            "tensors: ask about those (e.g. t.values())"
+        )
     if value.is_meta:
-        raise ValueError(f"pinxfer.{op}: expected a tensor with memory, got a meta tensor "
-                         "(shape and dtype only); pass a CPU tensor")
+        raise ValueError(
+            f"pinxfer.{op}: expected a tensor with memory, got a meta tensor "
+            "(shape and dtype only); pass a CPU tensor"
+        )
     return value
 
 
@@ -149,15 +160,21 @@ def pci_bus_ids(value: Any, op: str) -> list[str]:
     """A list of PCI bus ids. A single string is refused: iterating it would read
     each character as a bus id."""
     if isinstance(value, (str, bytes)):
-        raise TypeError(f"pinxfer.{op}: pci_bus_ids must be a list of bus ids, got the single "
-                        f"string {value!r}; pass [{value!r}]")
+        raise TypeError(
+            f"pinxfer.{op}: pci_bus_ids must be a list of bus ids, got the single "
+            f"string {value!r}; pass [{value!r}]"
+        )
     try:
         ids = list(value)
     except TypeError:
-        raise TypeError(f"pinxfer.{op}: pci_bus_ids must be a list of bus id strings such as "
-                        f"'0000:1b:00.0', got {type(value).__name__}") from None
+        raise TypeError(
+            f"pinxfer.{op}: pci_bus_ids must be a list of bus id strings such as "
+            f"'0000:1b:00.0', got {type(value).__name__}"
+        ) from None
     for i, bus_id in enumerate(ids):
         if not isinstance(bus_id, str):
-            raise TypeError(f"pinxfer.{op}: pci_bus_ids[{i}] must be a bus id string such as "
-                            f"'0000:1b:00.0', got {type(bus_id).__name__} {bus_id!r}")
+            raise TypeError(
+                f"pinxfer.{op}: pci_bus_ids[{i}] must be a bus id string such as "
+                f"'0000:1b:00.0', got {type(bus_id).__name__} {bus_id!r}"
+            )
     return ids

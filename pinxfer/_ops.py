@@ -27,14 +27,15 @@ autograd does not matter, so any plain dense tensor), and :func:`to_device` and
 ``pin_memory``/``empty`` hot paths one more Python call would cost about 5% of a
 small call.)
 """
+
 from __future__ import annotations
 
 import collections
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 
-from pinxfer import _C as fast  # noqa: F401  (loading it registers torch.ops.pinxfer)
+from pinxfer import _C as fast
 
 # The only place the package names the operator namespace.
 _lib = torch.ops.pinxfer
@@ -77,18 +78,20 @@ def plain_dense_cpu(t: torch.Tensor) -> bool:
 # ---- the pinned pool (kernels: csrc/ops/memory_ops.cpp) ----
 
 
-def empty(size: list[int], dtype: torch.dtype, numa_node: Optional[int] = None) -> torch.Tensor:
+def empty(size: list[int], dtype: torch.dtype, numa_node: int | None = None) -> torch.Tensor:
     """A CPU tensor of ``size`` and ``dtype`` from the pinned pool of ``numa_node``
     (None: the current GPU's node; -1: unbound). Sizes must be non-negative."""
     return _lib.empty(size, dtype, numa_node)
 
 
 @torch.library.register_fake("pinxfer::empty")
-def _empty_fake(size: list[int], dtype: torch.dtype, numa_node: Optional[int] = None) -> torch.Tensor:
+def _empty_fake(size: list[int], dtype: torch.dtype, numa_node: int | None = None) -> torch.Tensor:
     return torch.empty(size, dtype=dtype, device="cpu")
 
 
-def record_stream(tensor: torch.Tensor, stream_id: int, device_index: int, device_type: int) -> None:
+def record_stream(
+    tensor: torch.Tensor, stream_id: int, device_index: int, device_type: int
+) -> None:
     """Marks that the CUDA stream packed as (stream_id, device_index, device_type)
     uses pool tensor ``tensor``: its block is not reused before that stream's work so far."""
     _lib.record_stream(tensor, stream_id, device_index, device_type)
@@ -111,7 +114,7 @@ def lock_kind(tensor: torch.Tensor) -> str:
     return str(_lib.lock_kind(tensor))
 
 
-def memory_stats(numa_node: Optional[int] = None) -> "collections.OrderedDict[str, int]":
+def memory_stats(numa_node: int | None = None) -> collections.OrderedDict[str, int]:
     """Counters of the pinned pool, shaped like ``torch.cuda.memory_stats()``.
 
     Keys (bytes are exact): ``requested_bytes`` (what live tensors asked for),
@@ -243,7 +246,7 @@ def ensure_torch_cuda() -> None:
     torch_cuda_ready = True
 
 
-def cuda_unavailable_reason() -> Optional[str]:
+def cuda_unavailable_reason() -> str | None:
     """Why pinxfer cannot use a CUDA device in this process, or None if it can.
 
     The one answer the library's errors, ``pinxfer bench``, ``pinxfer doctor``,
@@ -251,9 +254,11 @@ def cuda_unavailable_reason() -> Optional[str]:
     """
     reason = cuda_unusable_reason()  # C++'s answer: build, fork, setting, driver
     if reason is None and not torch.cuda.is_available():
-        reason = (f"torch sees no CUDA device (torch {torch.__version__}, CUDA "
-                  f"{torch.version.cuda or 'none'}): none is present, or CUDA_VISIBLE_DEVICES "
-                  "hides them")
+        reason = (
+            f"torch sees no CUDA device (torch {torch.__version__}, CUDA "
+            f"{torch.version.cuda or 'none'}): none is present, or CUDA_VISIBLE_DEVICES "
+            "hides them"
+        )
     return reason
 
 
@@ -267,16 +272,19 @@ def settings() -> list[tuple[str, str, str]]:
     return list(zip(names, values, sources))
 
 
-def copy_threads_for(affinity_cpus: int, online_cpus: int, quota_cpus: float,
-                     local_world_size: int) -> tuple[int, str]:
+def copy_threads_for(
+    affinity_cpus: int, online_cpus: int, quota_cpus: float, local_world_size: int
+) -> tuple[int, str]:
     """Copy threads for a process with these CPUs, and the reasoning in one line."""
-    threads, why = _lib.copy_threads_for(affinity_cpus, online_cpus, float(quota_cpus),
-                                         local_world_size)
+    threads, why = _lib.copy_threads_for(
+        affinity_cpus, online_cpus, float(quota_cpus), local_world_size
+    )
     return int(threads), str(why)
 
 
-def _node_pool_plan(budget: int, node_cpus: list[int], affinity_cpus: list[int],
-                    budget_from_env: bool) -> tuple[int, list[int]]:
+def _node_pool_plan(
+    budget: int, node_cpus: list[int], affinity_cpus: list[int], budget_from_env: bool
+) -> tuple[int, list[int]]:
     """TEST-ONLY: the thread pool of a NUMA node whose CPUs are ``node_cpus`` in a process
     allowed on ``affinity_cpus`` with a copy-thread budget of ``budget``: threads (counting
     the caller) and the CPUs its workers are bound to ([]: unbound)."""
@@ -289,7 +297,7 @@ def cgroup_quota_cpus(cgroup_root: str, proc_self_cgroup: str) -> float:
     return float(_lib.cgroup_quota_cpus(cgroup_root, proc_self_cgroup))
 
 
-def cuda_unusable_reason() -> Optional[str]:
+def cuda_unusable_reason() -> str | None:
     """C++'s reason CUDA is not usable in this process (None when it is)."""
     return _lib.cuda_unusable_reason()
 
@@ -297,21 +305,24 @@ def cuda_unusable_reason() -> Optional[str]:
 # ---- pin_memory and in-place pinning (kernels: csrc/ops/cpu/) ----
 
 
-def pin_memory(tensor: torch.Tensor, numa_node: Optional[int] = None,
-               num_threads: int = 0) -> torch.Tensor:
+def pin_memory(
+    tensor: torch.Tensor, numa_node: int | None = None, num_threads: int = 0
+) -> torch.Tensor:
     """``tensor.pin_memory()`` into the pool of ``numa_node`` (None: the current GPU's):
     same sizes and strides, copied by the node's threads, at most ``num_threads`` (0: all)."""
     return _lib.pin_memory(tensor, numa_node, num_threads)
 
 
 @torch.library.register_fake("pinxfer::pin_memory")
-def _pin_memory_fake(tensor: torch.Tensor, numa_node: Optional[int] = None,
-                     num_threads: int = 0) -> torch.Tensor:
+def _pin_memory_fake(
+    tensor: torch.Tensor, numa_node: int | None = None, num_threads: int = 0
+) -> torch.Tensor:
     # An internally overlapping view (expand) is pinned as a contiguous copy.
     if torch._debug_has_internal_overlap(tensor) == 1:
         return torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
-    return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype,
-                               device=tensor.device)
+    return torch.empty_strided(
+        tensor.shape, tensor.stride(), dtype=tensor.dtype, device=tensor.device
+    )
 
 
 def pin_(tensor: torch.Tensor) -> None:
@@ -324,7 +335,7 @@ def unpin_(tensor: torch.Tensor) -> None:
     _lib.unpin_(tensor)
 
 
-def inplace_lock_kind(tensor: torch.Tensor) -> Optional[str]:
+def inplace_lock_kind(tensor: torch.Tensor) -> str | None:
     """How :func:`pin_` locked ``tensor``'s storage: ``'cuda_registered'`` or
     ``'mlocked'``; None if ``pin_`` did not pin it."""
     kind = _lib.inplace_lock_kind(tensor)
@@ -332,7 +343,7 @@ def inplace_lock_kind(tensor: torch.Tensor) -> Optional[str]:
 
 
 @torch.library.register_fake("pinxfer::inplace_lock_kind")
-def _inplace_lock_kind_fake(tensor: torch.Tensor) -> Optional[str]:
+def _inplace_lock_kind_fake(tensor: torch.Tensor) -> str | None:
     return None
 
 
@@ -397,8 +408,14 @@ def numa_node_for_device(device: int) -> int:
 # ---- transfers (kernels: csrc/ops/cuda/to_device_cuda.cpp; CUDA builds only) ----
 
 
-def to_device(tensor: torch.Tensor, device: torch.device, chunk_bytes: int,
-              num_buffers: int, staging: str = "auto", cached_tail: int = -1) -> torch.Tensor:
+def to_device(
+    tensor: torch.Tensor,
+    device: torch.device,
+    chunk_bytes: int,
+    num_buffers: int,
+    staging: str = "auto",
+    cached_tail: int = -1,
+) -> torch.Tensor:
     """One CPU tensor to ``device`` (a CUDA device), through pinxfer's staging pipeline.
 
     Args:
@@ -417,13 +434,20 @@ def to_device(tensor: torch.Tensor, device: torch.device, chunk_bytes: int,
     """
     if cached_tail == -1 and plain_dense_cpu(tensor) and eager():
         return fast.to_device(tensor, device, chunk_bytes, num_buffers, staging)
-    return _lib.to_device(tensor, device, int(chunk_bytes), int(num_buffers), staging,
-                          int(cached_tail))
+    return _lib.to_device(
+        tensor, device, int(chunk_bytes), int(num_buffers), staging, int(cached_tail)
+    )
 
 
 @torch.library.register_fake("pinxfer::to_device")
-def _to_device_fake(tensor: torch.Tensor, device: torch.device, chunk_bytes: int,
-                    num_buffers: int, staging: str = "auto", cached_tail: int = -1) -> torch.Tensor:
+def _to_device_fake(
+    tensor: torch.Tensor,
+    device: torch.device,
+    chunk_bytes: int,
+    num_buffers: int,
+    staging: str = "auto",
+    cached_tail: int = -1,
+) -> torch.Tensor:
     return torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
 
 
@@ -441,7 +465,9 @@ def pack_offsets(tensors: list[torch.Tensor]) -> tuple[list[int], int]:
     offsets, total = [], 0
     for t in tensors:
         offsets.append(total)
-        total = (total + t.numel() * t.element_size() + _PACK_ALIGN - 1) // _PACK_ALIGN * _PACK_ALIGN
+        total = (
+            (total + t.numel() * t.element_size() + _PACK_ALIGN - 1) // _PACK_ALIGN * _PACK_ALIGN
+        )
     return offsets, total
 
 
@@ -482,8 +508,10 @@ def to_device_many(tensors: list[torch.Tensor], device: torch.device) -> list[to
         return _fast_to_device_many(tensors, device)
     packed = to_device_packed(tensors, device)
     offsets, _ = pack_offsets(tensors)
-    return [packed.narrow(0, off, t.numel() * t.element_size()).view(t.dtype).view(t.shape)
-            for off, t in zip(offsets, tensors)]
+    return [
+        packed.narrow(0, off, t.numel() * t.element_size()).view(t.dtype).view(t.shape)
+        for off, t in zip(offsets, tensors)
+    ]
 
 
 def copy_stream(device: torch.device) -> tuple[int, int, int]:
@@ -501,8 +529,9 @@ def release_finished_sources(device: torch.device) -> None:
     _lib.release_finished_sources(device)
 
 
-def _chunk_plan(nbytes: int, chunk_bytes: int, num_buffers: int,
-                num_threads: int) -> tuple[list[int], list[int], int, int, int]:
+def _chunk_plan(
+    nbytes: int, chunk_bytes: int, num_buffers: int, num_threads: int
+) -> tuple[list[int], list[int], int, int, int]:
     """TEST-ONLY: how to_device would cut a transfer: chunk bounds, pieces as flattened
     (chunk, begin, end) triples, ring slots (0: one block), slot bytes, threads."""
     return _lib._chunk_plan(nbytes, chunk_bytes, num_buffers, num_threads)

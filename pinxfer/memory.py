@@ -4,17 +4,18 @@ The functions that are an operator as they stand come from pinxfer/_ops.py;
 those with Python-side argument handling are here. The design note is
 ``csrc/README.md``.
 """
+
 from __future__ import annotations
 
-import collections  # noqa: F401  (memory_stats' return annotation)
-from typing import Optional, Sequence, Union
+import collections
+from collections.abc import Sequence
 
 import torch
 
 from pinxfer import _check, _ops
 
 # The functions that are their operator, re-exported as the public API.
-from pinxfer._ops import (  # noqa: F401
+from pinxfer._ops import (
     BuildInfo,
     build_info,
     cuda_unavailable_reason,
@@ -26,13 +27,24 @@ from pinxfer._ops import (  # noqa: F401
     reset_peak_memory_stats,
     uninstall,
 )
-from pinxfer._ops import parse_byte_size as parse_bytes
 
 __all__ = [
-    "BuildInfo", "build_info", "cuda_unavailable_reason", "empty", "empty_cache",
-    "get_max_pinned_bytes", "install", "is_installed", "is_pool_tensor", "lock_kind",
-    "memory_stats", "record_stream", "reset_accumulated_memory_stats", "reset_peak_memory_stats",
-    "set_max_pinned_bytes", "uninstall",
+    "BuildInfo",
+    "build_info",
+    "cuda_unavailable_reason",
+    "empty",
+    "empty_cache",
+    "get_max_pinned_bytes",
+    "install",
+    "is_installed",
+    "is_pool_tensor",
+    "lock_kind",
+    "memory_stats",
+    "record_stream",
+    "reset_accumulated_memory_stats",
+    "reset_peak_memory_stats",
+    "set_max_pinned_bytes",
+    "uninstall",
 ]
 
 StreamLike = torch.cuda.Stream | torch.Stream
@@ -44,15 +56,20 @@ def _size_tuple(size: Sequence[int] | tuple) -> list[int]:
     out = []
     for d in size:
         if not isinstance(d, int) or isinstance(d, bool):
-            raise TypeError(f"pinxfer.empty: sizes must be ints, got {type(d).__name__} in {size!r}")
+            raise TypeError(
+                f"pinxfer.empty: sizes must be ints, got {type(d).__name__} in {size!r}"
+            )
         if not 0 <= d <= _check.INT64_MAX:
-            raise ValueError(f"pinxfer.empty: sizes must be non-negative and at most 2**63 - 1, "
-                             f"got {list(size)}")
+            raise ValueError(
+                f"pinxfer.empty: sizes must be non-negative and at most 2**63 - 1, got {list(size)}"
+            )
         out.append(int(d))
     return out
 
 
-def empty(*size: int, dtype: Optional[torch.dtype] = None, numa_node: Optional[int] = None) -> torch.Tensor:
+def empty(
+    *size: int, dtype: torch.dtype | None = None, numa_node: int | None = None
+) -> torch.Tensor:
     """A CPU tensor whose memory comes from pinxfer's page-locked pool.
 
     Like ``torch.empty(size, pin_memory=True)``: contents are uninitialised,
@@ -108,7 +125,7 @@ def lock_kind(tensor: torch.Tensor) -> str:
     return _ops.lock_kind(_check.tensor(tensor, "lock_kind"))
 
 
-def memory_stats(numa_node: Optional[int] = None) -> "collections.OrderedDict[str, int]":
+def memory_stats(numa_node: int | None = None) -> collections.OrderedDict[str, int]:
     """Counters of the pinned pool, shaped like ``torch.cuda.memory_stats()``.
 
     Keys (bytes are exact): ``requested_bytes`` (what live tensors asked for),
@@ -129,7 +146,7 @@ def memory_stats(numa_node: Optional[int] = None) -> "collections.OrderedDict[st
     return _ops.memory_stats(_check.numa_node(numa_node, "memory_stats"))
 
 
-def record_stream(tensor: torch.Tensor, stream: Optional[StreamLike] = None) -> None:
+def record_stream(tensor: torch.Tensor, stream: StreamLike | None = None) -> None:
     """Marks that CUDA work queued on ``stream`` (default: the current stream) reads
     or writes ``tensor``, a pool tensor. Its block is not handed out again before
     that work completes. pinxfer's own copies call this themselves; call it when
@@ -146,12 +163,14 @@ def record_stream(tensor: torch.Tensor, stream: Optional[StreamLike] = None) -> 
         _check.require_cuda("record_stream")
         stream = torch.cuda.current_stream()
     elif not isinstance(stream, (torch.cuda.Stream, torch.Stream)):
-        raise TypeError(f"pinxfer.record_stream: stream must be a torch.cuda.Stream (or None: "
-                        f"the current stream), got {type(stream).__name__}")
+        raise TypeError(
+            f"pinxfer.record_stream: stream must be a torch.cuda.Stream (or None: "
+            f"the current stream), got {type(stream).__name__}"
+        )
     _ops.record_stream(tensor, stream.stream_id, stream.device_index, stream.device_type)
 
 
-def set_max_pinned_bytes(limit: Union[int, str]) -> None:
+def set_max_pinned_bytes(limit: int | str) -> None:
     """Hard cap on pinned bytes reserved by all pools (0: no cap). Accepts ints or
     strings like ``"8GiB"``. Past the cap an allocation first frees cached
     segments, then waits for in-flight copies, then raises

@@ -6,9 +6,10 @@ of the target NUMA node, outside the GIL (``torch.ops`` releases it), into
 memory from pinxfer's pool bound to that node. :func:`pin_` / :func:`unpin_`
 page-lock an existing tensor's memory without copying.
 """
+
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -16,14 +17,19 @@ from pinxfer import _batch, _check, _ops
 from pinxfer._check import DeviceLike
 
 # The in-place query is its operator as it stands.
-from pinxfer._ops import inplace_lock_kind  # noqa: F401
-from pinxfer._ops import dense_layout, eager, fast, in_bad_fork, plain_dense_cpu
+from pinxfer._ops import (
+    dense_layout,
+    eager,
+    fast,
+    in_bad_fork,
+    inplace_lock_kind,
+    plain_dense_cpu,
+)
 
 __all__ = ["inplace_lock_kind", "is_pinned", "pin_", "pin_memory", "unpin_"]
 
 
-
-def _node_for(device: Optional[DeviceLike], numa_node: Optional[int]) -> Optional[int]:
+def _node_for(device: DeviceLike | None, numa_node: int | None) -> int | None:
     if device is not None and numa_node is not None:
         raise ValueError(
             f"pinxfer.pin_memory: pass device or numa_node, not both (got device={device!r}, "
@@ -44,11 +50,17 @@ def _node_for(device: Optional[DeviceLike], numa_node: Optional[int]) -> Optiona
     return _ops.numa_node_for_device(dev.index)
 
 
-def _threads(num_threads: Optional[int]) -> int:
+def _threads(num_threads: int | None) -> int:
     if num_threads is None:
         return 0
-    return _check.integer(num_threads, "pin_memory", "num_threads", lo=0, hi=_check.INT64_MAX,
-                          hint=" (0 or None: the pool's default; more than the pool has: all)")
+    return _check.integer(
+        num_threads,
+        "pin_memory",
+        "num_threads",
+        lo=0,
+        hi=_check.INT64_MAX,
+        hint=" (0 or None: the pool's default; more than the pool has: all)",
+    )
 
 
 def _torch_is_pinned(tensor: torch.Tensor) -> bool:
@@ -90,7 +102,7 @@ class _PinMemoryGrad(torch.autograd.Function):
     gradient passes through unchanged."""
 
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, node: Optional[int], threads: int) -> torch.Tensor:
+    def forward(ctx: Any, tensor: torch.Tensor, node: int | None, threads: int) -> torch.Tensor:
         return _ops.pin_memory(tensor, node, threads)
 
     @staticmethod
@@ -110,7 +122,7 @@ def _torch_refusal(tensor: torch.Tensor) -> str:
     return f"cannot pin '{tensor.type()}' only dense CPU tensors can be pinned"
 
 
-def _pin_tensor(tensor: torch.Tensor, node: Optional[int], threads: int) -> torch.Tensor:
+def _pin_tensor(tensor: torch.Tensor, node: int | None, threads: int) -> torch.Tensor:
     if tensor.device.type != "cpu":
         raise RuntimeError(
             f"pinxfer.pin_memory: expected a CPU tensor, got a tensor on {tensor.device}. Only "
@@ -140,12 +152,18 @@ def _torch_pin(tensor: torch.Tensor) -> torch.Tensor:
         reason = _ops.cuda_unavailable_reason()
         if reason is None:
             raise
-        kind = "nested" if tensor.is_nested else "quantized" if tensor.is_quantized else str(
-            tensor.layout).replace("torch.", "")
+        kind = (
+            "nested"
+            if tensor.is_nested
+            else "quantized"
+            if tensor.is_quantized
+            else str(tensor.layout).replace("torch.", "")
+        )
         raise RuntimeError(
             f"pinxfer.pin_memory: a {kind} tensor is pinned by torch's Tensor.pin_memory(), "
             f"which needs a usable CUDA device, but {reason}. Leave it unpinned here, or pin "
-            f"a dense tensor (e.g. t.to_dense()); torch said: {err}") from err
+            f"a dense tensor (e.g. t.to_dense()); torch said: {err}"
+        ) from err
 
 
 def _has_own_pin(obj: Any) -> bool:
@@ -157,7 +175,7 @@ def _pin_by_itself(obj: Any) -> Any:
     return obj.pin_memory() if _has_own_pin(obj) else _batch.PASS
 
 
-def _pin_batch(obj: Any, node: Optional[int], threads: int) -> Any:
+def _pin_batch(obj: Any, node: int | None, threads: int) -> Any:
     """Pins every tensor of a batch. The plain dense CPU tensors go to C++ in one
     call (fast path); the rest one by one through :func:`_pin_tensor`."""
     if eager():
@@ -178,15 +196,16 @@ def _pin_batch(obj: Any, node: Optional[int], threads: int) -> Any:
                     return next(pinned) if next(dense_flags) else _pin_tensor(t, node, threads)
 
                 return _batch.map_tensors(obj, take, other=_pin_by_itself, describe=_with_path)
-    return _batch.map_tensors(obj, lambda t: _pin_tensor(t, node, threads),
-                              other=_pin_by_itself, describe=_with_path)
+    return _batch.map_tensors(
+        obj, lambda t: _pin_tensor(t, node, threads), other=_pin_by_itself, describe=_with_path
+    )
 
 
 def _with_path(err: Exception, path: str) -> Exception:
     inner = str(err)
     prefix = "pinxfer.pin_memory: "
     if inner.startswith(prefix):
-        inner = inner[len(prefix):]
+        inner = inner[len(prefix) :]
     text = f"pinxfer.pin_memory: cannot pin {path}: {inner}"
     try:
         return type(err)(text)
@@ -196,10 +215,10 @@ def _with_path(err: Exception, path: str) -> Exception:
 
 def pin_memory(
     obj: Any,
-    device: Optional[DeviceLike] = None,
-    num_threads: Optional[int] = None,
+    device: DeviceLike | None = None,
+    num_threads: int | None = None,
     *,
-    numa_node: Optional[int] = None,
+    numa_node: int | None = None,
 ) -> Any:
     """Copies a tensor, or every tensor of a nested batch, into page-locked memory.
 
@@ -274,8 +293,10 @@ def pin_(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.is_quantized:
         # torch answers is_pinned() for a quantized tensor itself, and would say
         # False about memory pin_ had locked.
-        raise ValueError("pinxfer.pin_: expected a plain dense tensor, got a quantized one; "
-                         "pin a copy with pinxfer.pin_memory(t) instead")
+        raise ValueError(
+            "pinxfer.pin_: expected a plain dense tensor, got a quantized one; "
+            "pin a copy with pinxfer.pin_memory(t) instead"
+        )
     if not _ops.torch_cuda_ready:
         _ops.ensure_torch_cuda()
     _ops.pin_(tensor)

@@ -58,14 +58,17 @@ One consumer at a time: a thread that asks for a batch (``next()``, or starts a
 gets a RuntimeError instead of waiting for a batch that will never come. Handing
 a Prefetcher from one thread to another between batches is fine.
 """
+
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import queue
 import sys
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, NamedTuple, Optional
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch.utils.data import DataLoader
@@ -90,7 +93,8 @@ CLOSE_TIMEOUT_S = 1.0
 _SECOND_CONSUMER = (
     "pinxfer.prefetch: another thread is already waiting for a batch of this Prefetcher; a "
     "Prefetcher has one consumer at a time. Give each thread its own pinxfer.prefetch(...), "
-    "or have one thread consume it and pass the batches on through a queue.Queue")
+    "or have one thread consume it and pass the batches on through a queue.Queue"
+)
 
 
 # ---- the lease protocol ----
@@ -100,7 +104,7 @@ class Delivery(NamedTuple):
     """Where a Prefetcher sends its batches and how: what every lease's ``send`` gets."""
 
     device: torch.device  # resolved: cuda:N, or cpu (batches are yielded as they are)
-    transfer: Optional[Callable[[Any], Any]]  # the caller's per-batch step; None: pinxfer's
+    transfer: Callable[[Any], Any] | None  # the caller's per-batch step; None: pinxfer's
     chunk_bytes: int  # to_device's largest staging chunk
     num_buffers: int  # to_device's staging chunks in flight
 
@@ -121,7 +125,7 @@ class StagedLease:
             return self.batch
         return to_device(self.batch, to.device, True, to.chunk_bytes, to.num_buffers)
 
-    def done(self, event: Optional[torch.cuda.Event]) -> None:
+    def done(self, event: torch.cuda.Event | None) -> None:
         # Staging blocks wait for the copy in pinxfer's pool; the batch is the caller's.
         self.batch = None
 
@@ -132,7 +136,7 @@ class StagedSource:
     def __init__(self, iterable: Iterable):
         self._iterable = iterable
 
-    def __iter__(self) -> "_StagedPass":
+    def __iter__(self) -> _StagedPass:
         return _StagedPass(iter(self._iterable))
 
     def __len__(self) -> int:
@@ -148,7 +152,7 @@ class _StagedPass:
     def __init__(self, it: Iterator[Any]):
         self._it = it
 
-    def __iter__(self) -> "_StagedPass":
+    def __iter__(self) -> _StagedPass:
         return self
 
     def __next__(self) -> StagedLease:
@@ -171,18 +175,19 @@ class _Pass:
     """
 
     def __init__(self, batches: Any, to: Delivery, depth: int):
-        self.leases: Optional[Iterator] = iter(batches)  # in the caller's thread, as DataLoader wants
+        self.leases: Iterator | None = iter(batches)  # in the caller's thread, as DataLoader wants
         self.to = to
         self.device = to.device if to.device.type == "cuda" else None  # None: a CPU pass
-        self.queue: "queue.SimpleQueue[tuple[str, Any, Any]]" = queue.SimpleQueue()
+        self.queue: queue.SimpleQueue[tuple[str, Any, Any]] = queue.SimpleQueue()
         self.slots = threading.Semaphore(depth)
         self.stop = threading.Event()
         self.finished = False  # consumer side: END or ERROR delivered
         self.stopped = False  # shutdown() has joined (or given up on) the producer
         self.consumer = threading.Lock()  # held by the thread waiting in next()
         self.index = 0  # batches handed out
-        self.thread = threading.Thread(target=_produce, args=(self,), daemon=True,
-                                       name=f"pinxfer-prefetch-{next(_pass_ids)}")
+        self.thread = threading.Thread(
+            target=_produce, args=(self,), daemon=True, name=f"pinxfer-prefetch-{next(_pass_ids)}"
+        )
         self.thread.start()
 
     def next(self) -> Any:
@@ -196,7 +201,8 @@ class _Pass:
                 "is capturing a graph; a batch cannot be fetched inside a capture (a replay "
                 "would not fetch again). Take the batch before capture or replay and copy it "
                 "into the graph's static inputs: `for b in pinxfer.prefetch(loader): "
-                "static_x.copy_(b); graph.replay()`.")
+                "static_x.copy_(b); graph.replay()`."
+            )
         # Non-blocking: a second consumer waiting in get() could wait forever (the
         # pass delivers one END), so it is refused instead.
         if not self.consumer.acquire(blocking=False):
@@ -236,8 +242,12 @@ class _Pass:
         self.stop.set()
         self.slots.release()  # wakes a producer waiting for a slot
         thread = self.thread
-        if (not self.stopped and thread.is_alive() and thread is not threading.current_thread()
-                and not sys.is_finalizing()):
+        if (
+            not self.stopped
+            and thread.is_alive()
+            and thread is not threading.current_thread()
+            and not sys.is_finalizing()
+        ):
             thread.join(timeout)
             if thread.is_alive():
                 import warnings
@@ -246,7 +256,9 @@ class _Pass:
                     f"pinxfer.prefetch: the producer thread {thread.name} is still busy (inside "
                     f"the source's __next__ or a transfer) after {timeout} s; not waiting longer. "
                     "It exits when that call returns and drops what it got.",
-                    RuntimeWarning, stacklevel=3)
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
         self.stopped = True
         # Drop queued batches (their device memory returns to the allocator).
         while True:
@@ -260,10 +272,10 @@ class _Pass:
         if not thread.is_alive():
             leases, self.leases = self.leases, None
             if leases is not None:
-                try:
-                    leases.close()  # the source's pass: a generator's finally, a slot pass's slots
-                except Exception:  # noqa: BLE001 - best effort at shutdown
-                    pass
+                # The source's pass: a generator's finally, a slot pass's slots. Best
+                # effort at shutdown: what it raises has no one left to hear it.
+                with contextlib.suppress(Exception):
+                    leases.close()
 
 
 def _produce(p: _Pass) -> None:
@@ -337,34 +349,45 @@ class Prefetcher:
     RuntimeError.
     """
 
-    def __init__(self, source: Iterable, device: Optional[DeviceLike] = None, depth: int = 2,
-                 transfer: Optional[Callable[[Any], Any]] = None,
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, num_buffers: int = DEFAULT_NUM_BUFFERS,
-                 *, slots: Optional[bool] = False, slot_bytes: Optional[int] = None,
-                 num_slots: Optional[int] = None):
+    def __init__(
+        self,
+        source: Iterable,
+        device: DeviceLike | None = None,
+        depth: int = 2,
+        transfer: Callable[[Any], Any] | None = None,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        num_buffers: int = DEFAULT_NUM_BUFFERS,
+        *,
+        slots: bool | None = False,
+        slot_bytes: int | None = None,
+        num_slots: int | None = None,
+    ):
         depth = _checked_depth(depth)
         dev = _prefetch_device(device)
         if slots is None:
             slots = _slots_by_default(source, dev, transfer)
-        self._slots: Optional[SlotSource] = None
+        self._slots: SlotSource | None = None
         if slots:
             # Imported here: the slots build on this module's StagedLease.
             from pinxfer.slots import SlotSource
 
-            self._slots = SlotSource(source, depth=depth, slot_bytes=slot_bytes,
-                                     num_slots=num_slots)
+            self._slots = SlotSource(
+                source, depth=depth, slot_bytes=slot_bytes, num_slots=num_slots
+            )
         elif slot_bytes is not None or num_slots is not None:
-            raise ValueError("pinxfer.prefetch: slot_bytes and num_slots are for batch slots, "
-                             "which this call does not use (slots=False, or the source is not a "
-                             "DataLoader(num_workers > 0, pin_memory=False) feeding a GPU); drop "
-                             "them or pass slots=True")
+            raise ValueError(
+                "pinxfer.prefetch: slot_bytes and num_slots are for batch slots, "
+                "which this call does not use (slots=False, or the source is not a "
+                "DataLoader(num_workers > 0, pin_memory=False) feeding a GPU); drop "
+                "them or pass slots=True"
+            )
         # The batch source, chosen here once: the road below never asks which it is.
         self._batches = self._slots if self._slots is not None else StagedSource(source)
         self._source = source
         self.device = dev
         self.depth = depth
         self._to = Delivery(dev, transfer, chunk_bytes, num_buffers)
-        self._pass: Optional[_Pass] = None
+        self._pass: _Pass | None = None
 
     def _start_pass(self) -> _Pass:
         current = self._pass
@@ -403,8 +426,9 @@ class Prefetcher:
         try:
             return len(self._source)  # type: ignore[arg-type]
         except TypeError:
-            raise TypeError(f"pinxfer.prefetch: the source ({type(self._source).__name__}) "
-                            "has no len()") from None
+            raise TypeError(
+                f"pinxfer.prefetch: the source ({type(self._source).__name__}) has no len()"
+            ) from None
 
     def close(self) -> None:
         """Stops the current pass: joins its thread and frees the batches it queued.
@@ -417,7 +441,7 @@ class Prefetcher:
         if p is not None:
             p.shutdown()
 
-    def __enter__(self) -> "Prefetcher":
+    def __enter__(self) -> Prefetcher:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -425,7 +449,7 @@ class Prefetcher:
         self._batches.close()  # a slot ring is freed; an iterable is the caller's
 
     @property
-    def slots(self) -> Optional[SlotSource]:
+    def slots(self) -> SlotSource | None:
         """The slot ring's source with ``prefetch(..., slots=True)`` (``stats()``,
         ``close()``), else None."""
         return self._slots
@@ -436,16 +460,24 @@ class Prefetcher:
             p.shutdown()
 
     def __repr__(self) -> str:
-        return (f"Prefetcher(source={type(self._source).__name__}, device={self.device}, "
-                f"depth={self.depth})")
+        return (
+            f"Prefetcher(source={type(self._source).__name__}, device={self.device}, "
+            f"depth={self.depth})"
+        )
 
 
 def _checked_depth(depth: Any) -> int:
-    return _check.integer(depth, "prefetch", "depth", lo=1, hi=_check.INT64_MAX,
-                          hint=" (batches kept ready ahead of the consumer)")
+    return _check.integer(
+        depth,
+        "prefetch",
+        "depth",
+        lo=1,
+        hi=_check.INT64_MAX,
+        hint=" (batches kept ready ahead of the consumer)",
+    )
 
 
-def _requested_device(device: Optional[DeviceLike]) -> torch.device:
+def _requested_device(device: DeviceLike | None) -> torch.device:
     """The device prefetch was asked for, not yet resolved: None is the current GPU, or the
     CPU without CUDA; an int is that GPU."""
     if device is None:
@@ -453,7 +485,7 @@ def _requested_device(device: Optional[DeviceLike]) -> torch.device:
     return _check.as_device(device)
 
 
-def _prefetch_device(device: Optional[DeviceLike]) -> torch.device:
+def _prefetch_device(device: DeviceLike | None) -> torch.device:
     """The one resolution of prefetch's device: cuda:N (usable) or cpu."""
     requested = _requested_device(device)
     if requested.type not in ("cuda", "cpu"):
@@ -461,8 +493,9 @@ def _prefetch_device(device: Optional[DeviceLike]) -> torch.device:
     return _check.device(requested, "prefetch", " Pass device='cpu' to prefetch on the host only.")
 
 
-def _slots_by_default(iterable: Iterable, device: Optional[DeviceLike],
-                      transfer: Optional[Callable[[Any], Any]]) -> bool:
+def _slots_by_default(
+    iterable: Iterable, device: DeviceLike | None, transfer: Callable[[Any], Any] | None
+) -> bool:
     """Whether ``prefetch(..., slots=None)`` uses batch slots: a DataLoader whose workers
     can write them (num_workers > 0, pin_memory=False), copied to a GPU by the default
     transfer (a custom one may keep views of a slot past its copy; on the CPU a slot
@@ -476,11 +509,18 @@ def _slots_by_default(iterable: Iterable, device: Optional[DeviceLike],
     return _requested_device(device).type == "cuda"
 
 
-def prefetch(iterable: Iterable, device: Optional[DeviceLike] = None, depth: int = 2, *,
-             transfer: Optional[Callable[[Any], Any]] = None,
-             chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-             num_buffers: int = DEFAULT_NUM_BUFFERS, slots: Optional[bool] = None,
-             slot_bytes: Optional[int] = None, num_slots: Optional[int] = None) -> Prefetcher:
+def prefetch(
+    iterable: Iterable,
+    device: DeviceLike | None = None,
+    depth: int = 2,
+    *,
+    transfer: Callable[[Any], Any] | None = None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    num_buffers: int = DEFAULT_NUM_BUFFERS,
+    slots: bool | None = None,
+    slot_bytes: int | None = None,
+    num_slots: int | None = None,
+) -> Prefetcher:
     """Wraps an iterable so that its batches reach the GPU ahead of use.
 
     A background thread pulls batches from ``iterable``, sends them to ``device``
@@ -526,6 +566,14 @@ def prefetch(iterable: Iterable, device: Optional[DeviceLike] = None, depth: int
         ``len()`` it when the source has a length, ``close()`` it or use it as a
         context manager.
     """
-    return Prefetcher(iterable, device=device, depth=depth, transfer=transfer,
-                      chunk_bytes=chunk_bytes, num_buffers=num_buffers, slots=slots,
-                      slot_bytes=slot_bytes, num_slots=num_slots)
+    return Prefetcher(
+        iterable,
+        device=device,
+        depth=depth,
+        transfer=transfer,
+        chunk_bytes=chunk_bytes,
+        num_buffers=num_buffers,
+        slots=slots,
+        slot_bytes=slot_bytes,
+        num_slots=num_slots,
+    )

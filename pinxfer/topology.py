@@ -10,19 +10,25 @@ pinxfer's own op, which needs no CUDA context and leaves torch's CUDA state
 uninitialised (DataLoader workers can still fork). Note that placement may be
 overridden with ``PINXFER_NUMA_NODE``; this module reports sysfs.
 """
+
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from pinxfer import _check, _ops
 
 # The CPU-list parser is its operator as it stands.
-from pinxfer._ops import parse_cpulist  # noqa: F401
+from pinxfer._ops import parse_cpulist
 
-
-__all__ = ["GpuTopology", "node_cpus", "numa_nodes", "parse_cpulist", "resolve_sysfs_root",
-           "topology"]
+__all__ = [
+    "GpuTopology",
+    "node_cpus",
+    "numa_nodes",
+    "parse_cpulist",
+    "resolve_sysfs_root",
+    "topology",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,13 +39,13 @@ class GpuTopology:
     cpus: tuple[int, ...]  # CPUs of that node; () when numa_node is -1 or unreadable
 
 
-def resolve_sysfs_root(sysfs_root: Optional[str] = None) -> str:
+def resolve_sysfs_root(sysfs_root: str | None = None) -> str:
     """The sysfs root a query reads: ``sysfs_root`` if given, else the one C++ reads
     by default (``PINXFER_SYSFS_ROOT``, else ``/sys``)."""
     return str(sysfs_root) if sysfs_root is not None else _ops.sysfs_root()
 
 
-def node_cpus(node: int, sysfs_root: Optional[str] = None) -> list[int]:
+def node_cpus(node: int, sysfs_root: str | None = None) -> list[int]:
     """CPUs of NUMA node ``node``; ``[]`` when the node is unknown (-1), absent or has no
     readable cpulist.
 
@@ -49,7 +55,7 @@ def node_cpus(node: int, sysfs_root: Optional[str] = None) -> list[int]:
     return _ops.node_cpus(node, resolve_sysfs_root(sysfs_root)) if node >= 0 else []
 
 
-def numa_nodes(sysfs_root: Optional[str] = None) -> dict[int, list[int]]:
+def numa_nodes(sysfs_root: str | None = None) -> dict[int, list[int]]:
     """NUMA nodes present and their CPUs, e.g. ``{0: [0, 1, ...], 1: [...]}``.
 
     Args:
@@ -67,7 +73,7 @@ def numa_nodes(sysfs_root: Optional[str] = None) -> dict[int, list[int]]:
 
 
 def topology(
-    sysfs_root: Optional[str] = None, *, pci_bus_ids: Optional[Sequence[str]] = None
+    sysfs_root: str | None = None, *, pci_bus_ids: Sequence[str] | None = None
 ) -> list[GpuTopology]:
     """Per GPU: PCI bus id, NUMA node, and that node's CPUs.
 

@@ -13,11 +13,13 @@ only through ``wait()``/``tensor``, which wait for the copy first. That closes
 the hazard of ``cuda_tensor.to("cpu", non_blocking=True)``, whose result can be
 read before the copy has landed.
 """
+
 from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, Iterator, Optional
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -41,7 +43,7 @@ DEFAULT_CHUNK_BYTES = 16 << 20
 DEFAULT_NUM_BUFFERS = 4
 
 
-def copy_stream(device: Optional[DeviceLike] = None) -> torch.cuda.Stream:
+def copy_stream(device: DeviceLike | None = None) -> torch.cuda.Stream:
     """The CUDA stream pinxfer's host -> device copies to ``device`` run on.
 
     One dedicated non-blocking stream per device, created on first use. You never
@@ -59,8 +61,9 @@ def copy_stream(device: Optional[DeviceLike] = None) -> torch.cuda.Stream:
     if dev.type != "cuda":
         raise ValueError(f"pinxfer.copy_stream: expected a CUDA device, got {dev}")
     stream_id, device_index, device_type = _ops.copy_stream(dev)
-    return torch.cuda.Stream(stream_id=stream_id, device_index=device_index,
-                             device_type=device_type)
+    return torch.cuda.Stream(
+        stream_id=stream_id, device_index=device_index, device_type=device_type
+    )
 
 
 # ---- helpers ----
@@ -88,8 +91,11 @@ def profiler_range(name: str) -> contextlib.AbstractContextManager:
 @contextlib.contextmanager
 def _profiled_range(name: str) -> Iterator[None]:
     nvtx = _NVTX_TOOL and torch.cuda.is_initialized()
-    ctx = (torch.profiler.record_function(name) if torch.autograd._profiler_enabled()
-           else contextlib.nullcontext())
+    ctx = (
+        torch.profiler.record_function(name)
+        if torch.autograd._profiler_enabled()
+        else contextlib.nullcontext()
+    )
     with ctx:
         if nvtx:
             torch.cuda.nvtx.range_push(name)
@@ -100,9 +106,15 @@ def _profiled_range(name: str) -> Iterator[None]:
                 torch.cuda.nvtx.range_pop()
 
 
-def _send_leaves(tensors: list[torch.Tensor], device: torch.device, non_blocking: bool,
-                 chunk_bytes: int, num_buffers: int, staging: str = "auto") -> list[torch.Tensor]:
-    out: list[Optional[torch.Tensor]] = [None] * len(tensors)
+def _send_leaves(
+    tensors: list[torch.Tensor],
+    device: torch.device,
+    non_blocking: bool,
+    chunk_bytes: int,
+    num_buffers: int,
+    staging: str = "auto",
+) -> list[torch.Tensor]:
+    out: list[torch.Tensor | None] = [None] * len(tensors)
     small: list[int] = []
     for i, t in enumerate(tensors):
         if t.device == device:
@@ -115,8 +127,7 @@ def _send_leaves(tensors: list[torch.Tensor], device: torch.device, non_blocking
         else:
             out[i] = t.to(device, non_blocking=non_blocking)
     if len(small) == 1:
-        out[small[0]] = _ops.to_device(tensors[small[0]], device, chunk_bytes, num_buffers,
-                                      staging)
+        out[small[0]] = _ops.to_device(tensors[small[0]], device, chunk_bytes, num_buffers, staging)
     elif small:
         packed = _ops.to_device_many([tensors[i] for i in small], device)
         for i, t in zip(small, packed):
@@ -127,35 +138,43 @@ def _send_leaves(tensors: list[torch.Tensor], device: torch.device, non_blocking
 # ---- public API ----
 
 
-def to_device(obj: Any, device: Optional[DeviceLike] = None, non_blocking: bool = True,
-              chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-              num_buffers: int = DEFAULT_NUM_BUFFERS, *, staging: str = "auto") -> Any:
+def to_device(
+    obj: Any,
+    device: DeviceLike | None = None,
+    non_blocking: bool = True,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    num_buffers: int = DEFAULT_NUM_BUFFERS,
+    *,
+    staging: str = "auto",
+) -> Any:
     """Copies a tensor or a nested batch to a GPU at bus speed.
 
     Pageable CPU tensors of >= 1 MiB go through a pipeline: host threads copy
     chunks (at most ``chunk_bytes`` each) into pinned staging memory while a copy
     stream sends the chunks already staged. A tensor of up to ``num_buffers *
     chunk_bytes`` is staged in one pooled block; a larger one through a ring of
-    ``num_buffers`` chunks, so it is never pinned whole. Pinned CPU tensors (pinxfer's pool or torch's) go with
-    one DMA. In a batch, the CPU tensors under 1 MiB are packed into one staging
-    buffer and sent with one copy; they come back as views of one device buffer.
-    Non-contiguous CPU tensors are made contiguous on the host first, and results
-    are contiguous. Tensors already on ``device`` are returned as they are; tensors
-    on another GPU, sparse, nested, quantized, subclassed or ``requires_grad`` tensors use
-    ``tensor.to(device)``. Other leaves (numbers, strings, None, ...) pass through.
+    ``num_buffers`` chunks, so it is never pinned whole. Pinned CPU tensors
+    (pinxfer's pool or torch's) go with one DMA. In a batch, the CPU tensors under
+    1 MiB are packed into one staging buffer and sent with one copy; they come back
+    as views of one device buffer. Non-contiguous CPU tensors are made contiguous
+    on the host first, and results are contiguous. Tensors already on ``device``
+    are returned as they are; tensors on another GPU, sparse, nested, quantized,
+    subclassed or ``requires_grad`` tensors use ``tensor.to(device)``. Other leaves
+    (numbers, strings, None, ...) pass through.
 
     Copies of more than 256 KiB run on pinxfer's copy stream (:func:`copy_stream`)
     and do not wait for work already queued on the caller's current stream, so they
     overlap it; the current stream waits for the copies, so the results can be used
     on it at once. Smaller ones (and each packed buffer of a batch's small tensors
     up to that size) go on the current stream itself: such a copy takes less time
-    than the cross-stream hand-over would cost. To use them on another stream, make that stream wait on the current one
-    and ``record_stream`` them there (as with any tensor). Pageable sources may be modified or freed as
-    soon as this returns (they have been copied into staging memory by then).
-    Pinned sources are read by the DMA engine later: they may be freed at once
-    (their memory is kept from reuse until the copy is done), but writing to them
-    before the current stream has passed the copy changes what is sent, as with
-    ``tensor.to(device, non_blocking=True)``.
+    than the cross-stream hand-over would cost. To use them on another stream, make
+    that stream wait on the current one and ``record_stream`` them there (as with
+    any tensor). Pageable sources may be modified or freed as soon as this returns
+    (they have been copied into staging memory by then). Pinned sources are read by
+    the DMA engine later: they may be freed at once (their memory is kept from reuse
+    until the copy is done), but writing to them before the current stream has
+    passed the copy changes what is sent, as with ``tensor.to(device,
+    non_blocking=True)``.
 
     Args:
         obj: a tensor, or a nested batch (dict/Mapping, list, tuple, namedtuple,
@@ -176,29 +195,41 @@ def to_device(obj: Any, device: Optional[DeviceLike] = None, non_blocking: bool 
     Raises:
         RuntimeError: if pinxfer was built without CUDA or no GPU is usable.
     """
-    if (_FAST_TO_DEVICE and type(obj) is torch.Tensor and chunk_bytes is DEFAULT_CHUNK_BYTES
-            and num_buffers is DEFAULT_NUM_BUFFERS and staging == "auto"
-            and (device is None or type(device) is torch.device and device.type == "cuda")
-            and plain_dense_cpu(obj) and _ops.eager()):
+    if (
+        _FAST_TO_DEVICE
+        and type(obj) is torch.Tensor
+        and chunk_bytes is DEFAULT_CHUNK_BYTES
+        and num_buffers is DEFAULT_NUM_BUFFERS
+        and staging == "auto"
+        and (device is None or (type(device) is torch.device and device.type == "cuda"))
+        and plain_dense_cpu(obj)
+        and _ops.eager()
+    ):
         # The hot case, one plain CPU tensor to a GPU with the default settings, in
         # eager mode: straight to the kernel's fast call. Its Python cost is most of
         # a 4 KiB transfer's (benchmarks/diag_small_calls.py), so nothing here that
         # the kernel checks anyway: it resolves a device without an index to the
         # current one and raises if CUDA is unusable.
         with profiler_range("pinxfer::to_device"):
-            out = _ops.fast.to_device(obj, _CURRENT_CUDA if device is None else device,
-                                      chunk_bytes, num_buffers, "auto")
+            out = _ops.fast.to_device(
+                obj, _CURRENT_CUDA if device is None else device, chunk_bytes, num_buffers, "auto"
+            )
         if not non_blocking:
             torch.cuda.current_stream(out.device).synchronize()
         return out
-    chunk_bytes = _check.integer(chunk_bytes, "to_device", "chunk_bytes", lo=4096,
-                                 hi=_check.INT64_MAX)
-    num_buffers = _check.integer(num_buffers, "to_device", "num_buffers", lo=1,
-                                 hi=_check.INT64_MAX)
+    chunk_bytes = _check.integer(
+        chunk_bytes, "to_device", "chunk_bytes", lo=4096, hi=_check.INT64_MAX
+    )
+    num_buffers = _check.integer(num_buffers, "to_device", "num_buffers", lo=1, hi=_check.INT64_MAX)
     if type(obj) is torch.Tensor and plain_dense_cpu(obj):
         # One plain CPU tensor with other settings: no batch machinery either.
-        dev = (_CURRENT_CUDA if device is None else
-               device if type(device) is torch.device else _check.device(device, "to_device"))
+        dev = (
+            _CURRENT_CUDA
+            if device is None
+            else device
+            if type(device) is torch.device
+            else _check.device(device, "to_device")
+        )
         if dev.type == "cuda":
             _check.require_cuda("to_device")
             with profiler_range("pinxfer::to_device"):
@@ -215,8 +246,9 @@ def to_device(obj: Any, device: Optional[DeviceLike] = None, non_blocking: bool 
         if isinstance(obj, torch.Tensor):
             out = _send_leaves([obj], dev, non_blocking, chunk_bytes, num_buffers, staging)[0]
         else:
-            results = iter(_send_leaves(tensors_in(obj), dev, non_blocking, chunk_bytes,
-                                        num_buffers, staging))
+            results = iter(
+                _send_leaves(tensors_in(obj), dev, non_blocking, chunk_bytes, num_buffers, staging)
+            )
             out = map_tensors(obj, lambda _t: next(results))
     if not non_blocking:
         torch.cuda.current_stream(dev).synchronize()
@@ -233,7 +265,7 @@ class HostTransfer:
     is dropped unwaited.
     """
 
-    __slots__ = ("_result", "_events", "_done")
+    __slots__ = ("_done", "_events", "_result")
 
     def __init__(self, result: Any, events: list[torch.cuda.Event]):
         self._result = result
@@ -293,7 +325,8 @@ def to_host(obj: Any) -> HostTransfer:
             "handle waits on an event that a capture never records, so it cannot be captured. "
             "Inside the capture copy into a pinned buffer allocated before it "
             "(`host_buf.copy_(t, non_blocking=True)`), and read host_buf after "
-            "`graph.replay()` and `torch.cuda.current_stream().synchronize()`.")
+            "`graph.replay()` and `torch.cuda.current_stream().synchronize()`."
+        )
     streams: dict[torch.device, torch.cuda.Stream] = {}
 
     def copy_one(t: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,7 @@ own calls too is placement noise, not pinxfer).
 
     python scripts/small_call_probe.py ROOT    # prints one JSON line
 """
+
 import json
 import os
 import statistics
@@ -12,8 +13,9 @@ import sys
 import time
 
 sys.path.insert(0, sys.argv[1])
-import torch  # noqa: E402
-import pinxfer  # noqa: E402
+import torch
+
+import pinxfer
 
 
 def us(fn, calls=5000, reps=5):

@@ -5,6 +5,7 @@ and report: ``python3 scripts/stress_gpu.py --help``, the docstring of tests/str
 
     python3 -X faulthandler scripts/stress_gpu.py --mode both --seconds 90 --json stress.json
 """
+
 import os
 import sys
 
@@ -12,7 +13,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)  # the checkout's pinxfer (with _C built in place) and tests/
 
-from tests.stress.cli import main  # noqa: E402
+from tests.stress.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

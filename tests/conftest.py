@@ -3,6 +3,7 @@
 GPU tests carry ``@pytest.mark.gpu`` and are skipped cleanly where no CUDA device
 is usable (CI); they run on the device machine through scripts/gpu_check.sh.
 """
+
 from __future__ import annotations
 
 import gc
@@ -57,8 +58,14 @@ def _mlock_is_real() -> bool:
 
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                          ctypes.c_int, ctypes.c_long]
+    libc.mmap.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_long,
+    ]
     page = 4096
     addr = libc.mmap(None, page, 3, 0x22, -1, 0)  # PROT_READ|WRITE, MAP_PRIVATE|ANONYMOUS
     try:
@@ -110,7 +117,10 @@ def _report_pool_growth(request):
     after = pinxfer.memory_stats()["allocated_bytes.current"]
     if after != before:
         with open(_LEAK_REPORT, "a") as f:
-            f.write(f"{request.node.nodeid}: allocated_bytes {before} -> {after} ({after - before:+d})\n")
+            f.write(
+                f"{request.node.nodeid}: allocated_bytes {before} -> {after} "
+                f"({after - before:+d})\n"
+            )
 
 
 # Source text for child scripts (no braces: callers may str.format() around it).

@@ -1,10 +1,13 @@
 """Contract tests of the pinned pool on real locked memory (mlock without a GPU,
 cudaHostRegister with one) and real threads."""
+
 from __future__ import annotations
 
 import ctypes
+import itertools
 import os
 import random
+import re
 import subprocess
 import sys
 import textwrap
@@ -56,7 +59,9 @@ def test_import_does_not_initialise_cuda():
     assert out.stdout.strip() == "False"
 
 
-@pytest.mark.parametrize("n", [1, 7, 511, 512, 513, 4095, 65537, MiB - 1, MiB, MiB + 1, 3 * MiB + 5])
+@pytest.mark.parametrize(
+    "n", [1, 7, 511, 512, 513, 4095, 65537, MiB - 1, MiB, MiB + 1, 3 * MiB + 5]
+)
 def test_alignment_and_rounding(fresh_pool, n):
     t = pinxfer.empty(n, dtype=torch.uint8)
     assert t.data_ptr() % 512 == 0
@@ -105,7 +110,7 @@ def test_small_requests_share_a_segment(fresh_pool):
     s = stats()
     assert s["segments.current"] == 1 and s["reserved_bytes.current"] == 2 * MiB
     ptrs = sorted(t.data_ptr() for t in ts)
-    assert all(b - a >= 1024 for a, b in zip(ptrs, ptrs[1:]))  # no overlap
+    assert all(b - a >= 1024 for a, b in itertools.pairwise(ptrs))  # no overlap
 
 
 def test_cap_raises_out_of_memory_with_figures(fresh_pool):
@@ -115,8 +120,13 @@ def test_cap_raises_out_of_memory_with_figures(fresh_pool):
     with pytest.raises(torch.OutOfMemoryError) as info:
         pinxfer.empty(8 * MiB, dtype=torch.uint8)
     msg = str(info.value)
-    for needle in ("cap is 16777216", "Pinned now: 10485760", "requested by live tensors: 10485760",
-                   "empty_cache", "PINXFER_MAX_PINNED_BYTES"):
+    for needle in (
+        "cap is 16777216",
+        "Pinned now: 10485760",
+        "requested by live tensors: 10485760",
+        "empty_cache",
+        "PINXFER_MAX_PINNED_BYTES",
+    ):
         assert needle in msg, (needle, msg)
     assert stats()["num_ooms"] == 1
     del a
@@ -147,7 +157,9 @@ def test_cap_from_environment():
     assert out.stdout.strip() == "capped"
     with pytest.raises(ValueError, match="byte size"):
         pinxfer.set_max_pinned_bytes("lots")
-    with pytest.raises(ValueError, match=r"must be in \[0, "):  # checked in Python (pinxfer/_check.py)
+    with pytest.raises(
+        ValueError, match=r"must be in \[0, "
+    ):  # checked in Python (pinxfer/_check.py)
         pinxfer.set_max_pinned_bytes(-5)
     with pytest.raises(RuntimeError, match=">= 0"):  # and by the operator
         torch.ops.pinxfer.set_max_pinned_bytes(-5)
@@ -155,46 +167,60 @@ def test_cap_from_environment():
 
 # ---- parse_byte_size: the one byte-size parser (csrc/runtime/parse.cpp) ----
 
-@pytest.mark.parametrize("text,expected", [
-    ("0", 0),
-    ("1073741824", 1 << 30),
-    ("512", 512),
-    ("512B", 512),
-    ("4k", 4 * KiB), ("4KB", 4 * KiB), ("4KiB", 4 * KiB),
-    ("512MiB", 512 * MiB), ("512mb", 512 * MiB), ("512M", 512 * MiB),
-    ("8G", 8 << 30), ("2GB", 2 << 30), ("1.5GiB", 3 << 29),
-    ("1T", 1 << 40), ("1tib", 1 << 40),
-    (" 64 MiB \n", 64 * MiB),
-    ("2.", 2),
-    ("0.5KiB", 512),
-    # Issue 27: exactly 2^63 - 1 was refused (the parser rounded through a double).
-    ("9223372036854775807", (1 << 63) - 1),
-    ("8388607TiB", 8388607 << 40),
-])
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("0", 0),
+        ("1073741824", 1 << 30),
+        ("512", 512),
+        ("512B", 512),
+        ("4k", 4 * KiB),
+        ("4KB", 4 * KiB),
+        ("4KiB", 4 * KiB),
+        ("512MiB", 512 * MiB),
+        ("512mb", 512 * MiB),
+        ("512M", 512 * MiB),
+        ("8G", 8 << 30),
+        ("2GB", 2 << 30),
+        ("1.5GiB", 3 << 29),
+        ("1T", 1 << 40),
+        ("1tib", 1 << 40),
+        (" 64 MiB \n", 64 * MiB),
+        ("2.", 2),
+        ("0.5KiB", 512),
+        # Issue 27: exactly 2^63 - 1 was refused (the parser rounded through a double).
+        ("9223372036854775807", (1 << 63) - 1),
+        ("8388607TiB", 8388607 << 40),
+    ],
+)
 def test_parse_byte_size_accepted_forms(text, expected):
     assert torch.ops.pinxfer.parse_byte_size(text) == expected
 
 
-@pytest.mark.parametrize("text,needle", [
-    ("", "cannot read a byte size from ''"),
-    ("lots", "cannot read a byte size from 'lots'"),
-    ("-5", "cannot read a byte size from '-5'"),
-    (".5G", "cannot read a byte size from '.5G'"),
-    ("1.2.3", "cannot read a byte size from '1.2.3'"),
-    ("8 G B", "cannot read a byte size from '8 G B'"),
-    ("8GiB!", "cannot read a byte size from '8GiB!'"),
-    ("8PB", "unknown unit 'pb'"),
-    ("3xb", "unknown unit 'xb'"),
-    ("8388608TiB", "too large"),
-    ("9223372036854775808", "too large"),
-    ("99999999999999999999999999", "too large"),
-    # Issue 27: a fraction of a byte silently meant 0 ("no cap") or 1.
-    ("0.5", "not a whole number of bytes"),
-    ("1.5", "not a whole number of bytes"),
-    ("0.1GiB", "not a whole number of bytes"),
-])
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("", "cannot read a byte size from ''"),
+        ("lots", "cannot read a byte size from 'lots'"),
+        ("-5", "cannot read a byte size from '-5'"),
+        (".5G", "cannot read a byte size from '.5G'"),
+        ("1.2.3", "cannot read a byte size from '1.2.3'"),
+        ("8 G B", "cannot read a byte size from '8 G B'"),
+        ("8GiB!", "cannot read a byte size from '8GiB!'"),
+        ("8PB", "unknown unit 'pb'"),
+        ("3xb", "unknown unit 'xb'"),
+        ("8388608TiB", "too large"),
+        ("9223372036854775808", "too large"),
+        ("99999999999999999999999999", "too large"),
+        # Issue 27: a fraction of a byte silently meant 0 ("no cap") or 1.
+        ("0.5", "not a whole number of bytes"),
+        ("1.5", "not a whole number of bytes"),
+        ("0.1GiB", "not a whole number of bytes"),
+    ],
+)
 def test_parse_byte_size_rejects_with_value_error(text, needle):
-    with pytest.raises(ValueError) as info:
+    with pytest.raises(ValueError, match=re.escape(needle)) as info:
         torch.ops.pinxfer.parse_byte_size(text)
     msg = str(info.value)
     assert needle in msg, msg
@@ -241,13 +267,20 @@ def test_stats_exact_after_mixed_sequence(fresh_pool):
         assert s["requested_bytes.current"] == requested
         assert s["allocated_bytes.current"] == sum(rounded(t.numel()) for t in live.values())
         assert s["active_blocks.current"] == len(live)
-        assert s["cached_bytes.current"] == s["reserved_bytes.current"] - s["allocated_bytes.current"]
+        assert (
+            s["cached_bytes.current"] == s["reserved_bytes.current"] - s["allocated_bytes.current"]
+        )
     s = stats()
     assert s["requested_bytes.peak"] == peak_requested
     assert s["num_allocs"] == allocs and s["num_frees"] == frees
     assert s["num_cache_hits"] + s["num_cache_misses"] == allocs
     assert s["num_segment_maps"] == s["num_cache_misses"]
-    assert s["reserved_bytes.current"] == s["reserved_bytes.mlocked"] + s["reserved_bytes.cuda_registered"] + s["reserved_bytes.pageable"]
+    assert (
+        s["reserved_bytes.current"]
+        == s["reserved_bytes.mlocked"]
+        + s["reserved_bytes.cuda_registered"]
+        + s["reserved_bytes.pageable"]
+    )
     assert s["pin_time_ns"] == s["map_time_ns"] + s["touch_time_ns"] + s["lock_time_ns"] > 0
     live.clear()
     pinxfer.reset_peak_memory_stats()
@@ -263,8 +296,9 @@ def test_reserved_over_requested_on_mixed_batches(fresh_pool):
     live, peak = [], 0
     for step in range(100):
         rng = random.Random(step)
-        live.append([pinxfer.empty(int(2 ** rng.uniform(12, 24)), dtype=torch.uint8)
-                     for _ in range(64)])
+        live.append(
+            [pinxfer.empty(int(2 ** rng.uniform(12, 24)), dtype=torch.uint8) for _ in range(64)]
+        )
         peak = max(peak, sum(t.nbytes for b in live for t in b))
         if len(live) > 2:
             live.pop(0)
@@ -279,7 +313,7 @@ def test_many_threads_never_share_a_block(fresh_pool):
         rng = random.Random(tid)
         held = []
         try:
-            for i in range(300):
+            for _i in range(300):
                 n = rng.choice([64, 3000, 100_000, 2 * MiB + 17, 5 * MiB])
                 t = pinxfer.empty(n, dtype=torch.uint8)
                 t.fill_(tid)
@@ -288,7 +322,7 @@ def test_many_threads_never_share_a_block(fresh_pool):
                     old = held.pop(rng.randrange(len(held)))
                     if not bool((old == tid).all()):
                         errors.append(f"thread {tid}: block overwritten by another thread")
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             errors.append(repr(e))
         for old in held:
             if not bool((old == tid).all()):
@@ -341,10 +375,13 @@ def test_fork_child_gets_its_own_pool(fresh_pool):
             torch.set_num_threads(1)  # the parent's OpenMP workers do not exist here
             child = pinxfer.empty(4 * MiB, dtype=torch.uint8)
             child.fill_(5)
-            ok = (bool((parent == 3).all()) and bool((child == 5).all())
-                  and pinxfer.lock_kind(child) == "mlocked"
-                  and pinxfer.memory_stats()["active_blocks.current"] == 1
-                  and not pinxfer.build_info().cuda_usable)
+            ok = (
+                bool((parent == 3).all())
+                and bool((child == 5).all())
+                and pinxfer.lock_kind(child) == "mlocked"
+                and pinxfer.memory_stats()["active_blocks.current"] == 1
+                and not pinxfer.build_info().cuda_usable
+            )
             del parent  # an inherited block: dropped without touching the old pool
             del child
             code = 0 if ok else 2
@@ -358,9 +395,12 @@ def test_fork_child_gets_its_own_pool(fresh_pool):
     assert stats()["active_blocks.current"] == 1
 
 
-@pytest.mark.skipif(SANITIZER == "thread", reason="TSan does not support a multi-threaded "
-                    "process that forks and starts threads in the child ('dup thread with used "
-                    "id'); this test runs in the plain suite and under ASan")
+@pytest.mark.skipif(
+    SANITIZER == "thread",
+    reason="TSan does not support a multi-threaded "
+    "process that forks and starts threads in the child ('dup thread with used "
+    "id'); this test runs in the plain suite and under ASan",
+)
 def test_dataloader_workers_allocate_from_their_own_pool(fresh_pool):
     class DS(torch.utils.data.Dataset):
         def __len__(self):
@@ -371,8 +411,9 @@ def test_dataloader_workers_allocate_from_their_own_pool(fresh_pool):
             t.fill_(i)
             return t.clone()
 
-    loader = torch.utils.data.DataLoader(DS(), batch_size=2, num_workers=2,
-                                         multiprocessing_context="fork")
+    loader = torch.utils.data.DataLoader(
+        DS(), batch_size=2, num_workers=2, multiprocessing_context="fork"
+    )
     got = torch.cat([b.flatten() for b in loader])
     assert sorted(set(got.tolist())) == list(range(8))
 
@@ -383,8 +424,10 @@ def test_fallback_when_locking_is_refused():
     if HAS_CUDA:
         pytest.skip("the mlock fallback is the no-CUDA path")
     if not MLOCK_IS_REAL:
-        pytest.skip(f"under {SANITIZER or 'this runtime'} mlock is intercepted and never fails, "
-                    "so there is no refusal to fall back from")
+        pytest.skip(
+            f"under {SANITIZER or 'this runtime'} mlock is intercepted and never fails, "
+            "so there is no refusal to fall back from"
+        )
     code = DROP_CAP_IPC_LOCK + textwrap.dedent("""
         import resource, warnings, torch
         assert drop_cap_ipc_lock() in ("dropped", "not held")
@@ -461,11 +504,14 @@ _STORM = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("pause_us, seconds", [
-    (50, 1),  # the default run: with the pause the old code failed within a second
-    pytest.param(0, 4, marks=pytest.mark.soak),  # longer storms: `-m soak` (README "Tests")
-    pytest.param(50, 4, marks=pytest.mark.soak),
-])
+@pytest.mark.parametrize(
+    ("pause_us", "seconds"),
+    [
+        (50, 1),  # the default run: with the pause the old code failed within a second
+        pytest.param(0, 4, marks=pytest.mark.soak),  # longer storms: `-m soak` (README "Tests")
+        pytest.param(50, 4, marks=pytest.mark.soak),
+    ],
+)
 def test_allocate_free_race_storm(pause_us, seconds):
     """Regression test of the allocate/free race (a block taken from the free set
     but marked in use only in a later critical section, so a concurrent free of
@@ -474,8 +520,11 @@ def test_allocate_free_race_storm(pause_us, seconds):
     each and check every byte; with the test hook pausing between the pool's
     critical sections the old code failed within a second. Runs in a child so a
     crash is reported as this test's failure with its signal."""
-    out = subprocess.run([sys.executable, "-X", "faulthandler", "-c", _STORM,
-                          str(pause_us), str(seconds), "8"],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-X", "faulthandler", "-c", _STORM, str(pause_us), str(seconds), "8"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, (out.returncode, out.stdout[-2000:], out.stderr[-3000:])
     assert "errors 0" in out.stdout

@@ -1,5 +1,6 @@
 """The pinned pool on a real GPU: DMA-pinned memory, correct copies, and
 event-gated reuse (a block is never handed out while a copy may read it)."""
+
 from __future__ import annotations
 
 import pytest

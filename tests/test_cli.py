@@ -4,6 +4,7 @@ CPU tests run the real commands as subprocesses and read doctor's report from
 fixture sysfs/proc trees. GPU tests (``gpu`` marker) run bench, doctor and
 every example on the device.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -39,9 +40,18 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
-def _run(args: list[str], timeout: float = 300, preexec_fn=None, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], cwd=ROOT, env=_env(**env), capture_output=True,
-                          text=True, timeout=timeout, preexec_fn=preexec_fn)
+def _run(
+    args: list[str], timeout: float = 300, preexec_fn=None, **env: str
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, *args],
+        cwd=ROOT,
+        env=_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        preexec_fn=preexec_fn,
+    )
 
 
 def _check_bench_json(data: dict) -> None:
@@ -62,8 +72,13 @@ def _check_bench_json(data: dict) -> None:
 
 def test_library_import_leaves_the_command_line_out():
     # The command line is a package of its own: the library never pulls it in.
-    proc = _run(["-c", "import sys, pinxfer; "
-                       "print(sorted(m for m in sys.modules if m.startswith('pinxfer.cli')))"])
+    proc = _run(
+        [
+            "-c",
+            "import sys, pinxfer; "
+            "print(sorted(m for m in sys.modules if m.startswith('pinxfer.cli')))",
+        ]
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
 
@@ -79,8 +94,11 @@ def test_bench_runs_and_writes_documented_json(tmp_path):
     _check_bench_json(data)
 
     # Host-side pinning always runs; each size has cold and warm pinxfer rows.
-    pins = {(r["op"], r["bytes"]) for r in data["results"]
-            if r["section"] == "pin" and r["impl"] == "pinxfer"}
+    pins = {
+        (r["op"], r["bytes"])
+        for r in data["results"]
+        if r["section"] == "pin" and r["impl"] == "pinxfer"
+    }
     assert pins == {(op, n) for op in ("pin_cold", "pin_warm") for n in (1 << 20, 4 << 20)}
 
     assert "pin 1.0 MiB" in proc.stderr  # the progress bar (tqdm or the text fallback)
@@ -93,7 +111,7 @@ def test_bench_runs_and_writes_documented_json(tmp_path):
     # torch and pinxfer share a line; the prefetch "ideal" figure has its own.
     rows = {(r["section"], r["op"], r["bytes"], r["impl"] == "ideal") for r in data["results"]}
     sections = ("pin ", "copy ", "to_device ", "prefetch ")
-    assert sum(1 for line in lines[header + 2:] if line.startswith(sections)) == len(rows)
+    assert sum(1 for line in lines[header + 2 :] if line.startswith(sections)) == len(rows)
 
     if not HAS_CUDA:
         assert data["device"] is None
@@ -105,8 +123,20 @@ def test_bench_runs_and_writes_documented_json(tmp_path):
 
 
 def test_bench_json_to_stdout_keeps_table_on_stderr():
-    proc = _run(["-m", "pinxfer", "bench", "--sizes", "1MiB", "--sections", "pin", "--json", "-",
-                 "--no-progress"])
+    proc = _run(
+        [
+            "-m",
+            "pinxfer",
+            "bench",
+            "--sizes",
+            "1MiB",
+            "--sections",
+            "pin",
+            "--json",
+            "-",
+            "--no-progress",
+        ]
+    )
     assert proc.returncode == 0, proc.stderr
     _check_bench_json(json.loads(proc.stdout))
     assert "section" in proc.stderr
@@ -119,7 +149,9 @@ def test_bench_rejects_bad_arguments():
     assert proc.returncode == 2 and "copy,pin,to_device,prefetch" in proc.stderr
 
 
-@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is not None, reason="matplotlib installed")
+@pytest.mark.skipif(
+    importlib.util.find_spec("matplotlib") is not None, reason="matplotlib installed"
+)
 def test_bench_plot_without_matplotlib_says_how_to_fix(tmp_path):
     proc = _run(["-m", "pinxfer", "bench", "--sizes", "1MiB", "--plot", str(tmp_path / "p.png")])
     assert proc.returncode == 2
@@ -137,16 +169,38 @@ def test_bench_plot_writes_png(tmp_path):
 
 def _fake_report() -> dict:
     return {
-        "device": "Fake GPU", "torch": "x", "pinxfer": "y", "date": "2026-01-01T00:00:00+00:00",
+        "device": "Fake GPU",
+        "torch": "x",
+        "pinxfer": "y",
+        "date": "2026-01-01T00:00:00+00:00",
         "results": [
-            {"section": "to_device", "op": "h2d", "impl": "torch", "bytes": 1 << 30,
-             "seconds": 0.1, "gbps": 10.7},
-            {"section": "to_device", "op": "h2d", "impl": "pinxfer", "bytes": 1 << 30,
-             "seconds": 0.02, "gbps": 53.7},
-            {"section": "copy", "op": "h2d_pinned", "impl": "torch", "bytes": 1 << 20,
-             "seconds": 2e-5, "gbps": 52.4},
+            {
+                "section": "to_device",
+                "op": "h2d",
+                "impl": "torch",
+                "bytes": 1 << 30,
+                "seconds": 0.1,
+                "gbps": 10.7,
+            },
+            {
+                "section": "to_device",
+                "op": "h2d",
+                "impl": "pinxfer",
+                "bytes": 1 << 30,
+                "seconds": 0.02,
+                "gbps": 53.7,
+            },
+            {
+                "section": "copy",
+                "op": "h2d_pinned",
+                "impl": "torch",
+                "bytes": 1 << 20,
+                "seconds": 2e-5,
+                "gbps": 52.4,
+            },
         ],
-        "ratios": [], "skipped": [{"section": "prefetch", "reason": "because"}],
+        "ratios": [],
+        "skipped": [{"section": "prefetch", "reason": "because"}],
     }
 
 
@@ -154,7 +208,7 @@ def test_render_aligns_columns_and_pairs_implementations():
     text = _bench.render(_fake_report())
     lines = text.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("section"))
-    table = lines[header:header + 4]
+    table = lines[header : header + 4]
     assert len({len(line) for line in table[:2]}) == 1  # header and rule equally wide
     row = next(line for line in table if line.startswith("to_device"))
     assert row.endswith("5.00x")
@@ -184,18 +238,31 @@ def _write(path: Path, text: str) -> None:
     path.write_text(text + "\n")
 
 
-def _sysfs(root: Path, *, cur: str = "16.0 GT/s PCIe", mx: str = "32.0 GT/s PCIe",
-           cur_w: int = 16, max_w: int = 16, thp: str = "always madvise [never]",
-           gpu_node: int = 1) -> Path:
+def _sysfs(
+    root: Path,
+    *,
+    cur: str = "16.0 GT/s PCIe",
+    mx: str = "32.0 GT/s PCIe",
+    cur_w: int = 16,
+    max_w: int = 16,
+    thp: str = "always madvise [never]",
+    gpu_node: int = 1,
+) -> Path:
     """A two-node machine: CPUs 1000-1003 on node 0, 1004-1007 on node 1 (numbers no
     real test host has, so the affinity check is deterministic), one NVIDIA GPU on
     node 1 and an Intel NIC that doctor must ignore."""
     _write(root / "devices/system/node/node0/cpulist", "1000-1003")
     _write(root / "devices/system/node/node1/cpulist", "1004-1007")
     gpu = root / "bus/pci/devices/0000:41:00.0"
-    for name, value in {"vendor": "0x10de", "class": "0x030200", "numa_node": str(gpu_node),
-                        "current_link_speed": cur, "max_link_speed": mx,
-                        "current_link_width": str(cur_w), "max_link_width": str(max_w)}.items():
+    for name, value in {
+        "vendor": "0x10de",
+        "class": "0x030200",
+        "numa_node": str(gpu_node),
+        "current_link_speed": cur,
+        "max_link_speed": mx,
+        "current_link_width": str(cur_w),
+        "max_link_width": str(max_w),
+    }.items():
         _write(gpu / name, value)
     nic = root / "bus/pci/devices/0000:01:00.0"
     for name, value in {"vendor": "0x8086", "class": "0x020000", "numa_node": "0"}.items():
@@ -206,8 +273,11 @@ def _sysfs(root: Path, *, cur: str = "16.0 GT/s PCIe", mx: str = "32.0 GT/s PCIe
 
 
 def _proc(root: Path, cap_eff: str = "0000000000000000") -> Path:
-    _write(root / "meminfo", "MemTotal:       131072000 kB\nHugePages_Total:      16\n"
-                             "HugePages_Free:        8\nHugepagesize:       2048 kB")
+    _write(
+        root / "meminfo",
+        "MemTotal:       131072000 kB\nHugePages_Total:      16\n"
+        "HugePages_Free:        8\nHugepagesize:       2048 kB",
+    )
     _write(root / "self/status", f"Name:\tpython\nCapEff:\t{cap_eff}")
     return root
 
@@ -222,8 +292,15 @@ def test_doctor_reads_fixture_tree_and_warns(tmp_path):
     (gpu,) = report["gpus"]
     assert gpu["pci_bus_id"] == "0000:41:00.0" and gpu["index"] == 0
     assert gpu["numa_node"] == 1 and gpu["cpus"] == [1004, 1005, 1006, 1007]
-    assert gpu["pcie"] == {"current_gen": 4, "current_width": 16, "max_gen": 5, "max_width": 16,
-                           "current_speed_gts": 16.0, "max_speed_gts": 32.0, "under_load": False}
+    assert gpu["pcie"] == {
+        "current_gen": 4,
+        "current_width": 16,
+        "max_gen": 5,
+        "max_width": 16,
+        "current_speed_gts": 16.0,
+        "max_speed_gts": 32.0,
+        "under_load": False,
+    }
     assert gpu["source"] == "sysfs"
     assert report["thp"] == {"enabled": "never", "defrag": "madvise"}
     assert report["hugepages"] == {"total": 16, "free": 8, "size_bytes": 2 << 20}
@@ -242,8 +319,11 @@ def test_doctor_healthy_fixture_has_no_topology_warnings(tmp_path):
 
 
 def test_doctor_narrow_link_and_upstream_port_cap(tmp_path):
-    report = _doctor.collect(str(_sysfs(tmp_path / "a", cur="32.0 GT/s", cur_w=8)),
-                             str(_proc(tmp_path / "p")), affinity={1004})
+    report = _doctor.collect(
+        str(_sysfs(tmp_path / "a", cur="32.0 GT/s", cur_w=8)),
+        str(_proc(tmp_path / "p")),
+        affinity={1004},
+    )
     (w,) = [w for w in report["warnings"] if w["code"] == "pcie_below_max"]
     assert "x8" in w["message"] and "lanes" in w["message"]
 
@@ -271,33 +351,56 @@ def test_doctor_cli_json_and_memlock_warnings(tmp_path):
         resource.setrlimit(resource.RLIMIT_MEMLOCK, (soft, hard))
 
     args = ["-m", "pinxfer", "doctor", "--sysfs-root", str(sysfs), "--proc-root", str(proc)]
-    proc_run = _run(args + ["--json", str(out)], preexec_fn=low_memlock)
+    proc_run = _run([*args, "--json", str(out)], preexec_fn=low_memlock)
     assert proc_run.returncode == 0, proc_run.stderr
     assert "0000:41:00.0" in proc_run.stdout and "warnings" in proc_run.stdout
     data = json.loads(out.read_text())
-    assert set(data) == {"pinxfer", "torch", "sysfs_root", "proc_root", "gpus", "process", "memlock",
-                         "thp", "hugepages", "settings", "warnings"}
-    assert set(data["gpus"][0]) == {"index", "name", "pci_bus_id", "numa_node", "cpus", "pcie", "source"}
+    assert set(data) == {
+        "pinxfer",
+        "torch",
+        "sysfs_root",
+        "proc_root",
+        "gpus",
+        "process",
+        "memlock",
+        "thp",
+        "hugepages",
+        "settings",
+        "warnings",
+    }
+    assert set(data["gpus"][0]) == {
+        "index",
+        "name",
+        "pci_bus_id",
+        "numa_node",
+        "cpus",
+        "pcie",
+        "source",
+    }
     assert data["memlock"]["soft"] == soft
     assert set(data["settings"]) == {"env", "values", "max_pinned_bytes", "build_info", "installed"}
-    assert set(data["settings"]["env"]) == set(_doctor.env_vars()) == set(data["settings"]["values"])
+    assert (
+        set(data["settings"]["env"]) == set(_doctor.env_vars()) == set(data["settings"]["values"])
+    )
     assert data["settings"]["values"]["PINXFER_NUM_THREADS"]["source"] == "derived"
     assert set(data["settings"]["build_info"]) == {"with_cuda", "cuda_version", "cuda_usable"}
     assert "memlock_low" in _codes(data)  # no cap, no CAP_IPC_LOCK in the fixture, 64 KiB
 
     # With a cap the warning names the cap; JSON alone on stdout with a bare --json.
-    proc_run = _run(args + ["--json"], preexec_fn=low_memlock, PINXFER_MAX_PINNED_BYTES="1GiB")
+    proc_run = _run([*args, "--json"], preexec_fn=low_memlock, PINXFER_MAX_PINNED_BYTES="1GiB")
     assert proc_run.returncode == 0, proc_run.stderr
     data = json.loads(proc_run.stdout)
     assert data["settings"]["max_pinned_bytes"] == 1 << 30
     assert data["settings"]["env"]["PINXFER_MAX_PINNED_BYTES"] == "1GiB"
-    assert data["settings"]["values"]["PINXFER_MAX_PINNED_BYTES"] == {"value": str(1 << 30),
-                                                                      "source": "env"}
+    assert data["settings"]["values"]["PINXFER_MAX_PINNED_BYTES"] == {
+        "value": str(1 << 30),
+        "source": "env",
+    }
     assert "memlock_below_cap" in _codes(data)
 
     # CAP_IPC_LOCK (bit 14) exempts the process from the limit.
     _proc(proc, cap_eff=f"{1 << 14:016x}")
-    data = json.loads(_run(args + ["--json"], preexec_fn=low_memlock).stdout)
+    data = json.loads(_run([*args, "--json"], preexec_fn=low_memlock).stdout)
     assert data["process"]["cap_ipc_lock"] is True
     assert not _codes(data) & {"memlock_low", "memlock_below_cap"}
 
@@ -340,17 +443,34 @@ def test_example_without_cuda_exits_cleanly(name):
 @pytest.mark.gpu
 def test_gpu_bench_reports_gpu_sections(tmp_path):
     out = tmp_path / "bench.json"
-    proc = _run(["-m", "pinxfer", "bench", "--sizes", "1MiB,16MiB", "--prefetch-steps", "4",
-                 "--json", str(out)])
+    proc = _run(
+        [
+            "-m",
+            "pinxfer",
+            "bench",
+            "--sizes",
+            "1MiB,16MiB",
+            "--prefetch-steps",
+            "4",
+            "--json",
+            str(out),
+        ]
+    )
     assert proc.returncode == 0, proc.stderr
     data = json.loads(out.read_text())
     _check_bench_json(data)
     assert data["device"] == torch.cuda.get_device_name()
     got = {(r["section"], r["op"], r["impl"]) for r in data["results"]}
-    for key in [("copy", "h2d_pageable", "torch"), ("copy", "h2d_pinned", "torch"),
-                ("copy", "h2d_pinned", "pinxfer"), ("copy", "d2h_pinned", "pinxfer"),
-                ("pin", "pin_cold", "torch"), ("pin", "pin_warm", "torch"),
-                ("pin", "pin_cold", "pinxfer"), ("to_device", "h2d", "torch")]:
+    for key in [
+        ("copy", "h2d_pageable", "torch"),
+        ("copy", "h2d_pinned", "torch"),
+        ("copy", "h2d_pinned", "pinxfer"),
+        ("copy", "d2h_pinned", "pinxfer"),
+        ("pin", "pin_cold", "torch"),
+        ("pin", "pin_warm", "torch"),
+        ("pin", "pin_cold", "pinxfer"),
+        ("to_device", "h2d", "torch"),
+    ]:
         assert key in got, key
     skipped = {s["section"] for s in data["skipped"]}
     assert "copy" not in skipped
@@ -378,9 +498,15 @@ def test_gpu_doctor_lists_every_gpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name, extra", [("train_loop.py", []), ("dataloader_workers.py", []),
-                                         ("dataloader_workers.py", ["--no-slots"]),
-                                         ("lightning_hook.py", [])])
+@pytest.mark.parametrize(
+    ("name", "extra"),
+    [
+        ("train_loop.py", []),
+        ("dataloader_workers.py", []),
+        ("dataloader_workers.py", ["--no-slots"]),
+        ("lightning_hook.py", []),
+    ],
+)
 def test_gpu_example_runs(name, extra):
     proc = _run([f"examples/{name}", "--steps", "3", *extra], timeout=180)
     if proc.returncode == 77 and "Lightning not installed" in proc.stdout:
@@ -391,7 +517,17 @@ def test_gpu_example_runs(name, extra):
 
 @pytest.mark.gpu
 def test_gpu_example_ddp_under_torchrun():
-    proc = _run(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
-                 "examples/ddp_torchrun.py", "--steps", "3"], timeout=180)
+    proc = _run(
+        [
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=1",
+            "examples/ddp_torchrun.py",
+            "--steps",
+            "3",
+        ],
+        timeout=180,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "ddp_torchrun: world 1, 3 steps" in proc.stdout

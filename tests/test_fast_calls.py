@@ -3,6 +3,7 @@
 They reach the same kernels without the dispatcher: results must be the same as
 through torch.ops, and the Python wrappers must fall back to torch.ops wherever
 the dispatcher matters (autograd, subclasses, fake tensors, modes, tracing)."""
+
 from __future__ import annotations
 
 import collections
@@ -20,9 +21,13 @@ ops = torch.ops.pinxfer
 
 def test_fast_pin_matches_the_operator_bit_for_bit():
     g = torch.Generator().manual_seed(1)
-    for x in (torch.randn(7, 5, generator=g), torch.randn(4, 6, generator=g).t(),
-              torch.randint(0, 255, (100_001,), dtype=torch.uint8, generator=g)[3::2],
-              torch.randn(3, generator=g).expand(4, 3), torch.randn(0, 3)):
+    for x in (
+        torch.randn(7, 5, generator=g),
+        torch.randn(4, 6, generator=g).t(),
+        torch.randint(0, 255, (100_001,), dtype=torch.uint8, generator=g)[3::2],
+        torch.randn(3, generator=g).expand(4, 3),
+        torch.randn(0, 3),
+    ):
         via_fast = _ops.fast.pin_memory(x, None, 0, True)
         via_op = ops.pin_memory(x, None, 0)
         assert via_fast.shape == via_op.shape and via_fast.stride() == via_op.stride()
@@ -53,8 +58,10 @@ def test_fast_call_errors_are_the_operators_errors():
     # (A meta tensor sent to the op reaches its fake, not the kernel.)
     with pytest.raises(RuntimeError, match="expected a CPU tensor, got a tensor on meta"):
         _ops.fast.pin_memory(torch.empty(3, device="meta"), None, 0, True)
-    for call in (lambda x, n: _ops.fast.pin_memory(x, None, n, True),
-                 lambda x, n: ops.pin_memory(x, None, n)):
+    for call in (
+        lambda x, n: _ops.fast.pin_memory(x, None, n, True),
+        lambda x, n: ops.pin_memory(x, None, n),
+    ):
         with pytest.raises(ValueError, match="num_threads must be from 0"):
             call(torch.ones(3), -1)
 
@@ -101,16 +108,20 @@ class Sample:
 
 
 def test_batch_in_one_call_keeps_structure_and_paths():
-    batch = {"a": [torch.arange(5), (torch.ones(2, 2), "s")],
-             "b": Sample(torch.zeros(3)),
-             "c": collections.OrderedDict(k=torch.full((4,), 7.0)),
-             "n": 3}
+    batch = {
+        "a": [torch.arange(5), (torch.ones(2, 2), "s")],
+        "b": Sample(torch.zeros(3)),
+        "c": collections.OrderedDict(k=torch.full((4,), 7.0)),
+        "n": 3,
+    }
     out = pinxfer.pin_memory(batch)
     assert type(out["c"]) is collections.OrderedDict and out["n"] == 3
     assert isinstance(out["b"], Sample) and out["b"].meta == "m"
     for before, after in zip(_batch.tensors_in(batch), _batch.tensors_in(out)):
         assert torch.equal(before, after) and pinxfer.is_pinned(after)
-    with pytest.raises(RuntimeError, match=r"cannot pin batch\['a'\]\[1\]\[0\]: expected a CPU tensor"):
+    with pytest.raises(
+        RuntimeError, match=r"cannot pin batch\['a'\]\[1\]\[0\]: expected a CPU tensor"
+    ):
         pinxfer.pin_memory({"a": [torch.ones(1), (torch.empty(2, device="meta"),)]})
 
 
@@ -118,17 +129,24 @@ def test_walker_error_paths_cover_every_container():
     def boom(t):
         raise ValueError("no")
 
-    for obj, path in ((Sample(torch.ones(1)), "batch.x"),
-                      ([0, {"k": torch.ones(1)}], "batch[1]['k']"),
-                      (collections.namedtuple("P", "u v")(1, torch.ones(1)), "batch.v")):
+    for obj, path in (
+        (Sample(torch.ones(1)), "batch.x"),
+        ([0, {"k": torch.ones(1)}], "batch[1]['k']"),
+        (collections.namedtuple("P", "u v")(1, torch.ones(1)), "batch.v"),
+    ):
         with pytest.raises(ValueError, match="no") as info:
             _batch.map_tensors(obj, boom, describe=lambda e, p: ValueError(f"{p}: {e}"))
         assert str(info.value).startswith(path)
 
 
 def test_pack_offsets_align_every_tensor_to_256_bytes():
-    tensors = [torch.randn(3), torch.empty(0), torch.tensor(True), torch.randn(64),
-               torch.randn(2, 3, dtype=torch.complex64)]
+    tensors = [
+        torch.randn(3),
+        torch.empty(0),
+        torch.tensor(True),
+        torch.randn(64),
+        torch.randn(2, 3, dtype=torch.complex64),
+    ]
     offsets, total = _ops.pack_offsets(tensors)
     assert offsets == [0, 256, 256, 512, 768]
     assert total == 1024

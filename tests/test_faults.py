@@ -7,6 +7,7 @@ Child processes are used where the fault is process-wide (rlimits,
 capabilities, one-time warnings, fork); every child has a timeout, so a
 deadlock fails the test instead of hanging it.
 """
+
 from __future__ import annotations
 
 import gc
@@ -26,7 +27,7 @@ import torch
 
 import pinxfer
 
-from .conftest import DROP_CAP_IPC_LOCK, HAS_CUDA, vm_locked_kib
+from .conftest import DROP_CAP_IPC_LOCK, HAS_CUDA
 
 MiB = 1 << 20
 KiB = 1 << 10
@@ -45,8 +46,14 @@ def run_child(code: str, *, env=None, prefix=(), timeout=120) -> subprocess.Comp
     full_env = dict(os.environ)
     full_env.update(env or {})
     full_env["PYTHONPATH"] = _REPO + os.pathsep + full_env.get("PYTHONPATH", "")
-    return subprocess.run([*prefix, sys.executable, "-c", textwrap.dedent(code)], cwd=_REPO,
-                          env=full_env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [*prefix, sys.executable, "-c", textwrap.dedent(code)],
+        cwd=_REPO,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def last_json(out: subprocess.CompletedProcess) -> dict:
@@ -59,7 +66,9 @@ def last_json(out: subprocess.CompletedProcess) -> dict:
 # Drops CAP_IPC_LOCK from the child's effective and permitted sets (capset(2)),
 # sets RLIMIT_MEMLOCK itself when prlimit(1) is not there, then allocates and
 # reports lock kinds, warnings, VmLck and the pool's stats as JSON.
-_MEMLOCK_CHILD = DROP_CAP_IPC_LOCK + """
+_MEMLOCK_CHILD = (
+    DROP_CAP_IPC_LOCK
+    + """
 import json, resource, sys, warnings
 
 LIMIT = {limit}
@@ -98,6 +107,7 @@ out["after"] = {{k: s[k] for k in keys}}
 out["locked_after"] = vmlck() - base
 print(json.dumps(out))
 """
+)
 
 
 def _memlock_child(limit: int) -> tuple[dict, str]:
@@ -105,13 +115,18 @@ def _memlock_child(limit: int) -> tuple[dict, str]:
     prefix = ("prlimit", f"--memlock={limit}:{limit}") if have_prlimit else ()
     # PINXFER_DISABLE_CUDA: the mlock path is the one the memlock limit governs
     # (cudaHostRegister is not counted against it), also on a GPU machine.
-    out = run_child(_MEMLOCK_CHILD.format(limit=limit, have_prlimit=have_prlimit),
-                    env={"PINXFER_DISABLE_CUDA": "1"}, prefix=prefix)
+    out = run_child(
+        _MEMLOCK_CHILD.format(limit=limit, have_prlimit=have_prlimit),
+        env={"PINXFER_DISABLE_CUDA": "1"},
+        prefix=prefix,
+    )
     res = last_json(out)
     assert res["rlimit"] == [limit, limit]
     if res["caps"].startswith("capset refused"):
-        pytest.skip(f"cannot drop CAP_IPC_LOCK here ({res['caps']}), so the memlock limit "
-                    "does not apply to this process")
+        pytest.skip(
+            f"cannot drop CAP_IPC_LOCK here ({res['caps']}), so the memlock limit "
+            "does not apply to this process"
+        )
     assert res["caps"] in ("dropped", "not held"), res["caps"]
     return res, out.stderr
 
@@ -122,8 +137,11 @@ def _n_mlock_warnings(res: dict, stderr: str) -> int:
 
 
 def _assert_stats_add_up(s: dict) -> None:
-    assert s["reserved_bytes.current"] == (s["reserved_bytes.mlocked"] + s["reserved_bytes.pageable"]
-                                           + s["reserved_bytes.cuda_registered"])
+    assert s["reserved_bytes.current"] == (
+        s["reserved_bytes.mlocked"]
+        + s["reserved_bytes.pageable"]
+        + s["reserved_bytes.cuda_registered"]
+    )
 
 
 def test_memlock_limit_64k_every_segment_falls_back_to_pageable():
@@ -169,6 +187,7 @@ def test_memlock_limit_6m_locks_what_fits():
 
 # ---- B2: cudaHostRegister failing (test-only fault injection) ----
 
+
 def test_inject_host_register_failures_op_contract():
     """The test-only op: sets the count, returns what was pending, refuses n < 0."""
     assert ops._inject_host_register_failures(0) == 0
@@ -184,7 +203,8 @@ def test_injected_register_failures_untouched_where_cuda_is_not_used():
     """Where pinxfer does not use CUDA (here PINXFER_DISABLE_CUDA=1, so also on a
     GPU machine) no cudaHostRegister is attempted: injected failures are not
     consumed and segments are mlocked as usual, without a register warning."""
-    out = run_child("""
+    out = run_child(
+        """
         import json, warnings, torch, pinxfer
         ops = torch.ops.pinxfer
         ops._inject_host_register_failures(3)
@@ -196,10 +216,15 @@ def test_injected_register_failures_untouched_where_cuda_is_not_used():
                               left=ops._inject_host_register_failures(0),
                               warnings=[str(w.message) for w in caught],
                               cuda_init=torch.cuda.is_initialized())))
-    """, env={"PINXFER_DISABLE_CUDA": "1"})
+    """,
+        env={"PINXFER_DISABLE_CUDA": "1"},
+    )
     res = last_json(out)
     assert res["left"] == 3
-    assert not any("cudaHostRegister" in w for w in res["warnings"]) and "cudaHostRegister" not in out.stderr
+    assert (
+        not any("cudaHostRegister" in w for w in res["warnings"])
+        and "cudaHostRegister" not in out.stderr
+    )
     assert res["cuda_init"] is False
     # mlocked unless this machine's memlock limit refuses (then: pageable, one warning).
     assert res["kinds"][0] in ("mlocked", "pageable") and res["kinds"][1] == res["kinds"][0]
@@ -278,12 +303,17 @@ def test_gpu_register_failure_falls_back_to_mlock():
     register_warnings += [ln for ln in out.stderr.splitlines() if "cudaHostRegister of" in ln]
     assert len(register_warnings) == 1, (res["warnings"], out.stderr)
     assert "falling back to mlock" in register_warnings[0]
-    assert "cudaErrorMemoryAllocation" in register_warnings[0] and "injected" in register_warnings[0]
+    assert (
+        "cudaErrorMemoryAllocation" in register_warnings[0] and "injected" in register_warnings[0]
+    )
     assert res["torch_pinned"] == [False, False, True, True]
     assert res["ours_pinned"] == [fallback == "mlocked"] * 2 + [True, True]
     s = res["stats"]
-    assert s["reserved_bytes.current"] == (s["reserved_bytes.mlocked"] + s["reserved_bytes.pageable"]
-                                           + s["reserved_bytes.cuda_registered"])
+    assert s["reserved_bytes.current"] == (
+        s["reserved_bytes.mlocked"]
+        + s["reserved_bytes.pageable"]
+        + s["reserved_bytes.cuda_registered"]
+    )
     assert s["reserved_bytes." + fallback] == 4 * MiB + 2 * MiB
     assert s["reserved_bytes.cuda_registered"] >= 6 * MiB + 4 * MiB
     if fallback == "mlocked":
@@ -294,6 +324,7 @@ def test_gpu_register_failure_falls_back_to_mlock():
 
 
 # ---- B3: the cap reached by many threads at once ----
+
 
 def test_cap_reached_by_many_threads(fresh_pool):
     """8 threads allocate 8-12 MiB blocks under a 32 MiB cap. Every allocation
@@ -319,8 +350,11 @@ def test_cap_reached_by_many_threads(fresh_pool):
                     t = pinxfer.empty(n, dtype=torch.uint8)
                 except torch.OutOfMemoryError as err:
                     msg = str(err)
-                    if not ("pinxfer: out of pinned memory" in msg
-                            and f"the cap is {cap} bytes" in msg and "empty_cache" in msg):
+                    if not (
+                        "pinxfer: out of pinned memory" in msg
+                        and f"the cap is {cap} bytes" in msg
+                        and "empty_cache" in msg
+                    ):
                         errors.append(f"thread {tid}: unexpected OOM text: {msg}")
                     ooms[tid] += 1
                     continue
@@ -332,7 +366,7 @@ def test_cap_reached_by_many_threads(fresh_pool):
                     errors.append(f"thread {tid}: block overwritten by another thread")
                 del t
                 ok[tid] += 1
-        except BaseException as err:  # noqa: BLE001
+        except BaseException as err:
             errors.append(f"thread {tid}: {err!r}")
 
     threads = [threading.Thread(target=worker, args=(k,), daemon=True) for k in range(n_threads)]
@@ -366,6 +400,7 @@ def test_cap_reached_by_many_threads(fresh_pool):
 
 # ---- B4: fork() while other threads allocate ----
 
+
 def _fork_child(parent_tensors: list[tuple[torch.Tensor, torch.Tensor]], w: int) -> None:
     """Body of a forked child; never returns. Exit code 0: all checks passed."""
     code = 3
@@ -378,11 +413,13 @@ def _fork_child(parent_tensors: list[tuple[torch.Tensor, torch.Tensor]], w: int)
         b.fill_(10)
         big = pinxfer.empty(9 * MiB, dtype=torch.uint8)  # first touch on a new thread pool
         big.fill_(11)
-        src = torch.arange(3 << 20, dtype=torch.int32)   # 12 MiB: the child's copy threads
+        src = torch.arange(3 << 20, dtype=torch.int32)  # 12 MiB: the child's copy threads
         p = pinxfer.pin_memory(src)
         s = pinxfer.memory_stats()
         checks = [
-            bool((a == 9).all()), bool((b == 10).all()), bool((big == 11).all()),
+            bool((a == 9).all()),
+            bool((b == 10).all()),
+            bool((big == 11).all()),
             bool(torch.equal(p, src)),
             all(pinxfer.lock_kind(t) in ("mlocked", "pageable") for t in (a, b, big, p)),
             s["active_blocks.current"] == 4,  # the child's own pool, nothing inherited
@@ -395,7 +432,7 @@ def _fork_child(parent_tensors: list[tuple[torch.Tensor, torch.Tensor]], w: int)
         pinxfer.empty_cache()
         checks.append(pinxfer.memory_stats()["reserved_bytes.current"] == 0)
         code = 0 if all(checks) else 10 + checks.index(False)
-    except BaseException:  # noqa: BLE001
+    except BaseException:
         code = 4
     finally:
         try:
@@ -435,7 +472,7 @@ def test_fork_while_threads_allocate(fresh_pool):
                     old, v = held.pop(rng.randrange(len(held)))
                     if not bool((old == v).all()):
                         errors.append(f"thread {tid}: block overwritten")
-        except BaseException as err:  # noqa: BLE001
+        except BaseException as err:
             errors.append(f"thread {tid}: {err!r}")
         for old, v in held:
             if not bool((old == v).all()):
@@ -467,8 +504,9 @@ def test_fork_while_threads_allocate(fresh_pool):
                 status = None
             reported = os.read(r, 1)
             os.close(r)
-            results.append((os.waitstatus_to_exitcode(status) if status is not None else "hung",
-                            reported))
+            results.append(
+                (os.waitstatus_to_exitcode(status) if status is not None else "hung", reported)
+            )
     finally:
         stop.set()
         for th in threads:
@@ -490,8 +528,11 @@ def test_fork_while_threads_allocate(fresh_pool):
 
 # ---- B5: KeyboardInterrupt inside a prefetch loop ----
 
+
 def _prefetch_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith("pinxfer-prefetch-") and t.is_alive()]
+    return [
+        t for t in threading.enumerate() if t.name.startswith("pinxfer-prefetch-") and t.is_alive()
+    ]
 
 
 def _wait_until(predicate, timeout: float = 10.0) -> bool:
@@ -531,8 +572,9 @@ def _consume(source, how: str, stop_at: int = 5, device: str = "cpu", transfer=_
         timer.start()
     try:
         deadline = time.monotonic() + 20
-        for i, batch in enumerate(pinxfer.prefetch(source, device=device, depth=3,
-                                                   transfer=transfer)):
+        for i, batch in enumerate(
+            pinxfer.prefetch(source, device=device, depth=3, transfer=transfer)
+        ):
             assert batch.device.type == torch.device(device).type
             assert float(batch[0]) == i  # in order
             if i == stop_at and how == "raise":
@@ -575,7 +617,9 @@ def test_keyboard_interrupt_in_prefetch_loop(fresh_pool, sigint_default, how):
         interrupted = True
     assert interrupted, "the loop was not interrupted"
     assert _wait_until(lambda: not _prefetch_threads()), _prefetch_threads()
-    assert _wait_until(lambda: stats()["active_blocks.current"] == base), stats()["active_blocks.current"]
+    assert _wait_until(lambda: stats()["active_blocks.current"] == base), stats()[
+        "active_blocks.current"
+    ]
     # A new prefetch works.
     data = [torch.full((100,), float(i)) for i in range(7)]
     got = list(pinxfer.prefetch(data, device="cpu", transfer=_pin))

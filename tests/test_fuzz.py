@@ -19,6 +19,7 @@ minute on 2 cores) and ``long`` (many more examples; also runs the tests marked
     HYPOTHESIS_PROFILE=long python3 -m pytest -q tests/test_fuzz.py
 
 """
+
 from __future__ import annotations
 
 import collections
@@ -30,8 +31,9 @@ import sys
 import textwrap
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
@@ -41,15 +43,21 @@ from hypothesis import strategies as st
 import pinxfer
 from pinxfer import _check
 
-from .conftest import HAS_CUDA, MLOCK_IS_REAL, SANITIZER, vm_locked_kib
+from .conftest import MLOCK_IS_REAL, SANITIZER, vm_locked_kib
 
 REPO = Path(__file__).resolve().parent.parent
 
 # ---- profiles ----
 
-_COMMON = dict(deadline=None, print_blob=True,
-               suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
-                                      HealthCheck.data_too_large])
+_COMMON = {
+    "deadline": None,
+    "print_blob": True,
+    "suppress_health_check": [
+        HealthCheck.too_slow,
+        HealthCheck.function_scoped_fixture,
+        HealthCheck.data_too_large,
+    ],
+}
 settings.register_profile("ci", max_examples=20, **_COMMON)
 settings.register_profile("long", max_examples=1000, **_COMMON)
 PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
@@ -64,9 +72,16 @@ fuzz_long = pytest.mark.skipif(PROFILE != "long", reason="long fuzz run: HYPOTHE
 
 #: Wording that means an error escaped from a layer below the public API.
 UNCLEAR_WORDING = (
-    "There were no tensor arguments", "Could not run 'pinxfer::", "incompatible function arguments",
-    "Expected a value of type", "INTERNAL ASSERT", "please report a bug", "stoi", "bad_alloc",
-    "object has no attribute", "maximum recursion depth",
+    "There were no tensor arguments",
+    "Could not run 'pinxfer::",
+    "incompatible function arguments",
+    "Expected a value of type",
+    "INTERNAL ASSERT",
+    "please report a bug",
+    "stoi",
+    "bad_alloc",
+    "object has no attribute",
+    "maximum recursion depth",
 )
 
 ALLOWED_ERRORS = (TypeError, ValueError, RuntimeError)  # torch.OutOfMemoryError is a RuntimeError
@@ -85,7 +100,7 @@ def outcome(fn: Callable[[], Any]) -> tuple[str, Any]:
     """("ok", result) or ("raised", exception): the two outcomes every case checks."""
     try:
         return "ok", fn()
-    except BaseException as err:  # noqa: BLE001 - classified by the caller
+    except BaseException as err:
         if isinstance(err, (KeyboardInterrupt, SystemExit)):
             raise
         return "raised", err
@@ -114,27 +129,46 @@ _CHILD_PRELUDE = textwrap.dedent("""
 """)
 
 
-def run_child(code: str, *, env: dict | None = None, timeout: float = 60.0,
-              preexec: Callable[[], None] | None = None) -> list[dict]:
+def run_child(
+    code: str,
+    *,
+    env: dict | None = None,
+    timeout: float = 60.0,
+    preexec: Callable[[], None] | None = None,
+) -> list[dict]:
     """Runs ``code`` in a fresh interpreter and returns what it ``report()``-ed.
 
     Fails the test (not the run) when the child hangs past ``timeout``, dies of a
     signal or exits non-zero."""
     full_env = dict(os.environ, **(env or {}))
     try:
-        proc = subprocess.run([sys.executable, "-c", _CHILD_PRELUDE + textwrap.dedent(code)],
-                              env=full_env, capture_output=True, text=True, timeout=timeout,
-                              cwd=str(REPO), preexec_fn=preexec)
+        proc = subprocess.run(
+            [sys.executable, "-c", _CHILD_PRELUDE + textwrap.dedent(code)],
+            env=full_env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=str(REPO),
+            preexec_fn=preexec,
+        )
     except subprocess.TimeoutExpired as hung:
-        pytest.fail(f"the child hung for {timeout} s; stderr tail: {(hung.stderr or b'')[-2000:]!r}")
-    assert proc.returncode == 0, (f"the child exited with {proc.returncode} (negative: killed by "
-                                  f"that signal); stderr tail:\n{proc.stderr[-3000:]}")
-    return [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines()
-            if line.startswith("RESULT ")]
+        pytest.fail(
+            f"the child hung for {timeout} s; stderr tail: {(hung.stderr or b'')[-2000:]!r}"
+        )
+    assert proc.returncode == 0, (
+        f"the child exited with {proc.returncode} (negative: killed by "
+        f"that signal); stderr tail:\n{proc.stderr[-3000:]}"
+    )
+    return [
+        json.loads(line[len("RESULT ") :])
+        for line in proc.stdout.splitlines()
+        if line.startswith("RESULT ")
+    ]
 
 
-def assert_clear_child_error(result: dict, allowed=("TypeError", "ValueError", "RuntimeError",
-                                                    "OutOfMemoryError")) -> None:
+def assert_clear_child_error(
+    result: dict, allowed=("TypeError", "ValueError", "RuntimeError", "OutOfMemoryError")
+) -> None:
     assert not result["ok"], f"expected a clear error, the child got {result['value']}"
     text = f"{result['type']}: {result['message']}"
     assert result["type"] in allowed, f"unexpected exception type: {text}"
@@ -170,12 +204,20 @@ def assert_counters_add_up() -> None:
     for key, value in s.items():
         if not key.endswith("time_ns"):
             assert value >= 0, (key, value)
-    assert s["reserved_bytes.current"] == s["allocated_bytes.current"] + s["cached_bytes.current"], s
+    assert (
+        s["reserved_bytes.current"] == s["allocated_bytes.current"] + s["cached_bytes.current"]
+    ), s
     assert s["reserved_bytes.current"] == sum(
-        s[f"reserved_bytes.{k}"] for k in ("cuda_registered", "mlocked", "pageable")), s
+        s[f"reserved_bytes.{k}"] for k in ("cuda_registered", "mlocked", "pageable")
+    ), s
     assert s["requested_bytes.current"] <= s["allocated_bytes.current"], s
-    for key in ("requested_bytes", "allocated_bytes", "reserved_bytes", "active_blocks",
-                "segments"):
+    for key in (
+        "requested_bytes",
+        "allocated_bytes",
+        "reserved_bytes",
+        "active_blocks",
+        "segments",
+    ):
         assert s[f"{key}.current"] <= s[f"{key}.peak"], (key, s)
 
 
@@ -185,7 +227,7 @@ def _warm_pools():
     thread pool of each node and the unbound one) before the baselines are taken."""
     big = torch.randn(4 << 20)
     assert torch.equal(big, big.clone())
-    for node in (None, -1) + _check.existing_numa_nodes():
+    for node in (None, -1, *_check.existing_numa_nodes()):
         assert torch.equal(pinxfer.pin_memory(big, numa_node=node), big)
     del big
     gc.collect()
@@ -213,9 +255,20 @@ def _pool_invariants(_warm_pools):
 
 # ---- strategies ----
 
-PLAIN_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8,
-                torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool,
-                torch.complex64, torch.complex128]
+PLAIN_DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int8,
+    torch.uint8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+    torch.complex64,
+    torch.complex128,
+]
 QUANTIZED_DTYPES = [torch.qint8, torch.quint8, torch.qint32]
 
 dtypes = st.sampled_from(PLAIN_DTYPES)
@@ -230,14 +283,26 @@ def _values(shape: list[int], dtype: torch.dtype, seed: int) -> torch.Tensor:
     if dtype == torch.bool:
         return ints > 0
     if dtype.is_complex:
-        return torch.complex(ints.float(), torch.randint(-9, 9, shape, generator=g).float()).to(dtype)
+        return torch.complex(ints.float(), torch.randint(-9, 9, shape, generator=g).float()).to(
+            dtype
+        )
     if dtype == torch.uint8:
         return (ints + 100).to(dtype)
     return ints.to(dtype)
 
 
-VIEWS = ["none", "transpose", "step_slice", "narrow", "expand", "conj", "neg", "permute",
-         "select", "unsqueeze"]
+VIEWS = [
+    "none",
+    "transpose",
+    "step_slice",
+    "narrow",
+    "expand",
+    "conj",
+    "neg",
+    "permute",
+    "select",
+    "unsqueeze",
+]
 
 
 def _view(t: torch.Tensor, kind: str) -> torch.Tensor:
@@ -273,8 +338,11 @@ def viewed_tensors(draw, dtype_strategy=dtypes) -> torch.Tensor:
 Point = collections.namedtuple("Point", ["x", "label"])
 
 
-def batches(leaf=viewed_tensors()):
-    """Nested batches of dict, list, tuple and namedtuple around tensors and plain leaves."""
+def batches(leaf=None):
+    """Nested batches of dict, list, tuple and namedtuple around tensors and plain leaves
+    (``leaf``: the tensor strategy, viewed_tensors() by default)."""
+    if leaf is None:
+        leaf = viewed_tensors()
     leaves = st.one_of(leaf, st.integers(), st.text(max_size=3), st.none())
     return st.recursive(
         leaves,
@@ -290,8 +358,11 @@ def batches(leaf=viewed_tensors()):
 
 def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Equal dtype, shape and bytes of every element (conj/neg views compared by value)."""
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.resolve_conj().resolve_neg(),
-                                                                     b.resolve_conj().resolve_neg())
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.resolve_conj().resolve_neg(), b.resolve_conj().resolve_neg())
+    )
 
 
 def assert_same_batch(out: Any, src: Any) -> None:
@@ -333,9 +404,12 @@ def test_empty_of_a_quantized_dtype_is_refused(dtype, shape):
     assert isinstance(err, ValueError) and "quantized" in str(err)
 
 
-@given(dims=st.lists(st.sampled_from([2**31, 2**32, 2**40, 2**61, 2**62, 2**63 - 1]),
-                     min_size=1, max_size=3),
-       dtype=dtypes)
+@given(
+    dims=st.lists(
+        st.sampled_from([2**31, 2**32, 2**40, 2**61, 2**62, 2**63 - 1]), min_size=1, max_size=3
+    ),
+    dtype=dtypes,
+)
 def test_empty_whose_bytes_exceed_int64_is_refused(dims, dtype):
     total = dtype.itemsize
     for d in dims:
@@ -345,14 +419,27 @@ def test_empty_whose_bytes_exceed_int64_is_refused(dims, dtype):
     assert isinstance(err, ValueError) and "2^63 - 1" in str(err)
 
 
-@given(size=st.one_of(st.integers(max_value=-1), st.integers(min_value=2**63),
-                      st.floats(allow_nan=True), st.booleans(), st.text(max_size=3), st.none()))
+@given(
+    size=st.one_of(
+        st.integers(max_value=-1),
+        st.integers(min_value=2**63),
+        st.floats(allow_nan=True),
+        st.booleans(),
+        st.text(max_size=3),
+        st.none(),
+    )
+)
 def test_empty_with_a_size_that_is_not_a_size_is_refused(size):
     expect_clear_error(lambda: pinxfer.empty(size), allowed=(TypeError, ValueError))
 
 
-OPERATOR_LIMITS = [([2**62], "float32"), ([2**61], "float64"), ([2**63 - 1], "uint8"),
-                   ([2**62 + 1], "uint8"), ([2**31, 2**31, 4], "int16")]
+OPERATOR_LIMITS = [
+    ([2**62], "float32"),
+    ([2**61], "float64"),
+    ([2**63 - 1], "uint8"),
+    ([2**62 + 1], "uint8"),
+    ([2**31, 2**31, 4], "int16"),
+]
 
 
 def test_empty_operator_at_the_limits_raises_and_never_aliases():
@@ -420,15 +507,26 @@ def test_pin_memory_of_sparse_says_what_it_needs():
         assert "sparse" in str(value)
 
 
-@given(node=st.one_of(st.integers(min_value=-2**70, max_value=2**70), st.booleans(),
-                      st.floats(allow_nan=False), st.text(max_size=2)))
+@given(
+    node=st.one_of(
+        st.integers(min_value=-(2**70), max_value=2**70),
+        st.booleans(),
+        st.floats(allow_nan=False),
+        st.text(max_size=2),
+    )
+)
 def test_numa_node_must_be_minus_one_or_an_existing_node(node):
     """empty, pin_memory and memory_stats share one rule; a refused node starts no thread."""
-    ok = (isinstance(node, int) and not isinstance(node, bool)
-          and (node == -1 or node in _check.existing_numa_nodes()))
-    calls = [lambda: pinxfer.empty(4, numa_node=node),
-             lambda: pinxfer.pin_memory(torch.ones(4), numa_node=node),
-             lambda: pinxfer.memory_stats(numa_node=node)]
+    ok = (
+        isinstance(node, int)
+        and not isinstance(node, bool)
+        and (node == -1 or node in _check.existing_numa_nodes())
+    )
+    calls = [
+        lambda: pinxfer.empty(4, numa_node=node),
+        lambda: pinxfer.pin_memory(torch.ones(4), numa_node=node),
+        lambda: pinxfer.memory_stats(numa_node=node),
+    ]
     for call in calls:
         if ok:
             call()
@@ -437,19 +535,27 @@ def test_numa_node_must_be_minus_one_or_an_existing_node(node):
             assert "numa_node" in str(err)
 
 
-@given(threads=st.one_of(st.integers(max_value=-1), st.integers(min_value=2**20), st.booleans(),
-                         st.floats()))
+@given(
+    threads=st.one_of(
+        st.integers(max_value=-1), st.integers(min_value=2**20), st.booleans(), st.floats()
+    )
+)
 def test_num_threads_out_of_range_is_refused(threads):
-    err = expect_clear_error(lambda: pinxfer.pin_memory(torch.ones(4), num_threads=threads),
-                             allowed=(TypeError, ValueError))
+    err = expect_clear_error(
+        lambda: pinxfer.pin_memory(torch.ones(4), num_threads=threads),
+        allowed=(TypeError, ValueError),
+    )
     assert "num_threads" in str(err)
 
 
 # ---- pin_ / unpin_ / queries ----
 
 
-@given(shape=st.lists(st.integers(1, 64), min_size=1, max_size=3), dtype=dtypes,
-       view=st.sampled_from(["none", "transpose", "step_slice", "narrow", "select"]))
+@given(
+    shape=st.lists(st.integers(1, 64), min_size=1, max_size=3),
+    dtype=dtypes,
+    view=st.sampled_from(["none", "transpose", "step_slice", "narrow", "select"]),
+)
 def test_pin_in_place_then_unpin_restores_everything(shape, dtype, view):
     t = _values(shape, dtype, 3)
     v = _view(t, view)
@@ -569,7 +675,7 @@ def _expected_cap(limit: Any) -> int | None:
     if text.isdigit() and text.isascii():
         return int(text) if int(text) <= 2**63 - 1 else None
     try:
-        n = pinxfer.memory.parse_bytes(limit)
+        n = pinxfer._ops.parse_byte_size(limit)
     except ValueError:
         return None
     return None if n == 0 and any(c in "123456789" for c in limit) else n
@@ -577,22 +683,47 @@ def _expected_cap(limit: Any) -> int | None:
 
 size_texts = st.builds(
     lambda number, blank, unit: f"{number}{blank}{unit}",
-    st.one_of(st.integers(0, 2**64).map(str),
-              st.decimals(0, 10**6, places=3, allow_nan=False, allow_infinity=False).map(str)),
+    st.one_of(
+        st.integers(0, 2**64).map(str),
+        st.decimals(0, 10**6, places=3, allow_nan=False, allow_infinity=False).map(str),
+    ),
     st.sampled_from(["", " "]),
-    st.sampled_from(["", "B", "K", "KiB", "MB", "m", "GiB", "T", "TB", "X", "iB"]))
+    st.sampled_from(["", "B", "K", "KiB", "MB", "m", "GiB", "T", "TB", "X", "iB"]),
+)
 
 
-@given(limit=st.one_of(st.integers(min_value=-2**70, max_value=2**70),
-                       st.sampled_from([0, 1, 2**63 - 1, 2**63, "9223372036854775807",
-                                        "9223372036854775808", "0.5", "1.5", "0", "8GiB"]),
-                       st.floats(), st.booleans(), size_texts, st.text(max_size=6), st.none()))
+@given(
+    limit=st.one_of(
+        st.integers(min_value=-(2**70), max_value=2**70),
+        st.sampled_from(
+            [
+                0,
+                1,
+                2**63 - 1,
+                2**63,
+                "9223372036854775807",
+                "9223372036854775808",
+                "0.5",
+                "1.5",
+                "0",
+                "8GiB",
+            ]
+        ),
+        st.floats(),
+        st.booleans(),
+        size_texts,
+        st.text(max_size=6),
+        st.none(),
+    )
+)
 def test_set_max_pinned_bytes_sets_exactly_or_refuses_clearly(limit):
     expected = _expected_cap(limit)
     try:
         kind, value = outcome(lambda: pinxfer.set_max_pinned_bytes(limit))
         if expected is None:
-            assert kind == "raised", f"{limit!r} accepted as a cap of {pinxfer.get_max_pinned_bytes()}"
+            assert kind == "raised", (
+                f"{limit!r} accepted as a cap of {pinxfer.get_max_pinned_bytes()}"
+            )
             assert_clear_error(value, allowed=(TypeError, ValueError))
         else:
             assert kind == "ok", f"{limit!r} refused: {value}"
@@ -627,8 +758,11 @@ def test_topology_refuses_a_single_string_of_bus_ids(bus_id):
     assert "pci_bus_ids" in str(err)
 
 
-@given(ids=st.lists(st.from_regex(r"[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]", fullmatch=True),
-                    max_size=4))
+@given(
+    ids=st.lists(
+        st.from_regex(r"[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]", fullmatch=True), max_size=4
+    )
+)
 def test_topology_describes_each_bus_id_given(ids):
     out = pinxfer.topology(pci_bus_ids=ids)
     assert [g.pci_bus_id for g in out] == ids
@@ -651,23 +785,41 @@ def test_topology_does_not_block_on_a_fifo_in_sysfs(tmp_path):
     dev = tmp_path / "bus/pci/devices/0000:1b:00.0"
     dev.mkdir(parents=True)
     os.mkfifo(dev / "numa_node")
-    (result,) = run_child(f"""
+    (result,) = run_child(
+        f"""
         report(**attempt(lambda: pinxfer.topology({str(tmp_path)!r}, pci_bus_ids=["0000:1b:00.0"])))
-    """, timeout=10)
+    """,
+        timeout=10,
+    )
     assert result["ok"] or result["type"] in ("ValueError", "RuntimeError"), result
 
 
 # ---- settings through the environment (each its own process: read once) ----
 
-SETTING_VALUES = st.one_of(st.integers(-2**64, 2**64).map(str),
-                           st.sampled_from(["4294967296", "4294967297", "4294967396", "2147483648",
-                                            "-5", "0.5", "1e3", "", " 7", "abc"]))
+SETTING_VALUES = st.one_of(
+    st.integers(-(2**64), 2**64).map(str),
+    st.sampled_from(
+        [
+            "4294967296",
+            "4294967297",
+            "4294967396",
+            "2147483648",
+            "-5",
+            "0.5",
+            "1e3",
+            "",
+            " 7",
+            "abc",
+        ]
+    ),
+)
 
 
 def _settings_in_child(env: dict[str, str]) -> dict:
     """What a process started with ``env`` does: its first allocation (where a
     malformed setting must raise), settings() and the cap in force."""
-    (result,) = run_child("""
+    (result,) = run_child(
+        """
         r = attempt(lambda: pinxfer.empty(4))
         try:
             r["settings"] = {name: value for name, value, _ in pinxfer._ops.settings()}
@@ -675,7 +827,10 @@ def _settings_in_child(env: dict[str, str]) -> dict:
             r.update(ok=False, type=type(err).__name__, message=str(err))
         r["cap"] = pinxfer.get_max_pinned_bytes() if r["ok"] else None
         report(**r)
-    """, env=dict(env, PINXFER_DISABLE_CUDA="1"), timeout=60)
+    """,
+        env=dict(env, PINXFER_DISABLE_CUDA="1"),
+        timeout=60,
+    )
     return result
 
 
@@ -695,7 +850,9 @@ def _check_setting_in_force(name: str, raw: str) -> None:
         if number.isdigit() and int(number) <= 2**63 - 1:
             assert result["cap"] == int(number), result  # exact, not through a double
         assert result["cap"] != 0 or not any(c in "123456789" for c in number), (
-            f"{raw!r} became 'no cap'", result)
+            f"{raw!r} became 'no cap'",
+            result,
+        )
     elif name == "PINXFER_NUMA_NODE":
         assert int(reported) == -1 or int(reported) in _check.existing_numa_nodes(), result
         assert int(reported) == int(number), result
@@ -707,12 +864,16 @@ def _check_setting_in_force(name: str, raw: str) -> None:
 
 
 # Values of the issue: each was accepted with a different number in force.
-SETTINGS_OF_THE_ISSUE = [("PINXFER_NUMA_NODE", "4294967296"), ("PINXFER_SPIN_US", "4294967396"),
-                         ("PINXFER_NUM_THREADS", "4294967297"), ("PINXFER_MAX_PINNED_BYTES", "0.5"),
-                         ("PINXFER_MAX_PINNED_BYTES", "9223372036854775807")]
+SETTINGS_OF_THE_ISSUE = [
+    ("PINXFER_NUMA_NODE", "4294967296"),
+    ("PINXFER_SPIN_US", "4294967396"),
+    ("PINXFER_NUM_THREADS", "4294967297"),
+    ("PINXFER_MAX_PINNED_BYTES", "0.5"),
+    ("PINXFER_MAX_PINNED_BYTES", "9223372036854775807"),
+]
 
 
-@pytest.mark.parametrize("name,raw", SETTINGS_OF_THE_ISSUE)
+@pytest.mark.parametrize(("name", "raw"), SETTINGS_OF_THE_ISSUE)
 def test_settings_of_the_issue_are_range_checked(name, raw):
     _check_setting_in_force(name, raw)
 
@@ -720,9 +881,12 @@ def test_settings_of_the_issue_are_range_checked(name, raw):
 @pytest.mark.fuzz_long
 @fuzz_long
 @settings(max_examples=CHILD_EXAMPLES)
-@given(name=st.sampled_from(["PINXFER_NUMA_NODE", "PINXFER_SPIN_US", "PINXFER_NUM_THREADS",
-                             "PINXFER_MAX_PINNED_BYTES"]),
-       raw=SETTING_VALUES)
+@given(
+    name=st.sampled_from(
+        ["PINXFER_NUMA_NODE", "PINXFER_SPIN_US", "PINXFER_NUM_THREADS", "PINXFER_MAX_PINNED_BYTES"]
+    ),
+    raw=SETTING_VALUES,
+)
 def test_settings_from_the_environment_are_range_checked(name, raw):
     _check_setting_in_force(name, raw)
 
@@ -732,25 +896,33 @@ def test_the_operator_starts_no_thread_for_a_node_that_does_not_exist():
         t = torch.randn(4 << 20)
         torch.ops.pinxfer.pin_memory(t, -1, 0)
         before = len(os.listdir("/proc/self/task"))
-        errors = [attempt(lambda: torch.ops.pinxfer.empty([16], torch.uint8, n)) for n in range(2, 40)]
+        errors = [
+            attempt(lambda: torch.ops.pinxfer.empty([16], torch.uint8, n)) for n in range(2, 40)
+        ]
         pinxfer.empty_cache()
         report(extra=len(os.listdir("/proc/self/task")) - before, errors=errors[:1])
     """)
     assert result["extra"] == 0, result
 
 
-@pytest.mark.skipif(SANITIZER is not None, reason="an address-space limit leaves no room for a "
-                    "sanitizer's shadow memory")
+@pytest.mark.skipif(
+    SANITIZER is not None,
+    reason="an address-space limit leaves no room for a sanitizer's shadow memory",
+)
 def test_thread_creation_failure_raises_instead_of_hanging():
     import resource
 
     def limit_memory():
         resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))
 
-    (result,) = run_child("""
+    (result,) = run_child(
+        """
         report(**attempt(lambda: pinxfer.pin_memory(torch.randn(4 << 20), numa_node=-1)))
-    """, env={"PINXFER_NUM_THREADS": "2000", "PINXFER_DISABLE_CUDA": "1"}, timeout=15,
-        preexec=limit_memory)
+    """,
+        env={"PINXFER_NUM_THREADS": "2000", "PINXFER_DISABLE_CUDA": "1"},
+        timeout=15,
+        preexec=limit_memory,
+    )
     # 2000 is past the documented cap (max(16, CPUs)): refused before any thread
     # starts. tests/test_limits.py makes creation fail part-way within the cap.
     assert result["ok"] or result["type"] in ("RuntimeError", "ValueError"), result
@@ -759,8 +931,9 @@ def test_thread_creation_failure_raises_instead_of_hanging():
 # ---- prefetch on the host ----
 
 
-@given(n=st.integers(0, 12), depth=st.integers(1, 5), stop_after=st.integers(1, 13),
-       batch=batches())
+@given(
+    n=st.integers(0, 12), depth=st.integers(1, 5), stop_after=st.integers(1, 13), batch=batches()
+)
 def test_prefetch_to_cpu_yields_every_batch_in_order(n, depth, stop_after, batch):
     items = [(i, batch) for i in range(n)]
     pf = pinxfer.prefetch(items, device="cpu", depth=depth)
@@ -776,8 +949,9 @@ def test_prefetch_to_cpu_yields_every_batch_in_order(n, depth, stop_after, batch
 
 @given(depth=st.one_of(st.integers(max_value=0), st.booleans(), st.floats(), st.text(max_size=2)))
 def test_prefetch_refuses_a_depth_that_is_not_a_count(depth):
-    err = expect_clear_error(lambda: pinxfer.prefetch([1], device="cpu", depth=depth),
-                             allowed=(TypeError, ValueError))
+    err = expect_clear_error(
+        lambda: pinxfer.prefetch([1], device="cpu", depth=depth), allowed=(TypeError, ValueError)
+    )
     assert "depth" in str(err)
 
 
@@ -785,9 +959,10 @@ def test_prefetch_refuses_a_depth_that_is_not_a_count(depth):
 def test_prefetch_slot_bytes_out_of_range_is_refused_before_the_ring(slot_bytes):
     ds = torch.utils.data.TensorDataset(torch.arange(8.0))
     loader = torch.utils.data.DataLoader(ds, batch_size=2, num_workers=1)
-    err = expect_clear_error(lambda: pinxfer.prefetch(loader, device="cpu", slots=True,
-                                                      slot_bytes=slot_bytes),
-                             allowed=(TypeError, ValueError))
+    err = expect_clear_error(
+        lambda: pinxfer.prefetch(loader, device="cpu", slots=True, slot_bytes=slot_bytes),
+        allowed=(TypeError, ValueError),
+    )
     assert "slot_bytes" in str(err)
 
 
@@ -807,7 +982,7 @@ def test_a_second_consumer_thread_is_refused_instead_of_hanging():
     def consume():
         try:
             errors.append(RuntimeError(f"got {next(pf)!r}"))
-        except BaseException as err:  # noqa: BLE001 - inspected below
+        except BaseException as err:
             errors.append(err)
 
     first = threading.Thread(target=consume)
@@ -863,7 +1038,8 @@ def test_close_returns_within_its_bound_when_the_source_is_blocked():
     release.set()  # the producer returns from the source and exits by itself
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and any(
-            t.name.startswith("pinxfer-prefetch-") for t in threading.enumerate()):
+        t.name.startswith("pinxfer-prefetch-") for t in threading.enumerate()
+    ):
         time.sleep(0.01)
     assert not any(t.name.startswith("pinxfer-prefetch-") for t in threading.enumerate())
 
@@ -913,15 +1089,21 @@ def test_gpu_to_device_of_nested_batches(batch):
         elif isinstance(b, (list, tuple)):
             for x, y in zip(a, b):
                 compare(x, y)
+
     compare(back, batch)
 
 
 @pytest.mark.gpu
-@given(chunk_bytes=st.one_of(st.integers(max_value=4095), st.integers(min_value=2**63),
-                             st.booleans(), st.floats()))
+@given(
+    chunk_bytes=st.one_of(
+        st.integers(max_value=4095), st.integers(min_value=2**63), st.booleans(), st.floats()
+    )
+)
 def test_gpu_to_device_refuses_impossible_chunks(chunk_bytes):
-    expect_clear_error(lambda: pinxfer.to_device(torch.ones(4), "cuda", chunk_bytes=chunk_bytes),
-                       allowed=(TypeError, ValueError))
+    expect_clear_error(
+        lambda: pinxfer.to_device(torch.ones(4), "cuda", chunk_bytes=chunk_bytes),
+        allowed=(TypeError, ValueError),
+    )
 
 
 # ---- long run: storms ----

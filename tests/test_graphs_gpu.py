@@ -5,6 +5,7 @@ Graph memory rules checked here (csrc/README.md, "Graph pools"): pinned blocks a
 while a capture is open belong to that graph's private pool and go to no one else until the
 graph is released; releasing it (reset/del) gives them back, and the pool's figures return
 to their baseline."""
+
 from __future__ import annotations
 
 import gc
@@ -156,8 +157,14 @@ def test_graph_blocks_never_handed_out_until_release():
     assert s["graph_segments.current"] == 0, s
     pinxfer.empty_cache()
     s = _stats()
-    for key in ("active_blocks.current", "allocated_bytes.current", "pending_blocks.current",
-                "held_blocks.current", "graph_segments.current", "reserved_bytes.current"):
+    for key in (
+        "active_blocks.current",
+        "allocated_bytes.current",
+        "pending_blocks.current",
+        "held_blocks.current",
+        "graph_segments.current",
+        "reserved_bytes.current",
+    ):
         assert s[key] == base[key], (key, s[key], base[key])
 
 
@@ -189,15 +196,17 @@ def test_two_graphs_do_not_share_blocks_and_shared_pool_does():
 
 def test_make_graphed_callables(installed):
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(),
-                                torch.nn.Linear(128, 8)).cuda()
-    ref = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(),
-                              torch.nn.Linear(128, 8)).cuda()
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 8)
+    ).cuda()
+    ref = torch.nn.Sequential(
+        torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 8)
+    ).cuda()
     ref.load_state_dict(model.state_dict())
     sample = torch.randn(16, 64, device="cuda", requires_grad=False)
     graphed = torch.cuda.make_graphed_callables(model, (sample,))
     model.zero_grad(set_to_none=True)  # its warm-up iterations ran backward
-    for k in range(3):
+    for _k in range(3):
         host = pinxfer.empty(16, 64)
         host.copy_(torch.randn(16, 64))
         inp = host.to("cuda", non_blocking=True)
@@ -218,14 +227,17 @@ def test_make_graphed_callables(installed):
 
 def _batches(n_steps, batch=32, dim=64, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(batch, dim, generator=g), torch.randn(batch, 8, generator=g))
-            for _ in range(n_steps)]
+    return [
+        (torch.randn(batch, dim, generator=g), torch.randn(batch, 8, generator=g))
+        for _ in range(n_steps)
+    ]
 
 
 def _make_model(seed=0):
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(),
-                               torch.nn.Linear(64, 8)).cuda()
+    return torch.nn.Sequential(
+        torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8)
+    ).cuda()
 
 
 def test_reduce_overhead_training_step_fed_by_prefetch_matches_eager():
@@ -294,11 +306,13 @@ def test_pinxfer_ops_under_capture_work_or_explain(installed):
     g = torch.cuda.CUDAGraph()
     errors = {}
     with torch.cuda.graph(g):
-        for name, fn in [("to_device", lambda: pinxfer.to_device(src)),
-                         ("to_device_many", lambda: pinxfer.to_device([src[:10], src[10:20]])),
-                         ("to_host", lambda: pinxfer.to_host(x)),
-                         ("empty", lambda: pinxfer.empty(1024)),
-                         ("pin_memory", lambda: pinxfer.pin_memory(src))]:
+        for name, fn in [
+            ("to_device", lambda: pinxfer.to_device(src)),
+            ("to_device_many", lambda: pinxfer.to_device([src[:10], src[10:20]])),
+            ("to_host", lambda: pinxfer.to_host(x)),
+            ("empty", lambda: pinxfer.empty(1024)),
+            ("pin_memory", lambda: pinxfer.pin_memory(src)),
+        ]:
             try:
                 fn()
                 errors[name] = None
@@ -318,9 +332,8 @@ def test_pinxfer_ops_under_capture_work_or_explain(installed):
     pf = pinxfer.prefetch([src], device="cuda")
     it = iter(pf)
     g2 = torch.cuda.CUDAGraph()
-    with pytest.raises(RuntimeError, match="capturing"):
-        with torch.cuda.graph(g2):
-            next(it)
+    with pytest.raises(RuntimeError, match="capturing"), torch.cuda.graph(g2):
+        next(it)
     pf.close()
 
 
@@ -358,8 +371,11 @@ def test_feature_record_memory_history():
     pinxfer.install()
     kw = {}
     import inspect
-    if "record_pinned_host_memory" in inspect.signature(
-            torch.cuda.memory._record_memory_history).parameters:
+
+    if (
+        "record_pinned_host_memory"
+        in inspect.signature(torch.cuda.memory._record_memory_history).parameters
+    ):
         kw["record_pinned_host_memory"] = True
     torch.cuda.memory._record_memory_history(max_entries=1000, **kw)
     try:
@@ -380,7 +396,7 @@ def test_feature_host_memory_stats():
         pytest.skip("this torch has no torch.cuda.host_memory_stats")
     h = torch.empty(5 * MiB, dtype=torch.uint8, pin_memory=True)
     s = fn()
-    flat = {k: v for k, v in s.items()} if isinstance(s, dict) else {}
+    flat = dict(s.items()) if isinstance(s, dict) else {}
     assert any("active" in k for k in flat), flat
     assert max(v for k, v in flat.items() if "active_bytes" in k and "current" in k) >= 5 * MiB
     del h
@@ -396,7 +412,8 @@ def test_feature_empty_cache_and_host_empty_cache():
     del h
     torch.cuda.empty_cache()  # the device cache; the host pool keeps its block
     host_empty = getattr(torch.cuda, "host_memory_empty_cache", None) or getattr(
-        torch._C, "_host_emptyCache", None)
+        torch._C, "_host_emptyCache", None
+    )
     if host_empty is not None:
         host_empty()
         assert _stats()["reserved_bytes.current"] == 0
@@ -439,16 +456,25 @@ sys.exit(os.waitstatus_to_exitcode(status))
 
 
 def test_feature_fork_with_install():
-    r = subprocess.run([sys.executable, "-c", _FORK_CHILD], capture_output=True, text=True,
-                       timeout=120, env={**os.environ})
+    r = subprocess.run(
+        [sys.executable, "-c", _FORK_CHILD],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ},
+    )
     assert r.returncode == 0, r.stdout + r.stderr
 
 
 def test_all_virtuals_callable_after_install():
     """Every host-allocator entry torch exposes to Python answers (none 'not implemented')."""
     pinxfer.install()
-    for name in ("host_memory_stats", "reset_peak_host_memory_stats",
-                 "reset_accumulated_host_memory_stats", "host_memory_empty_cache"):
+    for name in (
+        "host_memory_stats",
+        "reset_peak_host_memory_stats",
+        "reset_accumulated_host_memory_stats",
+        "host_memory_empty_cache",
+    ):
         fn = getattr(torch.cuda, name, None)
         if fn is not None:
             fn()

@@ -7,6 +7,7 @@ that cannot import the installed torch (``python -S``: no site-packages, like pi
 isolated environment). Quick, no compiling. The full ``pip wheel .`` build carries the
 ``build`` marker (minutes; deselected by default, run with ``-m build``).
 """
+
 from __future__ import annotations
 
 import json
@@ -33,9 +34,18 @@ def _run_hook(code: str, tmp_path, env_extra=None, timeout=300) -> subprocess.Co
     no site-packages (pip's build isolation hides them the same way), from the checkout."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PINXFER_TORCH_PYTHON")}
     env.update(env_extra or {})
-    script = f"import sys; sys.path.insert(0, {BACKEND_DIR!r}); import pinxfer_backend as backend\n" + code
-    return subprocess.run([sys.executable, "-S", "-c", script], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    script = (
+        f"import sys; sys.path.insert(0, {BACKEND_DIR!r}); import pinxfer_backend as backend\n"
+        + code
+    )
+    return subprocess.run(
+        [sys.executable, "-S", "-c", script],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +62,8 @@ def isolated_hooks(tmp_path_factory):
         "           'sdist': backend.get_requires_for_build_sdist(),\n"
         f"           'metadata': backend.prepare_metadata_for_build_wheel({str(out)!r}),\n"
         f"           'sdist_name': backend.build_sdist({str(out)!r})}}\n"
-        "print('HOOKS' + json.dumps(answers))\n")
+        "print('HOOKS' + json.dumps(answers))\n"
+    )
     proc = _run_hook(code, out)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("HOOKS"))
@@ -85,8 +96,10 @@ def test_backend_metadata_builds_against_the_installed_torch(isolated_hooks):
     assert "Name: pinxfer" in metadata
     assert "Provides-Extra: test" in metadata
     for dep in ("pytest", "numpy", "hypothesis"):
-        assert any(ln.startswith(f"Requires-Dist: {dep}") and 'extra == "test"' in ln
-                   for ln in metadata.splitlines()), dep
+        assert any(
+            ln.startswith(f"Requires-Dist: {dep}") and 'extra == "test"' in ln
+            for ln in metadata.splitlines()
+        ), dep
     assert f"torch        {torch.__version__}" in proc.stdout + proc.stderr
 
 
@@ -96,9 +109,18 @@ def test_sdist_carries_everything_a_build_needs(isolated_hooks):
     answers, _, out = isolated_hooks
     with tarfile.open(out / answers["sdist_name"]) as tar:
         members = {m.name.split("/", 1)[1] for m in tar.getmembers() if "/" in m.name}
-    for needed in ("pyproject.toml", "setup.py", "MANIFEST.in", "build_backend/pinxfer_backend.py",
-                   "csrc/module.cpp", "csrc/ops/kernels.h", "csrc/runtime/cuda_runtime.h",
-                   "csrc/python/fast_calls.cpp", "pinxfer/__init__.py", "pinxfer/_build_check.py"):
+    for needed in (
+        "pyproject.toml",
+        "setup.py",
+        "MANIFEST.in",
+        "build_backend/pinxfer_backend.py",
+        "csrc/module.cpp",
+        "csrc/ops/kernels.h",
+        "csrc/runtime/cuda_runtime.h",
+        "csrc/python/fast_calls.cpp",
+        "pinxfer/__init__.py",
+        "pinxfer/_build_check.py",
+    ):
         assert needed in members, needed
     assert not any(m.endswith(".so") for m in members)
 
@@ -110,8 +132,11 @@ def test_backend_without_torch_fails_in_seconds_saying_what_to_run(tmp_path):
     venv.create(env_dir, with_pip=False)
     python = str(env_dir / "bin" / "python")
     start = time.monotonic()
-    proc = _run_hook("backend.get_requires_for_build_wheel()", tmp_path,
-                     env_extra={"PINXFER_TORCH_PYTHON": python})
+    proc = _run_hook(
+        "backend.get_requires_for_build_wheel()",
+        tmp_path,
+        env_extra={"PINXFER_TORCH_PYTHON": python},
+    )
     elapsed = time.monotonic() - start
     assert proc.returncode != 0
     assert elapsed < 30, elapsed
@@ -136,8 +161,11 @@ def test_loaded_extension_is_stamped_with_this_torch():
 def _copy_package(dest, with_checkout: bool):
     """A copy of pinxfer's Python package (no _C) under dest/, optionally looking like a
     source checkout (setup.py and csrc/module.cpp beside it)."""
-    shutil.copytree(os.path.join(ROOT, "pinxfer"), dest / "pinxfer",
-                    ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    shutil.copytree(
+        os.path.join(ROOT, "pinxfer"),
+        dest / "pinxfer",
+        ignore=shutil.ignore_patterns("*.so", "__pycache__"),
+    )
     if with_checkout:
         (dest / "csrc").mkdir()
         (dest / "csrc" / "module.cpp").write_text("")
@@ -145,16 +173,24 @@ def _copy_package(dest, with_checkout: bool):
 
 
 def _import_in(directory) -> subprocess.CompletedProcess:
-    code = ("import sys\n"
-            "try:\n"
-            "    import pinxfer\n"
-            "except ImportError as err:\n"
-            "    print('IMPORT ERROR:', err)\n"
-            "    print('C LOADED:', 'pinxfer._C' in sys.modules)\n"
-            "    sys.exit(3)\n")
+    code = (
+        "import sys\n"
+        "try:\n"
+        "    import pinxfer\n"
+        "except ImportError as err:\n"
+        "    print('IMPORT ERROR:', err)\n"
+        "    print('C LOADED:', 'pinxfer._C' in sys.modules)\n"
+        "    sys.exit(3)\n"
+    )
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    return subprocess.run([sys.executable, "-c", code], cwd=directory, env=env,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=directory,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_extension_built_for_another_torch_is_refused_before_loading(tmp_path):
@@ -162,7 +198,8 @@ def test_extension_built_for_another_torch_is_refused_before_loading(tmp_path):
     versions and the command that rebuilds."""
     _copy_package(tmp_path, with_checkout=False)
     so = pinxfer._C.__file__
-    data = open(so, "rb").read()
+    with open(so, "rb") as f:
+        data = f.read()
     old = f"torch={torch.__version__};".encode()
     assert data.count(old) == 1
     other = "9.99.9".ljust(len(torch.__version__), "x")  # same length: the file stays valid
@@ -203,9 +240,24 @@ def test_pip_wheel_builds_with_isolation_and_no_index(tmp_path):
     torch. About 5 minutes on 2 cores."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
-    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-index", "--no-deps", "-v",
-                           "-w", str(tmp_path), ROOT], env=env, capture_output=True, text=True,
-                          timeout=1800)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-index",
+            "--no-deps",
+            "-v",
+            "-w",
+            str(tmp_path),
+            ROOT,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     wheels = list(tmp_path.glob("pinxfer-*.whl"))
     assert len(wheels) == 1
@@ -218,8 +270,12 @@ def test_pip_wheel_builds_with_isolation_and_no_index(tmp_path):
     # Every module of the source tree ships (a package missing from the list once made
     # the installed pinxfer fail at import).
     package_root = os.path.join(ROOT, "pinxfer")
-    sources = {os.path.relpath(os.path.join(d, f), ROOT).replace(os.sep, "/")
-               for d, _, files in os.walk(package_root) for f in files if f.endswith(".py")}
+    sources = {
+        os.path.relpath(os.path.join(d, f), ROOT).replace(os.sep, "/")
+        for d, _, files in os.walk(package_root)
+        for f in files
+        if f.endswith(".py")
+    }
     assert sources <= set(names), sorted(sources - set(names))
     stamp = _build_check.read_build_stamp(str(tmp_path / so_name))
     assert stamp == {"torch": torch.__version__, "cuda": torch.version.cuda or "none"}

@@ -1,6 +1,7 @@
 """No leak over a million allocate/free cycles: after empty_cache() the pool's
 reserved bytes and the process's locked memory (VmLck) are back where they
 started, no block is active and every allocation was freed."""
+
 from __future__ import annotations
 
 import time
@@ -69,6 +70,8 @@ def test_million_cycles_leave_nothing_behind(fresh_pool):
     # stream, and a block is reused only once its event has completed.
     assert s["num_cache_hits"] > (0.5 if HAS_CUDA else 0.99) * cycles, s
     assert vm_locked_kib() <= base_locked + 4
-    print(f"{cycles} cycles in {elapsed:.1f} s ({elapsed / cycles * 1e6:.1f} us each), "
-          f"{s['num_segment_maps']} segment maps, reserved peak "
-          f"{s['reserved_bytes.peak'] / MiB:.1f} MiB")
+    print(
+        f"{cycles} cycles in {elapsed:.1f} s ({elapsed / cycles * 1e6:.1f} us each), "
+        f"{s['num_segment_maps']} segment maps, reserved peak "
+        f"{s['reserved_bytes.peak'] / MiB:.1f} MiB"
+    )

@@ -5,6 +5,7 @@ Each finding of the issue has a test named after what must now happen. Cases tha
 could crash or hang the interpreter run in a child process with a timeout, so a
 regression fails its test and not the run.
 """
+
 from __future__ import annotations
 
 import gc
@@ -27,8 +28,14 @@ INT64_MAX = (1 << 63) - 1
 def run_child(code: str, timeout: float = 60, **env: str) -> subprocess.CompletedProcess:
     """Runs `code` in a fresh interpreter from the checkout; a hang fails the test."""
     full_env = dict(os.environ, **env)
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT,
-                          env=full_env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        cwd=ROOT,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def task_count() -> int:
@@ -37,12 +44,16 @@ def task_count() -> int:
 
 # ---- sizes: every byte count is overflow-checked before anything is allocated ----
 
-@pytest.mark.parametrize("numel,dtype", [
-    (2**62, torch.float32),            # numel * 4 wrapped to 0: a 0-byte storage, shape 2^62
-    (2**61, torch.float64),
-    (INT64_MAX, torch.float32),        # wrapped to -4: aliased a live block
-    (INT64_MAX, torch.uint8),          # fits int64, but rounding to 64 KiB overflowed
-])
+
+@pytest.mark.parametrize(
+    ("numel", "dtype"),
+    [
+        (2**62, torch.float32),  # numel * 4 wrapped to 0: a 0-byte storage, shape 2^62
+        (2**61, torch.float64),
+        (INT64_MAX, torch.float32),  # wrapped to -4: aliased a live block
+        (INT64_MAX, torch.uint8),  # fits int64, but rounding to 64 KiB overflowed
+    ],
+)
 def test_impossible_size_is_a_value_error_naming_the_limit(fresh_pool, numel, dtype):
     with pytest.raises(ValueError, match=r"2\^63 - 1") as info:
         pinxfer.empty(numel, dtype=dtype)
@@ -65,7 +76,7 @@ def test_bad_size_never_aliases_a_live_block(fresh_pool):
     never share memory and the counters stay exact."""
     b = pinxfer.empty(4 << 20, dtype=torch.uint8)
     del b
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="2\\^63 - 1"):
         pinxfer.empty(INT64_MAX)
     v = pinxfer.empty(4 << 20, dtype=torch.uint8)
     w = pinxfer.empty(4 << 20, dtype=torch.uint8)
@@ -89,6 +100,7 @@ def test_quantized_dtype_is_refused_by_empty():
 
 # ---- integers in range, or a clear error (the argument and its variable alike) ----
 
+
 @pytest.mark.parametrize("node", [2**32, 2**31, -5, 100000])
 def test_numa_node_out_of_range_is_refused(node):
     with pytest.raises(ValueError, match="numa_node must be"):
@@ -107,7 +119,7 @@ def test_no_thread_pool_for_nodes_that_do_not_exist():
     pinxfer.pin_memory(torch.randn(1 << 20))  # the real node's pool exists already
     before = task_count()
     for node in range(2, 202):
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match="numa_node"):
             pinxfer.pin_memory(torch.randn(1 << 20), numa_node=node)
     pinxfer.empty_cache()
     assert task_count() <= before
@@ -120,18 +132,23 @@ def test_num_threads_above_the_cap_is_refused():
 
 def test_settings_report_the_number_in_force():
     """settings() shows what the process uses, never the text it could not read."""
-    out = run_child("""
+    out = run_child(
+        """
         import torch
         import pinxfer
         names, values, sources = torch.ops.pinxfer.settings()
         print(dict(zip(names, values))["PINXFER_NUM_THREADS"])
         print(dict(zip(names, values))["PINXFER_SPIN_US"])
-    """, PINXFER_NUM_THREADS="2", PINXFER_SPIN_US="0007")
+    """,
+        PINXFER_NUM_THREADS="2",
+        PINXFER_SPIN_US="0007",
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["2", "7"]
 
 
 # ---- storage-level questions on views: no hidden copies ----
+
 
 def _neg_view(t: torch.Tensor) -> torch.Tensor:
     return torch._neg_view(t)
@@ -200,7 +217,8 @@ def test_pin_of_quantized_tensor_is_refused():
 def test_forked_child_sees_parent_pool_tensor_unpinned():
     """In a forked child the parent's blocks are neither mlocked nor registered:
     is_pinned, is_pool_tensor and VmLck agree there."""
-    out = run_child("""
+    out = run_child(
+        """
         import os
         import torch
         import pinxfer
@@ -212,20 +230,26 @@ def test_forked_child_sees_parent_pool_tensor_unpinned():
             os._exit(0 if ok else 3)
         _, status = os.waitpid(pid, 0)
         print("CHILD", os.waitstatus_to_exitcode(status))
-    """, PINXFER_DISABLE_CUDA="1")
+    """,
+        PINXFER_DISABLE_CUDA="1",
+    )
     assert out.returncode == 0, out.stderr
     assert "CHILD 0" in out.stdout, out.stdout + out.stderr
 
 
 # ---- failure paths never hang ----
 
-@pytest.mark.skipif(SANITIZER is not None, reason="an address-space limit leaves no room for a "
-                    "sanitizer's shadow memory")
+
+@pytest.mark.skipif(
+    SANITIZER is not None,
+    reason="an address-space limit leaves no room for a sanitizer's shadow memory",
+)
 def test_thread_creation_failing_part_way_is_an_error_not_a_hang():
     """PINXFER_NUM_THREADS=2000 under `ulimit -v` hung in pthread_cond_destroy: the
     pool's constructor unwound while its started threads waited. Now the started
     threads are joined and the call raises."""
-    out = run_child("""
+    out = run_child(
+        """
         import resource
         import torch
         import pinxfer
@@ -239,7 +263,11 @@ def test_thread_creation_failing_part_way_is_an_error_not_a_hang():
             print("ERROR", "could not start copy thread" in str(e))
         else:
             print("NO ERROR")
-    """, timeout=60, PINXFER_NUM_THREADS="16", PINXFER_DISABLE_CUDA="1")
+    """,
+        timeout=60,
+        PINXFER_NUM_THREADS="16",
+        PINXFER_DISABLE_CUDA="1",
+    )
     assert out.returncode == 0, out.stderr
     # Either the limit left room for every thread, or the call failed cleanly.
     assert "ERROR True" in out.stdout or "NO ERROR" in out.stdout, out.stdout + out.stderr
@@ -253,12 +281,15 @@ def test_sysfs_fifo_never_blocks(tmp_path):
     node = tmp_path / "devices" / "system" / "node" / "node0"
     node.mkdir(parents=True)
     os.mkfifo(node / "cpulist")
-    out = run_child(f"""
+    out = run_child(
+        f"""
         import torch
         import pinxfer
         print(torch.ops.pinxfer.pci_numa_node("0000:1b:00.0", {str(tmp_path)!r}))
         print(torch.ops.pinxfer.node_cpus(0, {str(tmp_path)!r}))
-    """, timeout=30)
+    """,
+        timeout=30,
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split("\n")[:2] == ["-1", "[]"], out.stdout
 

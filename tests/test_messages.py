@@ -1,6 +1,7 @@
 """What users read where pinxfer meets torch's conventions: the no-GPU reason, torch's own
 wording when a device tensor is pinned, and the containers torch's DataLoader pinning
 turns into lists."""
+
 from __future__ import annotations
 
 import ctypes
@@ -65,7 +66,8 @@ def test_pinning_a_cuda_tensor_carries_torchs_words():
     with pytest.raises(RuntimeError) as ours:
         pinxfer.pin_memory(t)
     assert str(ours.value).endswith(
-        "cannot pin 'torch.cuda.FloatTensor' only dense CPU tensors can be pinned")
+        "cannot pin 'torch.cuda.FloatTensor' only dense CPU tensors can be pinned"
+    )
 
 
 def test_range_and_other_sequences_come_back_as_torch_returns_them():
@@ -83,8 +85,13 @@ def test_range_and_other_sequences_come_back_as_torch_returns_them():
         def __len__(self):
             return len(self.items)
 
-    batch = {"ids": range(3), "frozen": Frozen([1, 2]), "name": "abc", "raw": b"xy",
-             "tup": (1, range(2))}
+    batch = {
+        "ids": range(3),
+        "frozen": Frozen([1, 2]),
+        "name": "abc",
+        "raw": b"xy",
+        "tup": (1, range(2)),
+    }
     ours = pinxfer.pin_memory(batch)
     theirs = torch_loader_pin(batch)  # no tensors inside: runs without CUDA
     assert ours["ids"] == theirs["ids"] == [0, 1, 2]

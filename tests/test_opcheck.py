@@ -6,6 +6,7 @@ arguments. Where one of those checks cannot apply to an operator, its case
 names the checks it runs and says why. Operators that need a CUDA device are
 ``gpu``-marked and skip cleanly without one (tests/conftest.py).
 """
+
 from __future__ import annotations
 
 import re
@@ -83,8 +84,11 @@ GPU_CASES = {
     "record_stream": (lambda: (_pool_tensor(), *_stream_triple()), {}, AUTOGRAD_ONLY),
     "cuda_pci_bus_id": (lambda: (torch.cuda.current_device(),), {}, NO_AOT),
     "to_device": (lambda: (torch.randn(1000), _cuda(), 1 << 20, 2), {}, ALL),
-    "to_device_packed": (lambda: ([torch.randn(3), torch.arange(5), torch.randn(2, 3).t()],
-                                  _cuda()), {}, ALL),
+    "to_device_packed": (
+        lambda: ([torch.randn(3), torch.arange(5), torch.randn(2, 3).t()], _cuda()),
+        {},
+        ALL,
+    ),
     "copy_stream": (lambda: (_cuda(),), {}, ALL),
     "release_finished_sources": (lambda: (_cuda(),), {}, ALL),
 }
@@ -118,10 +122,17 @@ def test_gpu_opcheck(name):
     _opcheck(name, GPU_CASES[name])
 
 
-@pytest.mark.parametrize("make", [
-    lambda: torch.randn(5, 4), lambda: torch.randn(5, 4).t(), lambda: torch.randn(20)[::3],
-    lambda: torch.arange(3.0).expand(4, 3), lambda: torch.empty(0, 3),
-], ids=["contiguous", "transpose", "step", "expanded", "empty"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.randn(5, 4),
+        lambda: torch.randn(5, 4).t(),
+        lambda: torch.randn(20)[::3],
+        lambda: torch.arange(3.0).expand(4, 3),
+        lambda: torch.empty(0, 3),
+    ],
+    ids=["contiguous", "transpose", "step", "expanded", "empty"],
+)
 def test_opcheck_pin_memory(make):
     torch.library.opcheck(ops.pin_memory.default, (make(),), {"numa_node": 0})
 

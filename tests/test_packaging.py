@@ -2,6 +2,7 @@
 the packaging; every subpackage of pinxfer and its py.typed in the wheel; LICENSE and
 CHANGELOG.md in the sdist. setup.py's build_py and sdist commands run for real (they import
 torch, they compile nothing)."""
+
 from __future__ import annotations
 
 import importlib.metadata
@@ -22,8 +23,13 @@ tomllib = pytest.importorskip("tomllib", reason="tomllib is Python >= 3.11")
 
 
 def _setup_py(*args: str) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "setup.py", "-q", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "setup.py", "-q", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     return proc
 
@@ -64,8 +70,9 @@ def test_installed_metadata_reports_the_same_version():
 
 def test_wheel_carries_every_subpackage_and_py_typed(tmp_path):
     _setup_py("build_py", "--build-lib", str(tmp_path))
-    built = {os.path.relpath(d, tmp_path) for d, _, files in os.walk(tmp_path)
-             if "__init__.py" in files}
+    built = {
+        os.path.relpath(d, tmp_path) for d, _, files in os.walk(tmp_path) if "__init__.py" in files
+    }
     assert built == _subpackages()
     assert (tmp_path / "pinxfer" / "py.typed").is_file()
 
@@ -78,5 +85,5 @@ def test_sdist_carries_license_changelog_and_py_typed(tmp_path):
     for needed in ("LICENSE", "CHANGELOG.md", "pinxfer/py.typed"):
         assert needed in members, needed
     with tarfile.open(archive) as tar:
-        license_text = tar.extractfile(f"{archive.name[:-len('.tar.gz')]}/LICENSE").read()
+        license_text = tar.extractfile(f"{archive.name[: -len('.tar.gz')]}/LICENSE").read()
     assert b"BSD 3-Clause" in license_text or b"Redistribution and use" in license_text

@@ -6,6 +6,7 @@ are compared with the source and with `torch_layout_pin`, which is torch's
 at::_pin_memory algorithm (storage of computeStorageNbytes(sizes, strides),
 set_, copy_) on ordinary memory. GPU tests compare with t.pin_memory() itself.
 """
+
 from __future__ import annotations
 
 import collections
@@ -31,10 +32,26 @@ from .conftest import HAS_CUDA, MLOCK_IS_REAL, requires_cuda, vm_locked_kib
 ops = torch.ops.pinxfer
 
 DTYPES = [
-    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
-    torch.uint16, torch.uint32, torch.uint64, torch.float16, torch.bfloat16, torch.float32,
-    torch.float64, torch.complex32, torch.complex64, torch.complex128,
-    torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz,
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint16,
+    torch.uint32,
+    torch.uint64,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.complex32,
+    torch.complex64,
+    torch.complex128,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+    torch.float8_e4m3fnuz,
+    torch.float8_e5m2fnuz,
 ]
 if hasattr(torch, "float8_e8m0fnu"):
     DTYPES.append(torch.float8_e8m0fnu)
@@ -83,10 +100,11 @@ def assert_same_as_torch(out: torch.Tensor, src: torch.Tensor) -> None:
 
 @pytest.fixture(autouse=True)
 def _fresh(fresh_pool):
-    yield
+    return
 
 
 # ---- values, sizes, strides ----
+
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", [(7, 5), (3, 1 << 18)], ids=["small", "multi_chunk"])
@@ -100,8 +118,11 @@ def test_every_dtype_bit_exact(dtype, shape):
     assert not is_pinned(t)  # the source stays pageable
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.complex64, torch.uint64,
-                                   torch.bool, torch.float8_e5m2], ids=str)
+@pytest.mark.parametrize(
+    "dtype",
+    [torch.float32, torch.bfloat16, torch.complex64, torch.uint64, torch.bool, torch.float8_e5m2],
+    ids=str,
+)
 def test_views_keep_their_strides(dtype):
     base = random_tensor((64, 48, 6), dtype, seed=2)
     views = {
@@ -110,7 +131,8 @@ def test_views_keep_their_strides(dtype):
         "narrow_offset": base[5:9],  # storage offset 5*48*6 -> 0
         "permute": base.permute(2, 0, 1),
         "channels_last": random_tensor((2, 3, 8, 8), dtype).contiguous(
-            memory_format=torch.channels_last),
+            memory_format=torch.channels_last
+        ),
         "size_one_odd_stride": base[:, :1, :].transpose(0, 1),
         "column": base[:, 3, 2],
     }
@@ -189,6 +211,7 @@ def test_requires_grad_stays_differentiable():
 
 
 # ---- batches ----
+
 
 class Pair(NamedTuple):
     a: torch.Tensor
@@ -282,12 +305,13 @@ def test_leaves_untouched():
 
 # ---- errors ----
 
+
 def test_errors_say_what_arrived():
     with pytest.raises(RuntimeError, match="expected a CPU tensor, got a tensor on meta"):
         pinxfer.pin_memory(torch.empty(3, device="meta"))
     # The op itself takes dense tensors only; pinxfer.pin_memory hands the rest to torch
     # (test_other_layouts_behave_as_torch_pin_memory).
-    with pytest.raises(RuntimeError, match="expected a dense .strided. CPU tensor, got layout"):
+    with pytest.raises(RuntimeError, match=r"expected a dense .strided. CPU tensor, got layout"):
         ops.pin_memory(torch.randn(4, 4).to_sparse())
     with pytest.raises(RuntimeError, match="expected a dense"):
         ops.pin_memory(torch.randn(4, 4).to_sparse_csr())
@@ -313,6 +337,7 @@ def test_errors_deep_inside_a_batch_name_the_path():
 
 # ---- layouts pinxfer hands to torch: sparse, nested, quantized ----
 
+
 def _sparse_source() -> torch.Tensor:
     d = torch.randn(6, 8, generator=torch.Generator().manual_seed(11))
     d[d.abs() < 0.7] = 0
@@ -322,15 +347,19 @@ def _sparse_source() -> torch.Tensor:
 _OTHER_LAYOUTS = {
     "sparse_coo": lambda: _sparse_source().to_sparse(),
     "sparse_coo_uncoalesced": lambda: torch.sparse_coo_tensor(
-        torch.tensor([[0, 0, 2], [1, 1, 3]]), torch.tensor([1.0, 2.0, 3.0]), (4, 5),
-        check_invariants=True),
+        torch.tensor([[0, 0, 2], [1, 1, 3]]),
+        torch.tensor([1.0, 2.0, 3.0]),
+        (4, 5),
+        check_invariants=True,
+    ),
     "sparse_csr": lambda: _sparse_source().to_sparse_csr(),
     "sparse_csc": lambda: _sparse_source().to_sparse_csc(),
     "sparse_bsr": lambda: _sparse_source().to_sparse_bsr((2, 2)),
     "sparse_bsc": lambda: _sparse_source().to_sparse_bsc((2, 4)),
     "nested_strided": lambda: torch.nested.nested_tensor([torch.randn(2, 3), torch.randn(5, 3)]),
-    "nested_jagged": lambda: torch.nested.nested_tensor([torch.randn(2, 3), torch.randn(5, 3)],
-                                                        layout=torch.jagged),
+    "nested_jagged": lambda: torch.nested.nested_tensor(
+        [torch.randn(2, 3), torch.randn(5, 3)], layout=torch.jagged
+    ),
     "quantized": lambda: torch.quantize_per_tensor(torch.randn(10), 0.1, 3, torch.quint8),
 }
 
@@ -338,7 +367,7 @@ _OTHER_LAYOUTS = {
 def _outcome(fn):
     try:
         return "ok", fn()
-    except Exception as err:  # noqa: BLE001 - compared with torch's outcome
+    except Exception as err:
         return "raised", err
 
 
@@ -443,8 +472,13 @@ def test_import_and_queries_do_not_initialise_cuda():
     """)
     # Without a GPU both runs would take the same path: one is enough there.
     for env in ({"PINXFER_DISABLE_CUDA": "1"}, {}) if HAS_CUDA else ({},):
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                             env=dict(os.environ, **env), timeout=120)
+        out = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            env=dict(os.environ, **env),
+            timeout=120,
+        )
         assert out.returncode == 0, out.stderr
         states, kind_a, kind_p, pinned = out.stdout.strip().rsplit(" ", 3)
         if env or not HAS_CUDA:
@@ -468,7 +502,8 @@ _FIRST_THING = {
         "box = []\n"
         "th = threading.Thread(target=lambda: box.append(pinxfer.pin_memory(torch.randn(1000))))\n"
         "th.start(); th.join()\n"
-        "t = box[0]"),
+        "t = box[0]"
+    ),
 }
 
 
@@ -506,9 +541,11 @@ def test_is_pinned_is_exported():
 
 # ---- threads ----
 
+
 def test_concurrent_callers_get_correct_results():
-    tensors = [random_tensor((1 << 18,) if i % 2 else (513, 77), torch.float32, seed=i)
-               for i in range(8)]
+    tensors = [
+        random_tensor((1 << 18,) if i % 2 else (513, 77), torch.float32, seed=i) for i in range(8)
+    ]
     errors = []
     barrier = threading.Barrier(8)
 
@@ -516,11 +553,13 @@ def test_concurrent_callers_get_correct_results():
         try:
             barrier.wait()
             for _ in range(10):
-                src = tensors[i] if _ % 2 else tensors[i].t() if tensors[i].dim() == 2 else tensors[i]
+                src = (
+                    tensors[i] if _ % 2 else tensors[i].t() if tensors[i].dim() == 2 else tensors[i]
+                )
                 out = pinxfer.pin_memory(src, numa_node=0)
                 assert torch.equal(as_bytes(out), as_bytes(src))
                 assert out.stride() == src.stride()
-        except Exception as err:  # noqa: BLE001
+        except Exception as err:
             errors.append(err)
 
     threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
@@ -552,6 +591,7 @@ def test_background_thread_with_one_torch_thread():
 
 # ---- pin_ / unpin_ ----
 
+
 def locked_kib_in(start: int, end: int) -> int:
     """Sum of 'Locked:' over the mappings inside [start, end), from /proc/self/smaps
     (mlock splits a mapping into locked and unlocked parts)."""
@@ -580,16 +620,16 @@ def test_pin_inplace_mlock_path():
     assert vm_locked_kib() - before >= 1024 or not MLOCK_IS_REAL  # ASan/TSan: mlock is a no-op
     assert is_pinned(t) and is_pinned(t[5:])
     assert pinxfer.pin_memory(t) is t  # already pinned: same object
-    with pytest.raises(RuntimeError, match="already pinned by pinxfer.pin_"):
+    with pytest.raises(RuntimeError, match=r"already pinned by pinxfer.pin_"):
         pinxfer.pin_(t)
-    with pytest.raises(RuntimeError, match="already pinned by pinxfer.pin_"):
+    with pytest.raises(RuntimeError, match=r"already pinned by pinxfer.pin_"):
         pinxfer.pin_(t[100:200])  # another view of the same storage
     with pytest.raises(RuntimeError, match="not resizable"):
         t.view(t.shape).resize_(1 << 20)  # would free the locked memory under mlock
     assert pinxfer.unpin_(t[3:]) is not None  # any view of the storage works
     assert inplace_lock_kind(t) is None
     assert vm_locked_kib() - before < 1024
-    with pytest.raises(RuntimeError, match="not pinned by pinxfer.pin_"):
+    with pytest.raises(RuntimeError, match=r"not pinned by pinxfer.pin_"):
         pinxfer.unpin_(t)
     t.resize_(1 << 19)  # resizable again
 
@@ -627,7 +667,7 @@ def test_pin_inplace_refusals():
     # Checked in Python (pinxfer/_check.py) before the operator, which checks again.
     with pytest.raises(ValueError, match="expected a tensor with memory, got a meta tensor"):
         pinxfer.pin_(torch.empty(3, device="meta"))
-    with pytest.raises(ValueError, match="expected a dense .strided. tensor, got layout"):
+    with pytest.raises(ValueError, match=r"expected a dense .strided. tensor, got layout"):
         pinxfer.pin_(torch.randn(3, 3).to_sparse())
     with pytest.raises(RuntimeError, match="expected a CPU tensor, got a tensor on meta"):
         torch.ops.pinxfer.pin_(torch.empty(3, device="meta"))
@@ -637,7 +677,7 @@ def test_pin_inplace_refusals():
         pinxfer.pin_(pinxfer.empty(16))
     with pytest.raises(RuntimeError, match="lives in pinxfer's pinned pool"):
         pinxfer.unpin_(pinxfer.empty(16))
-    with pytest.raises(RuntimeError, match="not pinned by pinxfer.pin_"):
+    with pytest.raises(RuntimeError, match=r"not pinned by pinxfer.pin_"):
         pinxfer.unpin_(torch.randn(10))
 
 
@@ -652,6 +692,7 @@ def test_pin_inplace_parameter_requiring_grad():
 
 
 # ---- GPU ----
+
 
 @pytest.mark.gpu
 @requires_cuda
@@ -702,7 +743,7 @@ def test_gpu_pin_inplace():
         d = t.to("cuda", non_blocking=True)
     stream.synchronize()
     assert torch.equal(d.cpu(), t)
-    with pytest.raises(RuntimeError, match="already pinned by pinxfer.pin_"):
+    with pytest.raises(RuntimeError, match=r"already pinned by pinxfer.pin_"):
         pinxfer.pin_(t)
     pinxfer.unpin_(t)
     assert not t.is_pinned()
@@ -715,7 +756,7 @@ def test_gpu_pin_inplace_refuses_torch_pinned_memory():
     t = torch.randn(1 << 16).pin_memory()
     with pytest.raises(RuntimeError, match="already page-locked for CUDA"):
         pinxfer.pin_(t)
-    with pytest.raises(RuntimeError, match="not by pinxfer.pin_"):
+    with pytest.raises(RuntimeError, match=r"not by pinxfer.pin_"):
         pinxfer.unpin_(t)
 
 
@@ -742,8 +783,14 @@ def get_mempolicy(address: int) -> tuple[int, int]:
     libc = ctypes.CDLL(None, use_errno=True)
     mode = ctypes.c_int(-1)
     mask = (ctypes.c_ulong * 16)()
-    rc = libc.syscall(ctypes.c_long(nr), ctypes.byref(mode), mask, ctypes.c_ulong(16 * 64),
-                      ctypes.c_void_p(address), ctypes.c_ulong(MPOL_F_ADDR))
+    rc = libc.syscall(
+        ctypes.c_long(nr),
+        ctypes.byref(mode),
+        mask,
+        ctypes.c_ulong(16 * 64),
+        ctypes.c_void_p(address),
+        ctypes.c_ulong(MPOL_F_ADDR),
+    )
     assert rc == 0, os.strerror(ctypes.get_errno())
     # The mode may carry flags (MPOL_F_STATIC_NODES...) in its high bits.
     return mode.value & 0xFF, mask[0]

@@ -2,6 +2,7 @@
 
 The CUDA half (streams, events, record_stream) is in tests/test_transfer_gpu.py.
 """
+
 from __future__ import annotations
 
 import collections
@@ -93,8 +94,7 @@ def test_source_exception_raised_at_its_step():
 
     got = []
     with pytest.raises(Boom, match="source failed at 3") as info:
-        for b in pinxfer.prefetch(source(), device="cpu", depth=4):
-            got.append(b)
+        got.extend(pinxfer.prefetch(source(), device="cpu", depth=4))
     assert got == [0, 1, 2]
     notes = getattr(info.value, "__notes__", [])
     if notes:  # Python >= 3.11
@@ -122,8 +122,7 @@ def test_transfer_exception_raised_at_its_step():
 
     got = []
     with pytest.raises(ValueError, match="bad batch 2"):
-        for b in pinxfer.prefetch(range(5), device="cpu", transfer=transfer):
-            got.append(b)
+        got.extend(pinxfer.prefetch(range(5), device="cpu", transfer=transfer))
     assert got == [0, 1]
 
 
@@ -254,8 +253,14 @@ def test_nested_structures_and_non_tensor_fields_pass_through():
 
 def test_len_follows_source():
     assert len(pinxfer.prefetch([1, 2, 3], device="cpu")) == 3
-    assert len(pinxfer.prefetch(torch.utils.data.DataLoader(list(range(10)), batch_size=4),
-                                device="cpu")) == 3
+    assert (
+        len(
+            pinxfer.prefetch(
+                torch.utils.data.DataLoader(list(range(10)), batch_size=4), device="cpu"
+            )
+        )
+        == 3
+    )
     with pytest.raises(TypeError, match="has no len"):
         len(pinxfer.prefetch(iter([1, 2]), device="cpu"))
 
@@ -307,7 +312,11 @@ def test_to_device_cpu_target_passes_structure():
 
 
 def test_map_tensors_and_tensors_in_agree():
-    batch = [torch.ones(1), {"b": torch.zeros(2), "a": (torch.ones(3),)}, Sample(torch.ones(4), 1, {})]
+    batch = [
+        torch.ones(1),
+        {"b": torch.zeros(2), "a": (torch.ones(3),)},
+        Sample(torch.ones(4), 1, {}),
+    ]
     found = pinxfer._batch.tensors_in(batch)
     assert [t.numel() for t in found] == [1, 2, 3, 4]
     order = []

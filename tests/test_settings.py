@@ -6,8 +6,10 @@ environment variable runs in a fresh Python process. The derivations (copy
 threads from CPUs, a node pool's share of them, cgroup quota) take their inputs
 as arguments and are checked against hand-computed answers and fake cgroup trees.
 """
+
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -17,40 +19,59 @@ from pathlib import Path
 import pytest
 import torch
 
-import pinxfer  # noqa: F401  (registers torch.ops.pinxfer)
+import pinxfer
 from pinxfer import _ops
 
 ops = torch.ops.pinxfer
 REPO = str(Path(__file__).resolve().parent.parent)
 MiB = 1 << 20
-PINXFER_VARS = ["PINXFER_SYSFS_ROOT", "PINXFER_DISABLE_CUDA", "PINXFER_NUMA_NODE",
-                "PINXFER_MAX_PINNED_BYTES", "PINXFER_NUM_THREADS", "PINXFER_SPIN_US",
-                "PINXFER_STAGE_COPY", "PINXFER_CACHED_TAIL"]
+PINXFER_VARS = [
+    "PINXFER_SYSFS_ROOT",
+    "PINXFER_DISABLE_CUDA",
+    "PINXFER_NUMA_NODE",
+    "PINXFER_MAX_PINNED_BYTES",
+    "PINXFER_NUM_THREADS",
+    "PINXFER_SPIN_US",
+    "PINXFER_STAGE_COPY",
+    "PINXFER_CACHED_TAIL",
+]
 
 
 def run_fresh(code: str, **env: str) -> subprocess.CompletedProcess:
-    base = {k: v for k, v in os.environ.items()
-            if not k.startswith("PINXFER_") and k != "LOCAL_WORLD_SIZE"}
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env={**base, **env},
-                          cwd=REPO, capture_output=True, text=True)
+    base = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("PINXFER_") and k != "LOCAL_WORLD_SIZE"
+    }
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env={**base, **env},
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
 
 
 # ---- copy threads from what the process has ----
 
-@pytest.mark.parametrize("affinity,online,quota,ranks,expected", [
-    (1, 1, 0.0, 1, 1),
-    (2, 2, 0.0, 1, 2),      # below 4 CPUs none is kept back
-    (4, 4, 0.0, 1, 3),
-    (16, 16, 0.0, 1, 12),   # the 16-CPU H100/H200 hosts
-    (32, 32, 0.0, 1, 16),   # capped: memory bandwidth, not threads, limits
-    (32, 32, 0.0, 2, 12),   # two torchrun ranks on an unpartitioned host: 16 CPUs each
-    (32, 32, 0.0, 8, 3),    # eight ranks: 4 CPUs each
-    (8, 32, 0.0, 4, 6),     # the launcher bound this rank to 8 CPUs: not divided again
-    (16, 16, 4.0, 1, 3),    # cgroup quota of 4 CPUs
-    (16, 16, 2.5, 1, 3),    # a fractional quota rounds up
-    (16, 16, 64.0, 1, 12),  # a quota above the affinity changes nothing
-    (3, 64, 0.0, 8, 3),
-])
+
+@pytest.mark.parametrize(
+    ("affinity", "online", "quota", "ranks", "expected"),
+    [
+        (1, 1, 0.0, 1, 1),
+        (2, 2, 0.0, 1, 2),  # below 4 CPUs none is kept back
+        (4, 4, 0.0, 1, 3),
+        (16, 16, 0.0, 1, 12),  # the 16-CPU H100/H200 hosts
+        (32, 32, 0.0, 1, 16),  # capped: memory bandwidth, not threads, limits
+        (32, 32, 0.0, 2, 12),  # two torchrun ranks on an unpartitioned host: 16 CPUs each
+        (32, 32, 0.0, 8, 3),  # eight ranks: 4 CPUs each
+        (8, 32, 0.0, 4, 6),  # the launcher bound this rank to 8 CPUs: not divided again
+        (16, 16, 4.0, 1, 3),  # cgroup quota of 4 CPUs
+        (16, 16, 2.5, 1, 3),  # a fractional quota rounds up
+        (16, 16, 64.0, 1, 12),  # a quota above the affinity changes nothing
+        (3, 64, 0.0, 8, 3),
+    ],
+)
 def test_copy_threads_follow_the_process_cpus(affinity, online, quota, ranks, expected):
     threads, why = ops.copy_threads_for(affinity, online, quota, ranks)
     assert threads == expected, why
@@ -68,65 +89,72 @@ def test_copy_threads_reject_nonsense():
 
 # ---- one copy-thread budget per process, split among the NUMA nodes' pools ----
 
+
 def cpus(lo: int, hi: int) -> list[int]:
     return list(range(lo, hi))
 
 
-@pytest.mark.parametrize("budget,node,affinity,from_env,expected", [
-    # One node holding every allowed CPU: the whole budget on them, as before the split.
-    (12, cpus(0, 16), cpus(0, 16), False, (12, cpus(0, 16))),
-    (2, [0, 1], [0, 1], False, (2, [0, 1])),
-    (1, [0], [0], False, (1, [0])),
-    # Node -1 (no CPUs): unbound, the whole budget, as before.
-    (12, [], cpus(0, 16), False, (12, [])),
-    (5, [], cpus(0, 4), True, (5, [])),
-    # Two nodes of 16 CPUs: half the budget each, bound to their own CPUs.
-    (16, cpus(0, 16), cpus(0, 32), False, (8, cpus(0, 16))),
-    (16, cpus(16, 32), cpus(0, 32), False, (8, cpus(16, 32))),
-    # Unequal nodes (3 + 5 CPUs, budget 6 derived from 8): 2.25 -> 2 and 3.75 -> 4.
-    (6, cpus(0, 3), cpus(0, 8), False, (2, cpus(0, 3))),
-    (6, cpus(3, 8), cpus(0, 8), False, (4, cpus(3, 8))),
-    # Shares round to the nearest, halves up (12 * 3/8 = 4.5 -> 5), and are at least 1.
-    (12, cpus(0, 3), cpus(0, 8), True, (5, cpus(0, 3))),
-    (2, [0], cpus(0, 16), False, (1, [0])),
-    # Affinity restricted to part of a node (taskset -c 0-3 on a 2 x 16-CPU host, budget 3):
-    # bound to those 4 CPUs only, with the whole budget; the other node has none of them.
-    (3, cpus(0, 16), cpus(0, 4), False, (3, cpus(0, 4))),
-    # Restricted to part of each node: each pool gets its allowed CPUs and half the budget.
-    (6, cpus(0, 16), cpus(0, 4) + cpus(16, 20), False, (3, cpus(0, 4))),
-    (6, cpus(16, 32), cpus(0, 4) + cpus(16, 20), False, (3, cpus(16, 20))),
-    # A node with no allowed CPU: no binding (the workers run where the process may),
-    # and the pool's CPUs are all of the process's, so it counts the whole budget.
-    (3, cpus(16, 32), cpus(0, 4), False, (3, [])),
-    # A derived budget is at most the pool's CPUs; PINXFER_NUM_THREADS is the whole
-    # process's total, split the same way and not capped.
-    (8, [0, 1], cpus(0, 4), False, (2, [0, 1])),
-    (8, [0, 1], cpus(0, 4), True, (4, [0, 1])),
-    (6, [0], [0, 1], True, (3, [0])),
-    (3, [1], [0, 1], True, (2, [1])),   # 1.5 rounds up: 2 + 2 for the two nodes
-    (40, cpus(0, 16), cpus(0, 64), True, (10, cpus(0, 16))),
-    # Unknown affinity (empty): the node's CPUs are taken as allowed, as before the split.
-    (12, cpus(0, 8), [], False, (8, cpus(0, 8))),
-    (12, [], [], False, (12, [])),
-    # Unsorted, repeated ids are sets.
-    (4, [3, 1, 2, 1], [2, 3, 1, 0, 0], False, (3, [1, 2, 3])),
-])
+@pytest.mark.parametrize(
+    ("budget", "node", "affinity", "from_env", "expected"),
+    [
+        # One node holding every allowed CPU: the whole budget on them, as before the split.
+        (12, cpus(0, 16), cpus(0, 16), False, (12, cpus(0, 16))),
+        (2, [0, 1], [0, 1], False, (2, [0, 1])),
+        (1, [0], [0], False, (1, [0])),
+        # Node -1 (no CPUs): unbound, the whole budget, as before.
+        (12, [], cpus(0, 16), False, (12, [])),
+        (5, [], cpus(0, 4), True, (5, [])),
+        # Two nodes of 16 CPUs: half the budget each, bound to their own CPUs.
+        (16, cpus(0, 16), cpus(0, 32), False, (8, cpus(0, 16))),
+        (16, cpus(16, 32), cpus(0, 32), False, (8, cpus(16, 32))),
+        # Unequal nodes (3 + 5 CPUs, budget 6 derived from 8): 2.25 -> 2 and 3.75 -> 4.
+        (6, cpus(0, 3), cpus(0, 8), False, (2, cpus(0, 3))),
+        (6, cpus(3, 8), cpus(0, 8), False, (4, cpus(3, 8))),
+        # Shares round to the nearest, halves up (12 * 3/8 = 4.5 -> 5), and are at least 1.
+        (12, cpus(0, 3), cpus(0, 8), True, (5, cpus(0, 3))),
+        (2, [0], cpus(0, 16), False, (1, [0])),
+        # Affinity restricted to part of a node (taskset -c 0-3 on a 2 x 16-CPU host, budget 3):
+        # bound to those 4 CPUs only, with the whole budget; the other node has none of them.
+        (3, cpus(0, 16), cpus(0, 4), False, (3, cpus(0, 4))),
+        # Restricted to part of each node: each pool gets its allowed CPUs and half the budget.
+        (6, cpus(0, 16), cpus(0, 4) + cpus(16, 20), False, (3, cpus(0, 4))),
+        (6, cpus(16, 32), cpus(0, 4) + cpus(16, 20), False, (3, cpus(16, 20))),
+        # A node with no allowed CPU: no binding (the workers run where the process may),
+        # and the pool's CPUs are all of the process's, so it counts the whole budget.
+        (3, cpus(16, 32), cpus(0, 4), False, (3, [])),
+        # A derived budget is at most the pool's CPUs; PINXFER_NUM_THREADS is the whole
+        # process's total, split the same way and not capped.
+        (8, [0, 1], cpus(0, 4), False, (2, [0, 1])),
+        (8, [0, 1], cpus(0, 4), True, (4, [0, 1])),
+        (6, [0], [0, 1], True, (3, [0])),
+        (3, [1], [0, 1], True, (2, [1])),  # 1.5 rounds up: 2 + 2 for the two nodes
+        (40, cpus(0, 16), cpus(0, 64), True, (10, cpus(0, 16))),
+        # Unknown affinity (empty): the node's CPUs are taken as allowed, as before the split.
+        (12, cpus(0, 8), [], False, (8, cpus(0, 8))),
+        (12, [], [], False, (12, [])),
+        # Unsorted, repeated ids are sets.
+        (4, [3, 1, 2, 1], [2, 3, 1, 0, 0], False, (3, [1, 2, 3])),
+    ],
+)
 def test_node_pool_plan(budget, node, affinity, from_env, expected):
     assert _ops._node_pool_plan(budget, node, affinity, from_env) == expected
 
 
 @pytest.mark.parametrize("num_nodes", [1, 2, 4, 8])
-@pytest.mark.parametrize("budget,from_env", [(16, False), (12, False), (3, True), (48, True)])
+@pytest.mark.parametrize(("budget", "from_env"), [(16, False), (12, False), (3, True), (48, True)])
 def test_node_pools_share_one_budget(num_nodes, budget, from_env):
     """A process driving GPUs on every node of a 32-CPU host runs its budget once in all,
     not once per node (issue 11): equal nodes give equal shares summing to the budget,
     to within the rounding of each share."""
     per_node = 32 // num_nodes
-    shares = [_ops._node_pool_plan(budget, cpus(n * per_node, (n + 1) * per_node),
-                                   cpus(0, 32), from_env) for n in range(num_nodes)]
+    shares = [
+        _ops._node_pool_plan(budget, cpus(n * per_node, (n + 1) * per_node), cpus(0, 32), from_env)
+        for n in range(num_nodes)
+    ]
     threads = [t for t, _ in shares]
-    assert [c for _, c in shares] == [cpus(n * per_node, (n + 1) * per_node)
-                                      for n in range(num_nodes)]
+    assert [c for _, c in shares] == [
+        cpus(n * per_node, (n + 1) * per_node) for n in range(num_nodes)
+    ]
     assert len(set(threads)) == 1 and min(threads) >= 1
     exact = budget / num_nodes
     assert abs(threads[0] - exact) <= 0.5 or threads[0] == 1
@@ -150,12 +178,16 @@ def _cgroup_v2(root: Path, path: str, cpu_max: dict[str, str]) -> str:
 
 
 def test_cgroup_v2_quota_is_the_smallest_on_the_path(tmp_path):
-    self_cgroup = _cgroup_v2(tmp_path, "/kubepods/pod1/ctr", {
-        "/": "max 100000",
-        "/kubepods": "800000 100000",          # 8 CPUs for all pods
-        "/kubepods/pod1": "250000 100000",     # 2.5 CPUs for this pod
-        "/kubepods/pod1/ctr": "max 100000",
-    })
+    self_cgroup = _cgroup_v2(
+        tmp_path,
+        "/kubepods/pod1/ctr",
+        {
+            "/": "max 100000",
+            "/kubepods": "800000 100000",  # 8 CPUs for all pods
+            "/kubepods/pod1": "250000 100000",  # 2.5 CPUs for this pod
+            "/kubepods/pod1/ctr": "max 100000",
+        },
+    )
     assert ops.cgroup_quota_cpus(str(tmp_path), self_cgroup) == pytest.approx(2.5)
 
 
@@ -178,13 +210,18 @@ def test_cgroup_v1_cpu_controller(tmp_path):
 
 # ---- the settings object ----
 
+
 def test_settings_list_every_variable_with_its_source():
-    out = run_fresh("""
+    out = run_fresh(
+        """
         import torch, pinxfer
         names, values, sources = torch.ops.pinxfer.settings()
         for n, v, s in zip(names, values, sources):
             print(n, "|", v, "|", s)
-    """, PINXFER_SPIN_US="7", PINXFER_MAX_PINNED_BYTES="1GiB")
+    """,
+        PINXFER_SPIN_US="7",
+        PINXFER_MAX_PINNED_BYTES="1GiB",
+    )
     assert out.returncode == 0, out.stderr
     rows = {line.split(" | ")[0]: line.split(" | ")[1:] for line in out.stdout.splitlines()}
     assert sorted(rows) == sorted(PINXFER_VARS)
@@ -213,7 +250,8 @@ def test_spin_is_adaptive_unless_set():
 
 
 def test_settings_are_read_once():
-    out = run_fresh("""
+    out = run_fresh(
+        """
         import os, torch, pinxfer
         first = torch.ops.pinxfer.settings()
         os.environ["PINXFER_SPIN_US"] = "999"
@@ -221,7 +259,9 @@ def test_settings_are_read_once():
         assert torch.ops.pinxfer.settings() == first
         assert torch.ops.pinxfer.get_max_pinned_bytes() == 3 << 20
         print("ok")
-    """, PINXFER_MAX_PINNED_BYTES="3MiB")
+    """,
+        PINXFER_MAX_PINNED_BYTES="3MiB",
+    )
     assert out.returncode == 0 and "ok" in out.stdout, out.stdout + out.stderr
 
 
@@ -241,27 +281,31 @@ def test_derived_threads_follow_local_world_size_and_affinity():
         assert "LOCAL_WORLD_SIZE=2" in shared.stdout
 
 
-@pytest.mark.parametrize("name,value,expected", [
-    ("PINXFER_NUM_THREADS", "many", "an integer from 1 to"),
-    ("PINXFER_NUM_THREADS", "0", "an integer from 1 to"),
-    # Issue 27: values past int were truncated (4294967297 -> 1 thread).
-    ("PINXFER_NUM_THREADS", "4294967297", "an integer from 1 to"),
-    ("PINXFER_NUM_THREADS", "100000", "an integer from 1 to"),
-    ("PINXFER_SPIN_US", "-5", "an integer from 0 to 1000000"),
-    ("PINXFER_SPIN_US", "4294967396", "an integer from 0 to 1000000"),
-    ("PINXFER_MAX_PINNED_BYTES", "lots", "a byte size"),
-    # Issue 27: a fraction of a byte silently meant "no cap".
-    ("PINXFER_MAX_PINNED_BYTES", "0.5", "a byte size"),
-    ("PINXFER_MAX_PINNED_BYTES", "1.5", "a byte size"),
-    ("PINXFER_STAGE_COPY", "fast", "expected 'auto', 'nt'"),
-    ("PINXFER_DISABLE_CUDA", "yes", "1 \\(never touch CUDA\\) or 0"),
-    ("PINXFER_NUMA_NODE", "first", "an integer from 0 to"),
-    # Issue 27: 2^32 was read as node 0 while settings() showed 4294967296.
-    ("PINXFER_NUMA_NODE", "4294967296", "an integer from 0 to"),
-    ("PINXFER_NUMA_NODE", "-5", "an integer from 0 to"),
-])
+@pytest.mark.parametrize(
+    ("name", "value", "expected"),
+    [
+        ("PINXFER_NUM_THREADS", "many", "an integer from 1 to"),
+        ("PINXFER_NUM_THREADS", "0", "an integer from 1 to"),
+        # Issue 27: values past int were truncated (4294967297 -> 1 thread).
+        ("PINXFER_NUM_THREADS", "4294967297", "an integer from 1 to"),
+        ("PINXFER_NUM_THREADS", "100000", "an integer from 1 to"),
+        ("PINXFER_SPIN_US", "-5", "an integer from 0 to 1000000"),
+        ("PINXFER_SPIN_US", "4294967396", "an integer from 0 to 1000000"),
+        ("PINXFER_MAX_PINNED_BYTES", "lots", "a byte size"),
+        # Issue 27: a fraction of a byte silently meant "no cap".
+        ("PINXFER_MAX_PINNED_BYTES", "0.5", "a byte size"),
+        ("PINXFER_MAX_PINNED_BYTES", "1.5", "a byte size"),
+        ("PINXFER_STAGE_COPY", "fast", "expected 'auto', 'nt'"),
+        ("PINXFER_DISABLE_CUDA", "yes", "1 \\(never touch CUDA\\) or 0"),
+        ("PINXFER_NUMA_NODE", "first", "an integer from 0 to"),
+        # Issue 27: 2^32 was read as node 0 while settings() showed 4294967296.
+        ("PINXFER_NUMA_NODE", "4294967296", "an integer from 0 to"),
+        ("PINXFER_NUMA_NODE", "-5", "an integer from 0 to"),
+    ],
+)
 def test_malformed_variable_is_a_clear_error_at_every_call(name, value, expected):
-    out = run_fresh("""
+    out = run_fresh(
+        """
         import torch, pinxfer
         for _ in range(2):
             try:
@@ -270,20 +314,26 @@ def test_malformed_variable_is_a_clear_error_at_every_call(name, value, expected
                 print("ERROR", e)
             else:
                 print("NO ERROR")
-    """, **{name: value})
+    """,
+        **{name: value},
+    )
     assert out.returncode == 0, out.stderr
-    lines = [l for l in out.stdout.splitlines() if l.startswith(("ERROR", "NO ERROR"))]
-    assert len(lines) == 2 and all(l.startswith("ERROR") for l in lines), out.stdout
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith(("ERROR", "NO ERROR"))]
+    assert len(lines) == 2 and all(ln.startswith("ERROR") for ln in lines), out.stdout
     import re
+
     assert name in lines[0] and f"'{value}'" in lines[0] and re.search(expected, lines[0])
     assert "unset it" in lines[0]
 
 
 def test_cuda_unusable_reason_is_one_answer():
-    out = run_fresh("""
+    out = run_fresh(
+        """
         import torch, pinxfer
         print(torch.ops.pinxfer.cuda_unusable_reason())
-    """, PINXFER_DISABLE_CUDA="1")
+    """,
+        PINXFER_DISABLE_CUDA="1",
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "PINXFER_DISABLE_CUDA=1 is set"
     reason = ops.cuda_unusable_reason()
@@ -292,18 +342,34 @@ def test_cuda_unusable_reason_is_one_answer():
 
 # ---- chunk planning (transfer/chunk_plan.h) ----
 
-@pytest.mark.parametrize("nbytes", [1, 4095, 4096, 256 << 10, (256 << 10) + 1, 3 * MiB + 7,
-                                    40 * MiB + 3, 64 * MiB, 1 << 30, (1 << 30) + 12345])
-@pytest.mark.parametrize("chunk_bytes,num_buffers", [(16 * MiB, 4), (4096, 1), (70_001, 3),
-                                                     (5 * MiB + 13, 2)])
+
+@pytest.mark.parametrize(
+    "nbytes",
+    [
+        1,
+        4095,
+        4096,
+        256 << 10,
+        (256 << 10) + 1,
+        3 * MiB + 7,
+        40 * MiB + 3,
+        64 * MiB,
+        1 << 30,
+        (1 << 30) + 12345,
+    ],
+)
+@pytest.mark.parametrize(
+    ("chunk_bytes", "num_buffers"), [(16 * MiB, 4), (4096, 1), (70_001, 3), (5 * MiB + 13, 2)]
+)
 @pytest.mark.parametrize("threads", [1, 3, 12])
 def test_chunk_plan_covers_every_byte_once(nbytes, chunk_bytes, num_buffers, threads):
-    bounds, flat, ring, slot_bytes, used_threads = ops._chunk_plan(nbytes, chunk_bytes,
-                                                                   num_buffers, threads)
+    bounds, flat, ring, slot_bytes, used_threads = ops._chunk_plan(
+        nbytes, chunk_bytes, num_buffers, threads
+    )
     assert bounds[0] == 0 and bounds[-1] == nbytes
-    assert all(a < b for a, b in zip(bounds, bounds[1:]))
+    assert all(a < b for a, b in itertools.pairwise(bounds))
     assert all(b % 4096 == 0 for b in bounds[1:-1])
-    pieces = [tuple(flat[i:i + 3]) for i in range(0, len(flat), 3)]
+    pieces = [tuple(flat[i : i + 3]) for i in range(0, len(flat), 3)]
     # Pieces are in chunk order, each inside its chunk, and tile the tensor exactly.
     pos = 0
     for chunk, begin, end in pieces:
@@ -317,7 +383,7 @@ def test_chunk_plan_covers_every_byte_once(nbytes, chunk_bytes, num_buffers, thr
         assert chunks == 1 and len(pieces) == 1 and used_threads == 1
     if ring:
         assert ring == num_buffers and chunks > num_buffers
-        assert slot_bytes == max(b - a for a, b in zip(bounds, bounds[1:]))
+        assert slot_bytes == max(b - a for a, b in itertools.pairwise(bounds))
     else:
         assert slot_bytes == 0
         assert nbytes <= chunk_bytes * num_buffers or chunks <= num_buffers
@@ -326,7 +392,7 @@ def test_chunk_plan_covers_every_byte_once(nbytes, chunk_bytes, num_buffers, thr
 
 def test_chunk_plan_ramps_up_and_down():
     bounds, *_ = ops._chunk_plan(1 << 30, 16 * MiB, 4, 12)
-    sizes = [b - a for a, b in zip(bounds, bounds[1:])]
+    sizes = [b - a for a, b in itertools.pairwise(bounds)]
     assert sizes[0] == sizes[-1] == 256 << 10
     assert max(sizes) == 16 * MiB
     assert sizes[:4] == [256 << 10, 512 << 10, 1 * MiB, 2 * MiB]
@@ -339,12 +405,14 @@ def test_chunk_plan_rejects_bad_arguments():
 
 # ---- idle copy threads ----
 
+
 def test_idle_copy_threads_use_no_cpu():
     """After a threaded copy the workers spin for PINXFER_SPIN_US, then sleep: over one
     second of idle the whole process uses a few milliseconds of CPU, not the seconds that
     workers spinning on (or polling) would burn. Checked in a fresh process whose copy
     threads are forced to 2, so the pool has a worker even on a 1-CPU runner."""
-    out = run_fresh("""
+    out = run_fresh(
+        """
         import resource, time, torch, pinxfer
         def cpu():
             r = resource.getrusage(resource.RUSAGE_SELF)
@@ -355,7 +423,9 @@ def test_idle_copy_threads_use_no_cpu():
         c0 = cpu()
         time.sleep(1.0)
         print("IDLE_CPU", cpu() - c0)
-    """, PINXFER_NUM_THREADS="2")
+    """,
+        PINXFER_NUM_THREADS="2",
+    )
     assert out.returncode == 0, out.stderr
     idle = float(out.stdout.split("IDLE_CPU", 1)[1].split()[0])
     # A worker that never sleeps would use ~1 s here; the spin before sleeping is 100 us.

@@ -4,6 +4,7 @@ Real DataLoader workers (fork and spawn) and real shared memory; every byte of e
 batch is compared with the same loader iterated without slots. GPU assertions are in
 the tests marked ``gpu`` (skipped without CUDA).
 """
+
 from __future__ import annotations
 
 import collections
@@ -22,13 +23,23 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 import pinxfer
-from pinxfer.slots import layout
 from pinxfer._batch import map_tensors, tensors_in
+from pinxfer.slots import layout
 
 from .conftest import HAS_CUDA, MLOCK_IS_REAL, vm_locked_kib
 
-DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.uint8,
-          torch.int16, torch.int64, torch.bool, torch.complex64]
+DTYPES = [
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.int8,
+    torch.uint8,
+    torch.int16,
+    torch.int64,
+    torch.bool,
+    torch.complex64,
+]
 Meta = collections.namedtuple("Meta", ["index", "name"])
 
 
@@ -47,7 +58,11 @@ def _random(shape, dtype, seed):
     if dtype == torch.bool:
         return torch.randint(0, 2, shape, generator=g, dtype=torch.uint8).bool()
     size = torch.empty((), dtype=dtype).element_size()
-    return torch.randint(0, 256, (numel * size,), generator=g, dtype=torch.uint8).view(dtype).reshape(shape)
+    return (
+        torch.randint(0, 256, (numel * size,), generator=g, dtype=torch.uint8)
+        .view(dtype)
+        .reshape(shape)
+    )
 
 
 class Nested(Dataset):
@@ -55,7 +70,13 @@ class Nested(Dataset):
     (so each batch of ``group`` collates) and whose bytes are random."""
 
     def __init__(self, n=48, group=4, scale=1, fail_at=None, kill_at=None):
-        self.n, self.group, self.scale, self.fail_at, self.kill_at = n, group, scale, fail_at, kill_at
+        self.n, self.group, self.scale, self.fail_at, self.kill_at = (
+            n,
+            group,
+            scale,
+            fail_at,
+            kill_at,
+        )
 
     def __len__(self):
         return self.n
@@ -73,7 +94,10 @@ class Nested(Dataset):
         k = int(torch.randint(0, 5, (1,), generator=g))
         return {
             "x": _random((rows, cols), dtype, i),
-            "pair": (_random((3,), torch.int64, 7 * i), [_random((k,), torch.bool, i), float(i) / 3]),
+            "pair": (
+                _random((3,), torch.int64, 7 * i),
+                [_random((k,), torch.bool, i), float(i) / 3],
+            ),
             "meta": Meta(i, f"s{i}"),
         }
 
@@ -89,8 +113,11 @@ class Samples(Dataset):
 
     def __getitem__(self, i):
         rows = 64 if self.big_every and i % self.big_every == 1 else 1 + i % 5
-        item = Sample(_random((rows, 16), torch.float32, i), i,
-                      {"ids": _random((i % 3 + 1,), torch.int64, i + 1), "m": Meta(i, "n")})
+        item = Sample(
+            _random((rows, 16), torch.float32, i),
+            i,
+            {"ids": _random((i % 3 + 1,), torch.int64, i + 1), "m": Meta(i, "n")},
+        )
         if self.sparse_every and i % self.sparse_every == 0:
             item.extra["sp"] = torch.eye(4).to_sparse()
         return item
@@ -114,8 +141,16 @@ def assert_same(got, want):
     assert len(gt) == len(wt)
     for a, b in zip(gt, wt):
         assert a.dtype == b.dtype and a.shape == b.shape
-        ab = a.contiguous().reshape(-1).view(torch.uint8) if a.numel() else a.new_empty(0, dtype=torch.uint8)
-        bb = b.contiguous().reshape(-1).view(torch.uint8) if b.numel() else b.new_empty(0, dtype=torch.uint8)
+        ab = (
+            a.contiguous().reshape(-1).view(torch.uint8)
+            if a.numel()
+            else a.new_empty(0, dtype=torch.uint8)
+        )
+        bb = (
+            b.contiguous().reshape(-1).view(torch.uint8)
+            if b.numel()
+            else b.new_empty(0, dtype=torch.uint8)
+        )
         assert torch.equal(ab, bb)
 
 
@@ -123,8 +158,10 @@ def states(pf):
     """Counts of the slots' header states: FREE, TAKEN, HELD."""
     ring = pf.slots._ring
     s = [ring.header.state(i) for i in range(ring.num_slots)]
-    return {name: s.count(v) for name, v in (("free", layout.FREE), ("taken", layout.TAKEN),
-                                             ("held", layout.HELD))}
+    return {
+        name: s.count(v)
+        for name, v in (("free", layout.FREE), ("taken", layout.TAKEN), ("held", layout.HELD))
+    }
 
 
 def memfds():
@@ -178,15 +215,22 @@ def test_every_byte_fork_nested(hint):
         assert st["fallbacks"]["no_free_slot"] == 0 and st["fallbacks"]["unsupported"] == 0
         assert states(pf) == {"free": st["num_slots"], "taken": 0, "held": 0}
         # A slot batch left its slot as one copy: its tensors are views of one buffer.
-        one_buffer = [len({t.untyped_storage().data_ptr() for t in tensors_in(g)}) == 1 for g in got]
+        one_buffer = [
+            len({t.untyped_storage().data_ptr() for t in tensors_in(g)}) == 1 for g in got
+        ]
         assert sum(one_buffer) >= st["slot_batches"]
     assert loader.collate_fn is torch.utils.data.default_collate  # the caller's loader untouched
     assert loader.worker_init_fn is None
 
 
 def test_spawn_persistent_three_epochs():
-    loader = DataLoader(Nested(n=24), batch_size=4, num_workers=2, multiprocessing_context="spawn",
-                        persistent_workers=True)
+    loader = DataLoader(
+        Nested(n=24),
+        batch_size=4,
+        num_workers=2,
+        multiprocessing_context="spawn",
+        persistent_workers=True,
+    )
     want = list(DataLoader(Nested(n=24), batch_size=4, num_workers=0))
     with pinxfer.prefetch(loader, slots=True, device="cpu", slot_bytes=1 << 16) as pf:
         for _ in range(3):
@@ -201,8 +245,14 @@ def test_spawn_persistent_three_epochs():
 
 
 def test_persistent_early_break_then_full_epochs():
-    loader = DataLoader(Nested(n=64), batch_size=4, num_workers=2, multiprocessing_context="fork",
-                        persistent_workers=True, prefetch_factor=3)
+    loader = DataLoader(
+        Nested(n=64),
+        batch_size=4,
+        num_workers=2,
+        multiprocessing_context="fork",
+        persistent_workers=True,
+        prefetch_factor=3,
+    )
     want = list(loader)
     with pinxfer.prefetch(loader, slots=True, device="cpu", slot_bytes=1 << 16) as pf:
         for stop in (1, 0, 2):  # several early breaks in a row strand slots in discarded results
@@ -225,7 +275,7 @@ def test_early_break_then_new_epoch_not_persistent():
     loader = DataLoader(Nested(n=64), batch_size=4, num_workers=2, multiprocessing_context="fork")
     want = list(loader)
     with pinxfer.prefetch(loader, slots=True, device="cpu", slot_bytes=1 << 16) as pf:
-        for i, g in enumerate(pf):
+        for i, _ in enumerate(pf):
             if i == 2:
                 break
         got = list(pf)
@@ -236,8 +286,9 @@ def test_early_break_then_new_epoch_not_persistent():
 
 
 def test_in_order_false():
-    loader = DataLoader(Nested(n=40), batch_size=4, num_workers=2, multiprocessing_context="fork",
-                        in_order=False)
+    loader = DataLoader(
+        Nested(n=40), batch_size=4, num_workers=2, multiprocessing_context="fork", in_order=False
+    )
     want = {int(b["meta"].index[0]): b for b in loader}
     with pinxfer.prefetch(loader, slots=True, device="cpu", slot_bytes=1 << 16) as pf:
         got = {int(b["meta"].index[0]): b for b in pf}
@@ -256,20 +307,31 @@ def test_batch_size_none_dataclasses_and_custom_collate():
     for g, w in zip(got, want):
         assert_same(g, w)
 
-    custom = DataLoader(Nested(n=32), batch_size=4, num_workers=2, multiprocessing_context="fork",
-                        collate_fn=collate_to_dataclass)
+    custom = DataLoader(
+        Nested(n=32),
+        batch_size=4,
+        num_workers=2,
+        multiprocessing_context="fork",
+        collate_fn=collate_to_dataclass,
+    )
     want = list(custom)
     with pinxfer.prefetch(custom, slots=True, device="cpu", slot_bytes=1 << 16) as pf:
         got = list(pf)
-        assert pf.slots.stats()["slot_batches"] == len(want) - pf.slots.stats()["fallbacks"]["too_big"]
+        assert (
+            pf.slots.stats()["slot_batches"] == len(want) - pf.slots.stats()["fallbacks"]["too_big"]
+        )
     for g, w in zip(got, want):
         assert isinstance(g, Sample)
         assert_same(g, w)  # the transposed (non-contiguous) tensor: same values, stored contiguous
 
 
 def test_fallback_too_big_and_sparse_counted():
-    loader = DataLoader(Samples(n=12, sparse_every=4, big_every=3), batch_size=None, num_workers=2,
-                        multiprocessing_context="fork")
+    loader = DataLoader(
+        Samples(n=12, sparse_every=4, big_every=3),
+        batch_size=None,
+        num_workers=2,
+        multiprocessing_context="fork",
+    )
     want = list(loader)
     with pinxfer.prefetch(loader, slots=True, device="cpu", slot_bytes=4096) as pf:
         got = list(pf)
@@ -289,14 +351,14 @@ def test_fallback_too_big_and_sparse_counted():
 
 
 def test_worker_exception_message_and_step():
-    loader = DataLoader(Nested(n=40, fail_at=21), batch_size=4, num_workers=2,
-                        multiprocessing_context="fork")
+    loader = DataLoader(
+        Nested(n=40, fail_at=21), batch_size=4, num_workers=2, multiprocessing_context="fork"
+    )
     want = list(DataLoader(Nested(n=40), batch_size=4, num_workers=0))
     got = []
     with pinxfer.prefetch(loader, slots=True, device="cpu", slot_bytes=1 << 16) as pf:
         with pytest.raises(ValueError, match="sample 21 is broken") as info:
-            for b in pf:
-                got.append(b)
+            got.extend(pf)
         assert len(got) == 5  # batches 0..4; batch 5 holds sample 21
         for g, w in zip(got, want):
             assert_same(g, w)
@@ -311,8 +373,8 @@ def _iterate_with_timeout(pf, seconds):
 
     def run():
         try:
-            box["got"] = [b for b in pf]
-        except BaseException as err:  # noqa: BLE001
+            box["got"] = list(pf)
+        except BaseException as err:
             box["err"] = err
 
     th = threading.Thread(target=run, daemon=True)
@@ -343,11 +405,13 @@ def test_two_loaders_at_once():
     a = DataLoader(Nested(n=32), batch_size=4, num_workers=2, multiprocessing_context="fork")
     b = DataLoader(Samples(n=8), batch_size=None, num_workers=1, multiprocessing_context="fork")
     wa, wb = list(a), list(b)
-    with pinxfer.prefetch(a, slots=True, device="cpu", slot_bytes=1 << 16) as pa, \
-            pinxfer.prefetch(b, slots=True, device="cpu", slot_bytes=1 << 14) as pb:
+    with (
+        pinxfer.prefetch(a, slots=True, device="cpu", slot_bytes=1 << 16) as pa,
+        pinxfer.prefetch(b, slots=True, device="cpu", slot_bytes=1 << 14) as pb,
+    ):
         assert pa.slots._ring.ring_id != pb.slots._ring.ring_id
         n = 0
-        for (ga, gb) in zip(pa, pb):
+        for ga, gb in zip(pa, pb):
             assert_same(ga, wa[n])
             assert_same(gb, wb[n])
             n += 1
@@ -359,8 +423,13 @@ def test_slot_never_held_by_two_batches():
     """A tiny ring, slow consumer steps and racing workers: while the trainer holds a slot
     its bytes do not change, and no slot is received while it is held (the ring checks
     the writer tag in the header on receipt and on release and would raise)."""
-    loader = DataLoader(Nested(n=120, group=2), batch_size=2, num_workers=2,
-                        multiprocessing_context="fork", prefetch_factor=1)
+    loader = DataLoader(
+        Nested(n=120, group=2),
+        batch_size=2,
+        num_workers=2,
+        multiprocessing_context="fork",
+        prefetch_factor=1,
+    )
     want = list(loader)
     in_use: set[int] = set()
     lock = threading.Lock()
@@ -373,15 +442,24 @@ def test_slot_never_held_by_two_batches():
         first = [t.clone() for t in tensors_in(batch)]
         time.sleep(0.003)  # workers keep writing other slots meanwhile
         for a, t in zip(first, tensors_in(batch)):
-            assert torch.equal(a.view(-1).view(torch.uint8) if a.numel() else a,
-                               t.reshape(-1).view(torch.uint8) if t.numel() else t)
+            assert torch.equal(
+                a.view(-1).view(torch.uint8) if a.numel() else a,
+                t.reshape(-1).view(torch.uint8) if t.numel() else t,
+            )
         out = map_tensors(batch, torch.clone)
         with lock:
             in_use.discard(ptr)
         return out
 
-    with pinxfer.prefetch(loader, slots=True, device="cpu", depth=1, transfer=transfer,
-                          num_slots=3 * 1 + 1 + 2, slot_bytes=1 << 15) as pf:
+    with pinxfer.prefetch(
+        loader,
+        slots=True,
+        device="cpu",
+        depth=1,
+        transfer=transfer,
+        num_slots=3 * 1 + 1 + 2,
+        slot_bytes=1 << 15,
+    ) as pf:
         got = list(pf)
         st = pf.slots.stats()
     assert st["num_slots"] == 6 and st["slot_batches"] >= 50
@@ -414,8 +492,9 @@ def test_mapping_is_page_locked():
 
 def test_cpu_transfer_returning_slot_views_raises():
     loader = DataLoader(Nested(n=16), batch_size=4, num_workers=1, multiprocessing_context="fork")
-    with pinxfer.prefetch(loader, slots=True, device="cpu", transfer=lambda b: b,
-                          slot_bytes=1 << 16) as pf:
+    with pinxfer.prefetch(
+        loader, slots=True, device="cpu", transfer=lambda b: b, slot_bytes=1 << 16
+    ) as pf:
         with pytest.raises(RuntimeError, match="view of a batch slot"):
             list(pf)
         # The lease whose send failed gave its slot back; the pass's end returned the rest.
@@ -429,18 +508,21 @@ def test_arguments_checked():
     with pytest.raises(ValueError, match="num_workers > 0"):
         pinxfer.prefetch(DataLoader(ds, batch_size=4), slots=True, device="cpu")
     with pytest.raises(ValueError, match="pin_memory=False"):
-        pinxfer.prefetch(DataLoader(ds, batch_size=4, num_workers=1, pin_memory=True), slots=True,
-                         device="cpu")
+        pinxfer.prefetch(
+            DataLoader(ds, batch_size=4, num_workers=1, pin_memory=True), slots=True, device="cpu"
+        )
     with pytest.raises(ValueError, match="num_slots must be at least"):
-        pinxfer.prefetch(DataLoader(ds, batch_size=4, num_workers=2), slots=True, device="cpu",
-                         num_slots=4)
+        pinxfer.prefetch(
+            DataLoader(ds, batch_size=4, num_workers=2), slots=True, device="cpu", num_slots=4
+        )
     with pytest.raises(TypeError, match="DataLoader"):
         pinxfer.prefetch([1, 2], slots=True, device="cpu")
     with pytest.raises(ValueError, match="slot_bytes and num_slots are for batch slots"):
         pinxfer.prefetch([1, 2], device="cpu", slot_bytes=4096)
     with pytest.raises(ValueError, match="slots=False"):
-        pinxfer.prefetch(DataLoader(ds, batch_size=4, num_workers=2), slots=False, device="cpu",
-                         num_slots=64)
+        pinxfer.prefetch(
+            DataLoader(ds, batch_size=4, num_workers=2), slots=False, device="cpu", num_slots=64
+        )
     gc.collect()
 
 
@@ -456,8 +538,9 @@ def test_slots_by_default_only_for_worker_loaders_feeding_a_gpu():
     assert not _slots_by_default(workers, "cpu", None)  # on the CPU a slot only adds a copy
     assert not _slots_by_default(workers, "cuda", lambda b: b)  # a custom transfer may keep views
     assert not _slots_by_default(DataLoader(ds, batch_size=4), "cuda", None)  # no workers
-    assert not _slots_by_default(DataLoader(ds, batch_size=4, num_workers=2, pin_memory=True),
-                                 "cuda", None)
+    assert not _slots_by_default(
+        DataLoader(ds, batch_size=4, num_workers=2, pin_memory=True), "cuda", None
+    )
     assert not _slots_by_default([torch.ones(2)], "cuda", None)
     # Through prefetch: on the CPU the default is no slots, and nothing is created.
     pf = pinxfer.prefetch(workers, device="cpu")
@@ -480,10 +563,10 @@ def test_warns_when_most_batches_do_not_fit():
     # Item 0 sizes the ring (1.25x 1 KiB, rounded up to 64 KiB); three items in four are
     # 256 KiB and fall back.
     loader = DataLoader(MostlyBig(), batch_size=None, num_workers=2, multiprocessing_context="fork")
-    with pytest.warns(RuntimeWarning, match="did not fit the batch slots.*slot_bytes="):
-        with pinxfer.prefetch(loader, slots=True, device="cpu") as pf:
-            got = list(pf)
-            st = pf.slots.stats()
+    pf = pinxfer.prefetch(loader, slots=True, device="cpu")
+    with pf, pytest.warns(RuntimeWarning, match="did not fit the batch slots.*slot_bytes="):
+        got = list(pf)
+    st = pf.slots.stats()
     assert [float(t[0]) for t in got] == [float(i) for i in range(40)]
     assert all(torch.equal(t, MostlyBig()[i]) for i, t in enumerate(got))
     assert st["fallbacks"]["too_big"] * 2 > st["batches"]
@@ -504,7 +587,8 @@ TWO_RANKS = textwrap.dedent("""
 
         def __getitem__(self, i):
             g = torch.Generator().manual_seed(1000 * rank + i)
-            return torch.randint(0, 256, (4096 + 64 * (i // 4 % 3),), generator=g, dtype=torch.uint8)
+            n = 4096 + 64 * (i // 4 % 3)
+            return torch.randint(0, 256, (n,), generator=g, dtype=torch.uint8)
 
     loader = DataLoader(Ranked(), batch_size=4, num_workers=2, multiprocessing_context="fork")
     want = list(loader)
@@ -525,10 +609,23 @@ def test_two_torchrun_ranks_each_with_a_ring(tmp_path):
     script = tmp_path / "two_ranks.py"
     script.write_text(TWO_RANKS)
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         str(script)], capture_output=True, text=True, timeout=240,
-        env={**os.environ, "OMP_NUM_THREADS": "1",  # this checkout's pinxfer, not an installed one
-             "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])})
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            str(script),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={
+            **os.environ,
+            "OMP_NUM_THREADS": "1",  # this checkout's pinxfer, not an installed one
+            "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
+        },
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "rank 0 OK" in proc.stdout and "rank 1 OK" in proc.stdout, proc.stdout
 

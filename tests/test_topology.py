@@ -3,6 +3,7 @@
 Each fixture tree is checked through the Python API (pinxfer.topology /
 numa_nodes) and through the C++ ops the pools and thread pools use.
 """
+
 from __future__ import annotations
 
 import json
@@ -12,7 +13,6 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
-from typing import Optional
 
 import pytest
 import torch
@@ -25,8 +25,9 @@ from .conftest import requires_cuda
 ops = torch.ops.pinxfer
 
 
-def make_tree(root: Path, nodes: dict[int, Optional[str]],
-              gpus: dict[str, Optional[str]] = None) -> str:
+def make_tree(
+    root: Path, nodes: dict[int, str | None], gpus: dict[str, str | None] | None = None
+) -> str:
     """A sysfs tree: nodes {n: cpulist text or None (file missing)}, PCI devices
     {bus id: numa_node text or None (file missing)}. Also the non-node entries a
     real /sys/devices/system/node holds, which must be ignored."""
@@ -61,15 +62,19 @@ def reference_cpulist(text: str) -> list[int]:
 
 # ---- parse_cpulist ----
 
-@pytest.mark.parametrize("text,expected", [
-    ("0", [0]),
-    ("0-3", [0, 1, 2, 3]),
-    ("0-3,8,10-11", [0, 1, 2, 3, 8, 10, 11]),
-    ("0-1,64-65\n", [0, 1, 64, 65]),
-    ("", []),
-    ("\n", []),
-    ("3,1,2,1", [1, 2, 3]),
-])
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("0", [0]),
+        ("0-3", [0, 1, 2, 3]),
+        ("0-3,8,10-11", [0, 1, 2, 3, 8, 10, 11]),
+        ("0-1,64-65\n", [0, 1, 64, 65]),
+        ("", []),
+        ("\n", []),
+        ("3,1,2,1", [1, 2, 3]),
+    ],
+)
 def test_parse_cpulist(text, expected):
     assert parse_cpulist(text) == expected
     assert list(ops.parse_cpulist(text)) == expected
@@ -94,14 +99,18 @@ def test_parse_cpulist_malformed_raises_value_error(text):
 
 # ---- fixture trees ----
 
+
 def test_two_nodes_gpus_on_different_nodes(tmp_path):
-    root = make_tree(tmp_path, {0: "0-7,16-23", 1: "8-15,24-31"},
-                     {"0000:1b:00.0": "0", "0000:9a:00.0": "1"})
-    assert pinxfer.numa_nodes(root) == {0: list(range(0, 8)) + list(range(16, 24)),
-                                        1: list(range(8, 16)) + list(range(24, 32))}
+    root = make_tree(
+        tmp_path, {0: "0-7,16-23", 1: "8-15,24-31"}, {"0000:1b:00.0": "0", "0000:9a:00.0": "1"}
+    )
+    assert pinxfer.numa_nodes(root) == {
+        0: list(range(8)) + list(range(16, 24)),
+        1: list(range(8, 16)) + list(range(24, 32)),
+    }
     topo = pinxfer.topology(root, pci_bus_ids=["0000:1b:00.0", "0000:9a:00.0"])
     assert topo == [
-        GpuTopology(0, "0000:1b:00.0", 0, tuple(range(0, 8)) + tuple(range(16, 24))),
+        GpuTopology(0, "0000:1b:00.0", 0, tuple(range(8)) + tuple(range(16, 24))),
         GpuTopology(1, "0000:9a:00.0", 1, tuple(range(8, 16)) + tuple(range(24, 32))),
     ]
     # The C++ paths placement uses give the same answers.
@@ -140,8 +149,7 @@ def test_numa_node_minus_one_means_no_binding(tmp_path):
 
 
 def test_missing_files(tmp_path):
-    root = make_tree(tmp_path, {0: "0-3", 1: None},
-                     {"0000:1b:00.0": None, "0000:2b:00.0": "1"})
+    root = make_tree(tmp_path, {0: "0-3", 1: None}, {"0000:1b:00.0": None, "0000:2b:00.0": "1"})
     # numa_node file missing, device missing entirely: unknown.
     assert ops.pci_numa_node("0000:1b:00.0", root) == -1
     assert ops.pci_numa_node("0000:ff:00.0", root) == -1
@@ -167,7 +175,7 @@ def test_malformed_cpulist_names_the_file(tmp_path):
         pinxfer.numa_nodes(root)
     with pytest.raises(ValueError, match=r"malformed CPU list '4-x'"):
         pinxfer.topology(root, pci_bus_ids=["0000:1b:00.0"])
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="malformed CPU list"):
         ops.node_cpus(1, root)
 
 
@@ -175,19 +183,29 @@ def test_env_sysfs_root_is_the_cpp_default(tmp_path):
     # Settings are read once per process (runtime/settings.h), so each root is
     # checked in a fresh process.
     root = make_tree(tmp_path, {0: "0-1", 5: "2-3"})
-    code = ("import torch, pinxfer; ops = torch.ops.pinxfer; "
-            "print(repr(ops.sysfs_root()), pinxfer.numa_nodes())")
+    code = (
+        "import torch, pinxfer; ops = torch.ops.pinxfer; "
+        "print(repr(ops.sysfs_root()), pinxfer.numa_nodes())"
+    )
     repo = str(Path(__file__).resolve().parent.parent)
     env = {k: v for k, v in os.environ.items() if k != "PINXFER_SYSFS_ROOT"}
-    for extra, expected in (({"PINXFER_SYSFS_ROOT": root}, f"{root!r} {{0: [0, 1], 5: [2, 3]}}"),
-                            ({}, "'/sys'")):
-        out = subprocess.run([sys.executable, "-c", code], env={**env, **extra}, cwd=repo,
-                             capture_output=True, text=True)
+    for extra, expected in (
+        ({"PINXFER_SYSFS_ROOT": root}, f"{root!r} {{0: [0, 1], 5: [2, 3]}}"),
+        ({}, "'/sys'"),
+    ):
+        out = subprocess.run(
+            [sys.executable, "-c", code],
+            env={**env, **extra},
+            cwd=repo,
+            capture_output=True,
+            text=True,
+        )
         assert out.returncode == 0, out.stdout + out.stderr
         assert out.stdout.startswith(expected), out.stdout
 
 
 # ---- the real machine ----
+
 
 def test_real_machine_has_node0_with_our_cpus():
     nodes = pinxfer.numa_nodes("/sys")
@@ -235,15 +253,25 @@ _POOL_WORKERS = textwrap.dedent("""
 """)
 
 
-def _pool_workers(root: str, total_threads: int,
-                  affinity: Optional[list[int]] = None) -> dict[int, list[list[int]]]:
-    env = dict(os.environ, PINXFER_SYSFS_ROOT=root, PINXFER_NUM_THREADS=str(total_threads),
-               PINXFER_DISABLE_CUDA="1")
+def _pool_workers(
+    root: str, total_threads: int, affinity: list[int] | None = None
+) -> dict[int, list[list[int]]]:
+    env = dict(
+        os.environ,
+        PINXFER_SYSFS_ROOT=root,
+        PINXFER_NUM_THREADS=str(total_threads),
+        PINXFER_DISABLE_CUDA="1",
+    )
     env.pop("PINXFER_NUMA_NODE", None)
     preexec = None if affinity is None else (lambda: os.sched_setaffinity(0, affinity))
-    out = subprocess.run([sys.executable, "-c", _POOL_WORKERS], env=env, capture_output=True,
-                         text=True, cwd=str(Path(__file__).resolve().parent.parent),
-                         preexec_fn=preexec)
+    out = subprocess.run(
+        [sys.executable, "-c", _POOL_WORKERS],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=str(Path(__file__).resolve().parent.parent),
+        preexec_fn=preexec,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     workers = out.stdout.split("WORKERS", 1)[1].strip().splitlines()[0]
     return {int(node): w for node, w in json.loads(workers).items()}
@@ -255,7 +283,7 @@ def _two_node_tree(tmp_path) -> tuple[str, list[int], list[int]]:
     mine = sorted(os.sched_getaffinity(0))
     if len(mine) < 2:
         pytest.skip("needs 2 CPUs in the affinity mask to make two nodes")
-    node0, node1 = mine[:len(mine) // 2], mine[len(mine) // 2:]
+    node0, node1 = mine[: len(mine) // 2], mine[len(mine) // 2 :]
     root = make_tree(tmp_path, {0: ",".join(map(str, node0)), 1: ",".join(map(str, node1))})
     return root, node0, node1
 
@@ -281,13 +309,14 @@ def test_node_pool_stays_on_the_process_cpus(tmp_path):
     the whole budget there, and node 1's pool, whose CPUs the process may not use, is
     not bound to them: its workers stay on the process's CPUs. Before issue 11 they
     were moved onto node 1's CPUs."""
-    root, node0, node1 = _two_node_tree(tmp_path)
+    root, node0, _node1 = _two_node_tree(tmp_path)
     workers = _pool_workers(root, 4, affinity=node0)
     assert workers[0] == [node0] * 3, workers
     assert workers[1] == [node0] * 3, workers
 
 
 # ---- GPU ----
+
 
 @pytest.mark.gpu
 @requires_cuda

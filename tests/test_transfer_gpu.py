@@ -4,6 +4,7 @@ Races are provoked with torch.cuda._sleep: a stream that spins for a while
 before (or after) a copy makes reuse-too-early bugs visible as wrong values,
 never as timing asserts.
 """
+
 from __future__ import annotations
 
 import collections
@@ -41,8 +42,21 @@ def _check(y: torch.Tensor, x: torch.Tensor) -> None:
 CHUNK = 1 * MiB
 
 
-@pytest.mark.parametrize("nbytes", [1, 3, 4095, 4097, CHUNK - 1, CHUNK, CHUNK + 1,
-                                    int(3.5 * CHUNK), 8 * CHUNK + 3, 20 * CHUNK + 7])
+@pytest.mark.parametrize(
+    "nbytes",
+    [
+        1,
+        3,
+        4095,
+        4097,
+        CHUNK - 1,
+        CHUNK,
+        CHUNK + 1,
+        int(3.5 * CHUNK),
+        8 * CHUNK + 3,
+        20 * CHUNK + 7,
+    ],
+)
 def test_sizes_small_chunk(nbytes):
     x = _random_bytes(nbytes, seed=nbytes)
     y = pinxfer.to_device(x, "cuda", chunk_bytes=CHUNK, num_buffers=2)
@@ -55,7 +69,9 @@ def test_sizes_default_chunk(nbytes):
     _check(pinxfer.to_device(x), x)
 
 
-@pytest.mark.parametrize("chunk_bytes,num_buffers", [(4096, 1), (70_001, 3), (5 * MiB + 13, 2)])
+@pytest.mark.parametrize(
+    ("chunk_bytes", "num_buffers"), [(4096, 1), (70_001, 3), (5 * MiB + 13, 2)]
+)
 def test_odd_chunk_sizes_and_single_buffer(chunk_bytes, num_buffers):
     x = _random_bytes(3 * MiB + 7, seed=chunk_bytes)
     _check(pinxfer.to_device(x, chunk_bytes=chunk_bytes, num_buffers=num_buffers), x)
@@ -88,13 +104,24 @@ def test_streaming_policy_while_copy_stream_busy():
 
 
 def test_bad_staging_copy_setting_is_explained():
-    with pytest.raises(ValueError, match="expected 'auto', 'nt' .* or 'movsb'"):
+    with pytest.raises(ValueError, match=r"expected 'auto', 'nt' .* or 'movsb'"):
         pinxfer.to_device(torch.randn(1 << 20), staging="fast")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64,
-                                   torch.int64, torch.int8, torch.uint8, torch.bool,
-                                   torch.complex64])
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.float64,
+        torch.int64,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+        torch.complex64,
+    ],
+)
 @pytest.mark.parametrize("numel", [1, 1000, 3 * MiB + 1])
 def test_dtypes(dtype, numel):
     x = _random_bytes(numel * torch.empty((), dtype=dtype).element_size(), seed=numel)
@@ -266,11 +293,19 @@ def test_packed_groups_sent_while_packing_every_byte():
 
 
 def _mixed_small_tensors() -> list[torch.Tensor]:
-    return [torch.randn(3, 5), torch.arange(7, dtype=torch.int64), torch.tensor(True),
-            torch.randn(()), torch.empty(0, 4), torch.randn(17, dtype=torch.float16),
-            torch.randn(4, 4, dtype=torch.complex64), torch.randn(10, 3).t(),
-            torch.randint(0, 255, (33,), dtype=torch.uint8), torch.randn(5, pin_memory=True),
-            torch.randn(2, 3, dtype=torch.bfloat16)]
+    return [
+        torch.randn(3, 5),
+        torch.arange(7, dtype=torch.int64),
+        torch.tensor(True),
+        torch.randn(()),
+        torch.empty(0, 4),
+        torch.randn(17, dtype=torch.float16),
+        torch.randn(4, 4, dtype=torch.complex64),
+        torch.randn(10, 3).t(),
+        torch.randint(0, 255, (33,), dtype=torch.uint8),
+        torch.randn(5, pin_memory=True),
+        torch.randn(2, 3, dtype=torch.bfloat16),
+    ]
 
 
 def test_to_device_many_mixed():
@@ -295,8 +330,8 @@ def test_to_device_packed_holds_each_tensor_at_its_offset_and_zero_padding():
     for off, t in zip(offsets, tensors):
         n = t.numel() * t.element_size()
         want = t.contiguous().view(-1).view(torch.uint8) if n else torch.empty(0, dtype=torch.uint8)
-        assert torch.equal(host[off:off + n], want)
-        covered[off:off + n] = True
+        assert torch.equal(host[off : off + n], want)
+        covered[off : off + n] = True
     assert int(host[~covered].abs().sum()) == 0, "padding bytes are not zero"
 
 
@@ -403,8 +438,10 @@ def test_profiler_ranges():
 
 
 def test_prefetch_values_order_and_nesting():
-    src = [{"x": torch.full((2 * MiB,), float(i)), "i": i, "small": torch.full((3,), i)}
-           for i in range(8)]
+    src = [
+        {"x": torch.full((2 * MiB,), float(i)), "i": i, "small": torch.full((3,), i)}
+        for i in range(8)
+    ]
     out = []
     for b in pinxfer.prefetch(src, depth=3):
         assert b["x"].is_cuda and b["small"].is_cuda
@@ -417,8 +454,10 @@ def test_prefetch_slow_consumer_sees_its_own_batch():
     # batch while the producer runs ahead and allocates the next batches. If a
     # batch's memory were reused too early, the check would read another index.
     n_batches, depth = 12, 2
-    src = [(torch.full((4 * MiB,), float(i)), torch.full((1000,), i, dtype=torch.int32))
-           for i in range(n_batches)]
+    src = [
+        (torch.full((4 * MiB,), float(i)), torch.full((1000,), i, dtype=torch.int32))
+        for i in range(n_batches)
+    ]
     consumer = torch.cuda.Stream()
     oks = []
     with torch.cuda.stream(consumer):
@@ -444,9 +483,8 @@ def test_prefetch_exception_and_early_break_with_cuda():
         raise KeyError("source broke")
 
     seen = []
-    with pytest.raises(KeyError):
-        for b in pinxfer.prefetch(source()):
-            seen.append(int(b[0]))
+    with pytest.raises(KeyError, match="source broke"):
+        seen.extend(int(b[0]) for b in pinxfer.prefetch(source()))
     assert seen == [0, 1, 2]
 
     pf = pinxfer.prefetch([torch.ones(MiB)] * 50)
@@ -487,7 +525,7 @@ def test_two_gpus_from_two_threads_every_byte():
                 _check(out["b"][1], x)
                 p = pinxfer.pin_memory(x)
                 _check(pinxfer.to_device(p, dev), x)
-        except BaseException as err:  # noqa: BLE001 - re-raised in the test thread
+        except BaseException as err:
             errors.append(err)
 
     threads = [threading.Thread(target=drive, args=(d, i + 1)) for i, d in enumerate(devices)]

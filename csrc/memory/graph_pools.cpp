@@ -60,11 +60,12 @@ size_t live_pools() {
 
 void begin_allocate_to_pool(PoolId id, StreamFilter filter, int device) {
   TORCH_CHECK(id != kShared, "pinxfer: begin_allocate_to_pool got the pool id (0, 0), which "
-              "names the shared pool, not a graph pool");
+                             "names the shared pool, not a graph pool");
   std::unique_lock<std::shared_mutex> lock(registry_mutex());
   for (const Capture& c : captures()) {
     TORCH_CHECK(c.id != id, "pinxfer: begin_allocate_to_pool: already allocating to graph pool ",
-                id_text(id), "; end_allocate_to_pool must come first (torch's CUDAGraph pairs them)");
+                id_text(id),
+                "; end_allocate_to_pool must come first (torch's CUDAGraph pairs them)");
   }
   GraphPool& pool = pools()[id];
   // A released pool used again before its memory was given back: it lives on.
@@ -73,8 +74,8 @@ void begin_allocate_to_pool(PoolId id, StreamFilter filter, int device) {
     r.erase(std::remove(r.begin(), r.end(), id), r.end());
   }
   ++pool.use_count;
-  if (device >= 0 && std::find(pool.devices.begin(), pool.devices.end(), device) ==
-                         pool.devices.end()) {
+  if (device >= 0 &&
+      std::find(pool.devices.begin(), pool.devices.end(), device) == pool.devices.end()) {
     pool.devices.push_back(device);
   }
   captures().push_back({id, std::move(filter)});

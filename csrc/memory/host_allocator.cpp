@@ -76,8 +76,8 @@ class PoolHostAllocator final : public at::HostAllocator {
   // records no host allocation traces: recording is refused with a warning
   // (is_history_enabled stays false, so torch gathers no stacks for us), and
   // snapshots list pinxfer's blocks without stacks.
-  void record_history(bool enabled, c10::CachingDeviceAllocator::CreateContextFn,
-                      size_t, c10::CachingDeviceAllocator::RecordContext, bool) override {
+  void record_history(bool enabled, c10::CachingDeviceAllocator::CreateContextFn, size_t,
+                      c10::CachingDeviceAllocator::RecordContext, bool) override {
     if (enabled) {
       TORCH_WARN_ONCE("pinxfer's host allocator (pinxfer.install()) does not record pinned "
                       "allocation history: host traces stay empty and host segments carry no "
@@ -128,7 +128,6 @@ std::mutex g_install_mutex;
 std::atomic<at::HostAllocator*> g_torch_allocator{nullptr};
 std::atomic<bool> g_installed{false};
 
-
 bool PoolHostAllocator::record_event(void* ptr, void* ctx, c10::Stream stream) {
   if (PinnedPool* pool = PinnedPool::owner_of(ctx)) {
     if (pool->record_stream(ctx, stream)) return true;
@@ -171,7 +170,8 @@ bool install_host_allocator(bool enable) {
     // look its pool up, fail (std::out_of_range in a destructor) and abort the
     // process. So pinxfer stays installed while one of its graph pools lives.
     const size_t live = graph_pools::live_pools();
-    TORCH_CHECK(live == 0, "pinxfer.uninstall(): ", live, " CUDA graph pool(s) captured while "
+    TORCH_CHECK(live == 0, "pinxfer.uninstall(): ", live,
+                " CUDA graph pool(s) captured while "
                 "pinxfer was installed are still alive; their graphs will give them back to "
                 "whichever host allocator is installed when they are destroyed, and torch's "
                 "own does not know them (it would abort the process). Delete those graphs "

@@ -121,10 +121,10 @@ HostRegion map_locked_region(size_t size, int numa_node, RegionTimings* timings)
     if (err.empty()) {
       region.kind = LockKind::kCudaRegistered;
     } else {
-      warn_once(g_warned_register,
-                "pinxfer: cudaHostRegister of " + std::to_string(rounded) + " bytes failed (" +
-                    err + "); falling back to mlock. Copies from this memory are not "
-                    "DMA-pinned for CUDA. Check `ulimit -l` and the driver.");
+      warn_once(g_warned_register, "pinxfer: cudaHostRegister of " + std::to_string(rounded) +
+                                       " bytes failed (" + err +
+                                       "); falling back to mlock. Copies from this memory are not "
+                                       "DMA-pinned for CUDA. Check `ulimit -l` and the driver.");
     }
   }
   if (region.kind != LockKind::kCudaRegistered) {

@@ -30,7 +30,7 @@ const char* lock_kind_name(LockKind kind);
 
 struct HostRegion {
   void* ptr = nullptr;
-  size_t size = 0;         // bytes usable by the caller
+  size_t size = 0;           // bytes usable by the caller
   void* map_base = nullptr;  // what mmap returned (before alignment trimming)
   size_t map_size = 0;
   LockKind kind = LockKind::kPageable;

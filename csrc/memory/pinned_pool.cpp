@@ -21,7 +21,6 @@ constexpr size_t kSmallSegment = size_t{2} << 20;  // small pool maps 2 MiB segm
 constexpr size_t kSmallGranule = 512;
 constexpr size_t kLargeGranule = size_t{64} << 10;
 
-
 std::string human(int64_t bytes) {
   char buf[64];
   if (bytes >= (int64_t{1} << 30)) {
@@ -36,14 +35,14 @@ std::string human(int64_t bytes) {
 
 // The out-of-memory report, from the figures the cap declined with.
 [[noreturn]] void raise_out_of_memory(size_t size, size_t segment_size, const CapReached& reached) {
-  TORCH_CHECK_WITH(
-      OutOfMemoryError, false, "pinxfer: out of pinned memory. Asked for ", human(size),
-      ", which needs a new segment of ", human(segment_size), ", but the cap is ",
-      human(reached.cap), ". Pinned now: ", human(reached.reserved), ", of which cached (free) ",
-      human(reached.pools.cached_bytes()), "; requested by live tensors: ",
-      human(reached.pools.requested_bytes.current),
-      ". Free pinned tensors, call pinxfer.empty_cache(), or raise the cap "
-      "(pinxfer.set_max_pinned_bytes() or PINXFER_MAX_PINNED_BYTES).");
+  TORCH_CHECK_WITH(OutOfMemoryError, false, "pinxfer: out of pinned memory. Asked for ",
+                   human(size), ", which needs a new segment of ", human(segment_size),
+                   ", but the cap is ", human(reached.cap),
+                   ". Pinned now: ", human(reached.reserved), ", of which cached (free) ",
+                   human(reached.pools.cached_bytes()),
+                   "; requested by live tensors: ", human(reached.pools.requested_bytes.current),
+                   ". Free pinned tensors, call pinxfer.empty_cache(), or raise the cap "
+                   "(pinxfer.set_max_pinned_bytes() or PINXFER_MAX_PINNED_BYTES).");
 }
 
 std::atomic<bool> g_warned_event_error{false};
@@ -73,8 +72,9 @@ PinnedPool::PinnedPool(int numa_node, HostResource& upstream)
 
 PinnedPool::Request PinnedPool::make_request(size_t size) {
   const bool small = size <= kSmallMax;
-  return {size, checked_round_up(size, small ? kSmallGranule : kLargeGranule,
-                                 "pinxfer: a pinned allocation"),
+  return {size,
+          checked_round_up(size, small ? kSmallGranule : kLargeGranule,
+                           "pinxfer: a pinned allocation"),
           small};
 }
 
@@ -509,7 +509,8 @@ std::vector<Segment*> PinnedPool::collect_free_segments_locked(std::optional<boo
     segments_.erase(s);
     stats_.segments.add(-1);
     stats_.reserved_bytes.add(-static_cast<int64_t>(s->region.size));
-    stats_.reserved_by_kind[static_cast<int>(s->region.kind)] -= static_cast<int64_t>(s->region.size);
+    stats_.reserved_by_kind[static_cast<int>(s->region.kind)] -=
+        static_cast<int64_t>(s->region.size);
     ++stats_.num_segment_unmaps;
   }
   return out;
@@ -603,8 +604,8 @@ c10::DataPtr PinnedPool::allocate_for_graph(const Request& request, graph_pools:
   {
     std::lock_guard<std::mutex> lock(mutex_);
     GraphFreeSets& sets = graph_free_[graph];  // created on the graph's first block here
-    if (Block* block = take_from_set_locked(request.small ? sets.small : sets.large,
-                                            request.rounded)) {
+    if (Block* block =
+            take_from_set_locked(request.small ? sets.small : sets.large, request.rounded)) {
       ++stats_.num_cache_hits;
       ++stats_.num_graph_allocs;
       return hand_out_locked(block, request.size);
@@ -636,8 +637,8 @@ std::vector<PinnedPool::BlockInfo> PinnedPool::block_infos() {
   for (Segment* seg : segments_) {
     for (const Block* b = seg->head; b; b = b->next) {
       const bool live = live_.count(const_cast<Block*>(b)) != 0;
-      out.push_back({reinterpret_cast<uintptr_t>(b->ptr), b->size, live, b->in_use && !live,
-                     seg->graph});
+      out.push_back(
+          {reinterpret_cast<uintptr_t>(b->ptr), b->size, live, b->in_use && !live, seg->graph});
     }
   }
   return out;

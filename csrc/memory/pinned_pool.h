@@ -91,13 +91,13 @@ struct Segment;
 // merges into a block that some thread holds, and empty_cache() never unmaps a
 // segment with a block that is not free. No two free blocks are neighbours.
 struct Block {
-  char* ptr = nullptr;   // immutable
-  size_t size = 0;       // bytes this block spans (rounded). LOCK: pool mutex_
-  size_t requested = 0;  // bytes the caller asked for (0 unless live). LOCK: pool mutex_
+  char* ptr = nullptr;         // immutable
+  size_t size = 0;             // bytes this block spans (rounded). LOCK: pool mutex_
+  size_t requested = 0;        // bytes the caller asked for (0 unless live). LOCK: pool mutex_
   Segment* segment = nullptr;  // immutable
-  Block* prev = nullptr;  // address-order neighbours in the segment. LOCK: pool mutex_
-  Block* next = nullptr;  // LOCK: pool mutex_
-  bool in_use = false;    // not in a free set. LOCK: pool mutex_
+  Block* prev = nullptr;       // address-order neighbours in the segment. LOCK: pool mutex_
+  Block* next = nullptr;       // LOCK: pool mutex_
+  bool in_use = false;         // not in a free set. LOCK: pool mutex_
   int pending_events = 0;  // events still to complete before reuse, or kPoisoned. LOCK: pool mutex_
   std::vector<c10::Stream> stream_uses;  // streams that used it while live. LOCK: pool mutex_
   uint64_t held_seq = 0;  // when it became held (PinnedPool::hold_sequence()). LOCK: pool mutex_
@@ -276,7 +276,7 @@ class PinnedPool {
   std::set<Block*, BlockOrder> free_large_;  // LOCK: mutex_
   std::unordered_set<Block*> live_;          // handed out, not yet freed. LOCK: mutex_
   std::unordered_map<c10::Stream, std::deque<PendingUse>> pending_;  // LOCK: mutex_
-  std::unordered_set<Segment*> segments_;    // LOCK: mutex_
+  std::unordered_set<Segment*> segments_;                            // LOCK: mutex_
 
   // Kept storages whose event has completed, destroyed by release_finished()
   // outside the lock (a foreign deleter may do anything). LOCK: mutex_

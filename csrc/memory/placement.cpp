@@ -71,9 +71,10 @@ int resolve_numa_node(std::optional<int64_t> numa_node, const char* what) {
   if (!exists) {
     std::ostringstream list;
     for (size_t i = 0; i < nodes.size(); ++i) list << (i ? ", " : "") << nodes[i];
-    TORCH_CHECK_VALUE(false, what, ": numa_node must be -1 (no binding), None (the current "
-                      "GPU's node) or a NUMA node of this machine (", list.str(), "), got ",
-                      node, ".");
+    TORCH_CHECK_VALUE(false, what,
+                      ": numa_node must be -1 (no binding), None (the current "
+                      "GPU's node) or a NUMA node of this machine (",
+                      list.str(), "), got ", node, ".");
   }
   return static_cast<int>(node);
 }

@@ -24,22 +24,30 @@ PoolStats& PoolStats::operator+=(const PoolStats& o) {
                               {&allocated_bytes, &o.allocated_bytes},
                               {&reserved_bytes, &o.reserved_bytes},
                               {&active_blocks, &o.active_blocks},
-                              {&pending_blocks, &o.pending_blocks}, {&segments, &o.segments},
+                              {&pending_blocks, &o.pending_blocks},
+                              {&segments, &o.segments},
                               {&graph_segments, &o.graph_segments},
                               {&held_blocks, &o.held_blocks}}) {
     mine->current += theirs->current;
     mine->peak += theirs->peak;
   }
   for (size_t k = 0; k < reserved_by_kind.size(); ++k) reserved_by_kind[k] += o.reserved_by_kind[k];
-  for (auto [mine, theirs] :
-       {std::pair{&num_allocs, &o.num_allocs}, {&num_frees, &o.num_frees},
-        {&num_cache_hits, &o.num_cache_hits}, {&num_cache_misses, &o.num_cache_misses},
-        {&num_segment_maps, &o.num_segment_maps}, {&num_segment_unmaps, &o.num_segment_unmaps},
-        {&num_segment_merges, &o.num_segment_merges}, {&num_ooms, &o.num_ooms},
-        {&num_event_waits, &o.num_event_waits}, {&num_fenced_frees, &o.num_fenced_frees},
-        {&num_event_errors, &o.num_event_errors}, {&map_time_ns, &o.map_time_ns},
-        {&touch_time_ns, &o.touch_time_ns}, {&lock_time_ns, &o.lock_time_ns},
-        {&unpin_time_ns, &o.unpin_time_ns}, {&num_graph_allocs, &o.num_graph_allocs}}) {
+  for (auto [mine, theirs] : {std::pair{&num_allocs, &o.num_allocs},
+                              {&num_frees, &o.num_frees},
+                              {&num_cache_hits, &o.num_cache_hits},
+                              {&num_cache_misses, &o.num_cache_misses},
+                              {&num_segment_maps, &o.num_segment_maps},
+                              {&num_segment_unmaps, &o.num_segment_unmaps},
+                              {&num_segment_merges, &o.num_segment_merges},
+                              {&num_ooms, &o.num_ooms},
+                              {&num_event_waits, &o.num_event_waits},
+                              {&num_fenced_frees, &o.num_fenced_frees},
+                              {&num_event_errors, &o.num_event_errors},
+                              {&map_time_ns, &o.map_time_ns},
+                              {&touch_time_ns, &o.touch_time_ns},
+                              {&lock_time_ns, &o.lock_time_ns},
+                              {&unpin_time_ns, &o.unpin_time_ns},
+                              {&num_graph_allocs, &o.num_graph_allocs}}) {
     *mine += *theirs;
   }
   return *this;

@@ -28,10 +28,10 @@ struct PoolStats {
   StatCounter allocated_bytes;  // what live blocks span (rounded)
   StatCounter reserved_bytes;   // mapped and locked by the pool
   StatCounter active_blocks;
-  StatCounter pending_blocks;   // freed, waiting on events
+  StatCounter pending_blocks;  // freed, waiting on events
   StatCounter segments;
-  StatCounter graph_segments;   // segments owned by a CUDA graph pool (of `segments`)
-  StatCounter held_blocks;      // freed, held for CUDA graphs until released
+  StatCounter graph_segments;                 // segments owned by a CUDA graph pool (of `segments`)
+  StatCounter held_blocks;                    // freed, held for CUDA graphs until released
   std::array<int64_t, 3> reserved_by_kind{};  // indexed by LockKind
   int64_t num_allocs = 0, num_frees = 0, num_cache_hits = 0, num_cache_misses = 0;
   int64_t num_segment_maps = 0, num_segment_unmaps = 0, num_segment_merges = 0;

@@ -15,8 +15,8 @@ std::tuple<std::vector<int64_t>, std::vector<int64_t>, int64_t, int64_t, int64_t
     int64_t nbytes, int64_t chunk_bytes, int64_t num_buffers, int64_t num_threads) {
   TORCH_CHECK_VALUE(nbytes >= 0 && chunk_bytes >= 4096 && num_buffers >= 1 && num_threads >= 1,
                     "pinxfer._chunk_plan: expected nbytes >= 0, chunk_bytes >= 4096, "
-                    "num_buffers >= 1, num_threads >= 1; got ", nbytes, ", ", chunk_bytes, ", ",
-                    num_buffers, ", ", num_threads);
+                    "num_buffers >= 1, num_threads >= 1; got ",
+                    nbytes, ", ", chunk_bytes, ", ", num_buffers, ", ", num_threads);
   const transfer::ChunkPlan plan =
       transfer::plan_chunks(static_cast<size_t>(nbytes), static_cast<size_t>(chunk_bytes),
                             static_cast<size_t>(num_buffers), static_cast<size_t>(num_threads));
@@ -33,8 +33,6 @@ std::tuple<std::vector<int64_t>, std::vector<int64_t>, int64_t, int64_t, int64_t
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(pinxfer, CompositeExplicitAutograd, m) {
-  m.impl("_chunk_plan", &chunk_plan_op);
-}
+TORCH_LIBRARY_IMPL(pinxfer, CompositeExplicitAutograd, m) { m.impl("_chunk_plan", &chunk_plan_op); }
 
 }  // namespace pinxfer::ops

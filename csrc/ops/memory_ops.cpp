@@ -17,15 +17,17 @@ at::Tensor tensor_over(c10::DataPtr data, size_t nbytes, at::IntArrayRef sizes,
                        at::IntArrayRef strides, at::ScalarType dtype) {
   c10::Storage storage(c10::Storage::use_byte_size_t(), nbytes, std::move(data),
                        /*allocator=*/nullptr, /*resizable=*/false);
-  at::Tensor out = at::detail::make_tensor<c10::TensorImpl>(
-      std::move(storage), c10::DispatchKeySet(c10::DispatchKey::CPU),
-      c10::scalarTypeToTypeMeta(dtype));
+  at::Tensor out =
+      at::detail::make_tensor<c10::TensorImpl>(std::move(storage),
+                                               c10::DispatchKeySet(c10::DispatchKey::CPU),
+                                               c10::scalarTypeToTypeMeta(dtype));
   out.unsafeGetTensorImpl()->set_sizes_and_strides(sizes, strides);
   return out;
 }
 
 // The DataPtr carries the pool's deleter, so the tensor owns its block outright.
-at::Tensor pool_empty(at::IntArrayRef size, at::ScalarType dtype, std::optional<int64_t> numa_node) {
+at::Tensor pool_empty(at::IntArrayRef size, at::ScalarType dtype,
+                      std::optional<int64_t> numa_node) {
   graph_pools::check_capture_allocation("pinxfer.empty");
   // A quantized tensor needs a quantizer, which a plain storage cannot carry:
   // torch.empty refuses these dtypes too.
@@ -41,14 +43,14 @@ at::Tensor pool_empty(at::IntArrayRef size, at::ScalarType dtype, std::optional<
 
 namespace {
 
-void* pool_ctx(const at::Tensor& t) {
-  return t.storage().data_ptr().get_context();
-}
+void* pool_ctx(const at::Tensor& t) { return t.storage().data_ptr().get_context(); }
 
 void record_stream(const at::Tensor& self, int64_t stream_id, int64_t device_index,
                    int64_t device_type) {
-  TORCH_CHECK(self.is_cpu(), "pinxfer.record_stream: expected a CPU tensor from pinxfer's pool, "
-              "got a tensor on ", self.device());
+  TORCH_CHECK(self.is_cpu(),
+              "pinxfer.record_stream: expected a CPU tensor from pinxfer's pool, "
+              "got a tensor on ",
+              self.device());
   const auto stream = c10::Stream::unpack3(stream_id, static_cast<c10::DeviceIndex>(device_index),
                                            static_cast<c10::DeviceType>(device_type));
   TORCH_CHECK(stream.device_type() == c10::DeviceType::CUDA,

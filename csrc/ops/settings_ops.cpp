@@ -25,12 +25,11 @@ settings_op() {
 }
 
 std::tuple<int64_t, std::string> copy_threads_for_op(int64_t affinity_cpus, int64_t online_cpus,
-                                                      double quota_cpus,
-                                                      int64_t local_world_size) {
+                                                     double quota_cpus, int64_t local_world_size) {
   TORCH_CHECK_VALUE(affinity_cpus >= 1 && online_cpus >= 1 && local_world_size >= 1,
                     "pinxfer.copy_threads_for: expected affinity_cpus, online_cpus and "
-                    "local_world_size >= 1, got ", affinity_cpus, ", ", online_cpus, ", ",
-                    local_world_size);
+                    "local_world_size >= 1, got ",
+                    affinity_cpus, ", ", online_cpus, ", ", local_world_size);
   CpuResources cpus;
   cpus.affinity_cpus = static_cast<int>(affinity_cpus);
   cpus.online_cpus = static_cast<int>(online_cpus);
@@ -43,9 +42,9 @@ std::tuple<int64_t, std::string> copy_threads_for_op(int64_t affinity_cpus, int6
 
 // Test-only (schema comment in csrc/module.cpp): runtime/settings.h's node_pool_plan.
 std::tuple<int64_t, std::vector<int64_t>> node_pool_plan_op(int64_t budget,
-                                                           c10::IntArrayRef node_cpus,
-                                                           c10::IntArrayRef affinity_cpus,
-                                                           bool budget_from_env) {
+                                                            c10::IntArrayRef node_cpus,
+                                                            c10::IntArrayRef affinity_cpus,
+                                                            bool budget_from_env) {
   constexpr int64_t kMaxId = int64_t{1} << 20;
   TORCH_CHECK_VALUE(budget >= 1 && budget < kMaxId,
                     "pinxfer._node_pool_plan: expected 1 <= budget < 2**20, got ", budget);
@@ -58,8 +57,8 @@ std::tuple<int64_t, std::vector<int64_t>> node_pool_plan_op(int64_t budget,
     }
     return out;
   };
-  const NodePoolPlan plan = node_pool_plan(static_cast<int>(budget), ids(node_cpus),
-                                           ids(affinity_cpus), budget_from_env);
+  const NodePoolPlan plan =
+      node_pool_plan(static_cast<int>(budget), ids(node_cpus), ids(affinity_cpus), budget_from_env);
   return {plan.threads, std::vector<int64_t>(plan.cpus.begin(), plan.cpus.end())};
 }
 

@@ -29,8 +29,8 @@ std::vector<int64_t> node_cpus_op(int64_t node, const std::string& root) {
     return widen(node_cpus(static_cast<int>(node), root));
   } catch (const c10::ValueError& e) {
     // Name the file: the text alone does not say which node's list is broken.
-    TORCH_CHECK_VALUE(false, e.what_without_backtrace(), " (in ", root,
-                      "/devices/system/node/node", node, "/cpulist)");
+    TORCH_CHECK_VALUE(false, e.what_without_backtrace(), " (in ", root, "/devices/system/node/node",
+                      node, "/cpulist)");
   }
 }
 

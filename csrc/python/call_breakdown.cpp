@@ -36,8 +36,9 @@
 namespace pinxfer::diag {
 namespace {
 
-double ns_per_call(int64_t iterations, const std::function<void()>& fn,
-                   const std::function<void()>& after_round = [] {}) {
+double ns_per_call(
+    int64_t iterations, const std::function<void()>& fn,
+    const std::function<void()>& after_round = [] {}) {
   std::vector<double> rounds;
   fn();  // warm: first-use costs (event pools, cached blocks) are not a call's
   after_round();
@@ -61,22 +62,17 @@ std::map<std::string, double> call_breakdown(int64_t iterations) {
                     iterations);
   std::map<std::string, double> out;
   const std::vector<int64_t> size16k{16384};
-  out["pool_empty_64KiB"] = ns_per_call(iterations, [&] {
-    (void)ops::pool_empty(size16k, at::kFloat, std::nullopt);
-  });
-  out["resolve_numa_node_current"] = ns_per_call(iterations, [] {
-    (void)resolve_numa_node(std::nullopt, "diag");
-  });
-  out["check_capture_allocation"] = ns_per_call(iterations, [] {
-    graph_pools::check_capture_allocation("diag");
-  });
-  out["pool_for_current_stream"] = ns_per_call(iterations, [] {
-    (void)graph_pools::pool_for_current_stream();
-  });
+  out["pool_empty_64KiB"] =
+      ns_per_call(iterations, [&] { (void)ops::pool_empty(size16k, at::kFloat, std::nullopt); });
+  out["resolve_numa_node_current"] =
+      ns_per_call(iterations, [] { (void)resolve_numa_node(std::nullopt, "diag"); });
+  out["check_capture_allocation"] =
+      ns_per_call(iterations, [] { graph_pools::check_capture_allocation("diag"); });
+  out["pool_for_current_stream"] =
+      ns_per_call(iterations, [] { (void)graph_pools::pool_for_current_stream(); });
   PinnedPool& pool = pool_for_node(resolve_numa_node(std::nullopt, "diag"));
-  out["pool_allocate_free_64KiB"] = ns_per_call(iterations, [&] {
-    (void)pool.allocate(size_t{64} << 10);
-  });
+  out["pool_allocate_free_64KiB"] =
+      ns_per_call(iterations, [&] { (void)pool.allocate(size_t{64} << 10); });
 #if PINXFER_WITH_CUDA
   if (cuda::cuda_usable()) {
     out["cudaGetDevice"] = ns_per_call(iterations, [] {
@@ -87,35 +83,36 @@ std::map<std::string, double> call_breakdown(int64_t iterations) {
     out["hasPrimaryContext"] = ns_per_call(iterations, [device] {
       (void)at::detail::getCUDAHooks().hasPrimaryContext(device);
     });
-    out["getCurrentCUDAStream"] = ns_per_call(iterations, [device] {
-      (void)c10::cuda::getCurrentCUDAStream(device);
-    });
+    out["getCurrentCUDAStream"] =
+        ns_per_call(iterations, [device] { (void)c10::cuda::getCurrentCUDAStream(device); });
     const cudaStream_t raw = c10::cuda::getCurrentCUDAStream(device).stream();
     out["cudaStreamIsCapturing"] = ns_per_call(iterations, [raw] {
       cudaStreamCaptureStatus status;
       (void)cudaStreamIsCapturing(raw, &status);
     });
-    out["current_stream_is_capturing"] = ns_per_call(iterations, [] {
-      (void)cuda::current_stream_is_capturing();
-    });
+    out["current_stream_is_capturing"] =
+        ns_per_call(iterations, [] { (void)cuda::current_stream_is_capturing(); });
     const c10::Stream stream = c10::cuda::getCurrentCUDAStream(device).unwrap();
-    out["event_record_release"] = ns_per_call(iterations, [&] {
-      cuda::release_event(cuda::record_event(stream));
-    }, [] { C10_CUDA_CHECK(cudaDeviceSynchronize()); });
+    out["event_record_release"] = ns_per_call(
+        iterations, [&] { cuda::release_event(cuda::record_event(stream)); },
+        [] { C10_CUDA_CHECK(cudaDeviceSynchronize()); });
     const c10::Device cuda_device(c10::DeviceType::CUDA, device);
     const auto opts = at::TensorOptions().device(cuda_device).dtype(at::kByte);
     out["cuda_empty_4KiB"] = ns_per_call(iterations, [&] { (void)at::empty({4096}, opts); });
     at::Tensor dst = at::empty({4096}, opts);
     at::Tensor pinned = ops::pool_empty({4096}, at::kByte, std::nullopt);
-    out["cudaMemcpyAsync_pinned_4KiB"] = ns_per_call(iterations, [&] {
-      C10_CUDA_CHECK(cudaMemcpyAsync(dst.data_ptr(), pinned.data_ptr(), 4096,
-                                     cudaMemcpyHostToDevice, raw));
-    }, [] { C10_CUDA_CHECK(cudaDeviceSynchronize()); });
+    out["cudaMemcpyAsync_pinned_4KiB"] = ns_per_call(
+        iterations,
+        [&] {
+          C10_CUDA_CHECK(cudaMemcpyAsync(dst.data_ptr(), pinned.data_ptr(), 4096,
+                                         cudaMemcpyHostToDevice, raw));
+        },
+        [] { C10_CUDA_CHECK(cudaDeviceSynchronize()); });
     const at::Tensor pageable = at::zeros({4096}, at::kByte);
     const auto staging = ops::staging_options(int64_t{16} << 20, 4, "auto", -1);
-    out["send_to_device_4KiB"] = ns_per_call(iterations, [&] {
-      (void)ops::send_to_device(pageable, cuda_device, staging);
-    }, [] { C10_CUDA_CHECK(cudaDeviceSynchronize()); });
+    out["send_to_device_4KiB"] = ns_per_call(
+        iterations, [&] { (void)ops::send_to_device(pageable, cuda_device, staging); },
+        [] { C10_CUDA_CHECK(cudaDeviceSynchronize()); });
   }
 #endif
   return out;

@@ -52,7 +52,8 @@ std::vector<at::Tensor> pin_many(const std::vector<at::Tensor>& tensors,
                                  bool ask_torch) {
   std::vector<at::Tensor> out;
   out.reserve(tensors.size());
-  for (const at::Tensor& t : tensors) out.push_back(pin_or_self(t, numa_node, num_threads, ask_torch));
+  for (const at::Tensor& t : tensors)
+    out.push_back(pin_or_self(t, numa_node, num_threads, ask_torch));
   return out;
 }
 

@@ -10,8 +10,8 @@
 // allocator's out-of-memory error, not this one.
 #pragma once
 
-#include <c10/util/Exception.h>
 #include <c10/util/ArrayRef.h>
+#include <c10/util/Exception.h>
 
 #include <cstddef>
 #include <cstdint>
@@ -24,18 +24,18 @@ constexpr size_t kMaxBytes = static_cast<size_t>(std::numeric_limits<int64_t>::m
 // a * b, or a ValueError naming `what` and the limit.
 inline size_t checked_mul(size_t a, size_t b, const char* what) {
   size_t out = 0;
-  TORCH_CHECK_VALUE(!__builtin_mul_overflow(a, b, &out) && out <= kMaxBytes, what, ": ", a,
-                    " x ", b, " bytes is more than the largest size pinxfer can handle (",
-                    kMaxBytes, " bytes, 2^63 - 1)");
+  TORCH_CHECK_VALUE(!__builtin_mul_overflow(a, b, &out) && out <= kMaxBytes, what, ": ", a, " x ",
+                    b, " bytes is more than the largest size pinxfer can handle (", kMaxBytes,
+                    " bytes, 2^63 - 1)");
   return out;
 }
 
 // a + b, or a ValueError naming `what` and the limit.
 inline size_t checked_add(size_t a, size_t b, const char* what) {
   size_t out = 0;
-  TORCH_CHECK_VALUE(!__builtin_add_overflow(a, b, &out) && out <= kMaxBytes, what, ": ", a,
-                    " + ", b, " bytes is more than the largest size pinxfer can handle (",
-                    kMaxBytes, " bytes, 2^63 - 1)");
+  TORCH_CHECK_VALUE(!__builtin_add_overflow(a, b, &out) && out <= kMaxBytes, what, ": ", a, " + ",
+                    b, " bytes is more than the largest size pinxfer can handle (", kMaxBytes,
+                    " bytes, 2^63 - 1)");
   return out;
 }
 

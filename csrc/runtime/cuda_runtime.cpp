@@ -89,7 +89,8 @@ std::string driver_error_reason(cudaError_t err) {
   if (err == cudaErrorInsufficientDriver || err == cudaErrorNoDevice) {
     if (driver_version == 0 && !kernel_module) {
       return "no NVIDIA driver or GPU on this machine (no loadable libcuda.so.1, no "
-             "/proc/driver/nvidia/version; the CUDA runtime reports " + error_text(err) + ")";
+             "/proc/driver/nvidia/version; the CUDA runtime reports " +
+             error_text(err) + ")";
     }
     if (err == cudaErrorNoDevice) {
       return "the NVIDIA driver is installed but sees no GPU (the CUDA runtime reports " +
@@ -108,7 +109,8 @@ std::string driver_error_reason(cudaError_t err) {
     }
     return "the NVIDIA driver is too old for this build: it supports CUDA up to " +
            dotted(driver_version) + ", pinxfer and torch use the CUDA " + dotted(runtime_version) +
-           " runtime (" + error_text(err) + "): upgrade the driver, or use a torch and pinxfer "
+           " runtime (" + error_text(err) +
+           "): upgrade the driver, or use a torch and pinxfer "
            "built for an older CUDA";
   }
   return "the CUDA driver reports " + error_text(err);
@@ -317,8 +319,8 @@ void event_wait_sleeping(const Event& event) {
     if (err != cudaErrorNotReady) {
       (void)cudaGetLastError();
       if (slack_set) prctl(PR_SET_TIMERSLACK, static_cast<unsigned long>(old_slack), 0, 0, 0);
-      TORCH_CHECK(false, "pinxfer: cudaEventQuery failed while waiting for a copy: ",
-                  error_text(err));
+      TORCH_CHECK(false,
+                  "pinxfer: cudaEventQuery failed while waiting for a copy: ", error_text(err));
     }
     if (Clock::now() < spin_until) continue;
     if (!slack_set && old_slack > 1000) {
@@ -394,7 +396,8 @@ void device_synchronize(int device) {
   if (err != cudaSuccess) (void)cudaGetLastError();
   TORCH_CHECK(err == cudaSuccess, "pinxfer: cudaDeviceSynchronize(device ", device,
               ") failed while waiting for CUDA graph replays before reusing their pinned "
-              "memory: ", error_text(err));
+              "memory: ",
+              error_text(err));
 }
 
 void synchronize_active_devices() {

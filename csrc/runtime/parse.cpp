@@ -18,11 +18,8 @@ bool is_alpha(char c) { return std::isalpha(static_cast<unsigned char>(c)) != 0;
 // unknown unit.
 int bytes_shift_of_unit(const std::string& unit) {
   static const std::pair<const char*, int> kUnits[] = {
-      {"", 0},   {"b", 0},
-      {"k", 10}, {"kb", 10}, {"kib", 10},
-      {"m", 20}, {"mb", 20}, {"mib", 20},
-      {"g", 30}, {"gb", 30}, {"gib", 30},
-      {"t", 40}, {"tb", 40}, {"tib", 40},
+      {"", 0},     {"b", 0},  {"k", 10},  {"kb", 10},  {"kib", 10}, {"m", 20},  {"mb", 20},
+      {"mib", 20}, {"g", 30}, {"gb", 30}, {"gib", 30}, {"t", 40},   {"tb", 40}, {"tib", 40},
   };
   for (const auto& [name, shift] : kUnits) {
     if (unit == name) return shift;
@@ -67,8 +64,8 @@ int64_t parse_byte_size(const std::string& text) {
     unit.push_back(static_cast<char>(std::tolower(static_cast<unsigned char>(text[i++]))));
   }
   while (i < text.size() && is_space(text[i])) ++i;
-  TORCH_CHECK_VALUE(has_digits && i == text.size(), "pinxfer: cannot read a byte size from '",
-                    text, "': ", kByteSizeForms);
+  TORCH_CHECK_VALUE(has_digits && i == text.size(), "pinxfer: cannot read a byte size from '", text,
+                    "': ", kByteSizeForms);
   const int shift = bytes_shift_of_unit(unit);
   TORCH_CHECK_VALUE(shift >= 0, "pinxfer: cannot read a byte size from '", text,
                     "': unknown unit '", unit, "'; ", kByteSizeForms);
@@ -90,8 +87,8 @@ int64_t parse_byte_size(const std::string& text) {
 namespace {
 // One CPU id of a cpulist item; `whole` is the list, for the message.
 int parse_cpu_id(const std::string& digits, const std::string& whole) {
-  const bool well_formed = !digits.empty() && digits.size() <= 9 &&
-                           std::all_of(digits.begin(), digits.end(), is_digit);
+  const bool well_formed =
+      !digits.empty() && digits.size() <= 9 && std::all_of(digits.begin(), digits.end(), is_digit);
   TORCH_CHECK_VALUE(well_formed, "pinxfer: malformed CPU list '", whole,
                     "': expected comma-separated CPU ids or ranges like 0-3,8");
   return std::stoi(digits);

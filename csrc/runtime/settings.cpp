@@ -17,21 +17,26 @@
 
 namespace pinxfer {
 
-
 StagingMode parse_staging_mode(const std::string& text, const char* what) {
   if (text == "auto") return StagingMode::kAuto;
   if (text == "nt") return StagingMode::kNontemporal;
   if (text == "movsb") return StagingMode::kCached;
-  TORCH_CHECK_VALUE(false, what, ": expected 'auto', 'nt' (nontemporal stores) or 'movsb' "
-                    "(cached stores), got '", text, "'. Leave it 'auto' to let pinxfer choose "
+  TORCH_CHECK_VALUE(false, what,
+                    ": expected 'auto', 'nt' (nontemporal stores) or 'movsb' "
+                    "(cached stores), got '",
+                    text,
+                    "'. Leave it 'auto' to let pinxfer choose "
                     "per chunk.");
 }
 
 const char* staging_mode_name(StagingMode mode) {
   switch (mode) {
-    case StagingMode::kNontemporal: return "nt";
-    case StagingMode::kCached: return "movsb";
-    case StagingMode::kAuto: break;
+    case StagingMode::kNontemporal:
+      return "nt";
+    case StagingMode::kCached:
+      return "movsb";
+    case StagingMode::kAuto:
+      break;
   }
   return "auto";
 }
@@ -80,8 +85,8 @@ NodePoolPlan node_pool_plan(int budget, const std::vector<int>& node_cpus,
   std::set_intersection(node.begin(), node.end(), allowed.begin(), allowed.end(),
                         std::back_inserter(plan.cpus));
   // Where the workers may run: the node's allowed CPUs, or, unbound, all of them.
-  const int64_t usable = static_cast<int64_t>(plan.cpus.empty() ? allowed.size()
-                                                                : plan.cpus.size());
+  const int64_t usable =
+      static_cast<int64_t>(plan.cpus.empty() ? allowed.size() : plan.cpus.size());
   const int64_t total = static_cast<int64_t>(allowed.size());
   int64_t threads = std::max(1, budget);
   if (total > 0) {
@@ -177,9 +182,9 @@ namespace {
 // An integer in [min, max], or bad_env saying so. Digits only: no sign, no
 // spaces, no "1e3", so what doctor shows is exactly the number in force.
 int64_t env_int(const char* name, const std::string& value, int64_t min, int64_t max) {
-  const bool digits = !value.empty() && value.size() <= 18 &&
-                      std::all_of(value.begin(), value.end(),
-                                  [](char c) { return c >= '0' && c <= '9'; });
+  const bool digits =
+      !value.empty() && value.size() <= 18 &&
+      std::all_of(value.begin(), value.end(), [](char c) { return c >= '0' && c <= '9'; });
   const int64_t n = digits ? std::stoll(value) : -1;
   if (!digits || n < min || n > max) {
     const std::string expected =
@@ -273,7 +278,8 @@ Settings read_settings() {
     try {
       s.staging = parse_staging_mode(v, "PINXFER_STAGE_COPY");
     } catch (const c10::ValueError&) {
-      bad_env("PINXFER_STAGE_COPY", v, "'auto', 'nt' (nontemporal stores) or 'movsb' (cached stores)");
+      bad_env("PINXFER_STAGE_COPY", v,
+              "'auto', 'nt' (nontemporal stores) or 'movsb' (cached stores)");
     }
   }
   add("PINXFER_STAGE_COPY", staging_mode_name(s.staging),
@@ -304,7 +310,8 @@ CpuResources current_cpu_resources() {
     r.affinity_cpus = r.online_cpus;  // affinity_ids stays empty: unknown
   }
   std::string self;
-  if (read_text("/proc/self/cgroup", &self)) r.quota_cpus = cgroup_quota_cpus("/sys/fs/cgroup", self);
+  if (read_text("/proc/self/cgroup", &self))
+    r.quota_cpus = cgroup_quota_cpus("/sys/fs/cgroup", self);
   if (const char* v = std::getenv("LOCAL_WORLD_SIZE")) {
     // torchrun's variable: not ours to reject; a value we cannot read means 1.
     const int n = std::atoi(v);

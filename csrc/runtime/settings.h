@@ -35,10 +35,10 @@ const char* staging_mode_name(StagingMode mode);
 
 // What the process may use of the host's CPUs, the inputs of copy_threads_for().
 struct CpuResources {
-  int affinity_cpus = 1;     // CPUs in sched_getaffinity
-  int online_cpus = 1;       // CPUs of the machine
-  double quota_cpus = 0;     // cgroup CPU quota in CPUs (cpu.max), 0: none
-  int local_world_size = 1;  // processes of the job on this host (torchrun)
+  int affinity_cpus = 1;          // CPUs in sched_getaffinity
+  int online_cpus = 1;            // CPUs of the machine
+  double quota_cpus = 0;          // cgroup CPU quota in CPUs (cpu.max), 0: none
+  int local_world_size = 1;       // processes of the job on this host (torchrun)
   std::vector<int> affinity_ids;  // the CPU ids in sched_getaffinity, sorted; empty: unknown
 };
 // The copy threads one process runs: its usable CPUs (affinity, capped by the
@@ -106,11 +106,11 @@ struct Settings {
   int64_t max_pinned_bytes = 0;     // PINXFER_MAX_PINNED_BYTES; 0: no cap
   int copy_threads = 1;             // PINXFER_NUM_THREADS, else copy_threads_for(cpus)
   bool copy_threads_from_env = false;
-  int spin_us = 100;                // PINXFER_SPIN_US: how long idle copy threads spin
-  bool spin_adaptive = true;        // unset PINXFER_SPIN_US: spin longer after long jobs
+  int spin_us = 100;                         // PINXFER_SPIN_US: how long idle copy threads spin
+  bool spin_adaptive = true;                 // unset PINXFER_SPIN_US: spin longer after long jobs
   StagingMode staging = StagingMode::kAuto;  // PINXFER_STAGE_COPY: overrides "auto"
-  int64_t cached_tail = -1;         // PINXFER_CACHED_TAIL; -1: not set (16 MiB)
-  CpuResources cpus;                // what copy_threads was derived from
+  int64_t cached_tail = -1;                  // PINXFER_CACHED_TAIL; -1: not set (16 MiB)
+  CpuResources cpus;                         // what copy_threads was derived from
 
   // (name, value, source) for doctor: source is "env", "derived" or "default".
   struct Item {

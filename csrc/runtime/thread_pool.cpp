@@ -27,13 +27,13 @@ struct ThreadPool::Job {
   size_t n = 0;
   size_t chunk = 1;
   size_t num_chunks = 0;
-  int max_helpers = 0;                  // workers allowed to join, besides the caller
+  int max_helpers = 0;  // workers allowed to join, besides the caller
   std::atomic<size_t> next_chunk{0};
   std::atomic<int> helpers{0};
   std::mutex done_mutex;
   std::condition_variable done_cv;
-  size_t chunks_done = 0;               // LOCK: done_mutex
-  std::exception_ptr error;             // LOCK: done_mutex
+  size_t chunks_done = 0;    // LOCK: done_mutex
+  std::exception_ptr error;  // LOCK: done_mutex
 };
 
 namespace {
@@ -47,8 +47,7 @@ inline void cpu_relax() {
 }  // namespace
 
 ThreadPool::ThreadPool(int num_threads, std::vector<int> cpus)
-    : cpus_(std::move(cpus)), spin_us_(default_spin_us()),
-      spin_adaptive_(default_spin_adaptive()) {
+    : cpus_(std::move(cpus)), spin_us_(default_spin_us()), spin_adaptive_(default_spin_adaptive()) {
   num_threads = std::max(1, num_threads);
   workers_.reserve(num_threads - 1);
   for (int i = 0; i < num_threads - 1; ++i) {
@@ -61,8 +60,9 @@ ThreadPool::ThreadPool(int num_threads, std::vector<int> cpus)
       // variable that is about to be destroyed (a hang at
       // pthread_cond_destroy), and std::thread's destructor would terminate.
       stop_and_join();
-      TORCH_CHECK(false, "pinxfer: could not start copy thread ", i + 1, " of ",
-                  num_threads - 1, " (", e.what(), "). Set PINXFER_NUM_THREADS to fewer "
+      TORCH_CHECK(false, "pinxfer: could not start copy thread ", i + 1, " of ", num_threads - 1,
+                  " (", e.what(),
+                  "). Set PINXFER_NUM_THREADS to fewer "
                   "threads, or raise the process's thread or memory limits.");
     }
     if (!cpus_.empty()) {
@@ -151,8 +151,7 @@ void ThreadPool::worker_loop() {
   }
 }
 
-void ThreadPool::parallel_for(size_t n, size_t grain,
-                              const std::function<void(size_t, size_t)>& fn,
+void ThreadPool::parallel_for(size_t n, size_t grain, const std::function<void(size_t, size_t)>& fn,
                               int max_threads) {
   if (n == 0) return;
   grain = std::max<size_t>(1, grain);
@@ -268,8 +267,8 @@ ThreadPool& thread_pool_for_node(int numa_node) {
   // The node's share of the process's one budget, on the node's CPUs that the
   // process may use (node_pool_plan() in runtime/settings.h says why).
   const Settings& s = settings();
-  const NodePoolPlan plan = node_pool_plan(default_num_threads(), cpus, s.cpus.affinity_ids,
-                                           s.copy_threads_from_env);
+  const NodePoolPlan plan =
+      node_pool_plan(default_num_threads(), cpus, s.cpus.affinity_ids, s.copy_threads_from_env);
   auto* pool = new ThreadPool(plan.threads, plan.cpus);
   g_pools->emplace(numa_node, pool);
   return *pool;

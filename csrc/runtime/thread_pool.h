@@ -47,8 +47,7 @@ class ThreadPool {
   // Calls fn(begin, end) over [0, n) split into chunks of at least grain items,
   // on at most max_threads threads (0: all). Returns when every chunk is done;
   // rethrows the first exception a chunk threw.
-  void parallel_for(size_t n, size_t grain,
-                    const std::function<void(size_t, size_t)>& fn,
+  void parallel_for(size_t n, size_t grain, const std::function<void(size_t, size_t)>& fn,
                     int max_threads = 0);
 
   int num_threads() const { return static_cast<int>(workers_.size()) + 1; }
@@ -82,7 +81,7 @@ class ThreadPool {
   // jobs_.size(), written under mutex_, read without it by spinning workers.
   std::atomic<size_t> queued_jobs_{0};
   std::atomic<int> spinning_{0};  // workers inside spin_for_work()
-  int spin_us_ = 0;        // the shortest spin (PINXFER_SPIN_US or 100)
+  int spin_us_ = 0;               // the shortest spin (PINXFER_SPIN_US or 100)
   bool spin_adaptive_ = false;
   // Wall time of the pool's last parallel_for, for the adaptive spin; relaxed:
   // a stale value only changes how long a worker spins.

@@ -23,7 +23,7 @@ std::string sysfs_root() { return settings().sysfs_root; }
 bool read_kernel_file(const std::string& path, std::string* out) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
   if (fd < 0) return false;
-  struct stat st {};
+  struct stat st{};
   bool ok = ::fstat(fd, &st) == 0 && S_ISREG(st.st_mode);
   out->clear();
   char buf[4096];

@@ -46,7 +46,8 @@ ChunkPlan plan_chunks(size_t nbytes, size_t chunk_bytes, size_t num_buffers, siz
     const size_t begin = plan.bounds[c], end = plan.bounds[c + 1];
     const size_t piece =
         std::max(kMinPiece, round_up((end - begin + threads - 1) / threads, 4 * kKiB));
-    for (size_t b = begin; b < end; b += piece) plan.pieces.push_back({c, b, std::min(end, b + piece)});
+    for (size_t b = begin; b < end; b += piece)
+      plan.pieces.push_back({c, b, std::min(end, b + piece)});
     // A slot holds the longest chunk: not always the steady one, since the
     // sub-4 KiB end of the tensor joins the last chunk, and a small chunk_bytes
     // makes the ramp's chunks as long as the steady ones.

@@ -46,6 +46,7 @@ pinxfer/cli/doctor.py.
 The command line is a package of its own: ``import pinxfer`` never imports it,
 and it uses only pinxfer's public API and its byte-size parser.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -64,7 +65,9 @@ def _sizes(text: str) -> list[int]:
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
     if not sizes or any(s <= 0 for s in sizes):
-        raise argparse.ArgumentTypeError(f"expected a comma-separated list of positive sizes, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected a comma-separated list of positive sizes, got {text!r}"
+        )
     return sorted(set(sizes))
 
 
@@ -73,7 +76,8 @@ def _sections(text: str) -> list[str]:
     bad = [n for n in names if n not in SECTIONS]
     if bad or not names:
         raise argparse.ArgumentTypeError(
-            f"unknown section(s) {bad or text!r}: choose from {','.join(SECTIONS)}")
+            f"unknown section(s) {bad or text!r}: choose from {','.join(SECTIONS)}"
+        )
     return names
 
 
@@ -85,30 +89,64 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="{bench,doctor}")
     sub.required = True
 
-    b = sub.add_parser("bench", help="measure transfers: torch vs pinxfer, side by side",
-                       description="Measure H2D/D2H, pinning, to_device and prefetch overlap on "
-                                   "this machine, torch and pinxfer side by side.")
-    b.add_argument("--sizes", type=_sizes, default=_sizes(DEFAULT_SIZES),
-                   help=f"comma-separated tensor sizes (default {DEFAULT_SIZES})")
-    b.add_argument("--sections", type=_sections, default=list(SECTIONS),
-                   help=f"which sections to run (default all: {','.join(SECTIONS)})")
-    b.add_argument("--repeats", type=int, default=3,
-                   help="timed runs per point; the median is kept (default 3)")
+    b = sub.add_parser(
+        "bench",
+        help="measure transfers: torch vs pinxfer, side by side",
+        description="Measure H2D/D2H, pinning, to_device and prefetch overlap on "
+        "this machine, torch and pinxfer side by side.",
+    )
+    b.add_argument(
+        "--sizes",
+        type=_sizes,
+        default=_sizes(DEFAULT_SIZES),
+        help=f"comma-separated tensor sizes (default {DEFAULT_SIZES})",
+    )
+    b.add_argument(
+        "--sections",
+        type=_sections,
+        default=list(SECTIONS),
+        help=f"which sections to run (default all: {','.join(SECTIONS)})",
+    )
+    b.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="timed runs per point; the median is kept (default 3)",
+    )
     b.add_argument("--device", default=None, help="CUDA device (default: the current one)")
-    b.add_argument("--prefetch-steps", type=int, default=16, help="steps of the prefetch loop (default 16)")
-    b.add_argument("--prefetch-batch", type=parse_bytes, default="64MiB",
-                   help="bytes per batch in the prefetch loop (default 64MiB)")
-    b.add_argument("--json", metavar="FILE", help="write the results as JSON ('-': stdout, table to stderr)")
+    b.add_argument(
+        "--prefetch-steps", type=int, default=16, help="steps of the prefetch loop (default 16)"
+    )
+    b.add_argument(
+        "--prefetch-batch",
+        type=parse_bytes,
+        default="64MiB",
+        help="bytes per batch in the prefetch loop (default 64MiB)",
+    )
+    b.add_argument(
+        "--json", metavar="FILE", help="write the results as JSON ('-': stdout, table to stderr)"
+    )
     b.add_argument("--plot", metavar="FILE.png", help="plot bandwidth vs size (needs matplotlib)")
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
-    b.add_argument("--from-json", metavar="FILE",
-                   help="measure nothing: print the table (and --plot) of a saved --json file")
+    b.add_argument(
+        "--from-json",
+        metavar="FILE",
+        help="measure nothing: print the table (and --plot) of a saved --json file",
+    )
 
-    d = sub.add_parser("doctor", help="check this machine's transfer setup",
-                       description="Report GPUs (NUMA node, CPUs, PCIe link), memlock, huge pages "
-                                   "and pinxfer settings, with actionable warnings.")
-    d.add_argument("--json", metavar="FILE", nargs="?", const="-",
-                   help="also write the report as JSON to FILE (no FILE: JSON alone on stdout)")
+    d = sub.add_parser(
+        "doctor",
+        help="check this machine's transfer setup",
+        description="Report GPUs (NUMA node, CPUs, PCIe link), memlock, huge pages "
+        "and pinxfer settings, with actionable warnings.",
+    )
+    d.add_argument(
+        "--json",
+        metavar="FILE",
+        nargs="?",
+        const="-",
+        help="also write the report as JSON to FILE (no FILE: JSON alone on stdout)",
+    )
     # Roots of the trees doctor reads; for tests with fixture trees.
     d.add_argument("--sysfs-root", default=None, help=argparse.SUPPRESS)
     d.add_argument("--proc-root", default="/proc", help=argparse.SUPPRESS)

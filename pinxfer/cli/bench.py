@@ -6,16 +6,19 @@ pinxfer/cli/__init__.py. Timing: wall clock around the operation followed by
 small sizes run several times inside one timed run so launch overhead does not
 dominate. The median of ``--repeats`` runs is kept.
 """
+
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 
@@ -36,7 +39,7 @@ class Result:
     bytes: int
     seconds: float
     gbps: float = 0.0
-    note: Optional[str] = None
+    note: str | None = None
 
     def __post_init__(self) -> None:
         self.gbps = self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
@@ -44,7 +47,7 @@ class Result:
 
 @dataclass
 class Report:
-    device: Optional[str]
+    device: str | None
     results: list[Result] = field(default_factory=list)
     skipped: list[dict[str, str]] = field(default_factory=list)
 
@@ -63,8 +66,16 @@ class Report:
         for (section, op, nbytes), impls in by_key.items():
             if "torch" in impls and "pinxfer" in impls:
                 t, p = impls["torch"].seconds, impls["pinxfer"].seconds
-                out.append({"section": section, "op": op, "bytes": nbytes, "torch_seconds": t,
-                            "pinxfer_seconds": p, "speedup": t / p if p > 0 else float("inf")})
+                out.append(
+                    {
+                        "section": section,
+                        "op": op,
+                        "bytes": nbytes,
+                        "torch_seconds": t,
+                        "pinxfer_seconds": p,
+                        "speedup": t / p if p > 0 else float("inf"),
+                    }
+                )
         return out
 
     def to_json(self) -> dict[str, Any]:
@@ -120,16 +131,27 @@ def _progress(total: int, disable: bool) -> Any:
         from tqdm import tqdm  # optional extra: pip install 'pinxfer[bench]'
     except ImportError:
         return _TextBar(total, disable)
-    return tqdm(total=total, desc="pinxfer bench", unit="step", file=sys.stderr,
-                disable=disable, dynamic_ncols=True)
+    return tqdm(
+        total=total,
+        desc="pinxfer bench",
+        unit="step",
+        file=sys.stderr,
+        disable=disable,
+        dynamic_ncols=True,
+    )
 
 
 # ---------------------------------------------------------------- timing
 
 
-def _median_seconds(fn: Callable[[], Any], repeats: int, sync: Callable[[], None],
-                    setup: Optional[Callable[[], None]] = None, warmup: int = 1,
-                    inner: int = 1) -> float:
+def _median_seconds(
+    fn: Callable[[], Any],
+    repeats: int,
+    sync: Callable[[], None],
+    setup: Callable[[], None] | None = None,
+    warmup: int = 1,
+    inner: int = 1,
+) -> float:
     """Median wall time of `fn` (called `inner` times per run) until `sync` returns."""
     for _ in range(warmup):
         if setup:
@@ -165,10 +187,8 @@ def _no_sync() -> None:
 
 
 def _empty_torch_host_cache() -> None:
-    try:
+    with contextlib.suppress(AttributeError, RuntimeError):
         torch._C._host_emptyCache()
-    except (AttributeError, RuntimeError):
-        pass
 
 
 # ---------------------------------------------------------------- the bench
@@ -179,11 +199,13 @@ class Bench:
         self.args = args
         self.repeats = max(1, args.repeats)
         self.gpu_reason = pinxfer.cuda_unavailable_reason()
-        self.dev: Optional[torch.device] = None
+        self.dev: torch.device | None = None
         if self.gpu_reason is None:
             dev = torch.device(args.device) if args.device else torch.device("cuda")
             if dev.type != "cuda":
-                raise SystemExit(f"pinxfer bench: --device must be a CUDA device, got {args.device!r}")
+                raise SystemExit(
+                    f"pinxfer bench: --device must be a CUDA device, got {args.device!r}"
+                )
             if dev.index is None:
                 dev = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(dev)  # pinxfer places staging memory by the current GPU
@@ -212,7 +234,9 @@ class Bench:
             torch.cuda.empty_cache()
 
     def time(self, fn: Callable[[], Any], **kw: Any) -> float:
-        return _median_seconds(fn, self.repeats, self.sync if self.dev is not None else _no_sync, **kw)
+        return _median_seconds(
+            fn, self.repeats, self.sync if self.dev is not None else _no_sync, **kw
+        )
 
     # -- the plan: a list of (label, step) so the progress bar knows the total
     def plan(self) -> list[tuple[str, Callable[[], None]]]:
@@ -260,20 +284,34 @@ class Bench:
 
         dst = torch.empty_like(src)
         dst.fill_(0)
-        self.report.add("pin", "host_copy", "torch", n,
-                        self.time(lambda: dst.copy_(src), inner=_inner(n)))
+        self.report.add(
+            "pin", "host_copy", "torch", n, self.time(lambda: dst.copy_(src), inner=_inner(n))
+        )
 
         if self.dev is None:
-            self.report.skip("pin", "torch rows: t.pin_memory() needs CUDA; " + str(self.gpu_reason))
+            self.report.skip(
+                "pin", "torch rows: t.pin_memory() needs CUDA; " + str(self.gpu_reason)
+            )
         else:
+
             def torch_cold() -> None:
                 held.clear()
                 _empty_torch_host_cache()
 
-            self.report.add("pin", "pin_cold", "torch", n,
-                            self.time(lambda: held.append(src.pin_memory()), setup=torch_cold, warmup=0))
-            self.report.add("pin", "pin_warm", "torch", n,
-                            self.time(lambda: held.append(src.pin_memory()), setup=held.clear))
+            self.report.add(
+                "pin",
+                "pin_cold",
+                "torch",
+                n,
+                self.time(lambda: held.append(src.pin_memory()), setup=torch_cold, warmup=0),
+            )
+            self.report.add(
+                "pin",
+                "pin_warm",
+                "torch",
+                n,
+                self.time(lambda: held.append(src.pin_memory()), setup=held.clear),
+            )
             held.clear()
             _empty_torch_host_cache()
 
@@ -285,19 +323,33 @@ class Bench:
             def pin_memory(t: torch.Tensor) -> torch.Tensor:
                 return pinxfer.empty(t.numel(), dtype=t.dtype).copy_(t)
 
-            self.report.skip("pin", "pinxfer.pin_memory is not in this pinxfer build; "
-                                    "its rows measure pinxfer.empty + copy_ instead")
+            self.report.skip(
+                "pin",
+                "pinxfer.pin_memory is not in this pinxfer build; "
+                "its rows measure pinxfer.empty + copy_ instead",
+            )
 
         def pinxfer_cold() -> None:
             held.clear()
             self.sync()  # blocks fenced on a stream return to the cache before it is emptied
             pinxfer.empty_cache()
 
-        self.report.add("pin", "pin_cold", "pinxfer", n,
-                        self.time(lambda: held.append(pin_memory(src)), setup=pinxfer_cold, warmup=0),
-                        note=note)
-        self.report.add("pin", "pin_warm", "pinxfer", n,
-                        self.time(lambda: held.append(pin_memory(src)), setup=held.clear), note=note)
+        self.report.add(
+            "pin",
+            "pin_cold",
+            "pinxfer",
+            n,
+            self.time(lambda: held.append(pin_memory(src)), setup=pinxfer_cold, warmup=0),
+            note=note,
+        )
+        self.report.add(
+            "pin",
+            "pin_warm",
+            "pinxfer",
+            n,
+            self.time(lambda: held.append(pin_memory(src)), setup=held.clear),
+            note=note,
+        )
         held.clear()
 
     def copy(self, n: int) -> None:
@@ -305,36 +357,68 @@ class Bench:
         dev, src, inner = self.dev, self.src(n), _inner(n)
         g = torch.empty(n, dtype=torch.uint8, device=dev)
         g.fill_(1)
-        self.report.add("copy", "h2d_pageable", "torch", n,
-                        self.time(lambda: src.to(dev), inner=inner))
-        self.report.add("copy", "d2h_pageable", "torch", n,
-                        self.time(lambda: g.to("cpu"), inner=inner))
+        self.report.add(
+            "copy", "h2d_pageable", "torch", n, self.time(lambda: src.to(dev), inner=inner)
+        )
+        self.report.add(
+            "copy", "d2h_pageable", "torch", n, self.time(lambda: g.to("cpu"), inner=inner)
+        )
 
         tp = src.pin_memory()
-        self.report.add("copy", "h2d_pinned", "torch", n,
-                        self.time(lambda: g.copy_(tp, non_blocking=True), inner=inner))
-        self.report.add("copy", "d2h_pinned", "torch", n,
-                        self.time(lambda: tp.copy_(g, non_blocking=True), inner=inner))
+        self.report.add(
+            "copy",
+            "h2d_pinned",
+            "torch",
+            n,
+            self.time(lambda: g.copy_(tp, non_blocking=True), inner=inner),
+        )
+        self.report.add(
+            "copy",
+            "d2h_pinned",
+            "torch",
+            n,
+            self.time(lambda: tp.copy_(g, non_blocking=True), inner=inner),
+        )
 
         pp = pinxfer.empty(n, dtype=torch.uint8)
         pp.copy_(src)
-        self.report.add("copy", "h2d_pinned", "pinxfer", n,
-                        self.time(lambda: g.copy_(pp, non_blocking=True), inner=inner))
-        self.report.add("copy", "d2h_pinned", "pinxfer", n,
-                        self.time(lambda: pp.copy_(g, non_blocking=True), inner=inner))
+        self.report.add(
+            "copy",
+            "h2d_pinned",
+            "pinxfer",
+            n,
+            self.time(lambda: g.copy_(pp, non_blocking=True), inner=inner),
+        )
+        self.report.add(
+            "copy",
+            "d2h_pinned",
+            "pinxfer",
+            n,
+            self.time(lambda: pp.copy_(g, non_blocking=True), inner=inner),
+        )
 
     def to_device(self, n: int) -> None:
         """What a user writes: t.to(dev) vs pinxfer.to_device(t); g.cpu() vs to_host."""
         dev, src, inner = self.dev, self.src(n), _inner(n)
         self.report.add("to_device", "h2d", "torch", n, self.time(lambda: src.to(dev), inner=inner))
-        self.report.add("to_device", "h2d_pin_then_copy", "torch", n,
-                        self.time(lambda: src.pin_memory().to(dev, non_blocking=True), inner=inner))
+        self.report.add(
+            "to_device",
+            "h2d_pin_then_copy",
+            "torch",
+            n,
+            self.time(lambda: src.pin_memory().to(dev, non_blocking=True), inner=inner),
+        )
         to_device = getattr(pinxfer, "to_device", None)
         if to_device is None:
             self.report.skip("to_device", "pinxfer.to_device is not in this pinxfer build")
         else:
-            self.report.add("to_device", "h2d", "pinxfer", n,
-                            self.time(lambda: to_device(src, device=dev), inner=inner))
+            self.report.add(
+                "to_device",
+                "h2d",
+                "pinxfer",
+                n,
+                self.time(lambda: to_device(src, device=dev), inner=inner),
+            )
 
         g = torch.empty(n, dtype=torch.uint8, device=dev)
         g.fill_(1)
@@ -343,8 +427,9 @@ class Bench:
         if to_host is None:
             self.report.skip("to_device", "pinxfer.to_host is not in this pinxfer build")
         else:
-            self.report.add("to_device", "d2h", "pinxfer", n,
-                            self.time(lambda: to_host(g).wait(), inner=inner))
+            self.report.add(
+                "to_device", "d2h", "pinxfer", n, self.time(lambda: to_host(g).wait(), inner=inner)
+            )
 
     def prefetch(self) -> None:
         """A training-like loop: copy a pageable batch, then matmuls on it.
@@ -410,9 +495,11 @@ class Bench:
 # ---------------------------------------------------------------- output
 
 
-def pinned_limit_gbps(report: dict[str, Any]) -> Optional[float]:
+def pinned_limit_gbps(report: dict[str, Any]) -> float | None:
     """The best pinned H2D figure measured: the practical bus limit."""
-    vals = [r["gbps"] for r in report["results"] if r["section"] == "copy" and r["op"] == "h2d_pinned"]
+    vals = [
+        r["gbps"] for r in report["results"] if r["section"] == "copy" and r["op"] == "h2d_pinned"
+    ]
     return max(vals) if vals else None
 
 
@@ -422,17 +509,25 @@ def render(report: dict[str, Any]) -> str:
     for r in report["results"]:
         op = r["op"] if r["impl"] != "ideal" else r["op"] + " (ideal)"
         rows.setdefault((r["section"], op, r["bytes"]), {})[r["impl"]] = r
-    table = [("section", "op", "size", "torch ms", "torch GB/s", "pinxfer ms", "pinxfer GB/s", "speedup")]
+    table = [
+        ("section", "op", "size", "torch ms", "torch GB/s", "pinxfer ms", "pinxfer GB/s", "speedup")
+    ]
     for (section, op, nbytes), impls in rows.items():
         t = impls.get("torch")
         p = impls.get("pinxfer") or impls.get("ideal")
         speed = f"{t['seconds'] / p['seconds']:.2f}x" if t and p and "ideal" not in impls else ""
-        table.append((
-            section, op, format_bytes(nbytes),
-            f"{t['seconds'] * 1e3:.3f}" if t else "", f"{t['gbps']:.1f}" if t else "",
-            f"{p['seconds'] * 1e3:.3f}" if p else "", f"{p['gbps']:.1f}" if p else "",
-            speed,
-        ))
+        table.append(
+            (
+                section,
+                op,
+                format_bytes(nbytes),
+                f"{t['seconds'] * 1e3:.3f}" if t else "",
+                f"{t['gbps']:.1f}" if t else "",
+                f"{p['seconds'] * 1e3:.3f}" if p else "",
+                f"{p['gbps']:.1f}" if p else "",
+                speed,
+            )
+        )
     lines = [
         f"pinxfer {report['pinxfer']} bench, torch {report['torch']}, "
         f"device: {report['device'] or 'none'}, {report['date']}",
@@ -463,14 +558,24 @@ def plot(report: dict[str, Any], path: str) -> None:
     import matplotlib.pyplot as plt
 
     def series(section: str, op: str, impl: str) -> tuple[list[int], list[float]]:
-        pts = sorted((r["bytes"], r["gbps"]) for r in report["results"]
-                     if (r["section"], r["op"], r["impl"]) == (section, op, impl))
+        pts = sorted(
+            (r["bytes"], r["gbps"])
+            for r in report["results"]
+            if (r["section"], r["op"], r["impl"]) == (section, op, impl)
+        )
         return [b for b, _ in pts], [g for _, g in pts]
 
     transfer = [
         ("to_device", "h2d", "torch", "torch  t.to('cuda')", "tab:blue", "-"),
         ("to_device", "h2d", "pinxfer", "pinxfer  to_device(t)", "tab:orange", "-"),
-        ("to_device", "h2d_pin_then_copy", "torch", "torch  t.pin_memory().to('cuda')", "tab:blue", ":"),
+        (
+            "to_device",
+            "h2d_pin_then_copy",
+            "torch",
+            "torch  t.pin_memory().to('cuda')",
+            "tab:blue",
+            ":",
+        ),
         ("to_device", "d2h", "torch", "torch  g.cpu()", "tab:blue", "--"),
         ("to_device", "d2h", "pinxfer", "pinxfer  to_host(g)", "tab:orange", "--"),
     ]
@@ -486,9 +591,14 @@ def plot(report: dict[str, Any], path: str) -> None:
         ("pin", "pin_warm", "pinxfer", "pinxfer  pin_memory() warm", "tab:orange", "-"),
         ("pin", "host_copy", "torch", "torch  dst.copy_(src), pageable", "tab:gray", ":"),
     ]
-    panels = [(title, lines) for title, lines in (("host <-> GPU transfer", transfer),
-                                                   ("pinning a pageable tensor", pinning))
-              if any(series(*s[:3])[0] for s in lines)]
+    panels = [
+        (title, lines)
+        for title, lines in (
+            ("host <-> GPU transfer", transfer),
+            ("pinning a pageable tensor", pinning),
+        )
+        if any(series(*s[:3])[0] for s in lines)
+    ]
     if not panels:
         raise ValueError("nothing to plot: no transfer or pinning results")
     fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.5), squeeze=False)
@@ -499,11 +609,17 @@ def plot(report: dict[str, Any], path: str) -> None:
             if xs:
                 ax.plot([x / MiB for x in xs], ys, style, color=color, marker="o", label=label)
         if limit and title.startswith("host"):
-            ax.axhline(limit, color="black", linewidth=1, linestyle="-.",
-                       label=f"pinned limit {limit:.1f} GB/s")
+            ax.axhline(
+                limit,
+                color="black",
+                linewidth=1,
+                linestyle="-.",
+                label=f"pinned limit {limit:.1f} GB/s",
+            )
         ax.set_xscale("log", base=2)
-        ticks = sorted({r["bytes"] for r in report["results"]
-                        if r["section"] in ("copy", "pin", "to_device")})
+        ticks = sorted(
+            {r["bytes"] for r in report["results"] if r["section"] in ("copy", "pin", "to_device")}
+        )
         if ticks:
             ax.set_xticks([t / MiB for t in ticks])
             ax.set_xticklabels([format_bytes(t).replace(".0 ", " ") for t in ticks])
@@ -514,8 +630,10 @@ def plot(report: dict[str, Any], path: str) -> None:
         ax.set_title(title)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(f"pinxfer {report['pinxfer']} / torch {report['torch']} on "
-                 f"{report['device'] or 'CPU only'} ({report['date'][:10]})")
+    fig.suptitle(
+        f"pinxfer {report['pinxfer']} / torch {report['torch']} on "
+        f"{report['device'] or 'CPU only'} ({report['date'][:10]})"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -526,9 +644,12 @@ def main(args: Any) -> int:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            print("pinxfer bench --plot needs matplotlib, which is not installed: "
-                  "`pip install matplotlib` (or `pip install 'pinxfer[bench]'`), "
-                  "or drop --plot.", file=sys.stderr)
+            print(
+                "pinxfer bench --plot needs matplotlib, which is not installed: "
+                "`pip install matplotlib` (or `pip install 'pinxfer[bench]'`), "
+                "or drop --plot.",
+                file=sys.stderr,
+            )
             return 2
     if args.from_json:  # re-render a saved run (e.g. plot here what a GPU machine measured)
         report = json.loads(Path(args.from_json).read_text())

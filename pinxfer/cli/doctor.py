@@ -28,6 +28,7 @@ JSON (``pinxfer doctor --json FILE``)::
                   "installed": bool},
      "warnings": [{"code": str, "message": str}]}
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -36,8 +37,9 @@ import os
 import re
 import resource
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any
 
 import torch
 
@@ -58,6 +60,7 @@ def env_vars() -> tuple[str, ...]:
     """Every variable the settings object reads."""
     return tuple(pinxfer_settings())
 
+
 NVIDIA_VENDOR = "0x10de"
 # PCI class codes of GPUs: VGA controller (0x0300xx) and 3D controller (0x0302xx).
 GPU_CLASSES = ("0x0300", "0x0302")
@@ -67,14 +70,14 @@ GTS_TO_GEN = {2.5: 1, 5.0: 2, 8.0: 3, 16.0: 4, 32.0: 5, 64.0: 6}
 GIB = 1 << 30
 
 
-def _read(path: Path) -> Optional[str]:
+def _read(path: Path) -> str | None:
     try:
         return path.read_text().strip()
     except OSError:
         return None
 
 
-def _read_int(path: Path) -> Optional[int]:
+def _read_int(path: Path) -> int | None:
     text = _read(path)
     if text is None:
         return None
@@ -84,7 +87,7 @@ def _read_int(path: Path) -> Optional[int]:
         return None
 
 
-def _speed_gts(text: Optional[str]) -> Optional[float]:
+def _speed_gts(text: str | None) -> float | None:
     # "16.0 GT/s PCIe", "8 GT/s", "Unknown" (older kernels: "8.0 GT/s")
     if not text:
         return None
@@ -92,7 +95,7 @@ def _speed_gts(text: Optional[str]) -> Optional[float]:
     return float(m.group(1)) if m else None
 
 
-def _gen(gts: Optional[float]) -> Optional[int]:
+def _gen(gts: float | None) -> int | None:
     if gts is None:
         return None
     return GTS_TO_GEN.get(round(gts, 1))
@@ -119,8 +122,12 @@ def pcie_link_sysfs(pci_bus_id: str, sysfs_root: str) -> dict[str, Any]:
         if up_width is not None and max_w is not None:
             max_w = min(max_w, up_width)
     return {
-        "current_gen": _gen(cur), "current_width": cur_w, "max_gen": _gen(mx), "max_width": max_w,
-        "current_speed_gts": cur, "max_speed_gts": mx,
+        "current_gen": _gen(cur),
+        "current_width": cur_w,
+        "max_gen": _gen(mx),
+        "max_width": max_w,
+        "current_speed_gts": cur,
+        "max_speed_gts": mx,
     }
 
 
@@ -158,7 +165,7 @@ def _record_field(rec: Any, *names: str) -> Any:
     return None
 
 
-def _from_topology(sysfs_root: str, pci_bus_ids: Optional[list[str]] = None) -> list[dict[str, Any]]:
+def _from_topology(sysfs_root: str, pci_bus_ids: list[str] | None = None) -> list[dict[str, Any]]:
     """Records from pinxfer.topology(): the CUDA devices of this process, or the
     given bus ids. Its NUMA answers come from the C++ code that places pinxfer's
     memory, so doctor reports what placement uses. [] if the API is missing."""
@@ -177,13 +184,15 @@ def _from_topology(sysfs_root: str, pci_bus_ids: Optional[list[str]] = None) -> 
         bus = _record_field(rec, "pci_bus_id", "bus_id", "pci")
         if not bus:
             continue
-        out.append({
-            "index": _record_field(rec, "index", "device", "device_index"),
-            "pci_bus_id": _normalise_bus_id(str(bus)),
-            "numa_node": _record_field(rec, "numa_node", "node"),
-            "cpus": list(_record_field(rec, "cpus", "node_cpus") or []),
-            "name": _record_field(rec, "name"),
-        })
+        out.append(
+            {
+                "index": _record_field(rec, "index", "device", "device_index"),
+                "pci_bus_id": _normalise_bus_id(str(bus)),
+                "numa_node": _record_field(rec, "numa_node", "node"),
+                "cpus": list(_record_field(rec, "cpus", "node_cpus") or []),
+                "name": _record_field(rec, "name"),
+            }
+        )
     return out
 
 
@@ -206,27 +215,30 @@ def _from_nvml() -> list[dict[str, Any]]:
             name = name.decode() if isinstance(name, bytes) else name
             bus = bus.decode() if isinstance(bus, bytes) else bus
 
-            def q(fn: str, handle: Any = h) -> Optional[int]:  # handle=h: this GPU, bound now
+            def q(fn: str, handle: Any = h) -> int | None:  # handle=h: this GPU, bound now
                 try:
                     return int(getattr(pynvml, fn)(handle))
                 except Exception:
                     return None
 
-            out.append({
-                "index": i, "name": name, "pci_bus_id": _normalise_bus_id(bus),
-                "pcie": {
-                    "current_gen": q("nvmlDeviceGetCurrPcieLinkGeneration"),
-                    "current_width": q("nvmlDeviceGetCurrPcieLinkWidth"),
-                    "max_gen": q("nvmlDeviceGetMaxPcieLinkGeneration"),
-                    "max_width": q("nvmlDeviceGetMaxPcieLinkWidth"),
-                    "current_speed_gts": None, "max_speed_gts": None,
-                },
-            })
+            out.append(
+                {
+                    "index": i,
+                    "name": name,
+                    "pci_bus_id": _normalise_bus_id(bus),
+                    "pcie": {
+                        "current_gen": q("nvmlDeviceGetCurrPcieLinkGeneration"),
+                        "current_width": q("nvmlDeviceGetCurrPcieLinkWidth"),
+                        "max_gen": q("nvmlDeviceGetMaxPcieLinkGeneration"),
+                        "max_width": q("nvmlDeviceGetMaxPcieLinkWidth"),
+                        "current_speed_gts": None,
+                        "max_speed_gts": None,
+                    },
+                }
+            )
     finally:
-        try:
+        with contextlib.suppress(Exception):
             pynvml.nvmlShutdown()
-        except Exception:
-            pass
     return out
 
 
@@ -293,8 +305,15 @@ def gpu_records(sysfs_root: str, live: bool = True) -> list[dict[str, Any]]:
         if not bus:
             return
         if bus not in merged:
-            merged[bus] = {"index": None, "name": None, "pci_bus_id": bus, "numa_node": None,
-                           "cpus": [], "pcie": None, "source": "sysfs"}
+            merged[bus] = {
+                "index": None,
+                "name": None,
+                "pci_bus_id": bus,
+                "numa_node": None,
+                "cpus": [],
+                "pcie": None,
+                "source": "sysfs",
+            }
             order.append(bus)
         cur = merged[bus]
         for key, value in rec.items():
@@ -334,7 +353,9 @@ def gpu_records(sysfs_root: str, live: bool = True) -> list[dict[str, Any]]:
         # to it, e.g. CUDA_VISIBLE_DEVICES); else the PCI bus order.
         g["index"] = cuda_index.get(g["pci_bus_id"]) if cuda_index else pos
         if g["numa_node"] is None:
-            node = _read_int(Path(sysfs_root) / "bus" / "pci" / "devices" / g["pci_bus_id"] / "numa_node")
+            node = _read_int(
+                Path(sysfs_root) / "bus" / "pci" / "devices" / g["pci_bus_id"] / "numa_node"
+            )
             g["numa_node"] = node if node is not None else -1
         if not g["cpus"]:
             g["cpus"] = node_cpus(int(g["numa_node"]), sysfs_root)
@@ -357,7 +378,7 @@ def cap_ipc_lock(proc_root: str) -> bool:
     return bool(m) and bool(int(m.group(1), 16) >> CAP_IPC_LOCK & 1)
 
 
-def meminfo(proc_root: str) -> dict[str, Optional[int]]:
+def meminfo(proc_root: str) -> dict[str, int | None]:
     text = _read(Path(proc_root) / "meminfo") or ""
     values = {}
     for line in text.splitlines():
@@ -372,7 +393,7 @@ def meminfo(proc_root: str) -> dict[str, Optional[int]]:
     }
 
 
-def _bracketed(text: Optional[str]) -> Optional[str]:
+def _bracketed(text: str | None) -> str | None:
     # "always [madvise] never" -> "madvise"
     if not text:
         return None
@@ -380,8 +401,12 @@ def _bracketed(text: Optional[str]) -> Optional[str]:
     return m.group(1) if m else text.strip()
 
 
-def collect(sysfs_root: Optional[str] = None, proc_root: str = "/proc",
-            affinity: Optional[set[int]] = None, live: Optional[bool] = None) -> dict[str, Any]:
+def collect(
+    sysfs_root: str | None = None,
+    proc_root: str = "/proc",
+    affinity: set[int] | None = None,
+    live: bool | None = None,
+) -> dict[str, Any]:
     """Everything doctor reports, as a JSON-ready dict (see the module docstring).
 
     Args:
@@ -408,18 +433,26 @@ def collect(sysfs_root: Optional[str] = None, proc_root: str = "/proc",
         "sysfs_root": sysfs_root,
         "proc_root": proc_root,
         "gpus": gpu_records(sysfs_root, live=live),
-        "process": {"affinity": sorted(affinity), "uid": os.geteuid(),
-                    "cap_ipc_lock": cap_ipc_lock(proc_root)},
+        "process": {
+            "affinity": sorted(affinity),
+            "uid": os.geteuid(),
+            "cap_ipc_lock": cap_ipc_lock(proc_root),
+        },
         "memlock": {"soft": None if soft == unl else soft, "hard": None if hard == unl else hard},
-        "thp": {"enabled": _bracketed(_read(thp_dir / "enabled")),
-                "defrag": _bracketed(_read(thp_dir / "defrag"))},
+        "thp": {
+            "enabled": _bracketed(_read(thp_dir / "enabled")),
+            "defrag": _bracketed(_read(thp_dir / "defrag")),
+        },
         "hugepages": meminfo(proc_root),
         "settings": {
             "env": {name: os.environ.get(name) for name in values},
             "values": values,
             "max_pinned_bytes": pinxfer.get_max_pinned_bytes(),
-            "build_info": {"with_cuda": info.with_cuda, "cuda_version": info.cuda_version,
-                           "cuda_usable": info.cuda_usable},
+            "build_info": {
+                "with_cuda": info.with_cuda,
+                "cuda_version": info.cuda_version,
+                "cuda_usable": info.cuda_usable,
+            },
             "installed": pinxfer.is_installed(),
         },
     }
@@ -437,26 +470,34 @@ def diagnose(report: dict[str, Any]) -> list[dict[str, str]]:
     cap = report["settings"]["max_pinned_bytes"]
     soft = report["memlock"]["soft"]
     exempt = report["process"]["cap_ipc_lock"]
-    fix = ("raise it (`ulimit -l unlimited`, systemd LimitMEMLOCK=infinity, "
-           "`docker run --ulimit memlock=-1`)")
+    fix = (
+        "raise it (`ulimit -l unlimited`, systemd LimitMEMLOCK=infinity, "
+        "`docker run --ulimit memlock=-1`)"
+    )
     if soft is not None and not exempt:
         if cap > 0 and soft < cap:
-            warn("memlock_below_cap",
-                 f"memlock limit {format_bytes(soft)} is below the pinned cap {format_bytes(cap)}: "
-                 "where pinxfer locks memory with mlock (no usable CUDA) it fails past the limit "
-                 f"and the memory stays pageable. {fix.capitalize()} or lower "
-                 "PINXFER_MAX_PINNED_BYTES.")
+            warn(
+                "memlock_below_cap",
+                f"memlock limit {format_bytes(soft)} is below the pinned cap {format_bytes(cap)}: "
+                "where pinxfer locks memory with mlock (no usable CUDA) it fails past the limit "
+                f"and the memory stays pageable. {fix.capitalize()} or lower "
+                "PINXFER_MAX_PINNED_BYTES.",
+            )
         elif cap == 0 and soft < GIB:
-            warn("memlock_low",
-                 f"memlock limit {format_bytes(soft)} is below 1 GiB and the process lacks "
-                 f"CAP_IPC_LOCK: pinned staging buffers locked with mlock fail past it; {fix}.")
+            warn(
+                "memlock_low",
+                f"memlock limit {format_bytes(soft)} is below 1 GiB and the process lacks "
+                f"CAP_IPC_LOCK: pinned staging buffers locked with mlock fail past it; {fix}.",
+            )
 
     thp = report["thp"]["enabled"]
     if thp == "never":
-        warn("thp_never",
-             "transparent huge pages are 'never': pinxfer's pool asks for huge pages "
-             "(MADV_HUGEPAGE), which makes pinning about 3x faster. As root: "
-             "`echo madvise > /sys/kernel/mm/transparent_hugepage/enabled`.")
+        warn(
+            "thp_never",
+            "transparent huge pages are 'never': pinxfer's pool asks for huge pages "
+            "(MADV_HUGEPAGE), which makes pinning about 3x faster. As root: "
+            "`echo madvise > /sys/kernel/mm/transparent_hugepage/enabled`.",
+        )
 
     affinity = set(report["process"]["affinity"])
     for g in report["gpus"]:
@@ -464,14 +505,16 @@ def diagnose(report: dict[str, Any]) -> list[dict[str, str]]:
             continue
         node, cpus = g["numa_node"], set(g["cpus"])
         if node is not None and node >= 0 and cpus and not (affinity & cpus):
-            warn("affinity_far_from_gpu",
-                 f"GPU {g['index']} ({g['pci_bus_id']}) is on NUMA node {node} (CPUs "
-                 f"{_compact(sorted(cpus))}) but this process may run only on CPUs "
-                 f"{_compact(sorted(affinity))}: the threads that fill its pinned buffers work "
-                 "across the NUMA interconnect (H2D ~10% slower from a far node). Run under "
-                 f"`numactl --cpunodebind={node} --membind={node}` or "
-                 f"`taskset -c {_compact(sorted(cpus))}`, or set "
-                 "PINXFER_NUMA_NODE.")
+            warn(
+                "affinity_far_from_gpu",
+                f"GPU {g['index']} ({g['pci_bus_id']}) is on NUMA node {node} (CPUs "
+                f"{_compact(sorted(cpus))}) but this process may run only on CPUs "
+                f"{_compact(sorted(affinity))}: the threads that fill its pinned buffers work "
+                "across the NUMA interconnect (H2D ~10% slower from a far node). Run under "
+                f"`numactl --cpunodebind={node} --membind={node}` or "
+                f"`taskset -c {_compact(sorted(cpus))}`, or set "
+                "PINXFER_NUMA_NODE.",
+            )
         link = g["pcie"] or {}
         cur_g, max_g = link.get("current_gen"), link.get("max_gen")
         cur_w, max_w = link.get("current_width"), link.get("max_width")
@@ -481,30 +524,40 @@ def diagnose(report: dict[str, Any]) -> list[dict[str, str]]:
             slow_speed = cs is not None and ms is not None and cs < ms
         slow_width = cur_w is not None and max_w is not None and 0 < cur_w < max_w
         if slow_speed or slow_width:
-            head = (f"GPU {g['index']} ({g['pci_bus_id']}) PCIe link runs at "
-                    f"{_link(cur_g, link.get('current_speed_gts'), cur_w)} but can do "
-                    f"{_link(max_g, link.get('max_speed_gts'), max_w)}")
+            head = (
+                f"GPU {g['index']} ({g['pci_bus_id']}) PCIe link runs at "
+                f"{_link(cur_g, link.get('current_speed_gts'), cur_w)} but can do "
+                f"{_link(max_g, link.get('max_speed_gts'), max_w)}"
+            )
             if slow_width:
-                tail = (": fewer lanes cut bandwidth in proportion. Check the slot (x16 electrical), "
-                        "riser and BIOS bifurcation settings.")
+                tail = (
+                    ": fewer lanes cut bandwidth in proportion. Check the slot (x16 electrical), "
+                    "riser and BIOS bifurcation settings."
+                )
             elif link.get("under_load"):
-                tail = (" while copying: check the slot, riser and BIOS PCIe settings (e.g. a slot "
-                        "forced to a lower generation).")
+                tail = (
+                    " while copying: check the slot, riser and BIOS PCIe settings (e.g. a slot "
+                    "forced to a lower generation)."
+                )
             else:
-                tail = (". GPUs lower the link speed when idle: if it stays low while copying (run "
-                        "`pinxfer bench` and look again), check the slot, riser and BIOS PCIe settings.")
+                tail = (
+                    ". GPUs lower the link speed when idle: if it stays low while copying (run "
+                    "`pinxfer bench` and look again), check the slot, riser and BIOS PCIe settings."
+                )
             warn("pcie_below_max", head + tail)
 
     # Only where torch sees a GPU: on a machine without one there is nothing to miss.
     cuda_reason = pinxfer.cuda_unavailable_reason()
     if cuda_reason is not None and torch.cuda.is_available():
-        warn("cuda_unusable",
-             f"torch sees a GPU, but {cuda_reason}. Meanwhile pinxfer's memory is mlocked, not "
-             "registered with CUDA, and its transfers are unavailable.")
+        warn(
+            "cuda_unusable",
+            f"torch sees a GPU, but {cuda_reason}. Meanwhile pinxfer's memory is mlocked, not "
+            "registered with CUDA, and its transfers are unavailable.",
+        )
     return warns
 
 
-def _link(gen: Optional[int], gts: Optional[float], width: Optional[int]) -> str:
+def _link(gen: int | None, gts: float | None, width: int | None) -> str:
     speed = f"Gen{gen}" if gen else (f"{gts:g} GT/s" if gts else "?")
     if gen and gts:
         speed += f" ({gts:g} GT/s)"
@@ -532,29 +585,42 @@ def render(report: dict[str, Any]) -> str:
     lines = [f"pinxfer {report['pinxfer']} (torch {report['torch']})", ""]
     gpus = report["gpus"]
     if not gpus:
-        lines.append(f"GPUs: none found (no NVIDIA device under {report['sysfs_root']}/bus/pci/devices)")
+        lines.append(
+            f"GPUs: none found (no NVIDIA device under {report['sysfs_root']}/bus/pci/devices)"
+        )
     else:
         lines.append("GPUs:")
         header = ("idx", "name", "PCI bus id", "node", "node CPUs", "PCIe now", "PCIe max")
         rows = [header]
         for g in gpus:
             link = g["pcie"] or {}
-            rows.append((
-                "-" if g["index"] is None else str(g["index"]), g["name"] or "?", g["pci_bus_id"],
-                str(g["numa_node"]), _compact(g["cpus"]),
-                _link(link.get("current_gen"), link.get("current_speed_gts"), link.get("current_width")),
-                _link(link.get("max_gen"), link.get("max_speed_gts"), link.get("max_width")),
-            ))
+            rows.append(
+                (
+                    "-" if g["index"] is None else str(g["index"]),
+                    g["name"] or "?",
+                    g["pci_bus_id"],
+                    str(g["numa_node"]),
+                    _compact(g["cpus"]),
+                    _link(
+                        link.get("current_gen"),
+                        link.get("current_speed_gts"),
+                        link.get("current_width"),
+                    ),
+                    _link(link.get("max_gen"), link.get("max_speed_gts"), link.get("max_width")),
+                )
+            )
         lines.extend("  " + line for line in format_table(rows))
         if any((g["pcie"] or {}).get("under_load") for g in gpus):
-            lines.append("  (PCIe links read while each GPU copied: idle GPUs lower their link speed)")
+            lines.append(
+                "  (PCIe links read while each GPU copied: idle GPUs lower their link speed)"
+            )
         else:
             lines.append("  (PCIe links read idle: GPUs lower their link speed when idle)")
     lines.append("")
     proc = report["process"]
     mem = report["memlock"]
 
-    def lim(v: Optional[int]) -> str:
+    def lim(v: int | None) -> str:
         return "unlimited" if v is None else format_bytes(v)
 
     hp = report["hugepages"]

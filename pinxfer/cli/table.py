@@ -1,7 +1,6 @@
 """Plain-text output shared by ``pinxfer bench`` and ``pinxfer doctor``."""
-from __future__ import annotations
 
-from typing import Optional
+from __future__ import annotations
 
 
 def format_bytes(n: float) -> str:
@@ -13,13 +12,14 @@ def format_bytes(n: float) -> str:
     return f"{n} B"
 
 
-def format_table(rows: list[tuple[str, ...]], right: Optional[set[int]] = None) -> list[str]:
+def format_table(rows: list[tuple[str, ...]], right: set[int] | None = None) -> list[str]:
     """Plain aligned text: a header row, a rule, the rows. Columns in `right` are right-aligned."""
     right = right or set()
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
 
     def fmt(r: tuple[str, ...]) -> str:
-        return "  ".join(c.rjust(w) if i in right else c.ljust(w)
-                         for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+        return "  ".join(
+            c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))
+        ).rstrip()
 
     return [fmt(rows[0]), "  ".join("-" * w for w in widths)] + [fmt(r) for r in rows[1:]]

@@ -41,6 +41,7 @@ The modules, in the order one batch meets them (read them in this order):
 
 The lease protocol itself (``send``, ``done``) is prefetch's (:mod:`pinxfer.prefetch`).
 """
+
 from pinxfer.slots.ring import SlotLease
 from pinxfer.slots.source import SlotSource
 from pinxfer.slots.worker import FALLBACK_REASONS, SlotBatch

@@ -23,10 +23,11 @@ Each layout word goes once from 0 to its final value, so a zero reads as "not ye
 Inside a slot, tensors are stored contiguous at :data:`ALIGN`-byte aligned offsets, in
 the order the batch's walk visits them (:class:`TensorRef` is one tensor's place).
 """
+
 from __future__ import annotations
 
 import mmap
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -79,16 +80,19 @@ class Header:
 
     def check_magic(self) -> None:
         if self._words[_MAGIC] != MAGIC:
-            raise RuntimeError("pinxfer slots: the shared ring's header is not pinxfer's "
-                               f"(magic {self._words[_MAGIC]:#x})")
+            raise RuntimeError(
+                "pinxfer slots: the shared ring's header is not pinxfer's "
+                f"(magic {self._words[_MAGIC]:#x})"
+            )
 
     def publish_layout(self, slot_bytes: int, data_offset: int) -> None:
-        """The slots exist: their size and offset, then the generation last (workers read it first)."""
+        """The slots exist: their size and offset, then the generation last (workers read it
+        first)."""
         self._words[_SLOT_BYTES] = slot_bytes
         self._words[_DATA_OFFSET] = data_offset
         self._words[_GENERATION] = 1
 
-    def layout(self) -> Optional[tuple[int, int, int]]:
+    def layout(self) -> tuple[int, int, int] | None:
         """(generation, slot_bytes, data_offset) once all three are visible, else None."""
         generation = self._words[_GENERATION]
         if generation == 0:
@@ -116,7 +120,9 @@ class Header:
 
     def writer(self, slot: int) -> tuple[int, int]:
         """(pid, seq) of the process that last took ``slot``."""
-        return self._words[_slot_word(slot, _WRITER_PID)], self._words[_slot_word(slot, _WRITER_SEQ)]
+        return self._words[_slot_word(slot, _WRITER_PID)], self._words[
+            _slot_word(slot, _WRITER_SEQ)
+        ]
 
     def writer_epoch(self, slot: int) -> int:
         return self._words[_slot_word(slot, _WRITER_EPOCH)]
@@ -137,7 +143,7 @@ class Header:
 class TensorRef:
     """One tensor of a batch in its slot: byte offset in the slot, dtype, shape."""
 
-    __slots__ = ("offset", "dtype", "shape")
+    __slots__ = ("dtype", "offset", "shape")
 
     def __init__(self, offset: int, dtype: torch.dtype, shape: tuple[int, ...]):
         self.offset, self.dtype, self.shape = offset, dtype, shape
@@ -175,6 +181,7 @@ def bytes_in_slot(tensors: list[torch.Tensor]) -> int:
 def rebuild(structure: Any, slot: torch.Tensor) -> Any:
     """A descriptor's structure with each :class:`TensorRef` replaced by its view of ``slot``
     (the slot's uint8 bytes, pinned, or one copy of them)."""
+
     def view(o: Any) -> Any:
         return o.view_in(slot) if isinstance(o, TensorRef) else _batch.PASS
 

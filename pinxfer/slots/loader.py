@@ -9,10 +9,12 @@ What the slots need from torch's multiprocessing iterator, all here: its cached
 persistent iterator (``_iterator``), whether it was shut down (``_shutdown``), its
 worker processes (``_workers``) and its shutdown (``_shutdown_workers``).
 """
+
 from __future__ import annotations
 
 import copy
-from typing import Any, Iterator, Optional
+from collections.abc import Iterator
+from typing import Any
 
 from torch.utils.data import DataLoader
 
@@ -22,14 +24,20 @@ from pinxfer.slots.worker import RingHandle, SlotCollate, SlotWorkerInit
 def check_loader(loader: Any) -> None:
     """The DataLoader slots can serve: workers write the slots, and nothing pins again."""
     if not isinstance(loader, DataLoader):
-        raise TypeError("pinxfer.prefetch(slots=True): expected a torch.utils.data.DataLoader, "
-                        f"got {type(loader).__name__}")
+        raise TypeError(
+            "pinxfer.prefetch(slots=True): expected a torch.utils.data.DataLoader, "
+            f"got {type(loader).__name__}"
+        )
     if loader.num_workers < 1:
-        raise ValueError("pinxfer.prefetch(slots=True): the DataLoader needs num_workers > 0 "
-                         "(the workers write the slots); got num_workers=0")
+        raise ValueError(
+            "pinxfer.prefetch(slots=True): the DataLoader needs num_workers > 0 "
+            "(the workers write the slots); got num_workers=0"
+        )
     if loader.pin_memory:
-        raise ValueError("pinxfer.prefetch(slots=True): build the DataLoader with "
-                         "pin_memory=False: the slots are pinned already")
+        raise ValueError(
+            "pinxfer.prefetch(slots=True): build the DataLoader with "
+            "pin_memory=False: the slots are pinned already"
+        )
 
 
 def batches_in_loader(loader: DataLoader) -> int:
@@ -75,7 +83,7 @@ class LoaderCopy:
 
     def close(self) -> None:
         """Stops the workers of the cached (persistent) iterator, if any."""
-        it: Optional[Any] = self._loader.__dict__.get("_iterator")
+        it: Any | None = self._loader.__dict__.get("_iterator")
         self._loader.__dict__["_iterator"] = None
         if it is not None:
             _stop_workers(it)

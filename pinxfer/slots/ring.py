@@ -36,23 +36,34 @@ the previous epoch (:meth:`Ring.reclaim_earlier_epochs`); and every TAKEN slot o
 worker older than a batch the trainer has since received from that worker (each
 worker's results arrive in order).
 """
+
 from __future__ import annotations
 
 import collections
+import contextlib
 import mmap
 import os
 import threading
 import uuid
 import warnings
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from pinxfer import _batch
 from pinxfer._ops import release_finished_sources
 from pinxfer.pin import pin_, unpin_
-from pinxfer.slots.layout import (FREE, HELD, PAGE, TAKEN, Header, header_bytes, rebuild,
-                                  refs_in, round_up)
+from pinxfer.slots.layout import (
+    FREE,
+    HELD,
+    PAGE,
+    TAKEN,
+    Header,
+    header_bytes,
+    rebuild,
+    refs_in,
+    round_up,
+)
 from pinxfer.slots.worker import FALLBACK_REASONS, RingHandle, SlotBatch
 from pinxfer.transfer import to_device
 
@@ -74,10 +85,9 @@ class Ring:
         os.ftruncate(self.fd, self.data_offset)
         self.header = Header(self.fd, num_slots)
         self.header.create(num_slots)
-        self.handle = RingHandle(self.ring_id, self.fd, num_slots, ctx.Queue(), wait_s,
-                                 os.getpid())
+        self.handle = RingHandle(self.ring_id, self.fd, num_slots, ctx.Queue(), wait_s, os.getpid())
         self.slot_bytes = 0
-        self.base: Optional[torch.Tensor] = None
+        self.base: torch.Tensor | None = None
         self.pinned = False
         self.epoch = 0
         self.copies: collections.deque = collections.deque()  # (event, slot, tag): the event gate
@@ -87,8 +97,12 @@ class Ring:
         self.copy_devices: set[torch.device] = set()
         self.held: dict[int, tuple[int, int]] = {}  # slot -> (pid, seq) of its batch
         self.last_seq: dict[int, int] = {}  # worker pid -> seq of its last batch received
-        self.stats = {"batches": 0, "slot_batches": 0, "reclaimed": 0,
-                      "fallbacks": dict.fromkeys(FALLBACK_REASONS, 0)}
+        self.stats = {
+            "batches": 0,
+            "slot_batches": 0,
+            "reclaimed": 0,
+            "fallbacks": dict.fromkeys(FALLBACK_REASONS, 0),
+        }
         self.closed = False
 
     # -- layout --
@@ -106,9 +120,13 @@ class Ring:
                 pin_(base)
                 self.pinned = True
             except RuntimeError as err:
-                warnings.warn(f"pinxfer.prefetch(slots=True): could not page-lock the "
-                              f"{total} B slot ring ({err}); its batches are copied from "
-                              "pageable memory", RuntimeWarning, stacklevel=3)
+                warnings.warn(
+                    f"pinxfer.prefetch(slots=True): could not page-lock the "
+                    f"{total} B slot ring ({err}); its batches are copied from "
+                    "pageable memory",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
             self.base, self.slot_bytes = base, slot_bytes
             self.header.publish_layout(slot_bytes, self.data_offset)
             for slot in range(self.num_slots):
@@ -161,8 +179,11 @@ class Ring:
         were drained, so its TAKEN slots will never be received."""
         with self.lock:
             for slot in range(self.num_slots):
-                if (self.header.state(slot) == TAKEN and self.header.writer_epoch(slot) < epoch
-                        and slot not in self.held):
+                if (
+                    self.header.state(slot) == TAKEN
+                    and self.header.writer_epoch(slot) < epoch
+                    and slot not in self.held
+                ):
                     self.stats["reclaimed"] += 1
                     self._put_free(slot)
 
@@ -172,19 +193,24 @@ class Ring:
 
     # -- batches --
 
-    def lease(self, desc: SlotBatch) -> "SlotLease":
+    def lease(self, desc: SlotBatch) -> SlotLease:
         """A worker's descriptor received: its slot becomes HELD, the batch a lease."""
         with self.lock:
             slot, header = desc.slot, self.header
             if desc.ring_id != self.ring_id:
-                raise RuntimeError(f"pinxfer slots: a batch of ring {desc.ring_id} reached ring "
-                                   f"{self.ring_id}")
-            if (slot in self.held or header.state(slot) != TAKEN
-                    or header.writer(slot) != (desc.pid, desc.seq)):
+                raise RuntimeError(
+                    f"pinxfer slots: a batch of ring {desc.ring_id} reached ring {self.ring_id}"
+                )
+            if (
+                slot in self.held
+                or header.state(slot) != TAKEN
+                or header.writer(slot) != (desc.pid, desc.seq)
+            ):
                 raise RuntimeError(
                     f"pinxfer slots: slot {slot} is not the batch's: the batch was written by pid "
                     f"{desc.pid} #{desc.seq}, the slot says {header.describe(slot)}"
-                    f"{' and the trainer still holds it' if slot in self.held else ''}")
+                    f"{' and the trainer still holds it' if slot in self.held else ''}"
+                )
             header.set_state(slot, HELD)
             self.held[slot] = (desc.pid, desc.seq)
             self.stats["slot_batches"] += 1
@@ -192,14 +218,18 @@ class Ring:
             if desc.seq != self.last_seq.get(desc.pid, 0) + 1:
                 for other in range(self.num_slots):
                     pid, seq = header.writer(other)
-                    if (header.state(other) == TAKEN and pid == desc.pid and seq < desc.seq
-                            and other not in self.held):
+                    if (
+                        header.state(other) == TAKEN
+                        and pid == desc.pid
+                        and seq < desc.seq
+                        and other not in self.held
+                    ):
                         self.stats["reclaimed"] += 1
                         self._put_free(other)
             self.last_seq[desc.pid] = desc.seq
         return SlotLease(self, desc)
 
-    def release(self, slot: int, tag: tuple[int, int], event: Optional[torch.cuda.Event]) -> None:
+    def release(self, slot: int, tag: tuple[int, int], event: torch.cuda.Event | None) -> None:
         """The batch ``tag`` (pid, seq) in ``slot`` is done with once ``event`` (None: now)
         has completed. A slot the trainer no longer holds for that batch (its pass was
         closed) is left alone."""
@@ -216,7 +246,8 @@ class Ring:
         if self.header.state(slot) != HELD or self.header.writer(slot) != (pid, seq):
             raise RuntimeError(
                 f"pinxfer slots: slot {slot} was written while the trainer held it (batch of "
-                f"pid {pid} #{seq}; now {self.header.describe(slot)})")
+                f"pid {pid} #{seq}; now {self.header.describe(slot)})"
+            )
         self._put_free(slot)
 
     def return_finished(self, keep: int) -> None:
@@ -262,10 +293,8 @@ class Ring:
                 release_finished_sources(device)
             base, self.base = self.base, None
             if base is not None and self.pinned:
-                try:
+                with contextlib.suppress(RuntimeError):
                     unpin_(base)
-                except RuntimeError:
-                    pass
             del base
             self.header.close()
             os.close(self.fd)
@@ -280,7 +309,7 @@ class SlotLease:
     ``batch`` is the batch with its tensors as views of the pinned slot (what a custom
     ``transfer`` gets)."""
 
-    __slots__ = ("batch", "_structure", "_nbytes", "_ring", "_slot", "_tag")
+    __slots__ = ("_nbytes", "_ring", "_slot", "_structure", "_tag", "batch")
 
     def __init__(self, ring: Ring, desc: SlotBatch):
         slot_bytes = ring.bytes_of(desc.slot, ring.slot_bytes)
@@ -289,15 +318,18 @@ class SlotLease:
         self._nbytes = max((ref.end() for ref in refs_in(desc.structure)), default=0)
         self._ring, self._slot, self._tag = ring, desc.slot, (desc.pid, desc.seq)
 
-    def send(self, to: "Delivery") -> Any:
+    def send(self, to: Delivery) -> Any:
         """The batch on ``to.device``. Default transfer: ONE copy of the slot's used bytes
         (a direct DMA from the pinned slot on a GPU, a clone on the CPU) and the batch's
         tensors views of that one buffer. A custom transfer gets :attr:`batch`."""
         ring = self._ring
         if to.transfer is None:
             used = ring.bytes_of(self._slot, self._nbytes)
-            buf = (used.clone() if to.device.type == "cpu" else
-                   to_device(used, to.device, True, to.chunk_bytes, to.num_buffers))
+            buf = (
+                used.clone()
+                if to.device.type == "cpu"
+                else to_device(used, to.device, True, to.chunk_bytes, to.num_buffers)
+            )
             ring.note_copies_to(buf)
             return rebuild(self._structure, buf)
         out = to.transfer(self.batch)
@@ -308,11 +340,12 @@ class SlotLease:
                     raise RuntimeError(
                         "pinxfer.prefetch(slots=True): the transfer returned a view of a batch "
                         "slot, which is reused as soon as the transfer returns on the CPU; "
-                        "return copies (the default transfer clones the slot)")
+                        "return copies (the default transfer clones the slot)"
+                    )
         ring.note_copies_to(out)
         return out
 
-    def done(self, event: Optional[torch.cuda.Event]) -> None:
+    def done(self, event: torch.cuda.Event | None) -> None:
         """The slot goes back once ``event`` has completed (None: now)."""
         ring, self._ring = self._ring, None
         if ring is not None:

@@ -27,13 +27,15 @@ default) mean a worker never waits for a slot. With ``persistent_workers`` an ep
 early strands up to ``num_workers * prefetch_factor`` slots in results the DataLoader
 discards; they are reclaimed, but meanwhile they count, so the default doubles that term.
 """
+
 from __future__ import annotations
 
 import multiprocessing
 import os
 import warnings
 import weakref
-from typing import Any, Iterator, Optional
+from collections.abc import Iterator
+from typing import Any
 
 from torch.utils.data import DataLoader
 
@@ -57,8 +59,14 @@ class SlotSource:
     :class:`~pinxfer.prefetch.StagedLease` for fallbacks.
     """
 
-    def __init__(self, loader: DataLoader, depth: int = 2, slot_bytes: Optional[int] = None,
-                 num_slots: Optional[int] = None, wait_s: float = 5.0):
+    def __init__(
+        self,
+        loader: DataLoader,
+        depth: int = 2,
+        slot_bytes: int | None = None,
+        num_slots: int | None = None,
+        wait_s: float = 5.0,
+    ):
         check_loader(loader)
         in_loader = batches_in_loader(loader)
         persistent = bool(loader.persistent_workers)
@@ -67,10 +75,12 @@ class SlotSource:
         if not isinstance(num_slots, int) or num_slots < in_loader + depth + 2:
             raise ValueError(
                 f"pinxfer.prefetch(slots=True): num_slots must be at least num_workers * "
-                f"prefetch_factor + depth + 2 = {in_loader + depth + 2}, got {num_slots!r}")
+                f"prefetch_factor + depth + 2 = {in_loader + depth + 2}, got {num_slots!r}"
+            )
         if slot_bytes is not None:
-            slot_bytes = _check.integer(slot_bytes, "prefetch(slots=True)", "slot_bytes", lo=1,
-                                        hi=_check.INT64_MAX)
+            slot_bytes = _check.integer(
+                slot_bytes, "prefetch(slots=True)", "slot_bytes", lo=1, hi=_check.INT64_MAX
+            )
             # The ring is page-locked whole: checked here, before os.ftruncate and mmap
             # meet a size no machine has.
             ring_bytes = header_bytes(num_slots) + num_slots * round_up(slot_bytes, PAGE)
@@ -80,14 +90,15 @@ class SlotSource:
                     f"pinxfer.prefetch(slots=True): {num_slots} slots of slot_bytes={slot_bytes} "
                     f"make a {ring_bytes} B ring, more than this machine's {ram} B of memory (the "
                     "ring is pinned whole); pass slot_bytes= the largest batch's bytes, or fewer "
-                    "num_slots")
+                    "num_slots"
+                )
         self.depth = depth
         ctx = loader.multiprocessing_context or multiprocessing.get_context()
         self._ring = ring = Ring(ctx, num_slots, wait_s)
         if slot_bytes is not None:
             ring.size(slot_bytes)
         self._loader = LoaderCopy(loader, ring.handle)
-        self._pass: Optional[_SlotPass] = None
+        self._pass: _SlotPass | None = None
         self._warned_too_big = False
         self._finalizer = weakref.finalize(self, _close, self._loader, ring)
 
@@ -101,15 +112,20 @@ class SlotSource:
         r = self._ring
         with r.lock:
             out = {**r.stats, "fallbacks": dict(r.stats["fallbacks"])}
-            out.update(num_slots=r.num_slots, slot_bytes=r.slot_bytes, pinned=r.pinned,
-                       lock_kind=inplace_lock_kind(r.base) if r.base is not None else None,
-                       held=len(r.held), pending=len(r.copies))
+            out.update(
+                num_slots=r.num_slots,
+                slot_bytes=r.slot_bytes,
+                pinned=r.pinned,
+                lock_kind=inplace_lock_kind(r.base) if r.base is not None else None,
+                held=len(r.held),
+                pending=len(r.copies),
+            )
         return out
 
     def __len__(self) -> int:
         return len(self._loader)
 
-    def __iter__(self) -> "_SlotPass":
+    def __iter__(self) -> _SlotPass:
         """A pass: one lease per batch."""
         if self._pass is not None:
             self._pass.close()
@@ -125,9 +141,11 @@ class SlotSource:
         """The lease of one item the loader delivered."""
         ring = self._ring
         if ring.closed:
-            raise RuntimeError("pinxfer.prefetch(slots=True): the slot ring was closed while its "
-                               "loader was still being iterated; close the Prefetcher (or leave "
-                               "its `with` block) before calling slots.close()")
+            raise RuntimeError(
+                "pinxfer.prefetch(slots=True): the slot ring was closed while its "
+                "loader was still being iterated; close the Prefetcher (or leave "
+                "its `with` block) before calling slots.close()"
+            )
         with ring.lock:
             ring.stats["batches"] += 1
         if type(item) is SlotBatch:
@@ -149,7 +167,10 @@ class SlotSource:
                 f"pinxfer.prefetch: {too_big} of the first {seen} batches did not fit the "
                 f"batch slots ({ring.slot_bytes} B each, sized from the first batch) and "
                 "took the staging path; pass slot_bytes= the largest batch's bytes (or "
-                "slots=False)", RuntimeWarning, stacklevel=2)
+                "slots=False)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         if item.reason == "sizing" and not ring.slot_bytes:
             tensors = _batch.tensors_in(item.batch)
             if all(plain_dense_cpu(t) for t in tensors):
@@ -176,7 +197,7 @@ class _SlotPass:
     def __init__(self, source: SlotSource, it: Iterator[Any]):
         self.source, self.it = source, it
 
-    def __iter__(self) -> "_SlotPass":
+    def __iter__(self) -> _SlotPass:
         return self
 
     def __next__(self) -> Any:

@@ -22,18 +22,25 @@ Per batch, in the worker (:meth:`SlotCollate.__call__`):
    tensor that is not plain dense CPU) gives its slot back at once and returns a
    :class:`Fallback`: torch's own batch and the reason.
 """
+
 from __future__ import annotations
 
 import mmap
 import os
 import queue
 import time
+from collections.abc import Callable
 from multiprocessing import reduction
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 from torch.utils.data import get_worker_info
-from torch.utils.data._utils.collate import collate, default_collate, default_collate_fn_map, default_convert
+from torch.utils.data._utils.collate import (
+    collate,
+    default_collate,
+    default_collate_fn_map,
+    default_convert,
+)
 
 from pinxfer import _batch
 from pinxfer._ops import plain_dense_cpu
@@ -47,28 +54,45 @@ class RingHandle:
     goes with DupFd), inherited as is by forked ones. ``free_q`` is replaced by the
     trainer when it resets the queue (before new workers start)."""
 
-    def __init__(self, ring_id: str, fd: int, num_slots: int, free_q: Any, wait_s: float,
-                 ppid: int):
+    def __init__(
+        self, ring_id: str, fd: int, num_slots: int, free_q: Any, wait_s: float, ppid: int
+    ):
         self.ring_id, self.fd, self.num_slots = ring_id, fd, num_slots
         self.free_q, self.wait_s, self.ppid = free_q, wait_s, ppid
 
     def __reduce__(self):
-        return (_handle_from_pickle, (self.ring_id, reduction.DupFd(self.fd), self.num_slots,
-                                      self.free_q, self.wait_s, self.ppid))
+        return (
+            _handle_from_pickle,
+            (
+                self.ring_id,
+                reduction.DupFd(self.fd),
+                self.num_slots,
+                self.free_q,
+                self.wait_s,
+                self.ppid,
+            ),
+        )
 
 
-def _handle_from_pickle(ring_id: str, dup: Any, num_slots: int, free_q: Any, wait_s: float,
-                        ppid: int) -> RingHandle:
+def _handle_from_pickle(
+    ring_id: str, dup: Any, num_slots: int, free_q: Any, wait_s: float, ppid: int
+) -> RingHandle:
     return RingHandle(ring_id, dup.detach(), num_slots, free_q, wait_s, ppid)
 
 
 class SlotBatch:
     """What a worker returns instead of a batch: the slot and the batch's structure."""
 
-    __slots__ = ("ring_id", "slot", "pid", "seq", "structure")
+    __slots__ = ("pid", "ring_id", "seq", "slot", "structure")
 
     def __init__(self, ring_id: str, slot: int, pid: int, seq: int, structure: Any):
-        self.ring_id, self.slot, self.pid, self.seq, self.structure = ring_id, slot, pid, seq, structure
+        self.ring_id, self.slot, self.pid, self.seq, self.structure = (
+            ring_id,
+            slot,
+            pid,
+            seq,
+            structure,
+        )
 
     def __reduce__(self):
         return (SlotBatch, (self.ring_id, self.slot, self.pid, self.seq, self.structure))
@@ -102,7 +126,7 @@ class WorkerRing:
         self.header = Header(handle.fd, handle.num_slots)
         self.header.check_magic()
         self.generation = 0
-        self.base: Optional[torch.Tensor] = None
+        self.base: torch.Tensor | None = None
         self.slot_bytes = 0
         self.data_offset = 0
         # The slot being written: index, bytes used, views handed out (data_ptr -> ref).
@@ -126,7 +150,7 @@ class WorkerRing:
             self.generation = generation
         return True
 
-    def take(self) -> Optional[int]:
+    def take(self) -> int | None:
         """A free slot id, tagged as this worker's, or None after ``wait_s`` seconds without one."""
         deadline = time.monotonic() + self.handle.wait_s
         while True:
@@ -164,11 +188,11 @@ class WorkerRing:
             self.views[view.data_ptr()] = ref
         return view
 
-    def stack_into_slot(self, batch: list, *, collate_fn_map: Optional[dict] = None) -> torch.Tensor:
+    def stack_into_slot(self, batch: list, *, collate_fn_map: dict | None = None) -> torch.Tensor:
         """torch's collate rule for tensors, with the output in this worker's slot."""
         if not all(plain_dense_cpu(t) for t in batch):
             raise _NoFit("unsupported")
-        out = self.alloc((len(batch),) + tuple(batch[0].shape), batch[0].dtype)
+        out = self.alloc((len(batch), *tuple(batch[0].shape)), batch[0].dtype)
         return torch.stack(batch, 0, out=out)
 
     def ref_for(self, t: torch.Tensor) -> TensorRef:
@@ -179,8 +203,12 @@ class WorkerRing:
         if t.numel() == 0:
             return TensorRef(0, t.dtype, tuple(t.shape))  # no bytes to place
         ref = self.views.get(t.data_ptr())
-        if ref is None or ref.dtype != t.dtype or ref.shape != tuple(t.shape) \
-                or not t.is_contiguous():
+        if (
+            ref is None
+            or ref.dtype != t.dtype
+            or ref.shape != tuple(t.shape)
+            or not t.is_contiguous()
+        ):
             dst = self.alloc(tuple(t.shape), t.dtype)
             dst.copy_(t)
             ref = self.views[dst.data_ptr()]
@@ -206,8 +234,13 @@ class SlotCollate:
     def __init__(self, handle: RingHandle, inner: Callable[[Any], Any]):
         self.handle = handle
         self.inner = inner
-        self.mode = ("collate" if inner is default_collate else
-                     "convert" if inner is default_convert else "custom")
+        self.mode = (
+            "collate"
+            if inner is default_collate
+            else "convert"
+            if inner is default_convert
+            else "custom"
+        )
 
     def __call__(self, batch: Any) -> Any:
         if get_worker_info() is None:  # not in a worker: nothing to do
@@ -240,7 +273,7 @@ class SlotCollate:
 class SlotWorkerInit:
     """The loader copy's worker_init_fn: maps the ring, then runs the loader's own."""
 
-    def __init__(self, handle: RingHandle, inner: Optional[Callable[[int], None]]):
+    def __init__(self, handle: RingHandle, inner: Callable[[int], None] | None):
         self.handle, self.inner = handle, inner
 
     def __call__(self, worker_id: int) -> None:

@@ -1,4 +1,5 @@
 """``python3 -m tests.stress``: see tests/stress/cli.py."""
+
 import sys
 
 from tests.stress.cli import main

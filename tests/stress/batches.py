@@ -7,10 +7,11 @@ batch comparisons (tests/test_fuzz.py ``assert_same_batch``, tests/test_slots.py
 own ``tensors_in``; here the structure is checked on the host and the bytes later, on the
 device, by checker.Checker.
 """
+
 from __future__ import annotations
 
 import collections
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -23,7 +24,7 @@ def get_path(obj: Any, path: tuple) -> Any:
     return obj
 
 
-def structure_diff(src: Any, out: Any, gpu_identity: bool, path: str = "batch") -> Optional[str]:
+def structure_diff(src: Any, out: Any, gpu_identity: bool, path: str = "batch") -> str | None:
     """None if ``out`` has the structure of ``src`` (types, keys, lengths, non-tensor leaves,
     and with ``gpu_identity`` device tensors returned as they are); else what differs."""
     if isinstance(src, torch.Tensor):

@@ -6,11 +6,11 @@ bool, NaN payloads and -0.0 compare exactly) and leaves a 4-number summary on th
 fetched every RESOLVE_EVERY checks (one host sync), so checks do not serialise the threads.
 torch only: the checker never asks pinxfer, which it checks.
 """
+
 from __future__ import annotations
 
 import bisect
 import random
-from typing import Optional
 
 import torch
 
@@ -29,14 +29,35 @@ class Checker:
         self.rng = rng  # picks the byte an injected fault corrupts
         self.pending: list[tuple] = []
 
-    def check_leaves(self, op: str, gots: list, leaves: list[Leaf], extra: Optional[dict] = None,
-                     contiguous: bool = True) -> None:
-        self.check(op, gots, [lf.exp for lf in leaves], [lf.meta for lf in leaves], extra,
-                   contiguous, exp_bytes=[lf.exp_b for lf in leaves])
+    def check_leaves(
+        self,
+        op: str,
+        gots: list,
+        leaves: list[Leaf],
+        extra: dict | None = None,
+        contiguous: bool = True,
+    ) -> None:
+        self.check(
+            op,
+            gots,
+            [lf.exp for lf in leaves],
+            [lf.meta for lf in leaves],
+            extra,
+            contiguous,
+            exp_bytes=[lf.exp_b for lf in leaves],
+        )
 
-    def check(self, op: str, gots: list, exps: list, metas: list,
-              extra: Optional[dict] = None, contiguous: bool = True,
-              transfers: Optional[int] = None, exp_bytes: Optional[list] = None) -> None:
+    def check(
+        self,
+        op: str,
+        gots: list,
+        exps: list,
+        metas: list,
+        extra: dict | None = None,
+        contiguous: bool = True,
+        transfers: int | None = None,
+        exp_bytes: list | None = None,
+    ) -> None:
         """Queues a bytewise comparison of outputs against expected values on the current
         stream. Wrong type, device, dtype or shape (and, where the env is strict and
         ``contiguous``, a non-contiguous result) is a contract violation. ``transfers``:
@@ -48,8 +69,12 @@ class Checker:
                 self.rec.contract(op, f"got a {type(g).__name__}, expected a tensor", m)
                 continue
             if g.device != e.device or g.dtype != e.dtype or tuple(g.shape) != tuple(e.shape):
-                self.rec.contract(op, f"got {g.device} {g.dtype} {tuple(g.shape)}, expected "
-                                      f"{e.device} {e.dtype} {tuple(e.shape)}", m)
+                self.rec.contract(
+                    op,
+                    f"got {g.device} {g.dtype} {tuple(g.shape)}, expected "
+                    f"{e.device} {e.dtype} {tuple(e.shape)}",
+                    m,
+                )
                 continue
             if env.strict and contiguous and not g.is_contiguous():
                 self.rec.contract(op, f"result not contiguous: stride {g.stride()}", m)
@@ -77,8 +102,9 @@ class Checker:
             st.injected += 1
         ne = G != E
         idx = env.first_true(ne).view(1)
-        summary = torch.cat([ne.sum().view(1), idx, G.gather(0, idx).long(),
-                             E.gather(0, idx).long()])
+        summary = torch.cat(
+            [ne.sum().view(1), idx, G.gather(0, idx).long(), E.gather(0, idx).long()]
+        )
         self.pending.append((summary, op, part_meta, bounds, extra or {}))
         if len(self.pending) >= RESOLVE_EVERY:
             self.resolve()
@@ -93,8 +119,16 @@ class Checker:
             if bad == 0:
                 continue
             leaf = bisect.bisect_right(bounds, idx) - 1
-            self.rec.mismatch(op, {"bad_bytes": bad, "tensors_in_check": len(metas),
-                                   "tensor": leaf, "first_bad_byte": idx - bounds[leaf],
-                                   "got": got, "expected": exp,
-                                   "leaf": meta_dict(metas[leaf]), **extra})
-
+            self.rec.mismatch(
+                op,
+                {
+                    "bad_bytes": bad,
+                    "tensors_in_check": len(metas),
+                    "tensor": leaf,
+                    "first_bad_byte": idx - bounds[leaf],
+                    "got": got,
+                    "expected": exp,
+                    "leaf": meta_dict(metas[leaf]),
+                    **extra,
+                },
+            )

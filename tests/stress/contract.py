@@ -1,6 +1,7 @@
 """What must hold once a mode's threads are done, beside the bytes: torch's allocator back
 after uninstall, no prefetch thread left, no CUDA event error in the pool; what fails a mode;
 and the watchdog that turns a hang into stacks and exit status 1."""
+
 from __future__ import annotations
 
 import faulthandler
@@ -13,11 +14,25 @@ from tests.stress.env import Env
 from tests.stress.stats import Stats
 
 # Pool counters reported as their change over the mode, and levels reported as they are.
-POOL_KEYS = ["num_allocs", "num_frees", "num_cache_hits", "num_cache_misses", "num_segment_maps",
-             "num_segment_unmaps", "num_ooms", "num_event_waits", "num_fenced_frees",
-             "num_event_errors"]
-POOL_CURRENT = ["reserved_bytes.current", "reserved_bytes.peak", "active_blocks.current",
-                "pending_blocks.current", "segments.current"]
+POOL_KEYS = [
+    "num_allocs",
+    "num_frees",
+    "num_cache_hits",
+    "num_cache_misses",
+    "num_segment_maps",
+    "num_segment_unmaps",
+    "num_ooms",
+    "num_event_waits",
+    "num_fenced_frees",
+    "num_event_errors",
+]
+POOL_CURRENT = [
+    "reserved_bytes.current",
+    "reserved_bytes.peak",
+    "active_blocks.current",
+    "pending_blocks.current",
+    "segments.current",
+]
 PREFETCH_THREAD_PREFIX = "pinxfer-prefetch-"  # pinxfer/prefetch.py names its producers so
 
 

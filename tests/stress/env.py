@@ -1,5 +1,6 @@
 """Where the stress runs: a CUDA device (every stream call real) or the CPU (no streams; the
 operations that need a GPU are not drawn, see ops.plan)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -22,8 +23,9 @@ class Env:
         self.r_bytes = max_bytes + MiB  # size of each thread's random buffer
         self.argmax_u8 = True  # argmax over uint8 works (else int32, more memory)
         # Host memory kinds a source can live in: torch's pinned memory needs a GPU.
-        self.host_memories = (("pageable", "pool", "torch_pinned") if self.cuda
-                              else ("pageable", "pool"))
+        self.host_memories = (
+            ("pageable", "pool", "torch_pinned") if self.cuda else ("pageable", "pool")
+        )
 
     def probe(self) -> str:
         """Checks the reductions the checker uses on this device; returns a note."""
@@ -37,8 +39,9 @@ class Env:
         else:
             note = ""
         if first != 2:
-            note += (f"argmax returned {first}, not the first maximum: first_bad_byte is some "
-                     f"bad byte")
+            note += (
+                f"argmax returned {first}, not the first maximum: first_bad_byte is some bad byte"
+            )
         return note
 
     def first_true(self, ne: torch.Tensor) -> torch.Tensor:

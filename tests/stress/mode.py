@@ -1,6 +1,7 @@
 """One mode of the stress: ``plain`` (pinxfer as a library) or ``install`` (after
 ``pinxfer.install()``, ``uninstall()`` at the end): its threads, their merged counts, the
 end-state contract, the mode's verdict."""
+
 from __future__ import annotations
 
 import gc
@@ -53,8 +54,20 @@ def run_mode(env: Env, mode: str, args: ModeArgs, mode_index: int) -> dict:
         gate = Gate()
         for i in range(args.threads):
             seed = (args.seed * 1_000_003 + mode_index * 10_007 + i) & 0x7FFFFFFF
-            workers.append(Worker(i, env, mode, installed, seed, shared, gate, table,
-                                  args.large_frac, args.medium_frac))
+            workers.append(
+                Worker(
+                    i,
+                    env,
+                    mode,
+                    installed,
+                    seed,
+                    shared,
+                    gate,
+                    table,
+                    args.large_frac,
+                    args.medium_frac,
+                )
+            )
         for w in workers:
             w.thread.start()
         for w in workers:
@@ -62,7 +75,7 @@ def run_mode(env: Env, mode: str, args: ModeArgs, mode_index: int) -> dict:
         wall = time.monotonic() - shared.t0 if shared.t0 else 0.0
         if env.cuda:
             torch.cuda.synchronize(env.device)
-    except Exception:  # noqa: BLE001 - the mode fails with it
+    except Exception:
         fatal = traceback.format_exc()
         log(f"[{mode}] FATAL:\n{fatal}")
     finally:
@@ -77,6 +90,16 @@ def run_mode(env: Env, mode: str, args: ModeArgs, mode_index: int) -> dict:
         torch.cuda.synchronize(env.device)
     released = pinxfer.empty_cache()
     failures = failures_of(total, fatal, args.min_transfers)
-    return mode_report(total, failures=failures, wall=wall, threads=args.threads,
-                       installed=installed, table=table, skipped=skipped, leftover=leftover,
-                       pool=pool, released=released, fatal=fatal)
+    return mode_report(
+        total,
+        failures=failures,
+        wall=wall,
+        threads=args.threads,
+        installed=installed,
+        table=table,
+        skipped=skipped,
+        leftover=leftover,
+        pool=pool,
+        released=released,
+        fatal=fatal,
+    )

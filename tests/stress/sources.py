@@ -7,26 +7,70 @@ synchronous copy. A host source is a fresh allocation filled from a slice of R o
 (torch's CPU copy); its expected value is the same slice of R on the device with the same
 view applied there. On the CPU both are host tensors.
 """
+
 from __future__ import annotations
 
 import math
 import mmap
 import random
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
 import pinxfer
 from tests.stress.batches import Pair
 from tests.stress.env import Env
-from tests.stress.tensors import (DTYPES, FLOAT_DTYPES, KiB, MiB, apply_view, as_bytes, elsize,
-                                  flat_bytes, loguniform)
+from tests.stress.tensors import (
+    DTYPES,
+    FLOAT_DTYPES,
+    KiB,
+    MiB,
+    apply_view,
+    as_bytes,
+    elsize,
+    flat_bytes,
+    loguniform,
+)
 
-BOUNDARY_SIZES = [1, 2, 3, 7, 8, 511, 512, 513, 4095, 4096, 4097, 65535, 65536, 65537,
-                  256 * KiB - 1, 256 * KiB, 256 * KiB + 1, MiB - 1, MiB, MiB + 1,
-                  4 * MiB + 3, 16 * MiB - 1, 16 * MiB, 16 * MiB + 1, 64 * MiB]
-LAYOUTS = ["contig", "shaped", "scalar", "empty", "offset", "t", "step", "step2d", "expand",
-           "permute"]
+BOUNDARY_SIZES = [
+    1,
+    2,
+    3,
+    7,
+    8,
+    511,
+    512,
+    513,
+    4095,
+    4096,
+    4097,
+    65535,
+    65536,
+    65537,
+    256 * KiB - 1,
+    256 * KiB,
+    256 * KiB + 1,
+    MiB - 1,
+    MiB,
+    MiB + 1,
+    4 * MiB + 3,
+    16 * MiB - 1,
+    16 * MiB,
+    16 * MiB + 1,
+    64 * MiB,
+]
+LAYOUTS = [
+    "contig",
+    "shaped",
+    "scalar",
+    "empty",
+    "offset",
+    "t",
+    "step",
+    "step2d",
+    "expand",
+    "permute",
+]
 LAYOUT_WEIGHTS = [34, 12, 2, 1, 9, 12, 9, 7, 6, 8]
 DENSE_LAYOUTS = ["contig", "shaped", "scalar"]  # views whose base is the tensor itself
 
@@ -34,7 +78,7 @@ DENSE_LAYOUTS = ["contig", "shaped", "scalar"]  # views whose base is the tensor
 class Leaf:
     """One host source, its expected device value and how it was made."""
 
-    __slots__ = ("src", "base", "exp", "exp_b", "mem", "layout", "nbytes", "meta", "scribble_ok")
+    __slots__ = ("base", "exp", "exp_b", "layout", "mem", "meta", "nbytes", "scribble_ok", "src")
 
     def __init__(self, src, base, exp, exp_b, mem, layout, nbytes, meta, scribble_ok=True):
         self.src, self.base, self.exp, self.exp_b = src, base, exp, exp_b
@@ -58,8 +102,9 @@ class Sources:
         env = self.env
         gen = torch.Generator(device=env.device)
         gen.manual_seed(seed)
-        self.R_g = torch.randint(0, 256, (env.r_bytes,), dtype=torch.uint8, device=env.device,
-                                 generator=gen)
+        self.R_g = torch.randint(
+            0, 256, (env.r_bytes,), dtype=torch.uint8, device=env.device, generator=gen
+        )
         self.Rb_g = torch.bitwise_and(self.R_g, 1)  # bytes of valid bools
         # torch's synchronous device -> host copy: the trusted path.
         self.R_h = self.R_g.cpu() if env.cuda else self.R_g.clone()
@@ -78,7 +123,7 @@ class Sources:
             n = loguniform(rng, 1, 3 * MiB // 2)
         return max(1, min(n, cap))
 
-    def layout(self, layout: str, n: int, es: int, cap: int) -> tuple[tuple, Optional[tuple]]:
+    def layout(self, layout: str, n: int, es: int, cap: int) -> tuple[tuple, tuple | None]:
         """(base shape, view spec) for about n elements of es bytes; base <= cap bytes."""
         rng = self.rng
         maxel = max(1, min(cap, self.env.max_bytes) // es)
@@ -146,8 +191,14 @@ class Sources:
         off = self.rng.randrange(0, (self.env.r_bytes - nbytes) // 8 + 1) * 8
         return off, R_g.narrow(0, off, nbytes), R_h.narrow(0, off, nbytes)
 
-    def make_leaf(self, mems: Optional[tuple] = None, layouts=None, cap: int = 64 * MiB,
-                  dtype: Optional[torch.dtype] = None, shape: Optional[tuple] = None) -> Leaf:
+    def make_leaf(
+        self,
+        mems: tuple | None = None,
+        layouts=None,
+        cap: int = 64 * MiB,
+        dtype: torch.dtype | None = None,
+        shape: tuple | None = None,
+    ) -> Leaf:
         """A host source filled from R (torch's CPU copy) and its expected device value (the
         same bytes of R on the device, same view applied there). ``mems``: the memory kinds
         to pick from (default: every kind this device has)."""
@@ -162,7 +213,7 @@ class Sources:
             else:
                 layout = rng.choice(layouts)
             base_shape, spec = self.layout(layout, self.sample_nbytes(cap) // es or 1, es, cap)
-            if spec is None and layout not in DENSE_LAYOUTS + ["empty"]:
+            if spec is None and layout not in [*DENSE_LAYOUTS, "empty"]:
                 layout = "contig"  # too small for that view: layout() fell back
         base_numel = math.prod(base_shape)
         base_bytes = base_numel * es
@@ -189,7 +240,7 @@ class Sources:
         es = elsize(dtype)
         layout = rng.choices(LAYOUTS, LAYOUT_WEIGHTS)[0]
         base_shape, spec = self.layout(layout, self.sample_nbytes(cap) // es or 1, es, cap)
-        if spec is None and layout not in DENSE_LAYOUTS + ["empty"]:
+        if spec is None and layout not in [*DENSE_LAYOUTS, "empty"]:
             layout = "contig"
         base_bytes = math.prod(base_shape) * es
         off, g_bytes, _ = self.r_slice(dtype, base_bytes)
@@ -198,12 +249,24 @@ class Sources:
         exp = g.contiguous()
         if rng.random() < 0.3:
             g = g.clone()  # a temporary: freed right after to_host queues its copy
-        meta = {"dtype": str(dtype).replace("torch.", ""), "shape": list(g.shape),
-                "layout": layout, "mem": "device", "nbytes": g.numel() * es, "r_offset": off}
+        meta = {
+            "dtype": str(dtype).replace("torch.", ""),
+            "shape": list(g.shape),
+            "layout": layout,
+            "mem": "device",
+            "nbytes": g.numel() * es,
+            "r_offset": off,
+        }
         return g, exp, meta
 
-    def make_batch(self, max_leaves: int, leaf_cap: int, allow_gpu: bool,
-                   mems: Optional[tuple] = None, grad: bool = False):
+    def make_batch(
+        self,
+        max_leaves: int,
+        leaf_cap: int,
+        allow_gpu: bool,
+        mems: tuple | None = None,
+        grad: bool = False,
+    ):
         """A nested batch; returns (obj, [(path, Leaf)])."""
         rng = self.rng
         for _ in range(10):
@@ -215,7 +278,7 @@ class Sources:
                 items = []
                 for i in range(k):
                     key = f"k{i}" if ctype == "dict" else i
-                    p = path + (key,)
+                    p = (*path, key)
                     r = rng.random()
                     if depth < 2 and r < 0.15:
                         v = build(depth + 1, p)
@@ -226,8 +289,13 @@ class Sources:
                         v = self.R_g.narrow(0, rng.randrange(0, 1024) * 8, nb)
                     elif len(leaves) < max_leaves:
                         leaf = self.make_leaf(mems=mems, cap=leaf_cap)
-                        if (grad and leaf.src.dtype in FLOAT_DTYPES and leaf.mem == "pageable"
-                                and leaf.layout == "contig" and rng.random() < 0.05):
+                        if (
+                            grad
+                            and leaf.src.dtype in FLOAT_DTYPES
+                            and leaf.mem == "pageable"
+                            and leaf.layout == "contig"
+                            and rng.random() < 0.05
+                        ):
                             leaf.src = leaf.base = leaf.base.requires_grad_(True)
                             leaf.scribble_ok = False  # an in-place write on a grad leaf raises
                         leaves.append((p, leaf))
@@ -260,7 +328,7 @@ class Sources:
             cb *= 4
         return {"chunk_bytes": cb, "num_buffers": rng.randint(1, 4)}
 
-    def scribble(self, t: Optional[torch.Tensor]) -> None:
+    def scribble(self, t: torch.Tensor | None) -> None:
         """Overwrites every byte of ``t`` (a source the caller may now modify)."""
         if t is None or t.numel() == 0:
             return
@@ -274,7 +342,7 @@ class Sources:
     def after_send(self, leaf: Leaf, non_blocking: bool) -> None:
         """What the to_device docstring allows once it has returned: pageable sources may be
         modified or freed at once; pinned ones once the copy is done (non_blocking=False)."""
-        if leaf.scribble_ok and self.rng.random() < 0.5:
-            if leaf.mem == "pageable" or not non_blocking:
-                self.scribble(leaf.base)
+        may_scribble = leaf.mem == "pageable" or not non_blocking
+        if leaf.scribble_ok and self.rng.random() < 0.5 and may_scribble:
+            self.scribble(leaf.base)
         leaf.drop_source()

@@ -1,6 +1,7 @@
 """What a stress thread counts and keeps: calls, transfers, bytes moved and checked, bad
 bytes, errors and contract violations, per operation and in all, with the first samples of
 each for the report; a mode's total is the merge of its threads'."""
+
 from __future__ import annotations
 
 import collections
@@ -9,7 +10,7 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -42,13 +43,21 @@ def meta_dict(m: Any) -> Any:
 def new_op_stats() -> dict:
     # bytes: bytes the operation moved (sent, pinned, copied); bytes_checked: bytes of its
     # results compared with their expected values.
-    return {"calls": 0, "transfers": 0, "bytes": 0, "bytes_checked": 0, "bad_bytes": 0,
-            "errors": 0}
+    return {"calls": 0, "transfers": 0, "bytes": 0, "bytes_checked": 0, "bad_bytes": 0, "errors": 0}
 
 
 class Stats:
-    _SUMS = ("transfers", "calls", "bytes_checked", "bytes_moved", "bad_bytes", "bad_checks",
-             "errors", "contract_errors", "injected")
+    _SUMS = (
+        "transfers",
+        "calls",
+        "bytes_checked",
+        "bytes_moved",
+        "bad_bytes",
+        "bad_checks",
+        "errors",
+        "contract_errors",
+        "injected",
+    )
 
     def __init__(self) -> None:
         self.transfers = 0
@@ -65,14 +74,15 @@ class Stats:
         self.error_samples: list[dict] = []
         self.contract_samples: list[dict] = []
 
-    def merge(self, other: "Stats") -> None:
+    def merge(self, other: Stats) -> None:
         for name in self._SUMS:
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for op, d in other.ops.items():
             for k, v in d.items():
                 self.ops[op][k] += v
-        self.mismatches = sorted(self.mismatches + other.mismatches,
-                                 key=lambda m: m["t"])[:MAX_MISMATCHES]
+        self.mismatches = sorted(self.mismatches + other.mismatches, key=lambda m: m["t"])[
+            :MAX_MISMATCHES
+        ]
         self.error_samples = (self.error_samples + other.error_samples)[:MAX_SAMPLES]
         self.contract_samples = (self.contract_samples + other.contract_samples)[:MAX_SAMPLES]
 
@@ -110,19 +120,33 @@ class Recorder:
         self.stats.errors += 1
         self.stats.ops[op]["errors"] += 1
         if len(self.stats.error_samples) < MAX_SAMPLES:
-            self.stats.error_samples.append({"op": op, "thread": self.thread, "mode": self.mode,
-                                             "t": self.now(), "traceback": tb[-6000:]})
+            self.stats.error_samples.append(
+                {
+                    "op": op,
+                    "thread": self.thread,
+                    "mode": self.mode,
+                    "t": self.now(),
+                    "traceback": tb[-6000:],
+                }
+            )
         self._print(f"ERROR in {op}:\n{tb}")
 
-    def contract(self, op: str, msg: str, meta: Optional[Any] = None) -> None:
+    def contract(self, op: str, msg: str, meta: Any | None = None) -> None:
         """A documented promise broken (device, dtype, shape, structure, pinning, ...)."""
         self.stats.contract_errors += 1
         self.stats.ops[op]["errors"] += 1
         meta = meta_dict(meta)
         if len(self.stats.contract_samples) < MAX_SAMPLES:
-            self.stats.contract_samples.append({"op": op, "thread": self.thread,
-                                                "mode": self.mode, "t": self.now(),
-                                                "what": msg, "leaf": meta})
+            self.stats.contract_samples.append(
+                {
+                    "op": op,
+                    "thread": self.thread,
+                    "mode": self.mode,
+                    "t": self.now(),
+                    "what": msg,
+                    "leaf": meta,
+                }
+            )
         self._print(f"CONTRACT {op}: {msg} {meta or ''}")
 
     def mismatch(self, op: str, detail: dict) -> None:

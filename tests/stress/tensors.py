@@ -1,18 +1,27 @@
 """Byte-level helpers on tensors: element sizes, raw byte views, the view specs the sources
 apply identically on the host and on the device. torch only: nothing here asks pinxfer."""
+
 from __future__ import annotations
 
 import math
 import random
-from typing import Optional
 
 import torch
 
 KiB = 1 << 10
 MiB = 1 << 20
 
-DTYPES = [torch.uint8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16,
-          torch.float32, torch.float64, torch.bool]
+DTYPES = [
+    torch.uint8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.bool,
+]
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 _ELSIZE: dict = {}
@@ -25,7 +34,7 @@ def elsize(dtype: torch.dtype) -> int:
     return n
 
 
-def flat_bytes(t: torch.Tensor) -> Optional[torch.Tensor]:
+def flat_bytes(t: torch.Tensor) -> torch.Tensor | None:
     """A dense tensor's bytes as a 1-D uint8 view (no copy); None if it has no such view
     (not contiguous, or a one-element view whose stride is not 1)."""
     if not t.is_contiguous():
@@ -47,7 +56,7 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return f
 
 
-def apply_view(t: torch.Tensor, spec: Optional[tuple]) -> torch.Tensor:
+def apply_view(t: torch.Tensor, spec: tuple | None) -> torch.Tensor:
     """Applies a view spec (see sources.Sources.layout) identically to a host or a device
     tensor."""
     if spec is None:

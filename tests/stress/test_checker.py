@@ -3,6 +3,7 @@ finds a corrupted byte (and says where), counts injected faults, tells shape err
 bad bytes; the batch walker sees structural differences; every layout's expected bytes are
 its source's; an operation's check catches a block corrupted behind its back; the op table
 says what runs without a GPU."""
+
 from __future__ import annotations
 
 import random
@@ -30,16 +31,29 @@ def checker(inject: float = 0.0) -> tuple[Checker, Env]:
 
 def cpu_worker(table: list | None = None) -> Worker:
     env = Env(CPU, max_bytes=MiB)
-    w = Worker(0, env, "plain", False, 1, Shared(1, 0), Gate(),
-               table if table is not None else ops.plan(env, installed=False)[0], 0.0, 0.0)
+    w = Worker(
+        0,
+        env,
+        "plain",
+        False,
+        1,
+        Shared(1, 0),
+        Gate(),
+        table if table is not None else ops.plan(env, installed=False)[0],
+        0.0,
+        0.0,
+    )
     w.setup()
     return w
 
 
 def values() -> list[torch.Tensor]:
     """int32, bool and float32 with a NaN and a -0.0 (which == would call equal to +0.0)."""
-    return [torch.arange(10, dtype=torch.int32), torch.tensor([True, False, True]),
-            torch.tensor([float("nan"), -0.0, 1.0], dtype=torch.float32)]
+    return [
+        torch.arange(10, dtype=torch.int32),
+        torch.tensor([True, False, True]),
+        torch.tensor([float("nan"), -0.0, 1.0], dtype=torch.float32),
+    ]
 
 
 def test_equal_values_have_no_bad_byte():

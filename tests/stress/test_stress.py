@@ -8,6 +8,7 @@ violation; every operation of weight >= MIN_WEIGHT must have run and checked byt
 Deselected by default (a soak-like run); CI runs it: ``python3 -m pytest -q -m stress
 tests``.
 """
+
 from __future__ import annotations
 
 import json
@@ -31,24 +32,38 @@ MIN_WEIGHT = 4  # rarer operations (maintenance, graph) may miss a short run
 MIN_TRANSFERS = max(10, int(SECONDS * (200 if HAS_CUDA else 20)))
 
 
-def run_stress(tmp_path: Path, *args: str,
-               seconds: float = SECONDS) -> tuple[subprocess.CompletedProcess, dict]:
+def run_stress(
+    tmp_path: Path, *args: str, seconds: float = SECONDS
+) -> tuple[subprocess.CompletedProcess, dict]:
     """The stress's command line in a child; returns it and its JSON report."""
     out = tmp_path / "stress.json"
-    cmd = [sys.executable, "-X", "faulthandler", "-m", "tests.stress", "--seconds", str(seconds),
-           "--json", str(out), *args]
+    cmd = [
+        sys.executable,
+        "-X",
+        "faulthandler",
+        "-m",
+        "tests.stress",
+        "--seconds",
+        str(seconds),
+        "--json",
+        str(out),
+        *args,
+    ]
     if not HAS_CUDA:
         cmd.append("--cpu")
     # The child's own watchdog dumps stacks and exits first (modes x (seconds + 90) + 120).
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True,
-                          timeout=2 * (seconds + 90) + 240)
+    proc = subprocess.run(
+        cmd, cwd=REPO, capture_output=True, text=True, timeout=2 * (seconds + 90) + 240
+    )
     report = json.loads(out.read_text()) if out.exists() else {}
     return proc, report
 
 
 def _tail(proc: subprocess.CompletedProcess) -> str:
-    return (f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-6000:]}\n"
-            f"--- stderr\n{proc.stderr[-6000:]}")
+    return (
+        f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-6000:]}\n"
+        f"--- stderr\n{proc.stderr[-6000:]}"
+    )
 
 
 @pytest.mark.parametrize("mode", ["plain", "install"])
@@ -69,8 +84,9 @@ def test_stress_mode_has_no_bad_byte(tmp_path, mode):
         done = r["ops"].get(name, {})
         assert done.get("calls", 0) > 0, f"{name} never ran: {r['ops']}"
         if op["checks_bytes"]:
-            assert done.get("transfers", 0) > 0 and done.get("bytes_checked", 0) > 0, \
+            assert done.get("transfers", 0) > 0 and done.get("bytes_checked", 0) > 0, (
                 f"{name} checked nothing: {done}"
+            )
     if HAS_CUDA:
         assert not r["skipped_ops"], r["skipped_ops"]
     else:
@@ -79,8 +95,16 @@ def test_stress_mode_has_no_bad_byte(tmp_path, mode):
 
 def test_injected_faults_fail_the_run_and_are_all_counted(tmp_path):
     """The run's checker can fail: one corrupted byte in 5% of the checks."""
-    proc, report = run_stress(tmp_path, "--mode", "plain", "--min-transfers", "1",
-                              "--inject-faults", "0.05", seconds=min(SECONDS, 3.0))
+    proc, report = run_stress(
+        tmp_path,
+        "--mode",
+        "plain",
+        "--min-transfers",
+        "1",
+        "--inject-faults",
+        "0.05",
+        seconds=min(SECONDS, 3.0),
+    )
     assert proc.returncode == 1, _tail(proc)
     assert "STRESS FAILED" in proc.stdout
     r = report["modes"]["plain"]

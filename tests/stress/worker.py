@@ -1,6 +1,7 @@
 """One stress thread: its own CUDA stream current and a side stream, its random sources and
 checker, drawing operations by weight until the common deadline. An exception in an
 operation is counted and reported, and the thread goes on (up to MAX_ERRORS_PER_THREAD)."""
+
 from __future__ import annotations
 
 import bisect
@@ -64,9 +65,19 @@ class Gate:
 
 
 class Worker:
-    def __init__(self, idx: int, env: Env, mode: str, installed: bool, seed: int,
-                 shared: Shared, gate: Gate, ops: list[Op], large_frac: float,
-                 medium_frac: float):
+    def __init__(
+        self,
+        idx: int,
+        env: Env,
+        mode: str,
+        installed: bool,
+        seed: int,
+        shared: Shared,
+        gate: Gate,
+        ops: list[Op],
+        large_frac: float,
+        medium_frac: float,
+    ):
         self.idx = idx
         self.env = env
         self.installed = installed
@@ -101,7 +112,7 @@ class Worker:
         try:
             self.setup()
             ok = True
-        except Exception:  # noqa: BLE001
+        except Exception:
             self.rec.error("setup")
         try:
             self.shared.barrier.wait()
@@ -117,7 +128,7 @@ class Worker:
                 try:
                     with self.gate.hold(alone=op.alone):
                         op.run(self)
-                except Exception:  # noqa: BLE001 - counted, reported, and we go on
+                except Exception:
                     self.rec.error(op.name)
                 if self.rec.stats.errors >= MAX_ERRORS_PER_THREAD:
                     log(f"[{self.thread.name}] {self.rec.stats.errors} errors: this thread stops")
@@ -128,11 +139,11 @@ class Worker:
                 try:
                     with self.gate.hold(alone=False):
                         op.finish(self)
-                except Exception:  # noqa: BLE001
+                except Exception:
                     self.rec.error(op.name)
             try:
                 self.checker.resolve()
                 self.env.sync(self.stream)
                 self.env.sync(self.side)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 self.rec.error("final_resolve")

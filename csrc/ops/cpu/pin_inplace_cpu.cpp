@@ -53,7 +53,7 @@ struct Registration {
   uintptr_t locked_lo = 0, locked_hi = 0;  // page range mlock'ed (kMlocked only)
   c10::Storage storage;                    // kept alive while registered
   bool was_resizable = false;
-  uint64_t generation = 0;                 // fork generation it was made in
+  uint64_t generation = 0;  // fork generation it was made in
 };
 
 std::mutex g_mutex;
@@ -153,7 +153,8 @@ Range storage_range(const at::Tensor& self, const char* op) {
   TORCH_CHECK(self.layout() == at::kStrided && self.has_storage(), "pinxfer.", op,
               ": expected a dense CPU tensor with its own storage, got layout ", self.layout(),
               ". Pin the dense component tensors instead.");
-  TORCH_CHECK(!self.is_quantized(), "pinxfer.", op, ": quantized tensors are not supported "
+  TORCH_CHECK(!self.is_quantized(), "pinxfer.", op,
+              ": quantized tensors are not supported "
               "(is_pinned could not see the lock through the quantizer). Pin the integer "
               "representation (t.int_repr()) and quantize on the device instead.");
   const c10::Storage& storage = self.storage();
@@ -180,7 +181,8 @@ void pin_(const at::Tensor& self) {
               ", this tensor's storage or one overlapping it). Call pinxfer.unpin_ on that "
               "tensor first.");
   // Drop stale entries (made before a fork) that this range replaces.
-  for (auto it = g_registry->lower_bound(range.lo); it != g_registry->end() && it->first < range.hi;) {
+  for (auto it = g_registry->lower_bound(range.lo);
+       it != g_registry->end() && it->first < range.hi;) {
     it = live(it->second) ? std::next(it) : g_registry->erase(it);
   }
 
@@ -196,12 +198,13 @@ void pin_(const at::Tensor& self) {
     const std::string err =
         cuda::host_register_user(reinterpret_cast<void*>(range.lo), size, &already);
     TORCH_CHECK(!already, "pinxfer.pin_: refused, CUDA reports part of this ", size,
-                "-byte range as already registered (", err, "). Another registration covers "
+                "-byte range as already registered (", err,
+                "). Another registration covers "
                 "some of its pages: torch, another library, or a pin_ of a tensor that shares "
                 "a page with this one. Unpin that memory first, or copy the tensor "
                 "(pinxfer.pin_memory) instead of pinning it in place.");
-    TORCH_CHECK(err.empty(), "pinxfer.pin_: cudaHostRegister of ", size,
-                " bytes failed: ", err, ". Check `ulimit -l` and free host memory; or use "
+    TORCH_CHECK(err.empty(), "pinxfer.pin_: cudaHostRegister of ", size, " bytes failed: ", err,
+                ". Check `ulimit -l` and free host memory; or use "
                 "pinxfer.pin_memory, which copies into pinxfer's pool.");
     reg.kind = LockKind::kCudaRegistered;
   } else {
@@ -210,8 +213,8 @@ void pin_(const at::Tensor& self) {
     const uintptr_t hi = (range.hi + page - 1) & ~(page - 1);
     if (mlock(reinterpret_cast<void*>(lo), hi - lo) != 0) {
       const int err = errno;
-      TORCH_CHECK(false, "pinxfer.pin_: mlock of ", hi - lo, " bytes failed: ",
-                  std::strerror(err), ". The memlock limit (`ulimit -l`, LimitMEMLOCK, docker "
+      TORCH_CHECK(false, "pinxfer.pin_: mlock of ", hi - lo, " bytes failed: ", std::strerror(err),
+                  ". The memlock limit (`ulimit -l`, LimitMEMLOCK, docker "
                   "--ulimit memlock=-1) is probably too low for this tensor.");
     }
     reg.kind = LockKind::kMlocked;
@@ -236,14 +239,15 @@ void unpin_(const at::Tensor& self) {
     auto it = g_registry->find(range.lo);
     if (it == g_registry->end() || it->second.size != range.hi - range.lo) {
       const bool pool = PinnedPool::owner_of(self.storage().data_ptr().get_context()) != nullptr;
-      TORCH_CHECK(!pool, "pinxfer.unpin_: refused, the tensor lives in pinxfer's pinned pool; "
+      TORCH_CHECK(!pool,
+                  "pinxfer.unpin_: refused, the tensor lives in pinxfer's pinned pool; "
                   "pool memory stays pinned and returns to the pool when the tensor is freed.");
       TORCH_CHECK(!cuda::is_cuda_pinned(reinterpret_cast<void*>(range.lo)),
                   "pinxfer.unpin_: refused, this memory is page-locked, but not by "
                   "pinxfer.pin_ (torch's pin_memory or another library did it); only memory "
                   "pinned with pinxfer.pin_ can be unpinned here.");
       TORCH_CHECK(false, "pinxfer.unpin_: refused, the tensor's memory is not pinned by "
-                  "pinxfer.pin_ (nothing to undo).");
+                         "pinxfer.pin_ (nothing to undo).");
     }
     unlock_registration_locked(it->first, it->second);
     reg = std::move(it->second);
@@ -264,9 +268,7 @@ size_t release_orphaned_pins() {
   return orphans.size();
 }
 
-namespace {
-
-}  // namespace
+namespace {}  // namespace
 
 // How pin_ locked the tensor's storage ("cuda_registered" / "mlocked"), or
 // None if pin_ did not (pool tensors included: see pinxfer.lock_kind).
@@ -281,7 +283,6 @@ std::optional<std::string> inplace_lock_kind(const at::Tensor& self) {
   if (it == g_registry->end()) return std::nullopt;
   return std::string(lock_kind_name(it->second.kind));
 }
-
 
 TORCH_LIBRARY_IMPL(pinxfer, CompositeExplicitAutograd, m) {
   m.impl("pin_", &pin_);

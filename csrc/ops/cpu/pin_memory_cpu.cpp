@@ -47,19 +47,21 @@ constexpr size_t kUnitsPerChunk = 16;
 
 void check_input(const at::Tensor& self) {
   TORCH_CHECK(self.defined(), "pinxfer.pin_memory: expected a CPU tensor, got an undefined tensor");
-  TORCH_CHECK(self.device().is_cpu(),
-              "pinxfer.pin_memory: expected a CPU tensor, got a tensor on ", self.device(),
+  TORCH_CHECK(self.device().is_cpu(), "pinxfer.pin_memory: expected a CPU tensor, got a tensor on ",
+              self.device(),
               ". Only host memory can be pinned; a tensor already on a device needs no pinning.");
   TORCH_CHECK(self.layout() == at::kStrided,
               "pinxfer.pin_memory: expected a dense (strided) CPU tensor, got layout ",
-              self.layout(), ". The Python function pinxfer.pin_memory() hands such tensors "
+              self.layout(),
+              ". The Python function pinxfer.pin_memory() hands such tensors "
               "to torch's Tensor.pin_memory(); this op takes dense tensors only.");
   TORCH_CHECK(!self.is_quantized(),
               "pinxfer.pin_memory: quantized tensors are not supported by this op (got ",
-              self.toString(), "); the Python function pinxfer.pin_memory() hands them to "
+              self.toString(),
+              "); the Python function pinxfer.pin_memory() hands them to "
               "torch's Tensor.pin_memory().");
-  TORCH_CHECK(self.has_storage(),
-              "pinxfer.pin_memory: expected a tensor with storage, got ", self.toString(),
+  TORCH_CHECK(self.has_storage(), "pinxfer.pin_memory: expected a tensor with storage, got ",
+              self.toString(),
               " (a wrapper or nested tensor); the Python function pinxfer.pin_memory() hands "
               "nested tensors to torch's Tensor.pin_memory().");
 }
@@ -67,12 +69,11 @@ void check_input(const at::Tensor& self) {
 void check_threads(int64_t num_threads) {
   const int most = max_copy_threads(settings().cpus);
   TORCH_CHECK_VALUE(num_threads >= 0 && num_threads <= most,
-                    "pinxfer.pin_memory: num_threads must be from 0 (the pool's default) to ",
-                    most, " (max(16, the CPUs this process may use)), got ", num_threads);
+                    "pinxfer.pin_memory: num_threads must be from 0 (the pool's default) to ", most,
+                    " (max(16, the CPUs this process may use)), got ", num_threads);
 }
 
-void parallel_memcpy(char* dst, const char* src, size_t nbytes, ThreadPool& pool,
-                     int max_threads) {
+void parallel_memcpy(char* dst, const char* src, size_t nbytes, ThreadPool& pool, int max_threads) {
   const size_t units = (nbytes + kCopyUnit - 1) / kCopyUnit;
   pool.parallel_for(
       units, kUnitsPerChunk,
@@ -120,13 +121,13 @@ at::Tensor pin_memory_copy(const at::Tensor& self, std::optional<int64_t> numa_n
   const bool overlapping = at::has_internal_overlap(self) == at::MemOverlap::Yes;
   const c10::DimVector strides =
       overlapping ? c10::contiguous_strides(self.sizes()) : c10::DimVector(self.strides());
-  const size_t nbytes = at::detail::computeStorageNbytes(self.sizes(), strides,
-                                                         self.dtype().itemsize());
+  const size_t nbytes =
+      at::detail::computeStorageNbytes(self.sizes(), strides, self.dtype().itemsize());
 
   // Built from dtype alone, without the conj/neg bits: the result holds
   // resolved values, as torch's does.
-  at::Tensor out = tensor_over(pool_for_node(node).allocate(nbytes), nbytes, self.sizes(),
-                               strides, self.scalar_type());
+  at::Tensor out = tensor_over(pool_for_node(node).allocate(nbytes), nbytes, self.sizes(), strides,
+                               self.scalar_type());
   if (nbytes == 0 || self.numel() == 0) return out;
 
   ThreadPool& pool = thread_pool_for_node(node);
@@ -141,7 +142,6 @@ at::Tensor pin_memory_copy(const at::Tensor& self, std::optional<int64_t> numa_n
   }
   return out;
 }
-
 
 bool is_pinned_dense(const at::Tensor& self, bool ask_torch) {
   if (!self.defined() || !self.device().is_cpu() || !self.has_storage()) return false;

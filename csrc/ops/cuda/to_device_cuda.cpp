@@ -28,8 +28,8 @@ using transfer::copy_stream_for;
 constexpr size_t kPackAlign = 256;
 
 void check_cuda_usable(const char* op) {
-  TORCH_CHECK(cuda::cuda_usable(), "pinxfer.", op,
-              ": expected a usable CUDA device, but ", cuda::cuda_unusable_reason(),
+  TORCH_CHECK(cuda::cuda_usable(), "pinxfer.", op, ": expected a usable CUDA device, but ",
+              cuda::cuda_unusable_reason(),
               ". Call it from the main process of a machine with a GPU.");
 }
 
@@ -37,8 +37,8 @@ c10::DeviceIndex resolve_device(const c10::Device& device, const char* op) {
   TORCH_CHECK(device.is_cuda(), "pinxfer.", op, ": expected a CUDA device, got ", device,
               ". For a CPU target use tensor.to('cpu').");
   const c10::DeviceIndex index = device.has_index() ? device.index() : c10::cuda::current_device();
-  TORCH_CHECK(index >= 0 && index < c10::cuda::device_count(), "pinxfer.", op,
-              ": device index ", static_cast<int>(index), " is out of range: this process sees ",
+  TORCH_CHECK(index >= 0 && index < c10::cuda::device_count(), "pinxfer.", op, ": device index ",
+              static_cast<int>(index), " is out of range: this process sees ",
               static_cast<int>(c10::cuda::device_count()), " CUDA device(s)");
   return index;
 }
@@ -52,7 +52,8 @@ void check_not_capturing(const char* op, c10::DeviceIndex index) {
       cuda::stream_is_capturing(c10::cuda::getCurrentCUDAStream(index).unwrap(), &error);
   TORCH_CHECK(error.empty(), "pinxfer.", op, ": ", error);
   TORCH_CHECK(!capturing, "pinxfer.", op, ": the current CUDA stream of device ",
-              static_cast<int>(index), " is capturing a CUDA graph, and pinxfer's transfers "
+              static_cast<int>(index),
+              " is capturing a CUDA graph, and pinxfer's transfers "
               "cannot be captured (host threads stage the bytes and a copy stream of pinxfer's "
               "own sends them; a replay would repeat neither). Transfer before the capture or "
               "between replays into the graph's static input, e.g. "
@@ -183,11 +184,11 @@ PackedOnDevice pack_to_device(at::TensorList tensors, c10::Device device, bool w
     result.views.reserve(srcs.size());
     for (size_t i = 0; i < srcs.size(); ++i) {
       const auto& s = srcs[i];
-      result.views.push_back(result.packed
-                                 .narrow(0, static_cast<int64_t>(offsets[i]),
-                                         static_cast<int64_t>(s.nbytes()))
-                                 .view(s.scalar_type())
-                                 .view(s.sizes()));
+      result.views.push_back(
+          result.packed
+              .narrow(0, static_cast<int64_t>(offsets[i]), static_cast<int64_t>(s.nbytes()))
+              .view(s.scalar_type())
+              .view(s.sizes()));
     }
   }
   return result;

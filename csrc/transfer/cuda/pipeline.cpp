@@ -74,8 +74,8 @@ struct Pipeline {
   void queue_chunk(size_t c) {
     const size_t len = plan.bounds[c + 1] - plan.bounds[c];
     Range range("pinxfer::h2d");
-    C10_CUDA_CHECK(cudaMemcpyAsync(dst + plan.bounds[c], staging_of(c), len,
-                                   cudaMemcpyHostToDevice, stream.stream()));
+    C10_CUDA_CHECK(cudaMemcpyAsync(dst + plan.bounds[c], staging_of(c), len, cudaMemcpyHostToDevice,
+                                   stream.stream()));
     if (plan.ring == 0) return;  // nobody waits for single-block chunks
     const cuda::Event ev = cuda::record_event(stream.unwrap());
     const size_t slot = c % plan.ring;
@@ -188,8 +188,8 @@ void pipelined_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex dev
 void caller_staged_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex device,
                         const c10::cuda::CUDAStream& stream) {
   const size_t nbytes = src.nbytes();
-  TORCH_INTERNAL_ASSERT(nbytes <= kCurrentStreamBytes, "pinxfer: caller_staged_copy of ",
-                        nbytes, " bytes");
+  TORCH_INTERNAL_ASSERT(nbytes <= kCurrentStreamBytes, "pinxfer: caller_staged_copy of ", nbytes,
+                        " bytes");
   PinnedPool& pool = pool_for_node(numa_node_for_device(device));
   std::vector<c10::DataPtr> staging;
   staging.push_back(pool.allocate(nbytes));
@@ -203,8 +203,8 @@ void caller_staged_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex
   }
   try {
     Range range("pinxfer::h2d");
-    C10_CUDA_CHECK(cudaMemcpyAsync(out.data_ptr(), staging[0].get(), nbytes,
-                                   cudaMemcpyHostToDevice, stream.stream()));
+    C10_CUDA_CHECK(cudaMemcpyAsync(out.data_ptr(), staging[0].get(), nbytes, cudaMemcpyHostToDevice,
+                                   stream.stream()));
   } catch (...) {
     return_staging(staging, pool, stream);
     throw;
@@ -279,8 +279,7 @@ void packed_copy(const std::vector<at::Tensor>& srcs, const std::vector<size_t>&
         // Grain: about 64 KiB of average payload per claim.
         const size_t grain = std::max<size_t>(1, srcs.size() * 64 * kKiB / total);
         ThreadPool& threads = thread_pool_for_node(node);
-        threads.parallel_for(srcs.size(), grain, pack_and_send,
-                             threads.threads_for_copy(total));
+        threads.parallel_for(srcs.size(), grain, pack_and_send, threads.threads_for_copy(total));
       }
     } catch (...) {
       // Groups already queued read the block: it goes back marked by the stream.

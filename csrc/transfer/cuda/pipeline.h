@@ -36,8 +36,8 @@ namespace pinxfer::transfer {
 
 // How one transfer stages its bytes (the op's arguments).
 struct StagingOptions {
-  size_t chunk_bytes = 0;   // steady chunk at most this (>= 4096)
-  size_t num_buffers = 0;   // ring slots for tensors larger than num_buffers chunks (>= 1)
+  size_t chunk_bytes = 0;  // steady chunk at most this (>= 4096)
+  size_t num_buffers = 0;  // ring slots for tensors larger than num_buffers chunks (>= 1)
   StagingMode mode = StagingMode::kAuto;
   int64_t cached_tail = -1;  // < 0: auto
 };

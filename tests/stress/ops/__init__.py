@@ -1,9 +1,11 @@
 """The stress operations and their table: name, weight (how often a thread draws it), what it
 needs. ``plan`` says which run in a mode on this machine and why the others do not."""
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING
 
 from tests.stress.env import Env
 from tests.stress.ops import allocator, graphs, pinning, prefetch, transfers
@@ -15,7 +17,7 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class Op:
     name: str
-    run: Callable[["Worker"], None]
+    run: Callable[[Worker], None]
     weight: float
     needs_cuda: bool = True
     install_only: bool = False  # torch's own pinned paths, which reach the pool once installed
@@ -23,9 +25,9 @@ class Op:
     alone: bool = False
     checks_bytes: bool = True  # its calls end in byte checks (the report must show some)
     # Why it cannot run on this machine (None: it can); asked once per mode.
-    unavailable: Optional[Callable[[Env], Optional[str]]] = None
+    unavailable: Callable[[Env], str | None] | None = None
     # Run once by each thread after its last operation (blocks kept alive are checked).
-    finish: Optional[Callable[["Worker"], None]] = None
+    finish: Callable[[Worker], None] | None = None
 
 
 OPS = [
@@ -37,8 +39,13 @@ OPS = [
     Op("pool_d2h_free", allocator.pool_d2h_free, 8),
     Op("pool_hold", allocator.pool_hold, 6, needs_cuda=False, finish=allocator.release_held),
     Op("pin_memory", pinning.pin_memory, 10, needs_cuda=False),
-    Op("pin_inplace", pinning.pin_inplace, 4, needs_cuda=False,
-       unavailable=pinning.pin_in_place_unavailable),
+    Op(
+        "pin_inplace",
+        pinning.pin_inplace,
+        4,
+        needs_cuda=False,
+        unavailable=pinning.pin_in_place_unavailable,
+    ),
     Op("maintenance", allocator.maintenance, 0.3, needs_cuda=False, checks_bytes=False),
     Op("graph", graphs.graph, 1.5, alone=True),
     Op("torch_pinned_side_h2d", allocator.torch_pinned_side_h2d, 5, install_only=True),

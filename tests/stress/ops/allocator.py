@@ -2,6 +2,7 @@
 operations, pinned tensors freed while a copy still reads or writes them (a block handed out
 too early is overwritten, or overwrites), torch's pinned paths once installed, the cache's
 maintenance calls."""
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -19,7 +20,7 @@ HELD_BLOCKS = 4  # pool blocks a thread keeps alive across its other operations
 ITEM_DTYPES = [torch.int64, torch.int32, torch.int16, torch.uint8, torch.bool]
 
 
-def pool_hold(w: "Worker") -> None:
+def pool_hold(w: Worker) -> None:
     """A pool block filled from R stays alive while the thread goes on allocating, freeing,
     copying; when it is freed (at random, or at the end: release_held) its bytes are
     checked. Two live blocks sharing memory, or a late copy landing in a block handed out
@@ -33,19 +34,19 @@ def pool_hold(w: "Worker") -> None:
         _check_and_free(w, w.held_blocks.pop(w.rng.randrange(len(w.held_blocks))))
 
 
-def _check_and_free(w: "Worker", leaf: Leaf) -> None:
+def _check_and_free(w: Worker, leaf: Leaf) -> None:
     got = w.env.h2d_trusted(leaf.base)
     leaf.drop_source()
     w.checker.check_leaves("pool_hold", [got], [leaf])
 
 
-def release_held(w: "Worker") -> None:
+def release_held(w: Worker) -> None:
     """At the end of a thread's run: the blocks still held are checked and freed."""
     while w.held_blocks:
         _check_and_free(w, w.held_blocks.pop())
 
 
-def _side_h2d(w: "Worker", op: str, mem: str, record: bool) -> None:
+def _side_h2d(w: Worker, op: str, mem: str, record: bool) -> None:
     """A pinned host tensor copied on the side stream and freed at once; a new block of
     the same size is scribbled at once; the copy must still deliver the old bytes."""
     env = w.env
@@ -72,18 +73,18 @@ def _side_h2d(w: "Worker", op: str, mem: str, record: bool) -> None:
     del junk
 
 
-def pool_side_h2d(w: "Worker") -> None:
+def pool_side_h2d(w: Worker) -> None:
     # Without install, torch tells only its own allocator about the copy: record_stream
     # is required (README, Limitations). Installed, torch reports it to the pool.
     record = (not w.installed) or w.rng.random() < 0.5
     _side_h2d(w, "pool_side_h2d", "pool", record)
 
 
-def torch_pinned_side_h2d(w: "Worker") -> None:
+def torch_pinned_side_h2d(w: Worker) -> None:
     _side_h2d(w, "torch_pinned_side_h2d", "torch_pinned", record=False)
 
 
-def _d2h_free(w: "Worker", op: str, mem: str, policy: str) -> None:
+def _d2h_free(w: Worker, op: str, mem: str, policy: str) -> None:
     """D2H copy_(non_blocking=True) into a pinned tensor freed at once. A new tensor of
     the same size, filled on the host, is read back twice (before and after the first
     copy is certainly done): a block handed out too early would be overwritten."""
@@ -117,19 +118,23 @@ def _d2h_free(w: "Worker", op: str, mem: str, policy: str) -> None:
     env.sync(stream)
     d2 = env.h2d_trusted(leaf.base)
     w.rec.moved(op, numel * es)
-    w.checker.check_leaves(op, [d1, d2], [leaf, leaf],
-                           {"side_stream": use_side, "recorded": record, "d2h_r_offset": g_off})
+    w.checker.check_leaves(
+        op,
+        [d1, d2],
+        [leaf, leaf],
+        {"side_stream": use_side, "recorded": record, "d2h_r_offset": g_off},
+    )
 
 
-def pool_d2h_free(w: "Worker") -> None:
+def pool_d2h_free(w: Worker) -> None:
     _d2h_free(w, "pool_d2h_free", "pool", "optional" if w.installed else "needed")
 
 
-def torch_pinned_d2h_free(w: "Worker") -> None:
+def torch_pinned_d2h_free(w: Worker) -> None:
     _d2h_free(w, "torch_pinned_d2h_free", "torch_pinned", "never")
 
 
-def item(w: "Worker") -> None:
+def item(w: Worker) -> None:
     """``.item()`` of GPU scalars: torch's D2H scalar read through its pinned allocator."""
     rng = w.rng
     k = rng.randint(1, 8)
@@ -146,7 +151,7 @@ def item(w: "Worker") -> None:
     w.checker.check("item", [got], [exp], [{"scalars": k}], transfers=k)
 
 
-def copy_nb_del(w: "Worker") -> None:
+def copy_nb_del(w: Worker) -> None:
     """H2D ``copy_(non_blocking=True)`` from torch-pinned memory, the source deleted at once
     and a new block of its size scribbled: the installed pool must hold it for the copy."""
     env = w.env
@@ -166,7 +171,7 @@ def copy_nb_del(w: "Worker") -> None:
     del junk
 
 
-def maintenance(w: "Worker") -> None:
+def maintenance(w: Worker) -> None:
     """memory_stats (a snapshot with its keys), empty_cache, reset_peak_memory_stats, while
     the other threads allocate and copy."""
     r = w.rng.random()

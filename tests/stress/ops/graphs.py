@@ -1,5 +1,6 @@
 """CUDA graph capture and replay of pinned copies (issue 23: graph pools of the installed
 host allocator)."""
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -13,7 +14,7 @@ if TYPE_CHECKING:
     from tests.stress.worker import Worker
 
 
-def graph(w: "Worker") -> None:
+def graph(w: Worker) -> None:
     """H2D copy_(non_blocking=True) from a pool-pinned buffer allocated before the capture (a
     static input) and, installed, D2H into a pinned buffer allocated inside it (the graph's
     private pool) plus one allocated and freed there; replayed with new host bytes from R,
@@ -39,14 +40,18 @@ def graph(w: "Worker") -> None:
             torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     cur.wait_stream(w.side)
     for _ in range(rng.randint(1, 3)):
-        off, g_bytes, h_bytes = w.sources.r_slice(torch.uint8, nbytes)
+        _off, g_bytes, h_bytes = w.sources.r_slice(torch.uint8, nbytes)
         host_in.copy_(h_bytes)
         g.replay()  # on the current stream
         env.sync(cur)
         w.checker.check("graph", [dev2.clone()], [g_bytes.add(1)], [{"nbytes": nbytes}])
         if host_out is not None:
-            w.checker.check("graph", [host_out.to(env.device)], [g_bytes.add(1)],
-                            [{"nbytes": nbytes, "d2h": True}])
+            w.checker.check(
+                "graph",
+                [host_out.to(env.device)],
+                [g_bytes.add(1)],
+                [{"nbytes": nbytes, "d2h": True}],
+            )
         w.rec.moved("graph", nbytes)
     env.sync(cur)
     del g, host_out, dev2  # releases the graph pool (installed: after a device sync)

@@ -1,10 +1,11 @@
 """Pinning: ``pinxfer.pin_memory`` of tensors and batches, ``pin_``/``unpin_`` of user memory,
 and (installed) torch's ``Tensor.pin_memory()`` going to the pool. On a GPU the pinned
 results are sent to the device and checked there; on the CPU they are checked themselves."""
+
 from __future__ import annotations
 
 import mmap
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,19 +22,20 @@ if TYPE_CHECKING:
 IN_PLACE_LAYOUTS = ["contig", "shaped", "scalar", "offset", "t", "step"]
 
 
-def pin_memory(w: "Worker") -> None:
+def pin_memory(w: Worker) -> None:
     if w.rng.random() < 0.25:
         _pin_memory_batch(w)
     else:
         _pin_memory_tensor(w)
 
 
-def _pin_memory_batch(w: "Worker") -> None:
+def _pin_memory_batch(w: Worker) -> None:
     """A nested batch of pageable and pool tensors: the structure kept, every leaf pinned,
     pool leaves returned as they are, the copies independent of their sources."""
     env = w.env
-    obj, leaves = w.sources.make_batch(max_leaves=4, leaf_cap=16 * MiB, allow_gpu=False,
-                                       mems=("pageable", "pageable", "pool"))
+    obj, leaves = w.sources.make_batch(
+        max_leaves=4, leaf_cap=16 * MiB, allow_gpu=False, mems=("pageable", "pageable", "pool")
+    )
     p = pinxfer.pin_memory(obj)
     diff = structure_diff(obj, p, gpu_identity=False)
     if diff:
@@ -58,11 +60,12 @@ def _pin_memory_batch(w: "Worker") -> None:
     gots = [get_path(out, path) for path, _ in leaves]
     for _, leaf in leaves:
         w.rec.moved("pin_memory", leaf.nbytes)
-    w.checker.check_leaves("pin_memory", gots, [lf for _, lf in leaves], {"batch": True},
-                           contiguous=env.cuda)
+    w.checker.check_leaves(
+        "pin_memory", gots, [lf for _, lf in leaves], {"batch": True}, contiguous=env.cuda
+    )
 
 
-def _pin_memory_tensor(w: "Worker") -> None:
+def _pin_memory_tensor(w: Worker) -> None:
     """One pageable tensor of any layout: dtype, shape and strides kept (torch's rule; an
     expanded view is materialised), the copy independent of its source."""
     env, rng = w.env, w.rng
@@ -76,8 +79,7 @@ def _pin_memory_tensor(w: "Worker") -> None:
     elif env.strict and leaf.nbytes and not p.is_pinned():
         w.rec.contract("pin_memory", "result not pinned", leaf.meta)
     if leaf.layout != "expand" and p.stride() != leaf.src.stride():
-        w.rec.contract("pin_memory", f"strides {p.stride()}, source {leaf.src.stride()}",
-                       leaf.meta)
+        w.rec.contract("pin_memory", f"strides {p.stride()}, source {leaf.src.stride()}", leaf.meta)
     if rng.random() < 0.5:
         w.sources.scribble(leaf.base)
     leaf.drop_source()
@@ -90,11 +92,12 @@ def _pin_memory_tensor(w: "Worker") -> None:
         how, out = "torch_to", p.to(env.device, non_blocking=True)
     del p
     w.rec.moved("pin_memory", leaf.nbytes)
-    w.checker.check_leaves("pin_memory", [out], [leaf], {"copy": how},
-                           contiguous=how == "to_device")
+    w.checker.check_leaves(
+        "pin_memory", [out], [leaf], {"copy": how}, contiguous=how == "to_device"
+    )
 
 
-def pin_in_place_unavailable(env: Env) -> Optional[str]:
+def pin_in_place_unavailable(env: Env) -> str | None:
     """Why pin_ cannot run here (the memlock limit, say), or None: one page pinned and
     unpinned."""
     page = torch.frombuffer(mmap.mmap(-1, 4096), dtype=torch.uint8)
@@ -106,7 +109,7 @@ def pin_in_place_unavailable(env: Env) -> Optional[str]:
     return None
 
 
-def pin_inplace(w: "Worker") -> None:
+def pin_inplace(w: Worker) -> None:
     """pin_ of user memory filled from R (a view of it, sometimes): pinned until unpin_, the
     bytes unchanged by both. On a GPU the pinned tensor is sent with to_device (one DMA
     from the registered pages) and the copy waited for before unpin_ (the caller's duty)."""
@@ -130,21 +133,20 @@ def pin_inplace(w: "Worker") -> None:
     leaf.drop_source()
     del t
     w.rec.moved("pin_inplace", leaf.nbytes)
-    w.checker.check_leaves("pin_inplace", gots, [leaf] * len(gots), extra,
-                           contiguous=contiguous)
+    w.checker.check_leaves("pin_inplace", gots, [leaf] * len(gots), extra, contiguous=contiguous)
 
 
-def torch_pin_memory(w: "Worker") -> None:
+def torch_pin_memory(w: Worker) -> None:
     """Installed: ``Tensor.pin_memory()`` comes from the pool; copied on the side stream,
     deleted at once, a new torch-pinned block scribbled: torch reports the copy to the
     pool, which must hold the block until it is done."""
     env = w.env
-    leaf = w.sources.make_leaf(mems=("pageable",),
-                               layouts=["contig", "shaped", "offset", "t", "step", "step2d"])
+    leaf = w.sources.make_leaf(
+        mems=("pageable",), layouts=["contig", "shaped", "offset", "t", "step", "step2d"]
+    )
     p = leaf.src.pin_memory()
     if leaf.nbytes and not (p.is_pinned() and pinxfer.is_pool_tensor(p)):
-        w.rec.contract("torch_pin_memory", "Tensor.pin_memory() did not use the pool",
-                       leaf.meta)
+        w.rec.contract("torch_pin_memory", "Tensor.pin_memory() did not use the pool", leaf.meta)
     if w.rng.random() < 0.5:
         w.sources.scribble(leaf.base)
     leaf.drop_source()

@@ -2,10 +2,11 @@
 passes left early (``break``) then closed, deleted or collected; the consumer writes into
 every batch it got after checking it. On a GPU the default transfer (to_device); on the CPU
 the producer thread pins each batch (``transfer=pinxfer.pin_memory``)."""
+
 from __future__ import annotations
 
 import gc
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,7 +18,7 @@ if TYPE_CHECKING:
     from tests.stress.worker import Worker
 
 
-def prefetch(w: "Worker") -> None:
+def prefetch(w: Worker) -> None:
     env, rng = w.env, w.rng
     n = rng.randint(1, 8)
     depth = rng.randint(1, 4)
@@ -27,8 +28,7 @@ def prefetch(w: "Worker") -> None:
             leaf = w.sources.make_leaf(cap=32 * MiB)
             batches.append((leaf.src, [((), leaf)]))
         else:
-            batches.append(w.sources.make_batch(max_leaves=4, leaf_cap=16 * MiB,
-                                                allow_gpu=False))
+            batches.append(w.sources.make_batch(max_leaves=4, leaf_cap=16 * MiB, allow_gpu=False))
     break_at = rng.randrange(n) if rng.random() < 0.3 else None
     how = rng.choice(["for", "with", "next"])
     # gc.collect() costs ~0.2 s with torch loaded: rarely
@@ -38,8 +38,9 @@ def prefetch(w: "Worker") -> None:
         pf = pinxfer.prefetch([b[0] for b in batches], device=env.device, depth=depth, **kw)
     else:
         kw = {"transfer": "pin_memory"}
-        pf = pinxfer.prefetch([b[0] for b in batches], device="cpu", depth=depth,
-                              transfer=pinxfer.pin_memory)
+        pf = pinxfer.prefetch(
+            [b[0] for b in batches], device="cpu", depth=depth, transfer=pinxfer.pin_memory
+        )
     extra = {"depth": depth, "batches": n, "break_at": break_at, "how": how, **kw}
     if how == "with":
         with pf:
@@ -63,7 +64,7 @@ def prefetch(w: "Worker") -> None:
         gc.collect()
 
 
-def _consume(w: "Worker", iterable, batches: list, break_at: Optional[int], extra: dict) -> int:
+def _consume(w: Worker, iterable, batches: list, break_at: int | None, extra: dict) -> int:
     i = 0
     for out in iterable:
         if i >= len(batches):
@@ -75,8 +76,13 @@ def _consume(w: "Worker", iterable, batches: list, break_at: Optional[int], extr
             w.rec.contract("prefetch", f"batch {i}: {diff}")
         else:
             gots = [get_path(out, p) for p, _ in leaves]
-            w.checker.check_leaves("prefetch", gots, [lf for _, lf in leaves],
-                                   {**extra, "index": i}, contiguous=w.env.strict)
+            w.checker.check_leaves(
+                "prefetch",
+                gots,
+                [lf for _, lf in leaves],
+                {**extra, "index": i},
+                contiguous=w.env.strict,
+            )
             # The consumer owns the batch: write into it (after the check, same stream).
             for g in gots:
                 if isinstance(g, torch.Tensor) and g.numel() and g.is_contiguous():

@@ -1,5 +1,6 @@
 """Transfers through pinxfer's copy paths: ``to_device`` of one tensor and of nested batches,
 ``to_host(...).wait()``. Every result checked byte for byte on the device."""
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -14,7 +15,7 @@ if TYPE_CHECKING:
     from tests.stress.worker import Worker
 
 
-def to_device(w: "Worker") -> None:
+def to_device(w: Worker) -> None:
     """One tensor: pageable, pool-pinned or torch-pinned; any layout; sizes 1 B - 64 MiB;
     sometimes small chunks (ring mode) and non_blocking=False."""
     leaf = w.sources.make_leaf()
@@ -26,11 +27,12 @@ def to_device(w: "Worker") -> None:
     w.checker.check_leaves("to_device", [out], [leaf], {"non_blocking": nb, **kw})
 
 
-def to_device_batch(w: "Worker") -> None:
+def to_device_batch(w: Worker) -> None:
     """A nested batch (dict / list / tuple / namedtuple, non-tensor leaves, a tensor already
     on the device that must come back as it is, a few leaves that require grad)."""
-    obj, leaves = w.sources.make_batch(max_leaves=w.rng.randint(2, 12), leaf_cap=16 * MiB,
-                                       allow_gpu=True, grad=True)
+    obj, leaves = w.sources.make_batch(
+        max_leaves=w.rng.randint(2, 12), leaf_cap=16 * MiB, allow_gpu=True, grad=True
+    )
     nb = w.rng.random() < 0.85
     kw = w.sources.chunk_kwargs(max(leaf.nbytes for _, leaf in leaves))
     out = pinxfer.to_device(obj, w.env.device, non_blocking=nb, **kw)
@@ -43,11 +45,12 @@ def to_device_batch(w: "Worker") -> None:
         w.rec.contract("to_device_batch", diff)
         return
     gots = [get_path(out, p) for p, _ in leaves]
-    w.checker.check_leaves("to_device_batch", gots, [lf for _, lf in leaves],
-                           {"non_blocking": nb, **kw})
+    w.checker.check_leaves(
+        "to_device_batch", gots, [lf for _, lf in leaves], {"non_blocking": nb, **kw}
+    )
 
 
-def to_host(w: "Worker") -> None:
+def to_host(w: Worker) -> None:
     """GPU tensors and batches (views, temporaries freed at once) to pinned host memory;
     waited for, or sometimes dropped unwaited (its block must not be reused before the
     copy). The host results go back to the device with torch's synchronous copy."""
