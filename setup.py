@@ -108,6 +108,11 @@ with_cuda, why = _configure()
 sanitize = _sanitizer()
 sources = _sources(with_cuda)
 cxx_flags = ["-O3", "-Wno-interference-size", "-Wall", "-Wno-unused-parameter"]
+# CI builds with PINXFER_WERROR=1: a warning in pinxfer's own code fails the build there.
+# Off for users, whose compiler or torch headers may warn about things CI's do not.
+werror = os.environ.get("PINXFER_WERROR", "0") == "1"
+if werror:
+    cxx_flags.append("-Werror")
 link_flags = []
 define_macros = [
     ("PINXFER_WITH_CUDA", "1" if with_cuda else "0"),
@@ -160,7 +165,7 @@ print(
     f"{'' if not sanitize else ', PINXFER_DEBUG_INVARIANTS=1'}\n"
     f"  sources      {len(sources)} files under csrc/\n"
     f"  CUDA_HOME    {cpp_extension.CUDA_HOME}\n"
-    f"  compile      {compile_mode}\n"
+    f"  compile      {compile_mode}{', warnings are errors (PINXFER_WERROR=1)' if werror else ''}\n"
     "  Compiling takes about 4-5 minutes on 2 cores (each file includes all of torch's "
     "headers);\n  `pip install -v` shows each file as it compiles ([n/N] lines).\n",
     flush=True,

@@ -523,7 +523,7 @@ def main(argv: list[str] | None = None) -> int:
     batch_sizes = [16 * MiB] if args.quick else [16 * MiB, 64 * MiB]
     total = 128 * MiB if args.quick else GiB
 
-    names, values, sources = torch.ops.pinxfer.settings()
+    names, values, sources, _docs = zip(*pinxfer._C.settings())
     settings = {n: {"value": v, "source": s} for n, v, s in zip(names, values, sources)}
     report: dict[str, Any] = {
         "benchmark": "bench_bus",

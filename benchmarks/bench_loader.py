@@ -613,7 +613,7 @@ def pure_compute(
 
 
 def machine_info(kind: str, dev: torch.device | None) -> dict[str, Any]:
-    names, values, sources = torch.ops.pinxfer.settings()
+    names, values, sources, _docs = zip(*pinxfer._C.settings())
     settings = {n: {"value": v, "source": s} for n, v, s in zip(names, values, sources)}
     cpu_model = None
     try:

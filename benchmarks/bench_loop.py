@@ -1079,7 +1079,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     started = time.perf_counter()
     bench = Bench(args)
-    names, values, sources = torch.ops.pinxfer.settings()
+    names, values, sources, _docs = zip(*pinxfer._C.settings())
     report: dict[str, Any] = {
         "benchmark": "bench_loop",
         "issue": 22,

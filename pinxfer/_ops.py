@@ -1,31 +1,39 @@
-"""The boundary between pinxfer's Python and its C++: one typed wrapper per operator.
+"""The boundary between pinxfer's Python and its C++: one typed wrapper per native function.
 
-Every operator (schemas in csrc/module.cpp, one ``TORCH_LIBRARY`` block) has a
-wrapper here with the operator's own name. Each operator that returns tensors has
-its fake right beneath it, so ``torch.compile``, FakeTensor and
-``torch.library.opcheck`` see it; so do the two queries ``pinxfer.pin_memory`` asks
-about a tensor it may be tracing (is_pool_tensor, inplace_lock_kind). The ops that
-act on memory and return nothing (record_stream, pin_, unpin_) have none on
-purpose: a fake is also an op's Meta kernel, and pinning a meta tensor must raise.
-The rest of the package calls these wrappers and never ``torch.ops.pinxfer``
-itself; the public modules (memory, pin, topology, transfer) re-export a wrapper
-where the public function is the operator, and add argument handling where it is not.
+Two kinds of native functions, each wrapped here under its own name:
 
-``fast`` is the extension module ``pinxfer._C``: eager fast calls into the same
-C++ kernels (csrc/python/fast_calls.cpp) for the small-call hot paths
-(``pin_memory`` of a tensor or a batch, ``empty``). A ``torch.ops`` call costs
-about 3 µs of Python-side dispatch, more than pinning a 64 KiB tensor; a fast
-call costs a fraction of a microsecond. They bypass the dispatcher, so callers
-use them only where the dispatcher would add nothing: :func:`eager` must be
-true (no tracing, no ``__torch_function__`` or ``__torch_dispatch__`` mode) and
-the tensors are plain (``type(t) is torch.Tensor``), dense, on the CPU and need
-no autograd (:func:`plain_dense_cpu`). Everything else takes the operators.
-Each kernel's choice is made at one call site: ``memory.empty``, ``pin.pin_memory``
-(one tensor), ``pin._pin_batch`` (``pin_memory_many``), ``pin.is_pinned`` (a query:
-autograd does not matter, so any plain dense tensor), and :func:`to_device` and
-:func:`to_device_many` here. (They are not all wrappers here: on the
-``pin_memory``/``empty`` hot paths one more Python call would cost about 5% of a
-small call.)
+* the **operators** (``torch.ops.pinxfer``, schemas in csrc/module.cpp, one
+  ``TORCH_LIBRARY`` block): the functions that take or return tensors (empty,
+  pin_memory, pin_, unpin_, to_device, ...), so that the dispatcher, autograd,
+  FakeTensor, ``torch.compile`` and ``torch.library.opcheck`` see them. Each one
+  that returns tensors has its fake right beneath it; so do the two queries
+  ``pinxfer.pin_memory`` asks about a tensor it may be tracing (is_pool_tensor,
+  inplace_lock_kind). The ops that act on memory and return nothing (record_stream,
+  pin_, unpin_) have none on purpose: a fake is also an op's Meta kernel, and
+  pinning a meta tensor must raise.
+* the plain functions of the extension module ``pinxfer._C`` (``fast`` here;
+  csrc/python/): everything that takes no tensor (stats, the cap, install,
+  settings, topology, the copy stream, test hooks), and the eager **fast calls**
+  into the operators' own kernels for the small-call hot paths (``pin_memory`` of
+  a tensor or a batch, ``empty``, ``to_device``).
+
+The rest of the package calls these wrappers and never ``torch.ops.pinxfer`` or
+``pinxfer._C`` itself; the public modules (memory, pin, topology, transfer)
+re-export a wrapper where the public function is the native one, and add argument
+handling where it is not.
+
+A ``torch.ops`` call costs about 3 µs of Python-side dispatch, more than pinning a
+64 KiB tensor; a fast call costs a fraction of a microsecond. Fast calls bypass the
+dispatcher, so callers use them only where the dispatcher would add nothing:
+:func:`eager` must be true (no tracing, no ``__torch_function__`` or
+``__torch_dispatch__`` mode) and the tensors are plain (``type(t) is
+torch.Tensor``), dense, on the CPU and need no autograd (:func:`plain_dense_cpu`).
+Everything else takes the operators. Each kernel's choice is made at one call site:
+``memory.empty``, ``pin.pin_memory`` (one tensor), ``pin._pin_batch``
+(``pin_memory_many``), ``pin.is_pinned`` (a query: autograd does not matter, so any
+plain dense tensor), and :func:`to_device` and :func:`to_device_many` here. (They
+are not all wrappers here: on the ``pin_memory``/``empty`` hot paths one more
+Python call would cost about 5% of a small call.)
 """
 
 from __future__ import annotations
@@ -37,7 +45,8 @@ import torch
 
 from pinxfer import _C as fast
 
-# The only place the package names the operator namespace.
+# The only place the package names the operator namespace (``fast`` is the only
+# name of the module pinxfer._C).
 _lib = torch.ops.pinxfer
 
 _len_dispatch_modes = torch._C._len_torch_dispatch_stack
@@ -133,34 +142,34 @@ def memory_stats(numa_node: int | None = None) -> collections.OrderedDict[str, i
         numa_node: one node's pool; None sums all pools (peaks then add up per
             pool, an upper bound of the process peak).
     """
-    names, values = _lib.memory_stats(numa_node)
+    names, values = fast.memory_stats(numa_node)
     return collections.OrderedDict(zip(names, values))
 
 
 def reset_peak_memory_stats() -> None:
     """Sets every ``.peak`` counter to its ``.current`` value."""
-    _lib.reset_peak_memory_stats()
+    fast.reset_peak_memory_stats()
 
 
 def reset_accumulated_memory_stats() -> None:
     """Zeroes the ``num_*`` counters and the timers."""
-    _lib.reset_accumulated_memory_stats()
+    fast.reset_accumulated_memory_stats()
 
 
 def empty_cache() -> int:
     """Returns every fully free cached segment to the OS; returns the bytes released.
     Blocks still in use, or waiting on CUDA events, are kept."""
-    return int(_lib.empty_cache())
+    return int(fast.empty_cache())
 
 
 def set_max_pinned_bytes(limit: int) -> None:
     """Hard cap on pinned bytes reserved by all pools, in bytes (0: no cap)."""
-    _lib.set_max_pinned_bytes(limit)
+    fast.set_max_pinned_bytes(limit)
 
 
 def get_max_pinned_bytes() -> int:
     """The cap in bytes (0: no cap)."""
-    return int(_lib.get_max_pinned_bytes())
+    return int(fast.get_max_pinned_bytes())
 
 
 def install() -> None:
@@ -181,17 +190,17 @@ def install() -> None:
     Raises:
         RuntimeError: this pinxfer was built without CUDA (no CUDA host allocator to replace).
     """
-    _lib.install()
+    fast.install()
 
 
 def uninstall() -> None:
     """Gives torch its own CUDA host allocator back."""
-    _lib.uninstall()
+    fast.uninstall()
 
 
 def is_installed() -> bool:
     """True while pinxfer's pool is torch's CUDA host allocator."""
-    return bool(_lib.is_installed())
+    return bool(fast.is_installed())
 
 
 class BuildInfo(NamedTuple):
@@ -202,7 +211,7 @@ class BuildInfo(NamedTuple):
 
 def build_info() -> BuildInfo:
     """What the extension was built with and whether CUDA is usable now."""
-    return BuildInfo(*_lib.build_info())
+    return BuildInfo(*fast.build_info())
 
 
 def page_nodes(tensor: torch.Tensor) -> list[int]:
@@ -212,13 +221,13 @@ def page_nodes(tensor: torch.Tensor) -> list[int]:
 
 def _set_debug_pause_us(us: int) -> None:
     """Test only: allocate and free sleep ``us`` microseconds between their critical sections."""
-    _lib._set_debug_pause_us(us)
+    fast._set_debug_pause_us(us)
 
 
 def _inject_host_register_failures(n: int) -> int:
     """Test only: the next ``n`` cudaHostRegister calls of segment mapping fail.
     Returns the injected failures still pending before the call."""
-    return int(_lib._inject_host_register_failures(n))
+    return int(fast._inject_host_register_failures(n))
 
 
 # True once torch's CUDA state is initialised, or once pinxfer knows it cannot use
@@ -265,18 +274,24 @@ def cuda_unavailable_reason() -> str | None:
 # ---- settings (kernels: csrc/ops/settings_ops.cpp) ----
 
 
-def settings() -> list[tuple[str, str, str]]:
-    """Every setting as read once from the environment or derived: (name, value, source),
-    source being "env", "derived" or "default". Raises ValueError if a variable is malformed."""
-    names, values, sources = _lib.settings()
-    return list(zip(names, values, sources))
+class Setting(NamedTuple):
+    name: str  # the environment variable
+    value: str  # the value in force, as doctor shows it
+    source: str  # "env", "derived" or "default"
+    doc: str  # one line: what it sets (csrc/runtime/settings.cpp's table)
+
+
+def settings() -> list[Setting]:
+    """Every row of the settings table as read once from the environment or derived, in
+    the table's order. Raises ValueError if a variable is malformed."""
+    return [Setting(*row) for row in fast.settings()]
 
 
 def copy_threads_for(
     affinity_cpus: int, online_cpus: int, quota_cpus: float, local_world_size: int
 ) -> tuple[int, str]:
     """Copy threads for a process with these CPUs, and the reasoning in one line."""
-    threads, why = _lib.copy_threads_for(
+    threads, why = fast.copy_threads_for(
         affinity_cpus, online_cpus, float(quota_cpus), local_world_size
     )
     return int(threads), str(why)
@@ -288,18 +303,18 @@ def _node_pool_plan(
     """TEST-ONLY: the thread pool of a NUMA node whose CPUs are ``node_cpus`` in a process
     allowed on ``affinity_cpus`` with a copy-thread budget of ``budget``: threads (counting
     the caller) and the CPUs its workers are bound to ([]: unbound)."""
-    threads, cpus = _lib._node_pool_plan(budget, node_cpus, affinity_cpus, budget_from_env)
+    threads, cpus = fast._node_pool_plan(budget, node_cpus, affinity_cpus, budget_from_env)
     return int(threads), list(cpus)
 
 
 def cgroup_quota_cpus(cgroup_root: str, proc_self_cgroup: str) -> float:
     """CPU quota in CPUs (0: none) of the cgroup named by /proc/self/cgroup's text."""
-    return float(_lib.cgroup_quota_cpus(cgroup_root, proc_self_cgroup))
+    return float(fast.cgroup_quota_cpus(cgroup_root, proc_self_cgroup))
 
 
 def cuda_unusable_reason() -> str | None:
     """C++'s reason CUDA is not usable in this process (None when it is)."""
-    return _lib.cuda_unusable_reason()
+    return fast.cuda_unusable_reason()
 
 
 # ---- pin_memory and in-place pinning (kernels: csrc/ops/cpu/) ----
@@ -352,14 +367,14 @@ def _inplace_lock_kind_fake(tensor: torch.Tensor) -> str | None:
 
 def sysfs_root() -> str:
     """The sysfs root C++ reads by default: ``PINXFER_SYSFS_ROOT``, else ``/sys``."""
-    return str(_lib.sysfs_root())
+    return str(fast.sysfs_root())
 
 
 def parse_byte_size(text: str) -> int:
     """'512MiB' -> 536870912: the one byte-size parser, C++'s (csrc/runtime/parse.h), so
     Python and PINXFER_MAX_PINNED_BYTES accept the same text. Units are binary; K/M/G/T and
     KB/MB/GB/TB mean the same. Raises ValueError naming the text and the accepted forms."""
-    return int(_lib.parse_byte_size(text))
+    return int(fast.parse_byte_size(text))
 
 
 def parse_cpulist(text: str) -> list[int]:
@@ -368,7 +383,7 @@ def parse_cpulist(text: str) -> list[int]:
     Raises:
         ValueError: the text is not such a list.
     """
-    return list(_lib.parse_cpulist(text))
+    return list(fast.parse_cpulist(text))
 
 
 def node_cpus(node: int, sysfs_root: str) -> list[int]:
@@ -377,32 +392,32 @@ def node_cpus(node: int, sysfs_root: str) -> list[int]:
     Raises:
         ValueError: the node's cpulist is malformed (the message names the file).
     """
-    return list(_lib.node_cpus(node, sysfs_root))
+    return list(fast.node_cpus(node, sysfs_root))
 
 
 def online_nodes(sysfs_root: str) -> list[int]:
     """NUMA nodes present under ``sysfs_root``; [] if none."""
-    return list(_lib.online_nodes(sysfs_root))
+    return list(fast.online_nodes(sysfs_root))
 
 
 def pci_numa_node(pci_bus_id: str, sysfs_root: str) -> int:
     """NUMA node of a PCI device (``"0000:1b:00.0"``) under ``sysfs_root``; -1 if unknown."""
-    return int(_lib.pci_numa_node(pci_bus_id, sysfs_root))
+    return int(fast.pci_numa_node(pci_bus_id, sysfs_root))
 
 
 def cuda_pci_bus_id(device: int) -> str:
     """PCI bus id CUDA reports for ``device``, without creating a context."""
-    return str(_lib.cuda_pci_bus_id(device))
+    return str(fast.cuda_pci_bus_id(device))
 
 
 def cuda_device_count() -> int:
     """CUDA devices this process can use (0 without CUDA, in a forked child, or when disabled)."""
-    return int(_lib.cuda_device_count())
+    return int(fast.cuda_device_count())
 
 
 def numa_node_for_device(device: int) -> int:
     """NUMA node pinxfer places memory on for CUDA ``device`` (PINXFER_NUMA_NODE, sysfs, or -1)."""
-    return int(_lib.numa_node_for_device(device))
+    return int(fast.numa_node_for_device(device))
 
 
 # ---- transfers (kernels: csrc/ops/cuda/to_device_cuda.cpp; CUDA builds only) ----
@@ -449,6 +464,18 @@ def _to_device_fake(
     cached_tail: int = -1,
 ) -> torch.Tensor:
     return torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
+
+
+def _cuda_build_function(name: str):
+    """The function ``name`` of pinxfer._C that CUDA builds alone have (transfers), or a
+    RuntimeError saying that this build has no CUDA."""
+    function = getattr(fast, name, None)
+    if function is None:
+        raise RuntimeError(
+            f"pinxfer.{name}: this pinxfer was built without CUDA, so it has no transfers. "
+            "Rebuild against a CUDA build of torch with a CUDA toolkit (README, Install)."
+        )
+    return function
 
 
 # Offsets of to_device_packed's buffer are rounded to this (kPackAlign in
@@ -517,7 +544,7 @@ def to_device_many(tensors: list[torch.Tensor], device: torch.device) -> list[to
 def copy_stream(device: torch.device) -> tuple[int, int, int]:
     """The stream pinxfer's H2D copies to ``device`` run on, packed as
     (stream_id, device_index, device_type)."""
-    stream_id, device_index, device_type = _lib.copy_stream(device)
+    stream_id, device_index, device_type = _cuda_build_function("copy_stream")(device)
     return int(stream_id), int(device_index), int(device_type)
 
 
@@ -526,7 +553,7 @@ def release_finished_sources(device: torch.device) -> None:
     finished (a pinned source is kept alive until its copy ran; the next transfer to the
     device drops it, or this call). Call it after waiting for the copies, before freeing
     pinned memory that must not outlive its owner (the slot ring does)."""
-    _lib.release_finished_sources(device)
+    _cuda_build_function("release_finished_sources")(device)
 
 
 def _chunk_plan(
@@ -534,4 +561,4 @@ def _chunk_plan(
 ) -> tuple[list[int], list[int], int, int, int]:
     """TEST-ONLY: how to_device would cut a transfer: chunk bounds, pieces as flattened
     (chunk, begin, end) triples, ring slots (0: one block), slot bytes, threads."""
-    return _lib._chunk_plan(nbytes, chunk_bytes, num_buffers, num_threads)
+    return fast._chunk_plan(nbytes, chunk_bytes, num_buffers, num_threads)

@@ -166,7 +166,7 @@ exception_check() {
 import torch, pinxfer
 caught = 0
 for probe in (lambda: torch.ops.pinxfer.empty([-1], torch.float32, None),
-              lambda: torch.ops.pinxfer.parse_cpulist('1-x')):
+              lambda: pinxfer._C.parse_cpulist('1-x')):
     try:
         probe()
     except (RuntimeError, ValueError) as e:

@@ -162,7 +162,7 @@ def test_cap_from_environment():
     ):  # checked in Python (pinxfer/_check.py)
         pinxfer.set_max_pinned_bytes(-5)
     with pytest.raises(RuntimeError, match=">= 0"):  # and by the operator
-        torch.ops.pinxfer.set_max_pinned_bytes(-5)
+        pinxfer._C.set_max_pinned_bytes(-5)
 
 
 # ---- parse_byte_size: the one byte-size parser (csrc/runtime/parse.cpp) ----
@@ -195,7 +195,7 @@ def test_cap_from_environment():
     ],
 )
 def test_parse_byte_size_accepted_forms(text, expected):
-    assert torch.ops.pinxfer.parse_byte_size(text) == expected
+    assert pinxfer._C.parse_byte_size(text) == expected
 
 
 @pytest.mark.parametrize(
@@ -221,7 +221,7 @@ def test_parse_byte_size_accepted_forms(text, expected):
 )
 def test_parse_byte_size_rejects_with_value_error(text, needle):
     with pytest.raises(ValueError, match=re.escape(needle)) as info:
-        torch.ops.pinxfer.parse_byte_size(text)
+        pinxfer._C.parse_byte_size(text)
     msg = str(info.value)
     assert needle in msg, msg
     if "cannot read" in needle or "unknown unit" in needle:  # the message says what it accepts
@@ -473,7 +473,7 @@ _STORM = textwrap.dedent("""
     import random, sys, threading, time, torch, pinxfer
     torch.set_num_threads(1)
     pause_us, seconds, nthreads = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3])
-    torch.ops.pinxfer._set_debug_pause_us(pause_us)
+    pinxfer._C._set_debug_pause_us(pause_us)
     errors, counts = [], [0] * nthreads
     stop = time.monotonic() + seconds
 

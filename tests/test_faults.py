@@ -31,7 +31,7 @@ from .conftest import DROP_CAP_IPC_LOCK, HAS_CUDA
 
 MiB = 1 << 20
 KiB = 1 << 10
-ops = torch.ops.pinxfer
+native = pinxfer._C
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -190,13 +190,13 @@ def test_memlock_limit_6m_locks_what_fits():
 
 def test_inject_host_register_failures_op_contract():
     """The test-only op: sets the count, returns what was pending, refuses n < 0."""
-    assert ops._inject_host_register_failures(0) == 0
-    assert ops._inject_host_register_failures(3) == 0
-    assert ops._inject_host_register_failures(5) == 3
-    assert ops._inject_host_register_failures(0) == 5
+    assert native._inject_host_register_failures(0) == 0
+    assert native._inject_host_register_failures(3) == 0
+    assert native._inject_host_register_failures(5) == 3
+    assert native._inject_host_register_failures(0) == 5
     with pytest.raises(RuntimeError, match=">= 0"):
-        ops._inject_host_register_failures(-1)
-    assert ops._inject_host_register_failures(0) == 0
+        native._inject_host_register_failures(-1)
+    assert native._inject_host_register_failures(0) == 0
 
 
 def test_injected_register_failures_untouched_where_cuda_is_not_used():
@@ -206,14 +206,14 @@ def test_injected_register_failures_untouched_where_cuda_is_not_used():
     out = run_child(
         """
         import json, warnings, torch, pinxfer
-        ops = torch.ops.pinxfer
-        ops._inject_host_register_failures(3)
+        native = pinxfer._C
+        native._inject_host_register_failures(3)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             a = pinxfer.empty(4 << 20, dtype=torch.uint8)
             b = pinxfer.empty(100, dtype=torch.uint8)
         print(json.dumps(dict(kinds=[pinxfer.lock_kind(a), pinxfer.lock_kind(b)],
-                              left=ops._inject_host_register_failures(0),
+                              left=native._inject_host_register_failures(0),
                               warnings=[str(w.message) for w in caught],
                               cuda_init=torch.cuda.is_initialized())))
     """,
@@ -239,7 +239,7 @@ def test_gpu_register_failure_falls_back_to_mlock():
     from the GPU, stats add up, and empty_cache() returns everything."""
     out = run_child("""
         import json, resource, warnings, torch, pinxfer
-        ops = torch.ops.pinxfer
+        native = pinxfer._C
         soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
         try:  # as much mlock room as this process may have
             resource.setrlimit(resource.RLIMIT_MEMLOCK, (hard, hard))
@@ -256,7 +256,7 @@ def test_gpu_register_failure_falls_back_to_mlock():
         assert torch.equal(warm.to("cuda").cpu(), warm)
         torch.cuda.synchronize()
         base = vmlck()
-        assert ops._inject_host_register_failures(2) == 0
+        assert native._inject_host_register_failures(2) == 0
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             a = pinxfer.empty(4 << 20, dtype=torch.uint8)   # new large segment: injected failure
@@ -264,7 +264,7 @@ def test_gpu_register_failure_falls_back_to_mlock():
             c = pinxfer.empty(6 << 20, dtype=torch.uint8)   # new large segment: registered
             src = torch.arange(1 << 20, dtype=torch.int32)
             d = pinxfer.pin_memory(src)                     # new segment: registered
-        left = ops._inject_host_register_failures(0)
+        left = native._inject_host_register_failures(0)
         kinds = [pinxfer.lock_kind(t) for t in (a, b, c, d)]
         a.copy_(torch.randint(0, 256, (4 << 20,), dtype=torch.uint8))
         b.fill_(7)

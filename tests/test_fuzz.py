@@ -822,7 +822,7 @@ def _settings_in_child(env: dict[str, str]) -> dict:
         """
         r = attempt(lambda: pinxfer.empty(4))
         try:
-            r["settings"] = {name: value for name, value, _ in pinxfer._ops.settings()}
+            r["settings"] = {name: value for name, value, *_ in pinxfer._ops.settings()}
         except Exception as err:
             r.update(ok=False, type=type(err).__name__, message=str(err))
         r["cap"] = pinxfer.get_max_pinned_bytes() if r["ok"] else None

@@ -17,12 +17,11 @@ import textwrap
 from pathlib import Path
 
 import pytest
-import torch
 
 import pinxfer
 from pinxfer import _ops
 
-ops = torch.ops.pinxfer
+native = pinxfer._C
 REPO = str(Path(__file__).resolve().parent.parent)
 MiB = 1 << 20
 PINXFER_VARS = [
@@ -34,6 +33,7 @@ PINXFER_VARS = [
     "PINXFER_SPIN_US",
     "PINXFER_STAGE_COPY",
     "PINXFER_CACHED_TAIL",
+    "LOCAL_WORLD_SIZE",  # torchrun's, read by the same table
 ]
 
 
@@ -73,7 +73,7 @@ def run_fresh(code: str, **env: str) -> subprocess.CompletedProcess:
     ],
 )
 def test_copy_threads_follow_the_process_cpus(affinity, online, quota, ranks, expected):
-    threads, why = ops.copy_threads_for(affinity, online, quota, ranks)
+    threads, why = native.copy_threads_for(affinity, online, quota, ranks)
     assert threads == expected, why
     assert f"{threads} copy threads" in why
     if quota and quota < affinity:
@@ -84,7 +84,7 @@ def test_copy_threads_follow_the_process_cpus(affinity, online, quota, ranks, ex
 
 def test_copy_threads_reject_nonsense():
     with pytest.raises(ValueError, match="expected affinity_cpus"):
-        ops.copy_threads_for(0, 4, 0.0, 1)
+        native.copy_threads_for(0, 4, 0.0, 1)
 
 
 # ---- one copy-thread budget per process, split among the NUMA nodes' pools ----
@@ -188,13 +188,15 @@ def test_cgroup_v2_quota_is_the_smallest_on_the_path(tmp_path):
             "/kubepods/pod1/ctr": "max 100000",
         },
     )
-    assert ops.cgroup_quota_cpus(str(tmp_path), self_cgroup) == pytest.approx(2.5)
+    assert native.cgroup_quota_cpus(str(tmp_path), self_cgroup) == pytest.approx(2.5)
 
 
 def test_cgroup_v2_without_quota_or_files_is_zero(tmp_path):
-    assert ops.cgroup_quota_cpus(str(tmp_path), _cgroup_v2(tmp_path, "/", {"/": "max 100000"})) == 0
-    assert ops.cgroup_quota_cpus(str(tmp_path / "missing"), "0::/a/b\n") == 0
-    assert ops.cgroup_quota_cpus(str(tmp_path), "garbage\n") == 0
+    assert (
+        native.cgroup_quota_cpus(str(tmp_path), _cgroup_v2(tmp_path, "/", {"/": "max 100000"})) == 0
+    )
+    assert native.cgroup_quota_cpus(str(tmp_path / "missing"), "0::/a/b\n") == 0
+    assert native.cgroup_quota_cpus(str(tmp_path), "garbage\n") == 0
 
 
 def test_cgroup_v1_cpu_controller(tmp_path):
@@ -203,9 +205,9 @@ def test_cgroup_v1_cpu_controller(tmp_path):
     (d / "cpu.cfs_quota_us").write_text("300000\n")
     (d / "cpu.cfs_period_us").write_text("100000\n")
     self_cgroup = "12:memory:/docker/abc\n4:cpu,cpuacct:/docker/abc\n"
-    assert ops.cgroup_quota_cpus(str(tmp_path), self_cgroup) == pytest.approx(3.0)
+    assert native.cgroup_quota_cpus(str(tmp_path), self_cgroup) == pytest.approx(3.0)
     (d / "cpu.cfs_quota_us").write_text("-1\n")  # v1's "no quota"
-    assert ops.cgroup_quota_cpus(str(tmp_path), self_cgroup) == 0
+    assert native.cgroup_quota_cpus(str(tmp_path), self_cgroup) == 0
 
 
 # ---- the settings object ----
@@ -215,7 +217,7 @@ def test_settings_list_every_variable_with_its_source():
     out = run_fresh(
         """
         import torch, pinxfer
-        names, values, sources = torch.ops.pinxfer.settings()
+        names, values, sources, _docs = zip(*pinxfer._C.settings())
         for n, v, s in zip(names, values, sources):
             print(n, "|", v, "|", s)
     """,
@@ -238,7 +240,7 @@ def test_spin_is_adaptive_unless_set():
     awake; set, it is exact."""
     out = run_fresh("""
         import torch, pinxfer
-        names, values, sources = torch.ops.pinxfer.settings()
+        names, values, sources, _docs = zip(*pinxfer._C.settings())
         row = dict(zip(names, zip(values, sources)))["PINXFER_SPIN_US"]
         print("ROW", row[0], "|", row[1])
     """)
@@ -253,11 +255,11 @@ def test_settings_are_read_once():
     out = run_fresh(
         """
         import os, torch, pinxfer
-        first = torch.ops.pinxfer.settings()
+        first = pinxfer._C.settings()
         os.environ["PINXFER_SPIN_US"] = "999"
         os.environ["PINXFER_STAGE_COPY"] = "bogus"
-        assert torch.ops.pinxfer.settings() == first
-        assert torch.ops.pinxfer.get_max_pinned_bytes() == 3 << 20
+        assert pinxfer._C.settings() == first
+        assert pinxfer._C.get_max_pinned_bytes() == 3 << 20
         print("ok")
     """,
         PINXFER_MAX_PINNED_BYTES="3MiB",
@@ -268,14 +270,14 @@ def test_settings_are_read_once():
 def test_derived_threads_follow_local_world_size_and_affinity():
     code = """
         import os, torch, pinxfer
-        names, values, _ = torch.ops.pinxfer.settings()
+        names, values, _, _ = zip(*pinxfer._C.settings())
         print(dict(zip(names, values))["PINXFER_NUM_THREADS"])
     """
     alone = run_fresh(code)
     shared = run_fresh(code, LOCAL_WORLD_SIZE="2")
     assert alone.returncode == 0 and shared.returncode == 0, alone.stderr + shared.stderr
     cpus = len(os.sched_getaffinity(0))
-    expected_alone, _ = ops.copy_threads_for(cpus, os.cpu_count(), 0.0, 1)
+    expected_alone, _ = native.copy_threads_for(cpus, os.cpu_count(), 0.0, 1)
     assert alone.stdout.startswith(f"{expected_alone} (")
     if cpus >= os.cpu_count() and cpus >= 2:
         assert "LOCAL_WORLD_SIZE=2" in shared.stdout
@@ -309,7 +311,7 @@ def test_malformed_variable_is_a_clear_error_at_every_call(name, value, expected
         import torch, pinxfer
         for _ in range(2):
             try:
-                torch.ops.pinxfer.settings()
+                pinxfer._C.settings()
             except ValueError as e:
                 print("ERROR", e)
             else:
@@ -330,13 +332,13 @@ def test_cuda_unusable_reason_is_one_answer():
     out = run_fresh(
         """
         import torch, pinxfer
-        print(torch.ops.pinxfer.cuda_unusable_reason())
+        print(pinxfer._C.cuda_unusable_reason())
     """,
         PINXFER_DISABLE_CUDA="1",
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "PINXFER_DISABLE_CUDA=1 is set"
-    reason = ops.cuda_unusable_reason()
+    reason = native.cuda_unusable_reason()
     assert (reason is None) == pinxfer.build_info().cuda_usable
 
 
@@ -363,7 +365,7 @@ def test_cuda_unusable_reason_is_one_answer():
 )
 @pytest.mark.parametrize("threads", [1, 3, 12])
 def test_chunk_plan_covers_every_byte_once(nbytes, chunk_bytes, num_buffers, threads):
-    bounds, flat, ring, slot_bytes, used_threads = ops._chunk_plan(
+    bounds, flat, ring, slot_bytes, used_threads = native._chunk_plan(
         nbytes, chunk_bytes, num_buffers, threads
     )
     assert bounds[0] == 0 and bounds[-1] == nbytes
@@ -391,7 +393,7 @@ def test_chunk_plan_covers_every_byte_once(nbytes, chunk_bytes, num_buffers, thr
 
 
 def test_chunk_plan_ramps_up_and_down():
-    bounds, *_ = ops._chunk_plan(1 << 30, 16 * MiB, 4, 12)
+    bounds, *_ = native._chunk_plan(1 << 30, 16 * MiB, 4, 12)
     sizes = [b - a for a, b in itertools.pairwise(bounds)]
     assert sizes[0] == sizes[-1] == 256 << 10
     assert max(sizes) == 16 * MiB
@@ -400,7 +402,7 @@ def test_chunk_plan_ramps_up_and_down():
 
 def test_chunk_plan_rejects_bad_arguments():
     with pytest.raises(ValueError, match="chunk_bytes >= 4096"):
-        ops._chunk_plan(MiB, 1000, 4, 1)
+        native._chunk_plan(MiB, 1000, 4, 1)
 
 
 # ---- idle copy threads ----

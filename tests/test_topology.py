@@ -22,7 +22,7 @@ from pinxfer.topology import GpuTopology, parse_cpulist
 
 from .conftest import requires_cuda
 
-ops = torch.ops.pinxfer
+native = pinxfer._C
 
 
 def make_tree(
@@ -77,7 +77,7 @@ def reference_cpulist(text: str) -> list[int]:
 )
 def test_parse_cpulist(text, expected):
     assert parse_cpulist(text) == expected
-    assert list(ops.parse_cpulist(text)) == expected
+    assert list(native.parse_cpulist(text)) == expected
 
 
 def test_parse_cpulist_matches_reference_on_random_lists():
@@ -114,15 +114,15 @@ def test_two_nodes_gpus_on_different_nodes(tmp_path):
         GpuTopology(1, "0000:9a:00.0", 1, tuple(range(8, 16)) + tuple(range(24, 32))),
     ]
     # The C++ paths placement uses give the same answers.
-    assert list(ops.online_nodes(root)) == [0, 1]
-    assert ops.pci_numa_node("0000:9a:00.0", root) == 1
-    assert list(ops.node_cpus(1, root)) == list(topo[1].cpus)
+    assert list(native.online_nodes(root)) == [0, 1]
+    assert native.pci_numa_node("0000:9a:00.0", root) == 1
+    assert list(native.node_cpus(1, root)) == list(topo[1].cpus)
 
 
 def test_cuda_style_bus_ids_resolve(tmp_path):
     # CUDA reports an 8-digit domain and upper-case hex; sysfs uses 4 digits, lower case.
     root = make_tree(tmp_path, {0: "0-3", 1: "4-7"}, {"0000:9a:00.0": "1"})
-    assert ops.pci_numa_node("00000000:9A:00.0", root) == 1
+    assert native.pci_numa_node("00000000:9A:00.0", root) == 1
     assert pinxfer.topology(root, pci_bus_ids=["00000000:9A:00.0"])[0].numa_node == 1
 
 
@@ -144,15 +144,15 @@ def test_numa_node_minus_one_means_no_binding(tmp_path):
     root = make_tree(tmp_path, {0: "0-15"}, {"0000:1b:00.0": "-1"})
     (g,) = pinxfer.topology(root, pci_bus_ids=["0000:1b:00.0"])
     assert g.numa_node == -1 and g.cpus == ()
-    assert ops.pci_numa_node("0000:1b:00.0", root) == -1
-    assert list(ops.node_cpus(-1, root)) == []
+    assert native.pci_numa_node("0000:1b:00.0", root) == -1
+    assert list(native.node_cpus(-1, root)) == []
 
 
 def test_missing_files(tmp_path):
     root = make_tree(tmp_path, {0: "0-3", 1: None}, {"0000:1b:00.0": None, "0000:2b:00.0": "1"})
     # numa_node file missing, device missing entirely: unknown.
-    assert ops.pci_numa_node("0000:1b:00.0", root) == -1
-    assert ops.pci_numa_node("0000:ff:00.0", root) == -1
+    assert native.pci_numa_node("0000:1b:00.0", root) == -1
+    assert native.pci_numa_node("0000:ff:00.0", root) == -1
     # Node present but its cpulist missing: no CPUs (threads are left unbound).
     assert pinxfer.numa_nodes(root) == {0: [0, 1, 2, 3], 1: []}
     topo = pinxfer.topology(root, pci_bus_ids=["0000:1b:00.0", "0000:2b:00.0"])
@@ -161,12 +161,12 @@ def test_missing_files(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
     assert pinxfer.numa_nodes(str(empty)) == {}
-    assert list(ops.node_cpus(0, str(empty))) == []
+    assert list(native.node_cpus(0, str(empty))) == []
 
 
 def test_malformed_numa_node_reads_unknown(tmp_path):
     root = make_tree(tmp_path, {0: "0-3"}, {"0000:1b:00.0": "banana"})
-    assert ops.pci_numa_node("0000:1b:00.0", root) == -1
+    assert native.pci_numa_node("0000:1b:00.0", root) == -1
 
 
 def test_malformed_cpulist_names_the_file(tmp_path):
@@ -176,7 +176,7 @@ def test_malformed_cpulist_names_the_file(tmp_path):
     with pytest.raises(ValueError, match=r"malformed CPU list '4-x'"):
         pinxfer.topology(root, pci_bus_ids=["0000:1b:00.0"])
     with pytest.raises(ValueError, match="malformed CPU list"):
-        ops.node_cpus(1, root)
+        native.node_cpus(1, root)
 
 
 def test_env_sysfs_root_is_the_cpp_default(tmp_path):
@@ -184,8 +184,8 @@ def test_env_sysfs_root_is_the_cpp_default(tmp_path):
     # checked in a fresh process.
     root = make_tree(tmp_path, {0: "0-1", 5: "2-3"})
     code = (
-        "import torch, pinxfer; ops = torch.ops.pinxfer; "
-        "print(repr(ops.sysfs_root()), pinxfer.numa_nodes())"
+        "import torch, pinxfer; native = pinxfer._C; "
+        "print(repr(native.sysfs_root()), pinxfer.numa_nodes())"
     )
     repo = str(Path(__file__).resolve().parent.parent)
     env = {k: v for k, v in os.environ.items() if k != "PINXFER_SYSFS_ROOT"}
@@ -216,7 +216,7 @@ def test_real_machine_has_node0_with_our_cpus():
 
 def test_topology_lists_visible_gpus():
     topo = pinxfer.topology()
-    assert len(topo) == int(ops.cuda_device_count())
+    assert len(topo) == int(native.cuda_device_count())
     if not pinxfer.build_info().cuda_usable:
         assert topo == []
 
@@ -329,6 +329,6 @@ def test_topology_matches_torch_bus_ids():
         assert int(domain, 16) == props.pci_domain_id
         assert int(bus, 16) == props.pci_bus_id
         assert int(dev_fn.split(".")[0], 16) == props.pci_device_id
-        assert g.numa_node == ops.pci_numa_node(g.pci_bus_id, "/sys")
+        assert g.numa_node == native.pci_numa_node(g.pci_bus_id, "/sys")
         if g.numa_node >= 0:
-            assert list(g.cpus) == list(ops.node_cpus(g.numa_node, "/sys"))
+            assert list(g.cpus) == list(native.node_cpus(g.numa_node, "/sys"))

@@ -1,7 +1,8 @@
 // Kernels shared by two callers: the operators (registered with TORCH_LIBRARY_IMPL
-// at the bottom of the file that defines each kernel) and the eager fast calls
-// of csrc/python/fast_calls.cpp, which reach the same code without the
-// dispatcher's per-call Python cost. Same behaviour, same errors, either way.
+// at the bottom of the file that defines each kernel) and the module pinxfer._C
+// (csrc/python/): its eager fast calls reach the same code without the
+// dispatcher's per-call Python cost (same behaviour, same errors, either way), and
+// its functions that take no tensor (copy_stream_of, ...) are not operators at all.
 #pragma once
 
 #include <optional>
@@ -68,6 +69,13 @@ at::Tensor send_to_device(const at::Tensor& self, c10::Device device,
 // The op's staging arguments, checked (ranges, the staging mode's name).
 transfer::StagingOptions staging_options(int64_t chunk_bytes, int64_t num_buffers,
                                          c10::string_view staging, int64_t cached_tail);
+
+// The stream pinxfer's H2D copies to `device` run on, packed as torch.Stream packs
+// itself: (stream_id, device_index, device_type). csrc/ops/cuda/to_device_cuda.cpp
+std::vector<int64_t> copy_stream_of(c10::Device device);
+// Drops the references pinxfer keeps to pinned sources whose copies to `device`
+// have finished (transfer/cuda/source_use.h). csrc/ops/cuda/to_device_cuda.cpp
+void release_finished_sources_of(c10::Device device);
 #endif
 
 }  // namespace pinxfer::ops

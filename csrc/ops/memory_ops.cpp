@@ -1,4 +1,6 @@
-// Kernels for the pool's operators (schemas in csrc/module.cpp).
+// Kernels for the pool's operators (schemas in csrc/module.cpp). The pool's
+// functions that take no tensor (stats, cap, install, ...) are pinxfer._C's:
+// csrc/python/memory_bindings.cpp.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -76,65 +78,10 @@ std::string lock_kind(const at::Tensor& self) {
   return lock_kind_name(pool->lock_kind_of(ctx));
 }
 
-std::tuple<std::vector<std::string>, std::vector<int64_t>> memory_stats(
-    std::optional<int64_t> numa_node) {
-  std::vector<std::string> names;
-  std::vector<int64_t> values;
-  std::vector<PinnedPool*> pools;
-  if (numa_node.has_value()) {
-    pools.push_back(&pool_for_node(resolve_numa_node(numa_node, "pinxfer.memory_stats")));
-  } else {
-    pools = all_pools();
-  }
-  // An empty process still reports every key, with zeros.
-  if (pools.empty()) pools.push_back(&pool_for_node(-1));
-  // Peaks of different pools happened at different times; their sum is an
-  // upper bound of the process peak, documented in memory_stats().
-  PoolStats sum;
-  for (PinnedPool* pool : pools) sum += pool->stats();
-  for (const auto& [name, value] : sum.items()) {
-    names.emplace_back(name);
-    values.push_back(value);
-  }
-  return {names, values};
-}
-
-void reset_peak_memory_stats() {
-  for (PinnedPool* p : all_pools()) p->reset_peak_stats();
-}
-void reset_accumulated_memory_stats() {
-  for (PinnedPool* p : all_pools()) p->reset_accumulated_stats();
-}
-int64_t empty_cache() {
-  release_orphaned_pins();
-  release_graph_memory();  // released CUDA graph pools first (memory/pool_registry.h)
-  int64_t bytes = 0;
-  for (PinnedPool* p : all_pools()) bytes += static_cast<int64_t>(p->release_cached());
-  return bytes;
-}
-void set_max_pinned_bytes_op(int64_t bytes) { set_max_pinned_bytes(bytes); }
-int64_t get_max_pinned_bytes_op() { return max_pinned_bytes(); }
-void set_debug_pause_us_op(int64_t us) { set_debug_pause_us(us); }
-void install_op() {
-  TORCH_CHECK(install_host_allocator(true),
-              "pinxfer.install(): this pinxfer was built without CUDA, so there is no CUDA host "
-              "allocator to replace. Rebuild against a CUDA build of torch with a CUDA toolkit.");
-}
-void uninstall_op() { install_host_allocator(false); }
-bool is_installed_op() { return host_allocator_installed(); }
-
-std::tuple<bool, std::string, bool> build_info() {
-  return {cuda::built_with_cuda(), cuda::built_cuda_version(), cuda::cuda_usable()};
-}
-
 std::vector<int64_t> page_nodes_op(const at::Tensor& self) {
   TORCH_CHECK(self.is_cpu(), "pinxfer.page_nodes: expected a CPU tensor, got ", self.device());
   const auto nodes = page_nodes(self.data_ptr(), self.nbytes());
   return std::vector<int64_t>(nodes.begin(), nodes.end());
-}
-
-int64_t inject_host_register_failures_op(int64_t n) {
-  return cuda::inject_host_register_failures(n);
 }
 
 }  // namespace
@@ -162,21 +109,7 @@ TORCH_LIBRARY_IMPL(pinxfer, Negative, m) {
   m.impl("page_nodes", torch::CppFunction::makeFallthrough());
 }
 
-// Operators without tensor arguments dispatch to their composite kernel.
-TORCH_LIBRARY_IMPL(pinxfer, CompositeExplicitAutograd, m) {
-  m.impl("empty", &pool_empty);
-  m.impl("memory_stats", &memory_stats);
-  m.impl("reset_peak_memory_stats", &reset_peak_memory_stats);
-  m.impl("reset_accumulated_memory_stats", &reset_accumulated_memory_stats);
-  m.impl("empty_cache", &empty_cache);
-  m.impl("set_max_pinned_bytes", &set_max_pinned_bytes_op);
-  m.impl("get_max_pinned_bytes", &get_max_pinned_bytes_op);
-  m.impl("install", &install_op);
-  m.impl("uninstall", &uninstall_op);
-  m.impl("is_installed", &is_installed_op);
-  m.impl("build_info", &build_info);
-  m.impl("_set_debug_pause_us", &set_debug_pause_us_op);
-  m.impl("_inject_host_register_failures", &inject_host_register_failures_op);
-}
+// empty takes no tensor argument, so it dispatches to its composite kernel.
+TORCH_LIBRARY_IMPL(pinxfer, CompositeExplicitAutograd, m) { m.impl("empty", &pool_empty); }
 
 }  // namespace pinxfer::ops

@@ -1,6 +1,7 @@
 // The Python module pinxfer._C: importing it loads this library, whose static
 // initialisers run the TORCH_LIBRARY registrations (csrc/module.cpp and the
-// TORCH_LIBRARY_IMPL blocks in csrc/ops/).
+// TORCH_LIBRARY_IMPL blocks in csrc/ops/). Its functions that take no tensor
+// (stats, settings, topology, test hooks) are bound by csrc/python/*_bindings.cpp.
 //
 // It also carries the eager fast calls: the small-call hot paths (pin_memory of
 // one tensor or a batch of leaves, empty), reaching the same kernels as the
@@ -22,6 +23,7 @@
 #include <vector>
 
 #include "ops/kernels.h"
+#include "python/bindings.h"
 #include "python/call_breakdown.h"
 
 // What this library was built against, from setup.py's defines (a build that did not
@@ -78,7 +80,8 @@ at::Tensor empty_fast(const std::vector<int64_t>& size, at::ScalarType dtype,
 }  // namespace pinxfer::ops
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "pinxfer's operators (torch.ops.pinxfer) and eager fast calls; see pinxfer/_ops.py";
+  m.doc() = "pinxfer's native module: eager fast calls into the operators' kernels, and the "
+            "functions that take no tensor; see pinxfer/_ops.py";
   // The torch (torch.__version__) and its CUDA (torch.version.cuda, "none" for a CPU build)
   // this library was compiled against; pinxfer/__init__.py compares them with the running
   // torch (first from the file's build stamp above, before loading; then these, after).
@@ -104,6 +107,11 @@ PYBIND11_MODULE(_C, m) {
         "to_device_many(tensors, device): CPU tensors packed into one copy; views of the "
         "device buffer");
 #endif
+  // The functions that take no tensor (csrc/python/bindings.h).
+  pinxfer::python::bind_memory(m);
+  pinxfer::python::bind_settings(m);
+  pinxfer::python::bind_topology(m);
+  pinxfer::python::bind_transfer(m);
   m.def("_call_breakdown", &pinxfer::diag::call_breakdown,
         "_call_breakdown(iterations): ns per piece of a small call (diagnostics, not an API)");
 }

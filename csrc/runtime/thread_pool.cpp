@@ -14,6 +14,7 @@
 
 #include "runtime/fork.h"
 #include "runtime/settings.h"
+#include "runtime/thread_budget.h"
 #include "runtime/topology.h"
 
 #if defined(__x86_64__)
@@ -265,7 +266,7 @@ ThreadPool& thread_pool_for_node(int numa_node) {
   std::vector<int> cpus;
   if (numa_node >= 0) cpus = node_cpus(numa_node, sysfs_root());
   // The node's share of the process's one budget, on the node's CPUs that the
-  // process may use (node_pool_plan() in runtime/settings.h says why).
+  // process may use (node_pool_plan() in runtime/thread_budget.h says why).
   const Settings& s = settings();
   const NodePoolPlan plan =
       node_pool_plan(default_num_threads(), cpus, s.cpus.affinity_ids, s.copy_threads_from_env);

@@ -90,7 +90,7 @@ class ThreadPool {
 
 // The process's budget of threads for host copies, shared by all its node
 // pools: PINXFER_NUM_THREADS, else derived from the process's CPUs, cgroup
-// quota and ranks on the host (copy_threads_for() in runtime/settings.h).
+// quota and ranks on the host (copy_threads_for() in runtime/thread_budget.h).
 int default_num_threads();
 
 // How long an idle worker spins before sleeping: PINXFER_SPIN_US, else 100.
@@ -100,7 +100,7 @@ bool default_spin_adaptive();
 
 // The process-wide pool for a NUMA node (-1: unbound). Built on first use with
 // the node's share of default_num_threads(), its workers bound to the node's
-// CPUs in the process's affinity mask (node_pool_plan() in runtime/settings.h;
+// CPUs in the process's affinity mask (node_pool_plan() in runtime/thread_budget.h;
 // unbound when the node has none). Never destroyed (safe at interpreter exit);
 // rebuilt in a forked child.
 ThreadPool& thread_pool_for_node(int numa_node);

@@ -1,10 +1,35 @@
 #include "transfer/stage_copy.h"
 
+#include <c10/util/Exception.h>
+
 #include <cstring>
+#include <iterator>
+
+#include "runtime/settings.h"
 
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
+
+namespace pinxfer {
+
+static_assert(std::size(kStagingModeNames) == 3, "one name per StagingMode, in its order");
+
+StagingMode parse_staging_mode(const std::string& text, const char* what) {
+  for (size_t i = 0; i < std::size(kStagingModeNames); ++i) {
+    if (text == kStagingModeNames[i]) return static_cast<StagingMode>(i);
+  }
+  TORCH_CHECK_VALUE(false, what,
+                    ": expected 'auto', 'nt' (nontemporal stores) or 'movsb' "
+                    "(cached stores), got '",
+                    text, "'. Leave it 'auto' to let pinxfer choose per chunk.");
+}
+
+const char* staging_mode_name(StagingMode mode) {
+  return kStagingModeNames[static_cast<size_t>(mode)];
+}
+
+}  // namespace pinxfer
 
 namespace pinxfer::transfer {
 
@@ -12,9 +37,12 @@ namespace {
 constexpr size_t kStreamingCachedMinBytes = size_t{32} << 20;
 
 // The mode after the environment override: the argument wins unless it is
-// "auto", in which case PINXFER_STAGE_COPY (if set) decides.
+// "auto", in which case PINXFER_STAGE_COPY (checked by the settings) decides.
 StagingMode effective_mode(StagingMode mode) {
-  return mode == StagingMode::kAuto ? settings().staging : mode;
+  if (mode != StagingMode::kAuto) return mode;
+  static const StagingMode from_env =
+      parse_staging_mode(settings().stage_copy, "PINXFER_STAGE_COPY");
+  return from_env;
 }
 }  // namespace
 

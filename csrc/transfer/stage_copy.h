@@ -21,8 +21,23 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <string>
 
-#include "runtime/settings.h"
+namespace pinxfer {
+
+// How pageable bytes are copied into pinned staging memory: an op argument
+// ("staging"), which PINXFER_STAGE_COPY overrides when the argument is "auto".
+// The names are runtime/settings.h's kStagingModeNames, in this order.
+enum class StagingMode {
+  kAuto,         // "auto": per chunk, cached stores, nontemporal for the transfer's tail
+  kNontemporal,  // "nt": every chunk nontemporal
+  kCached,       // "movsb": every chunk with cached stores
+};
+// "auto", "nt", "movsb" -> mode; throws c10::ValueError naming `what` otherwise.
+StagingMode parse_staging_mode(const std::string& text, const char* what);
+const char* staging_mode_name(StagingMode mode);
+
+}  // namespace pinxfer
 
 namespace pinxfer::transfer {
 

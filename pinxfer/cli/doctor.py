@@ -23,7 +23,9 @@ JSON (``pinxfer doctor --json FILE``)::
      "memlock": {"soft": int | null, "hard": int | null},   # null: unlimited
      "thp": {"enabled": str | null, "defrag": str | null},
      "hugepages": {"total": int | null, "free": int | null, "size_bytes": int | null},
-     "settings": {"env": {NAME: str | null}, "max_pinned_bytes": int,
+     "settings": {"env": {NAME: str | null},        # every variable of the settings table
+                  "values": {NAME: {"value": str, "source": str, "doc": str}},
+                  "max_pinned_bytes": int,
                   "build_info": {"with_cuda": bool, "cuda_version": str, "cuda_usable": bool},
                   "installed": bool},
      "warnings": [{"code": str, "message": str}]}
@@ -50,10 +52,10 @@ from pinxfer.topology import node_cpus, resolve_sysfs_root
 
 
 def pinxfer_settings() -> dict[str, dict[str, str]]:
-    """The settings object of csrc/runtime/settings.h: {name: {"value", "source"}}. Raises
-    ValueError, naming the variable and what it expects, when one is malformed (every
-    pinxfer call would, so doctor says that first)."""
-    return {n: {"value": v, "source": s} for n, v, s in _ops.settings()}
+    """The settings table of csrc/runtime/settings.cpp as read by this process:
+    {name: {"value", "source", "doc"}}. Raises ValueError, naming the variable and what it
+    expects, when one is malformed (every pinxfer call would, so doctor says that first)."""
+    return {s.name: {"value": s.value, "source": s.source, "doc": s.doc} for s in _ops.settings()}
 
 
 def env_vars() -> tuple[str, ...]:
@@ -644,7 +646,7 @@ def render(report: dict[str, Any]) -> str:
         f"  torch host allocator installed: {st['installed']}",
     ]
     for name, setting in st["values"].items():
-        lines.append(f"  {name} = {setting['value']} ({setting['source']})")
+        lines.append(f"  {name} = {setting['value']} ({setting['source']}): {setting['doc']}")
     lines.append("")
     if report["warnings"]:
         lines.append(f"warnings ({len(report['warnings'])}):")

@@ -33,6 +33,7 @@
 #include "memory/pool_registry.h"
 #include "ops/kernels.h"
 #include "runtime/settings.h"
+#include "runtime/thread_budget.h"
 #include "runtime/thread_pool.h"
 
 namespace pinxfer::ops {

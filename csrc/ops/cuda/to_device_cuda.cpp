@@ -1,6 +1,7 @@
 // Host -> device transfer ops: to_device (one tensor), to_device_packed (many
-// small tensors, one packed copy) and copy_stream. Schemas in csrc/module.cpp,
-// section "transfers"; Python in pinxfer/transfer.py. These functions only
+// small tensors, one packed copy); and copy_stream / release_finished_sources,
+// which pinxfer._C exposes (csrc/python/transfer_bindings.cpp). Schemas in
+// csrc/module.cpp, section "transfers"; Python in pinxfer/transfer.py. These functions only
 // check and adapt tensors; streams, staging and the pipeline are the transfer
 // layer's (csrc/transfer/, see its headers for the stream and staging rules).
 #include <c10/cuda/CUDAFunctions.h>
@@ -12,7 +13,6 @@
 #include "ops/kernels.h"
 #include "runtime/checked_size.h"
 #include "runtime/cuda_runtime.h"
-#include "runtime/settings.h"
 #include "transfer/cuda/copy_streams.h"
 #include "transfer/cuda/pipeline.h"
 #include "transfer/cuda/source_use.h"
@@ -137,18 +137,18 @@ at::Tensor to_device_packed(at::TensorList tensors, c10::Device device) {
   return pack_to_device(tensors, device, /*want_views=*/false).packed;
 }
 
-std::vector<int64_t> copy_stream_op(c10::Device device) {
+}  // namespace
+
+std::vector<int64_t> copy_stream_of(c10::Device device) {
   check_cuda_usable("copy_stream");
   const c10::Stream s = copy_stream_for(resolve_device(device, "copy_stream")).unwrap();
   return {s.id(), static_cast<int64_t>(s.device_index()), static_cast<int64_t>(s.device_type())};
 }
 
-void release_finished_sources_op(c10::Device device) {
+void release_finished_sources_of(c10::Device device) {
   check_cuda_usable("release_finished_sources");
   transfer::release_finished_sources(resolve_device(device, "release_finished_sources"));
 }
-
-}  // namespace
 
 PackedOnDevice pack_to_device(at::TensorList tensors, c10::Device device, bool want_views) {
   check_cuda_usable("to_device_packed");
@@ -199,11 +199,6 @@ PackedOnDevice pack_to_device(at::TensorList tensors, c10::Device device, bool w
 TORCH_LIBRARY_IMPL(pinxfer, CPU, m) {
   m.impl("to_device", &to_device);
   m.impl("to_device_packed", &to_device_packed);
-}
-
-TORCH_LIBRARY_IMPL(pinxfer, CompositeExplicitAutograd, m) {
-  m.impl("copy_stream", &copy_stream_op);
-  m.impl("release_finished_sources", &release_finished_sources_op);
 }
 
 }  // namespace pinxfer::ops

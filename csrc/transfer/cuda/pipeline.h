@@ -29,8 +29,8 @@
 
 #include <vector>
 
-#include "runtime/settings.h"
 #include "transfer/chunk_plan.h"
+#include "transfer/stage_copy.h"
 
 namespace pinxfer::transfer {
 

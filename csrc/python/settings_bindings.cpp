@@ -1,0 +1,93 @@
+// pinxfer._C's settings functions (csrc/python/bindings.h): what the process read
+// from its environment and derived from its CPUs, for `pinxfer doctor`, and the
+// derivations themselves for tests (they take their inputs as arguments, so fake
+// cgroup trees and CPU counts can be checked).
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "python/bindings.h"
+#include "runtime/cpu_resources.h"
+#include "runtime/cuda_runtime.h"
+#include "runtime/settings.h"
+#include "runtime/thread_budget.h"
+
+namespace pinxfer::python {
+
+namespace {
+
+// One (name, value, source, doc) per row of the settings table, in its order.
+std::vector<std::tuple<std::string, std::string, std::string, std::string>> settings_rows() {
+  std::vector<std::tuple<std::string, std::string, std::string, std::string>> rows;
+  for (const auto& item : settings().items) {
+    rows.emplace_back(item.name, item.value, item.source, item.doc);
+  }
+  return rows;
+}
+
+std::tuple<int64_t, std::string> copy_threads(int64_t affinity_cpus, int64_t online_cpus,
+                                              double quota_cpus, int64_t local_world_size) {
+  constexpr int64_t kMost = int64_t{1} << 20;
+  TORCH_CHECK_VALUE(affinity_cpus >= 1 && online_cpus >= 1 && local_world_size >= 1 &&
+                        affinity_cpus < kMost && online_cpus < kMost && local_world_size < kMost,
+                    "pinxfer.copy_threads_for: expected affinity_cpus, online_cpus and "
+                    "local_world_size from 1 to 2**20, got ",
+                    affinity_cpus, ", ", online_cpus, ", ", local_world_size);
+  CpuResources cpus;
+  cpus.affinity_cpus = static_cast<int>(affinity_cpus);
+  cpus.online_cpus = static_cast<int>(online_cpus);
+  cpus.quota_cpus = quota_cpus;
+  cpus.local_world_size = static_cast<int>(local_world_size);
+  std::string why;
+  const int threads = copy_threads_for(cpus, &why);
+  return {threads, why};
+}
+
+std::tuple<int64_t, std::vector<int64_t>> node_pool(int64_t budget,
+                                                    const std::vector<int64_t>& node_cpus,
+                                                    const std::vector<int64_t>& affinity_cpus,
+                                                    bool budget_from_env) {
+  constexpr int64_t kMaxId = int64_t{1} << 20;
+  TORCH_CHECK_VALUE(budget >= 1 && budget < kMaxId,
+                    "pinxfer._node_pool_plan: expected 1 <= budget < 2**20, got ", budget);
+  auto ids = [](const std::vector<int64_t>& cpus) {
+    std::vector<int> out;
+    for (int64_t cpu : cpus) {
+      TORCH_CHECK_VALUE(cpu >= 0 && cpu < kMaxId,
+                        "pinxfer._node_pool_plan: expected CPU ids in [0, 2**20), got ", cpu);
+      out.push_back(static_cast<int>(cpu));
+    }
+    return out;
+  };
+  const NodePoolPlan plan = node_pool_plan(static_cast<int>(budget), ids(node_cpus),
+                                           ids(affinity_cpus), budget_from_env);
+  return {plan.threads, std::vector<int64_t>(plan.cpus.begin(), plan.cpus.end())};
+}
+
+std::optional<std::string> unusable_reason() {
+  std::string reason = cuda::cuda_unusable_reason();
+  if (reason.empty()) return std::nullopt;
+  return reason;
+}
+
+}  // namespace
+
+void bind_settings(pybind11::module_& m) {
+  using torch::wrap_pybind_function_no_gil;
+  m.def("settings", wrap_pybind_function_no_gil(&settings_rows),
+        "every row of the settings table as read once: (name, value, source, doc), source "
+        "being 'env', 'derived' or 'default'; raises ValueError if a variable is malformed");
+  m.def("copy_threads_for", wrap_pybind_function_no_gil(&copy_threads),
+        "copy_threads_for(affinity_cpus, online_cpus, quota_cpus, local_world_size) -> "
+        "(threads, why): the copy threads of a process with these CPUs");
+  m.def("_node_pool_plan", wrap_pybind_function_no_gil(&node_pool),
+        "TEST-ONLY: _node_pool_plan(budget, node_cpus, affinity_cpus, budget_from_env) -> "
+        "(threads counting the caller, CPUs its workers are bound to; []: unbound)");
+  m.def("cgroup_quota_cpus", wrap_pybind_function_no_gil(&cgroup_quota_cpus),
+        "cgroup_quota_cpus(cgroup_root, proc_self_cgroup) -> CPUs of quota (0: none)");
+  m.def("cuda_unusable_reason", wrap_pybind_function_no_gil(&unusable_reason),
+        "why CUDA is not usable in this process, None when it is");
+}
+
+}  // namespace pinxfer::python

@@ -1,0 +1,55 @@
+// pinxfer._C's transfer functions (csrc/python/bindings.h): the chunk plan (pure
+// arithmetic of csrc/transfer/chunk_plan.h, so that CPU tests can check every
+// plan's invariants without a GPU), and in CUDA builds the copy stream and the
+// release of finished pinned sources (kernels in csrc/ops/cuda/to_device_cuda.cpp).
+#include <tuple>
+#include <vector>
+
+#include "ops/kernels.h"
+#include "python/bindings.h"
+#include "transfer/chunk_plan.h"
+
+namespace pinxfer::python {
+
+namespace {
+
+std::tuple<std::vector<int64_t>, std::vector<int64_t>, int64_t, int64_t, int64_t> chunk_plan(
+    int64_t nbytes, int64_t chunk_bytes, int64_t num_buffers, int64_t num_threads) {
+  TORCH_CHECK_VALUE(nbytes >= 0 && chunk_bytes >= 4096 && num_buffers >= 1 && num_threads >= 1,
+                    "pinxfer._chunk_plan: expected nbytes >= 0, chunk_bytes >= 4096, "
+                    "num_buffers >= 1, num_threads >= 1; got ",
+                    nbytes, ", ", chunk_bytes, ", ", num_buffers, ", ", num_threads);
+  const transfer::ChunkPlan plan =
+      transfer::plan_chunks(static_cast<size_t>(nbytes), static_cast<size_t>(chunk_bytes),
+                            static_cast<size_t>(num_buffers), static_cast<size_t>(num_threads));
+  std::vector<int64_t> bounds(plan.bounds.begin(), plan.bounds.end());
+  // Pieces flattened as (chunk, begin, end) triples.
+  std::vector<int64_t> pieces;
+  for (const auto& p : plan.pieces) {
+    pieces.insert(pieces.end(), {static_cast<int64_t>(p.chunk), static_cast<int64_t>(p.begin),
+                                 static_cast<int64_t>(p.end)});
+  }
+  return {bounds, pieces, static_cast<int64_t>(plan.ring), static_cast<int64_t>(plan.slot_bytes),
+          static_cast<int64_t>(plan.threads)};
+}
+
+}  // namespace
+
+void bind_transfer(pybind11::module_& m) {
+  using torch::wrap_pybind_function_no_gil;
+  m.def("_chunk_plan", wrap_pybind_function_no_gil(&chunk_plan),
+        "TEST-ONLY: _chunk_plan(nbytes, chunk_bytes, num_buffers, num_threads) -> (chunk "
+        "bounds, pieces as (chunk, begin, end) triples, ring slots (0: one block), slot bytes, "
+        "threads): how to_device would cut a transfer");
+#if PINXFER_WITH_CUDA
+  m.def("copy_stream", wrap_pybind_function_no_gil(&ops::copy_stream_of),
+        "copy_stream(device) -> (stream_id, device_index, device_type): the stream pinxfer's "
+        "H2D copies to the device run on");
+  m.def("release_finished_sources", wrap_pybind_function_no_gil(&ops::release_finished_sources_of),
+        "release_finished_sources(device): drops pinxfer's references to pinned sources whose "
+        "copies to the device have finished (an owner about to free pinned memory calls it "
+        "after waiting for its copies)");
+#endif
+}
+
+}  // namespace pinxfer::python

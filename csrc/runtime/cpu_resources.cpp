@@ -1,0 +1,107 @@
+#include "runtime/cpu_resources.h"
+
+#include <sched.h>
+#include <unistd.h>
+
+#include <sstream>
+#include <stdexcept>
+
+#include "runtime/topology.h"
+
+namespace pinxfer {
+
+namespace {
+
+// Quota of one cgroup directory in CPUs; 0 when unlimited or unreadable.
+double quota_of_dir(const std::string& dir, bool v2) {
+  std::string text;
+  if (v2) {
+    if (!read_kernel_file(dir + "/cpu.max", &text)) return 0;
+    std::istringstream in(text);
+    std::string quota;
+    double period = 0;
+    in >> quota >> period;
+    if (quota == "max" || period <= 0) return 0;
+    try {
+      return std::stod(quota) / period;
+    } catch (const std::exception&) {
+      return 0;
+    }
+  }
+  std::string period_text;
+  if (!read_kernel_file(dir + "/cpu.cfs_quota_us", &text) ||
+      !read_kernel_file(dir + "/cpu.cfs_period_us", &period_text)) {
+    return 0;
+  }
+  try {
+    const double quota = std::stod(text), period = std::stod(period_text);
+    return (quota > 0 && period > 0) ? quota / period : 0;
+  } catch (const std::exception&) {
+    return 0;
+  }
+}
+
+// The smallest quota of `path` and its ancestors under `mount` (in a container
+// the path is often "/").
+double min_quota_up(const std::string& mount, std::string path, bool v2) {
+  double best = 0;
+  while (true) {
+    const double q = quota_of_dir(mount + (path == "/" ? "" : path), v2);
+    if (q > 0 && (best == 0 || q < best)) best = q;
+    if (path.empty() || path == "/") break;
+    const size_t slash = path.find_last_of('/');
+    path = slash == 0 || slash == std::string::npos ? "/" : path.substr(0, slash);
+  }
+  return best;
+}
+
+}  // namespace
+
+double cgroup_quota_cpus(const std::string& cgroup_root, const std::string& proc_self_cgroup) {
+  std::istringstream lines(proc_self_cgroup);
+  std::string line;
+  double best = 0;
+  while (std::getline(lines, line)) {
+    // "hierarchy-id:controllers:path"; v2's line is "0::/path".
+    const size_t a = line.find(':'), b = line.find(':', a + 1);
+    if (a == std::string::npos || b == std::string::npos) continue;
+    const std::string controllers = line.substr(a + 1, b - a - 1), path = line.substr(b + 1);
+    double q = 0;
+    if (controllers.empty()) {
+      q = min_quota_up(cgroup_root, path, /*v2=*/true);
+    } else {
+      std::istringstream names(controllers);
+      std::string name;
+      bool has_cpu = false;
+      while (std::getline(names, name, ',')) has_cpu = has_cpu || name == "cpu";
+      if (!has_cpu) continue;
+      q = min_quota_up(cgroup_root + "/" + controllers, path, /*v2=*/false);
+      if (q == 0) q = min_quota_up(cgroup_root + "/cpu", path, /*v2=*/false);
+    }
+    if (q > 0 && (best == 0 || q < best)) best = q;
+  }
+  return best;
+}
+
+CpuResources current_cpu_resources(int local_world_size) {
+  CpuResources r;
+  const long online = sysconf(_SC_NPROCESSORS_ONLN);
+  r.online_cpus = online > 0 ? static_cast<int>(online) : 1;
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) {
+    r.affinity_cpus = CPU_COUNT(&set);
+    for (int cpu = 0; cpu < CPU_SETSIZE; ++cpu) {
+      if (CPU_ISSET(cpu, &set)) r.affinity_ids.push_back(cpu);
+    }
+  } else {
+    r.affinity_cpus = r.online_cpus;  // affinity_ids stays empty: unknown
+  }
+  std::string self;
+  if (read_kernel_file("/proc/self/cgroup", &self)) {
+    r.quota_cpus = cgroup_quota_cpus("/sys/fs/cgroup", self);
+  }
+  r.local_world_size = local_world_size > 1 ? local_world_size : 1;
+  return r;
+}
+
+}  // namespace pinxfer
