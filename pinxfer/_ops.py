@@ -478,9 +478,9 @@ def _cuda_build_function(name: str):
     return function
 
 
-# Offsets of to_device_packed's buffer are rounded to this (kPackAlign in
-# csrc/ops/cuda/to_device_cuda.cpp).
-_PACK_ALIGN = 256
+# Offsets of to_device_packed's buffer are rounded to this: C++'s kPackAlign
+# (csrc/ops/kernels.h), the one place it is written.
+_PACK_ALIGN = int(fast.pack_align)
 
 
 # The eager call (CUDA builds only).

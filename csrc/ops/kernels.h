@@ -18,6 +18,11 @@
 
 namespace pinxfer::ops {
 
+// Offsets inside to_device_packed's buffer are multiples of this: enough for every
+// dtype's alignment and for vectorised kernels reading the views. pinxfer._C exports
+// it as pack_align (pinxfer/_ops.py's pack_offsets computes the same offsets).
+constexpr size_t kPackAlign = 256;
+
 // A CPU tensor over `data` (pool memory of `nbytes` bytes) with these sizes and
 // strides, built directly as at::detail::empty_generic does (no dispatcher
 // call). The storage is not resizable: its bytes belong to a pool block.

@@ -88,6 +88,7 @@ PYBIND11_MODULE(_C, m) {
   m.attr("built_with_torch") = PINXFER_TORCH_VERSION_STR;
   m.attr("built_with_torch_cuda") = PINXFER_TORCH_CUDA_VERSION_STR;
   m.attr("build_stamp") = pinxfer_build_stamp;
+  m.attr("pack_align") = pinxfer::ops::kPackAlign;
   m.def("pin_memory", torch::wrap_pybind_function_no_gil(&pinxfer::ops::pin_or_self),
         "pin_memory(tensor, numa_node, num_threads, ask_torch): the tensor itself if already "
         "pinned, else a pinned copy (dense CPU tensors)");

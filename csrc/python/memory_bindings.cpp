@@ -98,8 +98,9 @@ void bind_memory(pybind11::module_& m) {
   // TEST-ONLY fault injection, not an API: the next n cudaHostRegister calls of the pool's
   // segment mapping fail (as cudaErrorMemoryAllocation), so tests can check the documented
   // fallback (mlock, one warning).
-  m.def("_inject_host_register_failures",
-        wrap_pybind_function_no_gil([](int64_t n) { return cuda::inject_host_register_failures(n); }),
+  m.def("_inject_host_register_failures", wrap_pybind_function_no_gil([](int64_t n) {
+          return cuda::inject_host_register_failures(n);
+        }),
         "TEST-ONLY: the next n segment registrations fail; returns those pending before");
 }
 

@@ -60,8 +60,8 @@ std::tuple<int64_t, std::vector<int64_t>> node_pool(int64_t budget,
     }
     return out;
   };
-  const NodePoolPlan plan = node_pool_plan(static_cast<int>(budget), ids(node_cpus),
-                                           ids(affinity_cpus), budget_from_env);
+  const NodePoolPlan plan =
+      node_pool_plan(static_cast<int>(budget), ids(node_cpus), ids(affinity_cpus), budget_from_env);
   return {plan.threads, std::vector<int64_t>(plan.cpus.begin(), plan.cpus.end())};
 }
 

@@ -23,8 +23,8 @@ std::vector<int64_t> cpus_of_node(int64_t node, const std::string& root) {
     return widen(node_cpus(static_cast<int>(node), root));
   } catch (const c10::ValueError& e) {
     // Name the file: the text alone does not say which node's list is broken.
-    TORCH_CHECK_VALUE(false, e.what_without_backtrace(), " (in ", root,
-                      "/devices/system/node/node", node, "/cpulist)");
+    TORCH_CHECK_VALUE(false, e.what_without_backtrace(), " (in ", root, "/devices/system/node/node",
+                      node, "/cpulist)");
   }
 }
 
@@ -41,9 +41,9 @@ void bind_topology(pybind11::module_& m) {
   using torch::wrap_pybind_function_no_gil;
   m.def("sysfs_root", wrap_pybind_function_no_gil([] { return sysfs_root(); }),
         "the sysfs root C++ reads by default: PINXFER_SYSFS_ROOT, else /sys");
-  m.def("parse_cpulist",
-        wrap_pybind_function_no_gil(
-            [](const std::string& text) { return widen(parse_cpulist(text)); }),
+  m.def("parse_cpulist", wrap_pybind_function_no_gil([](const std::string& text) {
+          return widen(parse_cpulist(text));
+        }),
         "CPU ids of a kernel CPU list such as '0-3,8'; raises ValueError when malformed");
   m.def("parse_byte_size",
         wrap_pybind_function_no_gil([](const std::string& text) { return parse_byte_size(text); }),
@@ -51,9 +51,9 @@ void bind_topology(pybind11::module_& m) {
   m.def("node_cpus", wrap_pybind_function_no_gil(&cpus_of_node),
         "node_cpus(node, sysfs_root): CPUs of a NUMA node; [] if the node or its cpulist is "
         "missing");
-  m.def("online_nodes",
-        wrap_pybind_function_no_gil(
-            [](const std::string& root) { return widen(online_nodes(root)); }),
+  m.def("online_nodes", wrap_pybind_function_no_gil([](const std::string& root) {
+          return widen(online_nodes(root));
+        }),
         "online_nodes(sysfs_root): NUMA nodes present; [] if none");
   m.def("pci_numa_node",
         wrap_pybind_function_no_gil([](const std::string& bus_id, const std::string& root) {

@@ -23,10 +23,6 @@ namespace {
 
 using transfer::copy_stream_for;
 
-// Offsets inside to_device_packed's buffer: enough for every dtype's alignment
-// and for vectorised kernels reading the views (pinxfer/_ops.py: _PACK_ALIGN).
-constexpr size_t kPackAlign = 256;
-
 void check_cuda_usable(const char* op) {
   TORCH_CHECK(cuda::cuda_usable(), "pinxfer.", op, ": expected a usable CUDA device, but ",
               cuda::cuda_unusable_reason(),
