@@ -42,6 +42,7 @@ from hypothesis import strategies as st
 
 import pinxfer
 from pinxfer import _check
+from tests import fresh
 
 from .conftest import MLOCK_IS_REAL, SANITIZER, vm_locked_kib
 
@@ -141,16 +142,20 @@ def run_child(
     Fails the test (not the run) when the child hangs past ``timeout``, dies of a
     signal or exits non-zero."""
     full_env = dict(os.environ, **(env or {}))
+    source = _CHILD_PRELUDE + textwrap.dedent(code)
     try:
-        proc = subprocess.run(
-            [sys.executable, "-c", _CHILD_PRELUDE + textwrap.dedent(code)],
-            env=full_env,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            cwd=str(REPO),
-            preexec_fn=preexec,
-        )
+        if preexec is None:
+            proc = fresh.run(source, env=full_env, cwd=str(REPO), timeout=timeout)
+        else:  # a function to run before exec: only a child of this process can
+            proc = subprocess.run(
+                [sys.executable, "-c", source],
+                env=full_env,
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+                cwd=str(REPO),
+                preexec_fn=preexec,
+            )
     except subprocess.TimeoutExpired as hung:
         pytest.fail(
             f"the child hung for {timeout} s; stderr tail: {(hung.stderr or b'')[-2000:]!r}"

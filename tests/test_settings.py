@@ -12,7 +12,6 @@ from __future__ import annotations
 import itertools
 import os
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import pytest
 
 import pinxfer
 from pinxfer import _ops
+from tests import fresh
 
 native = pinxfer._C
 REPO = str(Path(__file__).resolve().parent.parent)
@@ -43,13 +43,7 @@ def run_fresh(code: str, **env: str) -> subprocess.CompletedProcess:
         for k, v in os.environ.items()
         if not k.startswith("PINXFER_") and k != "LOCAL_WORLD_SIZE"
     }
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        env={**base, **env},
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-    )
+    return fresh.run(textwrap.dedent(code), env={**base, **env}, cwd=REPO)
 
 
 # ---- copy threads from what the process has ----
