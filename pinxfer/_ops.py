@@ -84,7 +84,7 @@ def plain_dense_cpu(t: torch.Tensor) -> bool:
     return type(t) is _TENSOR and t.is_cpu and not t.requires_grad and dense_layout(t)
 
 
-# ---- the pinned pool (kernels: csrc/ops/memory_ops.cpp) ----
+# ---- the pinned pool (ops: csrc/ops/memory_ops.cpp; the rest: python/memory_bindings.cpp) ----
 
 
 def empty(size: list[int], dtype: torch.dtype, numa_node: int | None = None) -> torch.Tensor:
@@ -271,7 +271,7 @@ def cuda_unavailable_reason() -> str | None:
     return reason
 
 
-# ---- settings (kernels: csrc/ops/settings_ops.cpp) ----
+# ---- settings (pinxfer._C: csrc/python/settings_bindings.cpp) ----
 
 
 class Setting(NamedTuple):
@@ -362,7 +362,7 @@ def _inplace_lock_kind_fake(tensor: torch.Tensor) -> str | None:
     return None
 
 
-# ---- topology (kernels: csrc/ops/topology_ops.cpp) ----
+# ---- topology (pinxfer._C: csrc/python/topology_bindings.cpp) ----
 
 
 def sysfs_root() -> str:
@@ -420,7 +420,8 @@ def numa_node_for_device(device: int) -> int:
     return int(fast.numa_node_for_device(device))
 
 
-# ---- transfers (kernels: csrc/ops/cuda/to_device_cuda.cpp; CUDA builds only) ----
+# ---- transfers (ops: csrc/ops/cuda/to_device_cuda.cpp, CUDA builds only;
+#      copy_stream, release_finished_sources, _chunk_plan: csrc/python/transfer_bindings.cpp) ----
 
 
 def to_device(
