@@ -83,7 +83,7 @@ double cgroup_quota_cpus(const std::string& cgroup_root, const std::string& proc
   return best;
 }
 
-CpuResources current_cpu_resources(int local_world_size) {
+CpuResources current_cpu_resources() {
   CpuResources r;
   const long online = sysconf(_SC_NPROCESSORS_ONLN);
   r.online_cpus = online > 0 ? static_cast<int>(online) : 1;
@@ -100,7 +100,6 @@ CpuResources current_cpu_resources(int local_world_size) {
   if (read_kernel_file("/proc/self/cgroup", &self)) {
     r.quota_cpus = cgroup_quota_cpus("/sys/fs/cgroup", self);
   }
-  r.local_world_size = local_world_size > 1 ? local_world_size : 1;
   return r;
 }
 

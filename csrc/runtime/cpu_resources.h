@@ -26,8 +26,8 @@ struct CpuResources {
 // quota limits its children too. 0 when there is none or it cannot be read.
 double cgroup_quota_cpus(const std::string& cgroup_root, const std::string& proc_self_cgroup);
 
-// This process's CpuResources, read from the kernel. `local_world_size` is
-// torchrun's LOCAL_WORLD_SIZE as the settings read it (1 when unset).
-CpuResources current_cpu_resources(int local_world_size);
+// This process's CpuResources as the kernel reports them. local_world_size is left
+// at 1: it is torchrun's LOCAL_WORLD_SIZE, which the settings table reads.
+CpuResources current_cpu_resources();
 
 }  // namespace pinxfer

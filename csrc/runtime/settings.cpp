@@ -45,7 +45,7 @@ int64_t env_bytes(const char* name, const std::string& value, const char* exampl
 // One variable. `parse` reads its text into the settings and returns the value
 // doctor shows; `unset` fills in what applies without it and returns the same.
 // Rows run in table order, so a row may use what an earlier row set (the sysfs
-// root, the CPU resources).
+// root, LOCAL_WORLD_SIZE in the CPU resources).
 struct Row {
   const char* name;
   const char* doc;
@@ -96,20 +96,18 @@ const Row kRows[] = {
     {"LOCAL_WORLD_SIZE", "torchrun's ranks on this host: they share its CPUs",
      [](const char*, const std::string& text, Settings& s) {
        // torchrun's variable: not ours to reject; a value we cannot read means 1.
-       s.local_world_size = std::max(1, std::atoi(text.c_str()));
-       return std::to_string(s.local_world_size);
+       s.cpus.local_world_size = std::max(1, std::atoi(text.c_str()));
+       return std::to_string(s.cpus.local_world_size);
      },
      [](Settings&) { return std::string("1"); }, "default"},
 
     {"PINXFER_NUM_THREADS", "copy threads of the process, split among NUMA nodes",
      [](const char* name, const std::string& text, Settings& s) {
-       s.cpus = current_cpu_resources(s.local_world_size);
        s.copy_threads = static_cast<int>(env_int(name, text, 1, max_copy_threads(s.cpus)));
        s.copy_threads_from_env = true;
        return std::to_string(s.copy_threads);
      },
      [](Settings& s) {
-       s.cpus = current_cpu_resources(s.local_world_size);
        std::string why;
        s.copy_threads = copy_threads_for(s.cpus, &why);
        return std::to_string(s.copy_threads) + " (" + why + ")";
@@ -149,6 +147,7 @@ const Row kRows[] = {
 
 Settings read_settings() {
   Settings s;
+  s.cpus = current_cpu_resources();  // the kernel's answers; the rows add LOCAL_WORLD_SIZE
   for (const Row& row : kRows) {
     const char* raw = std::getenv(row.name);  // each variable read once, here
     const bool set = raw != nullptr && *raw != '\0';
