@@ -11,9 +11,9 @@
 #
 # Steps (run in this order whatever the order given; default: all):
 #   sweep     to_device/prefetch settings swept by benchmarks/sweep_to_device.py
-#   test      smoke check, then the README's test command with plain pytest (no xdist: a crash
-#             fails the step loudly, with faulthandler's stacks), "PYTEST EXIT n"; then the
-#             soak-marked tests (-m soak), "SOAK EXIT n"
+#   test      smoke check, then the README's test command (pytest -n auto; TEST_SERIAL=1: one
+#             by one in this process, so a crash stops the run with faulthandler's stacks),
+#             "PYTEST EXIT n"; then the soak-marked tests (-m soak), "SOAK EXIT n"
 #   stress    scripts/stress_gpu.py (tests/stress/) --mode both (plain, then pinxfer.install())
 #   memcheck  compute-sanitizer memcheck over tests/test_transfer_gpu.py and
 #             tests/test_allocator_gpu.py; error count in logs/memcheck.txt
@@ -222,11 +222,16 @@ for where in ('before CUDA use', 'after CUDA use'):
 " 2>&1 | tail -8
   rc=${PIPESTATUS[0]}
   record smoke "$(status_of "$rc")"
-  # Plain pytest in this process: a crash ends the run and fails the step (xdist
-  # would replace the crashed worker and go on, hiding it).
-  python3 -X faulthandler -m pytest -q -rs $xdist_off -p no:cacheprovider --junitxml "$LOGS/junit.xml" \
+  # The README's test command (-n auto: one xdist worker per CPU; a test that crashes its
+  # worker is reported as failed and fails the step). TEST_SERIAL=1: one by one in this
+  # process, where a crash ends the run with faulthandler's stacks.
+  parallel="-n auto"
+  [ -z "$xdist_off" ] && parallel=""  # no pytest-xdist here: one by one
+  [ "${TEST_SERIAL:-0}" = 1 ] && parallel=$xdist_off
+  python3 -X faulthandler -m pytest -q -rfEs $parallel -p no:cacheprovider --junitxml "$LOGS/junit.xml" \
     ${kexpr:+-k "$kexpr"} ${PYTEST_M:+-m "$PYTEST_M"} tests > /tmp/pinxfer_pytest.log 2>&1
   rc=$?
+  grep -E "crashed while running|node down" /tmp/pinxfer_pytest.log | head -5
   if [ "$rc" -gt 128 ] && grep -q "Fatal Python error" /tmp/pinxfer_pytest.log; then
     grep -B8 -A60 -m1 "Fatal Python error" /tmp/pinxfer_pytest.log | head -80  # the crash
   else

@@ -409,8 +409,13 @@ def test_other_layouts_behave_as_torch_pin_memory(name):
     assert ours[0] == theirs[0], (ours, theirs)
     if ours[0] == "raised":
         assert type(ours[1]) is type(theirs[1])
-        # Without CUDA torch talks of drivers; pinxfer says which tensor needed what.
-        assert str(theirs[1]) in str(ours[1]) and "needs a usable CUDA device" in str(ours[1])
+        if HAS_CUDA:
+            # torch refused for a reason of its own (a quantized tensor cannot be pinned at
+            # all): its error, unchanged.
+            assert str(ours[1]) == str(theirs[1])
+        else:
+            # Without CUDA torch talks of drivers; pinxfer says which tensor needed what.
+            assert str(theirs[1]) in str(ours[1]) and "needs a usable CUDA device" in str(ours[1])
         # Inside a batch: the same type, with the path added.
         with pytest.raises(type(theirs[1]), match=r"cannot pin batch\['x'\]"):
             pinxfer.pin_memory({"x": t, "y": torch.randn(3)})

@@ -179,13 +179,24 @@ def shm_files():
     return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
 
 
+def _new_shm_files(before: set) -> list:
+    return [f for f in shm_files() - before if f.startswith(("torch_", "pinxfer", "psm_"))]
+
+
 @pytest.fixture(autouse=True)
 def _no_leaks():
     gc.collect()
     before = shm_files()
     yield
     gc.collect()
-    left = [f for f in shm_files() - before if f.startswith(("torch_", "pinxfer", "psm_"))]
+    left = _new_shm_files(before)
+    # /dev/shm is the machine's, not this process's: under pytest-xdist another worker's
+    # DataLoader has files there for the moment of a hand-over (torch unlinks them as soon
+    # as the receiver has opened them). A leak stays; a hand-over is gone within a second.
+    deadline = time.monotonic() + 2.0
+    while left and time.monotonic() < deadline:
+        time.sleep(0.05)
+        left = _new_shm_files(before)
     assert not left, f"shared memory left behind: {left}"
     assert not memfds(), "a slot ring's memfd is still open"
 
@@ -645,14 +656,21 @@ def test_gpu_slots_to_device_every_byte():
 
 @pytest.mark.gpu
 def test_gpu_slots_are_the_default_for_a_worker_loader():
-    loader = DataLoader(Nested(n=32), batch_size=4, num_workers=2, multiprocessing_context="fork")
+    loader = DataLoader(Nested(n=64), batch_size=4, num_workers=2, multiprocessing_context="fork")
     want = list(loader)
     with pinxfer.prefetch(loader) as pf:
         assert pf.slots is not None
         got = [map_tensors(b, lambda t: t.cpu()) for b in pf]
         st = pf.slots.stats()
     assert st["slot_batches"] + sum(st["fallbacks"].values()) == len(want)
-    assert st["slot_batches"] >= len(want) - 4  # the first batches size the ring
+    # The first batch sizes the ring. Before it does, the loader has dispatched
+    # num_workers * prefetch_factor batches, and one more inside the next() that returns
+    # the first: a loaded machine collates all of them before the ring is sized (seen under
+    # pytest-xdist on the H100: 5 of 8). No other reason is possible with the default count.
+    sizing_bound = loader.num_workers * loader.prefetch_factor + 1
+    assert all(reason == "sizing" for reason, n in st["fallbacks"].items() if n), st["fallbacks"]
+    assert st["fallbacks"].get("sizing", 0) <= sizing_bound, st["fallbacks"]
+    assert st["slot_batches"] >= len(want) - sizing_bound
     for g, w in zip(got, want):
         assert_same(g, w)
     with pinxfer.prefetch(loader, slots=False) as pf:  # the opt-out
