@@ -77,7 +77,13 @@ from pinxfer import _check
 from pinxfer._batch import tensors_in
 from pinxfer._check import DeviceLike
 from pinxfer._ops import cuda_unavailable_reason
-from pinxfer.transfer import DEFAULT_CHUNK_BYTES, DEFAULT_NUM_BUFFERS, profiler_range, to_device
+from pinxfer.transfer import (
+    DEFAULT_CHUNK_BYTES,
+    DEFAULT_NUM_BUFFERS,
+    SMALL_TENSOR_BYTES,
+    profiler_range,
+    to_device,
+)
 
 if TYPE_CHECKING:
     from pinxfer.slots import SlotSource
@@ -164,22 +170,210 @@ class _StagedPass:
             close()
 
 
-# ---- the road: one producer thread per pass ----
+# ---- the roads: the consumer's own thread, or one producer thread per pass ----
+#
+# Two roads carry leases to the consumer; both fetch, send and hand over a batch with the
+# same three functions below, so a batch is treated alike on either.
+#
+# * The caller's road (_CallerPass): the consumer's next() hands out the batch sent at the
+#   previous step and sends the one after it, in the consumer's thread, on the pass's own
+#   stream. The copy still overlaps the consumer's work on the batch it was given; what the
+#   road saves is every thread hand-off: a producer thread that wakes per batch, a queue,
+#   and the GIL passed back and forth while the consumer synchronizes (H100: a 4 KiB batch
+#   took 111-175 us per step through the thread against 17-24 us for a plain loop of
+#   .to(), benchmarks/bench_loop.py). It is the road for small batches, whose sending costs
+#   the consumer less than a hand-off (a few to a few tens of microseconds).
+# * The thread's road (_Pass): a producer thread sends up to ``depth`` batches ahead. It is
+#   the road for large batches, whose host-side staging takes long enough that the
+#   consumer should not wait for it, and for CPU passes and a caller's ``transfer``.
+#
+# producer="auto" (the default) starts on the caller's road, sends the first batch there
+# and moves the rest of the pass to a thread when that batch holds more than
+# CALLER_SENDS_BYTES of tensors; producer="caller" / "thread" choose one road.
+
+#: The largest first batch (bytes of its tensors) for which producer="auto" keeps a pass on
+#: the caller's road: batches whose tensors to_device packs into one staging block and sends
+#: with one copy (transfer.SMALL_TENSOR_BYTES, the packing limit), so sending one costs the
+#: consumer about one small call.
+CALLER_SENDS_BYTES = SMALL_TENSOR_BYTES
+
+PRODUCERS = ("auto", "caller", "thread")
+
+
+def _refuse_under_capture(device: torch.device | None) -> None:
+    if device is not None and torch.cuda.is_current_stream_capturing():
+        # The batch's event was recorded outside the capture: a captured
+        # wait on it would not order a replay after the next transfer.
+        raise RuntimeError(
+            "pinxfer.prefetch: the next batch was requested while the current CUDA stream "
+            "is capturing a graph; a batch cannot be fetched inside a capture (a replay "
+            "would not fetch again). Take the batch before capture or replay and copy it "
+            "into the graph's static inputs: `for b in pinxfer.prefetch(loader): "
+            "static_x.copy_(b); graph.replay()`."
+        )
+
+
+def _fetch(leases: Iterator[Any], step: int) -> Any:
+    """The next lease, or an (_END | _ERROR, ...) item. A KeyboardInterrupt or SystemExit
+    propagates (the caller's road is the consumer's thread: it must stop now)."""
+    try:
+        with profiler_range("pinxfer::prefetch::fetch"):
+            return next(leases)
+    except StopIteration:
+        return (_END, None, None)
+    except Exception as err:  # noqa: BLE001 - re-raised in the consumer at this step
+        _note(err, f"raised by the source of pinxfer.prefetch at batch {step}")
+        return (_ERROR, err, None)
+
+
+def _send(lease: Any, to: Delivery, stream: torch.cuda.Stream | None, step: int) -> tuple:
+    """Sends one lease with ``stream`` current (the road's job) and gives it back:
+    (_ITEM, result, event after the copies), or (_ERROR, err, None) once no copy reads the
+    batch any more. A KeyboardInterrupt or SystemExit is cleaned up after, then raised."""
+    try:
+        event = None
+        with profiler_range("pinxfer::prefetch::transfer"):
+            out = lease.send(to)
+            if stream is not None:
+                event = torch.cuda.Event()
+                event.record(stream)
+        lease.done(event)
+    except BaseException as err:
+        if stream is not None:
+            torch.cuda.synchronize(to.device)  # no copy may still read the batch
+        lease.done(None)
+        if not isinstance(err, Exception):
+            raise
+        _note(err, f"raised while pinxfer.prefetch transferred batch {step}")
+        return (_ERROR, err, None)
+    return (_ITEM, out, event)
+
+
+def _hand_over(payload: Any, event: torch.cuda.Event | None, device: torch.device | None) -> Any:
+    """A sent batch, made safe on the consumer's current stream: that stream waits for the
+    batch's copies, and the caching allocator keeps its device memory until that stream
+    has used it."""
+    if event is not None:
+        consumer = torch.cuda.current_stream(device)
+        consumer.wait_event(event)
+        for t in tensors_in(payload):
+            if t.is_cuda:
+                t.record_stream(consumer)
+    return payload
+
+
+def _tensor_bytes(batch: Any) -> int:
+    return sum(t.nbytes for t in tensors_in(batch))
+
+
+class _CallerPass:
+    """One pass on the caller's road: each next() hands out the batch sent at the previous
+    step and sends the next one, in the consumer's thread, on the pass's own stream."""
+
+    def __init__(self, leases: Iterator[Any], to: Delivery, depth: int, hand_off_large: bool):
+        self.leases: Iterator[Any] | None = leases
+        self.to = to
+        self.depth = depth
+        self.device = to.device if to.device.type == "cuda" else None  # None: a CPU pass
+        self.stream = torch.cuda.Stream(self.device) if self.device is not None else None
+        self.hand_off_large = hand_off_large  # producer="auto": a large first batch -> thread
+        self.ahead: tuple | None = None  # the item sent one step early
+        self.step = 0  # batches fetched
+        self.threaded: _Pass | None = None  # the thread that took the pass over, if one did
+        self._finished = False
+        self.stopped = False
+        self.consumer = threading.Lock()  # held by the thread inside next()
+
+    @property
+    def finished(self) -> bool:
+        return self.threaded.finished if self.threaded is not None else self._finished
+
+    def next(self) -> Any:
+        if self.threaded is not None:
+            return self.threaded.next()
+        if self._finished:
+            raise StopIteration
+        _refuse_under_capture(self.device)
+        if not self.consumer.acquire(blocking=False):
+            raise RuntimeError(_SECOND_CONSUMER)
+        try:
+            return self._next_locked()
+        finally:
+            self.consumer.release()
+
+    def _next_locked(self) -> Any:
+        if self._finished:  # stopped by another thread meanwhile
+            raise StopIteration
+        item, self.ahead = (self.ahead or self._send_next()), None
+        if item[0] == _ITEM:
+            first = self.step == 1
+            if first and self.hand_off_large and _tensor_bytes(item[1]) > CALLER_SENDS_BYTES:
+                # Large batches: a producer thread sends the rest, this one first.
+                self.threaded = _Pass(self.leases, self.to, self.depth, first=item)
+                self.leases = None
+                return self.threaded.next()
+            out = _hand_over(item[1], item[2], self.device)
+            self.ahead = self._send_next()  # its copy overlaps the consumer's step
+            return out
+        self._finished = True
+        self.shutdown()
+        if item[0] == _ERROR:
+            raise item[1]
+        raise StopIteration
+
+    def _send_next(self) -> tuple:
+        lease = _fetch(self.leases, self.step)  # type: ignore[arg-type]
+        if type(lease) is tuple:
+            return lease
+        self.step += 1
+        if self.stream is None:
+            return _send(lease, self.to, None, self.step - 1)
+        # The pass's stream is current for the send (as the producer thread's is), then the
+        # consumer's again. set_stream also makes the stream's device current: put back the
+        # consumer's device if it differs.
+        device = torch.cuda.current_device()
+        consumer = torch.cuda.current_stream(self.device)
+        torch.cuda.set_stream(self.stream)
+        try:
+            return _send(lease, self.to, self.stream, self.step - 1)
+        finally:
+            torch.cuda.set_stream(consumer)
+            if device != self.device.index:
+                torch.cuda.set_device(device)
+
+    def shutdown(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
+        """Stops the pass: drops the batch sent ahead, closes the source's pass. Idempotent."""
+        if self.threaded is not None:
+            self.threaded.shutdown(timeout)
+        self._finished = True
+        self.ahead = None  # its device memory returns to the allocator
+        leases, self.leases = self.leases, None
+        if leases is not None and not self.stopped:
+            # Best effort, as on the thread's road: nobody is left to hear what it raises
+            # (a generator the consumer is inside of cannot be closed from another thread).
+            with contextlib.suppress(Exception):
+                leases.close()  # type: ignore[attr-defined]
+        self.stopped = True
 
 
 class _Pass:
-    """One pass over the source: a producer thread, a queue and depth slots.
+    """One pass on the thread's road: a producer thread, a queue and depth slots.
 
     The thread references only this object, never the Prefetcher, so dropping
     the Prefetcher lets it be collected (and its finaliser stop the pass).
     """
 
-    def __init__(self, batches: Any, to: Delivery, depth: int):
-        self.leases: Iterator | None = iter(batches)  # in the caller's thread, as DataLoader wants
+    def __init__(self, leases: Iterator[Any], to: Delivery, depth: int, first: tuple | None = None):
+        self.leases: Iterator | None = leases  # made in the caller's thread, as DataLoader wants
         self.to = to
         self.device = to.device if to.device.type == "cuda" else None  # None: a CPU pass
         self.queue: queue.SimpleQueue[tuple[str, Any, Any]] = queue.SimpleQueue()
         self.slots = threading.Semaphore(depth)
+        self.step = 0
+        if first is not None:  # a batch the caller's road sent before handing the pass over
+            self.slots.acquire()
+            self.queue.put(first)
+            self.step = 1
         self.stop = threading.Event()
         self.finished = False  # consumer side: END or ERROR delivered
         self.stopped = False  # shutdown() has joined (or given up on) the producer
@@ -193,16 +387,7 @@ class _Pass:
     def next(self) -> Any:
         if self.finished:
             raise StopIteration
-        if self.device is not None and torch.cuda.is_current_stream_capturing():
-            # The batch's event was recorded outside the capture: a captured
-            # wait on it would not order a replay after the next transfer.
-            raise RuntimeError(
-                "pinxfer.prefetch: the next batch was requested while the current CUDA stream "
-                "is capturing a graph; a batch cannot be fetched inside a capture (a replay "
-                "would not fetch again). Take the batch before capture or replay and copy it "
-                "into the graph's static inputs: `for b in pinxfer.prefetch(loader): "
-                "static_x.copy_(b); graph.replay()`."
-            )
+        _refuse_under_capture(self.device)
         # Non-blocking: a second consumer waiting in get() could wait forever (the
         # pass delivers one END), so it is refused instead.
         if not self.consumer.acquire(blocking=False):
@@ -220,15 +405,7 @@ class _Pass:
         if kind == _ITEM:
             self.slots.release()
             self.index += 1
-            if event is not None:
-                consumer = torch.cuda.current_stream(self.device)
-                consumer.wait_event(event)
-                for t in tensors_in(payload):
-                    if t.is_cuda:
-                        # The caching allocator must not hand this memory to
-                        # the producer again before the consumer is done with it.
-                        t.record_stream(consumer)
-            return payload
+            return _hand_over(payload, event, self.device)
         self.finished = True
         self.shutdown()
         if kind == _ERROR:
@@ -290,44 +467,25 @@ def _produce(p: _Pass) -> None:
             # entered per batch (a stream context costs tens of microseconds of Python,
             # and every microsecond between two transfers is one the copy threads idle).
             torch.cuda.set_stream(stream)
-        step = 0
         while True:
             while not p.slots.acquire(timeout=0.1):
                 if p.stop.is_set():
                     return
             if p.stop.is_set():
                 return
-            try:
-                with profiler_range("pinxfer::prefetch::fetch"):
-                    lease = next(p.leases)  # type: ignore[arg-type]
-            except StopIteration:
-                p.queue.put((_END, None, None))
-                return
-            except BaseException as err:  # noqa: BLE001 - re-raised in the consumer
-                _note(err, f"raised by the source of pinxfer.prefetch at batch {step}")
-                p.queue.put((_ERROR, err, None))
+            lease = _fetch(p.leases, p.step)  # type: ignore[arg-type]
+            if type(lease) is tuple:  # the end, or the source's error
+                p.queue.put(lease)
                 return
             if p.stop.is_set():
                 return  # a slot lease dropped here is put back when the source's pass closes
-            try:
-                event = None
-                with profiler_range("pinxfer::prefetch::transfer"):
-                    out = lease.send(p.to)
-                    if stream is not None:
-                        event = torch.cuda.Event()
-                        event.record(stream)
-                lease.done(event)
-            except BaseException as err:  # noqa: BLE001 - re-raised in the consumer
-                if stream is not None:
-                    torch.cuda.synchronize(p.device)  # no copy may still read the batch
-                lease.done(None)
-                _note(err, f"raised while pinxfer.prefetch transferred batch {step}")
-                p.queue.put((_ERROR, err, None))
-                return
+            item = _send(lease, p.to, stream, p.step)
             del lease
-            p.queue.put((_ITEM, out, event))
-            del out, event
-            step += 1
+            p.queue.put(item)
+            if item[0] == _ERROR:
+                return
+            del item
+            p.step += 1
     except BaseException as err:  # noqa: BLE001 - e.g. stream creation failed
         p.queue.put((_ERROR, err, None))
     finally:
@@ -361,8 +519,14 @@ class Prefetcher:
         slots: bool | None = False,
         slot_bytes: int | None = None,
         num_slots: int | None = None,
+        producer: str = "auto",
     ):
         depth = _checked_depth(depth)
+        if producer not in PRODUCERS:
+            raise ValueError(
+                f"pinxfer.prefetch: producer must be one of {', '.join(map(repr, PRODUCERS))}, "
+                f"got {producer!r}"
+            )
         dev = _prefetch_device(device)
         if slots is None:
             slots = _slots_by_default(source, dev, transfer)
@@ -387,20 +551,31 @@ class Prefetcher:
         self.device = dev
         self.depth = depth
         self._to = Delivery(dev, transfer, chunk_bytes, num_buffers)
-        self._pass: _Pass | None = None
+        # "auto": the caller's road for a GPU pass with pinxfer's own transfer (a caller's
+        # transfer may take long; a CPU pass wants the thread to overlap loading).
+        if producer == "auto" and (dev.type != "cuda" or transfer is not None):
+            producer = "thread"
+        self.producer = producer
+        self._pass: _Pass | _CallerPass | None = None
 
-    def _start_pass(self) -> _Pass:
+    def _start_pass(self) -> _Pass | _CallerPass:
         current = self._pass
         if current is not None and not current.finished and current.consumer.locked():
             raise RuntimeError(_SECOND_CONSUMER)  # a new pass would end that thread's
         self.close()
-        self._pass = _Pass(self._batches, self._to, self.depth)
+        leases = iter(self._batches)  # in the caller's thread, as DataLoader wants
+        if self.producer == "thread":
+            self._pass = _Pass(leases, self._to, self.depth)
+        else:
+            self._pass = _CallerPass(
+                leases, self._to, self.depth, hand_off_large=self.producer == "auto"
+            )
         return self._pass
 
     def __iter__(self) -> Iterator[Any]:
         return self._generate(self._start_pass())
 
-    def _generate(self, p: _Pass) -> Iterator[Any]:
+    def _generate(self, p: _Pass | _CallerPass) -> Iterator[Any]:
         try:
             while True:
                 try:
@@ -462,7 +637,7 @@ class Prefetcher:
     def __repr__(self) -> str:
         return (
             f"Prefetcher(source={type(self._source).__name__}, device={self.device}, "
-            f"depth={self.depth})"
+            f"depth={self.depth}, producer={self.producer!r})"
         )
 
 
@@ -520,12 +695,15 @@ def prefetch(
     slots: bool | None = None,
     slot_bytes: int | None = None,
     num_slots: int | None = None,
+    producer: str = "auto",
 ) -> Prefetcher:
     """Wraps an iterable so that its batches reach the GPU ahead of use.
 
-    A background thread pulls batches from ``iterable``, sends them to ``device``
-    with :func:`pinxfer.to_device` on its own CUDA stream, and keeps at most
-    ``depth`` batches fetched ahead of the consumer. Each yielded batch is ready
+    Batches are pulled from ``iterable`` and sent to ``device`` with
+    :func:`pinxfer.to_device` on the pass's own CUDA stream, ahead of use: small ones
+    in the consumer's own thread, one step ahead (each ``next()`` hands out the batch
+    sent at the previous step and sends the next), large ones by a background thread
+    that keeps at most ``depth`` batches fetched ahead (``producer``). Each yielded batch is ready
     on the consumer's current stream and its device memory is not reused before
     that stream is done with it -- no ``record_stream`` or sync needed by the
     caller. Already-pinned tensors (``DataLoader(pin_memory=True)``) are sent
@@ -560,6 +738,14 @@ def prefetch(
         slot_bytes: bytes per slot; None: 1.25x the first batch.
         num_slots: slots in the ring; None: ``num_workers * prefetch_factor``
             (twice that with persistent workers) ``+ depth + 2``.
+        producer: who sends the batches. ``"auto"`` (default): for a GPU with the
+            default transfer, the consumer's thread while batches are small (the
+            first batch holds at most :data:`CALLER_SENDS_BYTES` of tensors: a
+            thread hand-off per batch would cost more than sending it), else a
+            background thread; a CPU pass or a custom ``transfer``: the thread.
+            ``"caller"``: always the consumer's thread, one batch ahead (the source's
+            ``__next__`` then runs in that thread too). ``"thread"``: always the
+            background thread, ``depth`` batches ahead.
 
     Returns:
         A :class:`Prefetcher`: iterate over it (each ``for`` loop is one pass),
@@ -576,4 +762,5 @@ def prefetch(
         slots=slots,
         slot_bytes=slot_bytes,
         num_slots=num_slots,
+        producer=producer,
     )

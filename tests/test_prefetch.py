@@ -322,3 +322,103 @@ def test_map_tensors_and_tensors_in_agree():
     order = []
     pinxfer._batch.map_tensors(batch, lambda t: order.append(t.numel()))
     assert order == [1, 2, 3, 4]
+
+
+# ---- the caller's road (producer="caller"): the consumer's thread sends one batch ahead ----
+
+
+def test_producer_defaults_and_bad_value():
+    # A CPU pass and a caller's transfer keep the thread; "auto" is only for a GPU pass.
+    assert pinxfer.prefetch([1], device="cpu").producer == "thread"
+    assert pinxfer.prefetch([1], device="cpu", producer="caller").producer == "caller"
+    with pytest.raises(ValueError, match="producer must be one of 'auto', 'caller', 'thread'"):
+        pinxfer.prefetch([1], device="cpu", producer="inline")
+
+
+def test_caller_road_order_values_and_no_thread():
+    batches = [{"x": torch.full((5,), i), "i": i} for i in range(7)]
+    got = []
+    for b in pinxfer.prefetch(batches, device="cpu", producer="caller"):
+        assert not _prefetch_threads()  # sent in this thread
+        got.append((b["i"], b["x"].tolist()))
+    assert got == [(i, [i] * 5) for i in range(7)]
+
+
+def test_caller_road_runs_one_batch_ahead():
+    # The source is asked for batch i+1 when batch i is handed out: its copy overlaps the
+    # consumer's step on batch i. No further.
+    fetched = []
+
+    def source():
+        for i in range(5):
+            fetched.append(i)
+            yield i
+
+    for i, b in enumerate(pinxfer.prefetch(source(), device="cpu", producer="caller")):
+        assert b == i
+        assert fetched[-1] == min(i + 1, 4)
+
+
+def test_caller_road_errors_at_their_step_and_closes_the_source():
+    closed = threading.Event()
+
+    def source():
+        try:
+            yield from range(3)
+            raise KeyError("source broke")
+        finally:
+            closed.set()
+
+    seen = []
+    with pytest.raises(KeyError, match="source broke") as info:
+        seen.extend(pinxfer.prefetch(source(), device="cpu", producer="caller"))
+    assert seen == [0, 1, 2]
+    assert any("at batch 3" in n for n in getattr(info.value, "__notes__", [])) or not hasattr(
+        info.value, "add_note"
+    )
+    assert closed.is_set()
+
+    def transfer(b):
+        if b == 2:
+            raise ValueError("transfer broke")
+        return b
+
+    seen = []
+    with pytest.raises(ValueError, match="transfer broke"):
+        seen.extend(pinxfer.prefetch(range(5), device="cpu", transfer=transfer, producer="caller"))
+    assert seen == [0, 1]
+
+
+def test_caller_road_early_break_and_close():
+    closed = threading.Event()
+
+    def source():
+        try:
+            yield from range(1000)
+        finally:
+            closed.set()
+
+    pf = pinxfer.prefetch(source(), device="cpu", producer="caller")
+    for i, b in enumerate(pf):
+        assert b == i
+        if i == 3:
+            break
+    assert closed.wait(5), "the source generator was not closed"
+    pf = pinxfer.prefetch(iter(range(10)), device="cpu", producer="caller")
+    assert next(pf) == 0
+    pf.close()
+    pf.close()  # idempotent
+    assert list(pinxfer.prefetch([1, 2], device="cpu", producer="caller")) == [1, 2]
+
+
+def test_caller_road_keyboard_interrupt_is_not_deferred():
+    # In the consumer's thread an interrupt while sending the next batch is raised now,
+    # not held back until the consumer asks for that batch.
+    def transfer(b):
+        if b == 1:
+            raise KeyboardInterrupt
+        return b
+
+    it = iter(pinxfer.prefetch(range(5), device="cpu", transfer=transfer, producer="caller"))
+    with pytest.raises(KeyboardInterrupt):
+        next(it)  # hands out batch 0 after sending batch 1 ahead

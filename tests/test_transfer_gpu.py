@@ -437,19 +437,24 @@ def test_profiler_ranges():
 # ---- prefetch on the GPU ----
 
 
-def test_prefetch_values_order_and_nesting():
+PRODUCERS = ["auto", "caller", "thread"]
+
+
+@pytest.mark.parametrize("producer", PRODUCERS)
+def test_prefetch_values_order_and_nesting(producer):
     src = [
         {"x": torch.full((2 * MiB,), float(i)), "i": i, "small": torch.full((3,), i)}
         for i in range(8)
     ]
     out = []
-    for b in pinxfer.prefetch(src, depth=3):
+    for b in pinxfer.prefetch(src, depth=3, producer=producer):
         assert b["x"].is_cuda and b["small"].is_cuda
         out.append((b["i"], b["x"].sum().item(), b["small"].tolist()))
     assert out == [(i, float(i) * 2 * MiB, [i] * 3) for i in range(8)]
 
 
-def test_prefetch_slow_consumer_sees_its_own_batch():
+@pytest.mark.parametrize("producer", PRODUCERS)
+def test_prefetch_slow_consumer_sees_its_own_batch(producer):
     # The block-reuse race: the consumer's stream spins before reading each
     # batch while the producer runs ahead and allocates the next batches. If a
     # batch's memory were reused too early, the check would read another index.
@@ -461,7 +466,7 @@ def test_prefetch_slow_consumer_sees_its_own_batch():
     consumer = torch.cuda.Stream()
     oks = []
     with torch.cuda.stream(consumer):
-        for i, (big, small) in enumerate(pinxfer.prefetch(src, depth=depth)):
+        for i, (big, small) in enumerate(pinxfer.prefetch(src, depth=depth, producer=producer)):
             torch.cuda._sleep(SLEEP // 4)
             oks.append(torch.all(big == float(i)) & torch.all(small == i))
             del big, small
@@ -476,7 +481,8 @@ def test_prefetch_pinned_dataloader_source():
     assert torch.equal(torch.cat(got).cpu(), ds.tensors[0])
 
 
-def test_prefetch_exception_and_early_break_with_cuda():
+@pytest.mark.parametrize("producer", PRODUCERS)
+def test_prefetch_exception_and_early_break_with_cuda(producer):
     def source():
         for i in range(3):
             yield torch.full((MiB,), i)
@@ -484,15 +490,41 @@ def test_prefetch_exception_and_early_break_with_cuda():
 
     seen = []
     with pytest.raises(KeyError, match="source broke"):
-        seen.extend(int(b[0]) for b in pinxfer.prefetch(source()))
+        seen.extend(int(b[0]) for b in pinxfer.prefetch(source(), producer=producer))
     assert seen == [0, 1, 2]
 
-    pf = pinxfer.prefetch([torch.ones(MiB)] * 50)
+    pf = pinxfer.prefetch([torch.ones(MiB)] * 50, producer=producer)
     for i, _ in enumerate(pf):
         if i == 2:
             break
     gc.collect()
     assert not [t for t in threading.enumerate() if t.name.startswith("pinxfer-prefetch-")]
+
+
+def test_prefetch_auto_road_follows_the_first_batch():
+    """producer="auto": small batches are sent in the consumer's thread (no producer
+    thread), one batch ahead on the pass's own stream, leaving the consumer's current
+    stream and device as they were; a first batch over CALLER_SENDS_BYTES moves the pass
+    to a producer thread, the first batch included."""
+    from pinxfer.prefetch import CALLER_SENDS_BYTES
+
+    def threads():
+        return [t for t in threading.enumerate() if t.name.startswith("pinxfer-prefetch-")]
+
+    small = [{"x": torch.full((1024,), float(i)), "y": torch.arange(i, i + 8)} for i in range(6)]
+    consumer = torch.cuda.Stream()
+    with torch.cuda.stream(consumer):
+        for i, b in enumerate(pinxfer.prefetch(small)):
+            assert not threads()
+            assert torch.cuda.current_stream() == consumer
+            assert b["x"].is_cuda and b["x"].sum().item() == 1024 * i
+            assert b["y"].tolist() == list(range(i, i + 8))
+    large = [torch.full((CALLER_SENDS_BYTES // 4 + 1024,), float(i)) for i in range(4)]
+    got = []
+    for b in pinxfer.prefetch(large):
+        assert len(threads()) == 1
+        got.append(b[0].item())
+    assert got == [0.0, 1.0, 2.0, 3.0]
 
 
 # ---- several GPUs in one process (skipped with fewer than 2) ----
@@ -540,10 +572,15 @@ def test_two_gpus_from_two_threads_every_byte():
 
 
 @two_gpus
-def test_prefetch_to_the_second_gpu():
-    batches = [_random_bytes(5 * MiB + i, seed=i) for i in range(6)]
+@pytest.mark.parametrize("nbytes", [5 * MiB, 64 * 1024])  # the thread's road, the caller's
+def test_prefetch_to_the_second_gpu(nbytes):
+    batches = [_random_bytes(nbytes + i, seed=i) for i in range(6)]
     dev = torch.device("cuda", 1)
-    got = list(pinxfer.prefetch(batches, device=dev))
+    before = torch.cuda.current_device()
+    got = []
+    for y in pinxfer.prefetch(batches, device=dev):
+        assert torch.cuda.current_device() == before  # the caller's road puts it back
+        got.append(y)
     for y, x in zip(got, batches):
         assert y.device == dev
         _check(y, x)

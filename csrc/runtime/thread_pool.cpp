@@ -31,10 +31,15 @@ struct ThreadPool::Job {
   int max_helpers = 0;  // workers allowed to join, besides the caller
   std::atomic<size_t> next_chunk{0};
   std::atomic<int> helpers{0};
+  // Chunks finished. Atomic so the caller can poll it while it spins; the thread that
+  // finishes the last chunk also notifies done_cv under done_mutex (no lost wake-up:
+  // the caller checks it under that mutex before it sleeps).
+  std::atomic<size_t> chunks_done{0};
   std::mutex done_mutex;
   std::condition_variable done_cv;
-  size_t chunks_done = 0;    // LOCK: done_mutex
   std::exception_ptr error;  // LOCK: done_mutex
+
+  bool finished() const { return chunks_done.load(std::memory_order_acquire) == num_chunks; }
 };
 
 namespace {
@@ -103,9 +108,41 @@ void ThreadPool::run_chunks(Job& job) {
     } catch (...) {
       err = std::current_exception();
     }
-    std::lock_guard<std::mutex> lock(job.done_mutex);
-    if (err && !job.error) job.error = err;
-    if (++job.chunks_done == job.num_chunks) job.done_cv.notify_all();
+    if (err) {
+      std::lock_guard<std::mutex> lock(job.done_mutex);
+      if (!job.error) job.error = err;
+    }
+    // acq_rel: the caller that sees every chunk done sees every chunk's writes.
+    if (job.chunks_done.fetch_add(1, std::memory_order_acq_rel) + 1 == job.num_chunks) {
+      std::lock_guard<std::mutex> lock(job.done_mutex);
+      job.done_cv.notify_all();
+    }
+  }
+}
+
+void ThreadPool::wait_for_helpers(Job& job, std::chrono::steady_clock::time_point started) const {
+  using Clock = std::chrono::steady_clock;
+  // The caller has run out of chunks; helpers are finishing theirs. Sleeping here gives
+  // the caller's core away, and when something else is runnable there (torch's OpenMP
+  // team spins for milliseconds after each parallel op; a data-loading thread) the woken
+  // caller waits a scheduler slice, about a millisecond, to get a core back: an 8 MiB
+  // transfer right after a torch CPU op took 1.3-1.6 ms instead of 0.26 (design note,
+  // "Copy threads and torch's OpenMP threads"). So the caller spins first, for as long
+  // as the job has run so far (at least the pool's spin, at most kMaxAdaptiveSpinUs):
+  // its CPU cost is bounded by the job's own wall time on one thread.
+  const auto now = Clock::now();
+  const int64_t ran_us =
+      std::chrono::duration_cast<std::chrono::microseconds>(now - started).count();
+  const int64_t spin_us =
+      std::min<int64_t>(kMaxAdaptiveSpinUs, std::max<int64_t>(spin_us_, ran_us));
+  const auto deadline = now + std::chrono::microseconds(spin_us);
+  for (unsigned i = 1; !job.finished(); ++i) {
+    cpu_relax();
+    if (i % 64 == 0 && Clock::now() >= deadline) {
+      std::unique_lock<std::mutex> lock(job.done_mutex);
+      job.done_cv.wait(lock, [&] { return job.finished(); });
+      return;
+    }
   }
 }
 
@@ -195,10 +232,7 @@ void ThreadPool::parallel_for(size_t n, size_t grain, const std::function<void(s
     wake_.notify_one();
   }
   run_chunks(*job);
-  {
-    std::unique_lock<std::mutex> lock(job->done_mutex);
-    job->done_cv.wait(lock, [&] { return job->chunks_done == job->num_chunks; });
-  }
+  wait_for_helpers(*job, started);
   {
     // Drop the job if no worker got round to taking it off the queue.
     std::lock_guard<std::mutex> lock(mutex_);
@@ -210,7 +244,12 @@ void ThreadPool::parallel_for(size_t n, size_t grain, const std::function<void(s
                          std::chrono::steady_clock::now() - started)
                          .count(),
                      std::memory_order_relaxed);
-  if (job->error) std::rethrow_exception(job->error);
+  std::exception_ptr error;
+  {
+    std::lock_guard<std::mutex> lock(job->done_mutex);
+    error = job->error;
+  }
+  if (error) std::rethrow_exception(error);
 }
 
 // Spinning workers join at once; a sleeping one costs a wake-up, and on the

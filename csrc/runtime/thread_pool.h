@@ -22,6 +22,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
@@ -69,6 +70,9 @@ class ThreadPool {
   void stop_and_join();
   void spin_for_work() const;
   static void run_chunks(Job& job);
+  // The caller, its own chunks done: spins while the helpers finish theirs (at most as
+  // long as the job has run), then sleeps until they have.
+  void wait_for_helpers(Job& job, std::chrono::steady_clock::time_point started) const;
 
   std::vector<int> cpus_;
   std::vector<std::thread> workers_;
