@@ -530,7 +530,8 @@ def to_device_many(tensors: list[torch.Tensor], device: torch.device) -> list[to
         device: the CUDA device.
 
     Returns:
-        Contiguous tensors on ``device``, views into one device buffer, same order.
+        Contiguous tensors on ``device``, same order, sharing one device allocation:
+        slices of it (eager), views of it (traced).
     """
     if _fast_to_device_many is not None and eager() and all(plain_dense_cpu(t) for t in tensors):
         return _fast_to_device_many(tensors, device)

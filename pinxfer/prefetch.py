@@ -80,7 +80,6 @@ from pinxfer._ops import cuda_unavailable_reason
 from pinxfer.transfer import (
     DEFAULT_CHUNK_BYTES,
     DEFAULT_NUM_BUFFERS,
-    SMALL_TENSOR_BYTES,
     profiler_range,
     to_device,
 )
@@ -176,13 +175,16 @@ class _StagedPass:
 # same three functions below, so a batch is treated alike on either.
 #
 # * The caller's road (_CallerPass): the consumer's next() hands out the batch sent at the
-#   previous step and sends the one after it, in the consumer's thread, on the pass's own
-#   stream. The copy still overlaps the consumer's work on the batch it was given; what the
-#   road saves is every thread hand-off: a producer thread that wakes per batch, a queue,
-#   and the GIL passed back and forth while the consumer synchronizes (H100: a 4 KiB batch
-#   took 111-175 us per step through the thread against 17-24 us for a plain loop of
-#   .to(), benchmarks/bench_loop.py). It is the road for small batches, whose sending costs
-#   the consumer less than a hand-off (a few to a few tens of microseconds).
+#   previous step and sends the one after it, in the consumer's thread, on the consumer's
+#   current stream, as a plain loop of .to(non_blocking=True) would. What the road saves is
+#   every hand-off: a producer thread that wakes per batch, a queue, the GIL passed back and
+#   forth while the consumer synchronizes, and the cross-stream event, wait and
+#   record_stream per tensor (H100: a 4 KiB batch took 75-96 us per step through the
+#   thread against 27 us for a plain loop of .to(), benchmarks/diag_batch.py; stream and
+#   event calls from Python cost 2-4 us each). The copy is queued after the work the
+#   consumer has already queued and before the work on the batch it is handed, so it does
+#   not overlap that work: for a small batch the copy is a few microseconds of the bus. It
+#   is the road for small batches, whose sending costs the consumer less than a hand-off.
 # * The thread's road (_Pass): a producer thread sends up to ``depth`` batches ahead. It is
 #   the road for large batches, whose host-side staging takes long enough that the
 #   consumer should not wait for it, and for CPU passes and a caller's ``transfer``.
@@ -192,10 +194,11 @@ class _StagedPass:
 # CALLER_SENDS_BYTES of tensors; producer="caller" / "thread" choose one road.
 
 #: The largest first batch (bytes of its tensors) for which producer="auto" keeps a pass on
-#: the caller's road: batches whose tensors to_device packs into one staging block and sends
-#: with one copy (transfer.SMALL_TENSOR_BYTES, the packing limit), so sending one costs the
-#: consumer about one small call.
-CALLER_SENDS_BYTES = SMALL_TENSOR_BYTES
+#: the caller's road. Up to 1 MiB sending a batch costs the consumer less than the thread's
+#: hand-off (H100, bench_loop / diag_batch: 1 MiB batches 184 us per step on the caller's
+#: road, 205 through the thread); at 4 MiB and more the thread's road wins (the staging
+#: is long enough to be worth hiding from the consumer).
+CALLER_SENDS_BYTES = 1 << 20
 
 PRODUCERS = ("auto", "caller", "thread")
 
@@ -268,14 +271,14 @@ def _tensor_bytes(batch: Any) -> int:
 
 class _CallerPass:
     """One pass on the caller's road: each next() hands out the batch sent at the previous
-    step and sends the next one, in the consumer's thread, on the pass's own stream."""
+    step and sends the next one, in the consumer's thread, on its current stream."""
 
     def __init__(self, leases: Iterator[Any], to: Delivery, depth: int, hand_off_large: bool):
         self.leases: Iterator[Any] | None = leases
         self.to = to
         self.depth = depth
         self.device = to.device if to.device.type == "cuda" else None  # None: a CPU pass
-        self.stream = torch.cuda.Stream(self.device) if self.device is not None else None
+        self.sent_on: int | None = None  # the stream id the batch ahead was sent on
         self.hand_off_large = hand_off_large  # producer="auto": a large first batch -> thread
         self.ahead: tuple | None = None  # the item sent one step early
         self.step = 0  # batches fetched
@@ -312,8 +315,11 @@ class _CallerPass:
                 self.threaded = _Pass(self.leases, self.to, self.depth, first=item)
                 self.leases = None
                 return self.threaded.next()
-            out = _hand_over(item[1], item[2], self.device)
-            self.ahead = self._send_next()  # its copy overlaps the consumer's step
+            out = item[1]
+            if item[2] is not None and self._current_stream_id() != self.sent_on:
+                # The consumer changed streams since the batch was sent: the new one waits.
+                out = _hand_over(out, item[2], self.device)
+            self.ahead = self._send_next()
             return out
         self._finished = True
         self.shutdown()
@@ -321,25 +327,23 @@ class _CallerPass:
             raise item[1]
         raise StopIteration
 
+    def _current_stream_id(self) -> int:
+        # The id alone (torch.cuda.current_stream() builds a Stream object: ~3 us).
+        return torch._C._cuda_getCurrentStream(self.device.index)[0]  # type: ignore[union-attr]
+
     def _send_next(self) -> tuple:
         lease = _fetch(self.leases, self.step)  # type: ignore[arg-type]
         if type(lease) is tuple:
             return lease
         self.step += 1
-        if self.stream is None:
+        if self.device is None:
             return _send(lease, self.to, None, self.step - 1)
-        # The pass's stream is current for the send (as the producer thread's is), then the
-        # consumer's again. set_stream also makes the stream's device current: put back the
-        # consumer's device if it differs.
-        device = torch.cuda.current_device()
-        consumer = torch.cuda.current_stream(self.device)
-        torch.cuda.set_stream(self.stream)
-        try:
-            return _send(lease, self.to, self.stream, self.step - 1)
-        finally:
-            torch.cuda.set_stream(consumer)
-            if device != self.device.index:
-                torch.cuda.set_device(device)
+        # On the consumer's current stream for the pass's device: the event after the copy
+        # is for lease.done (a slot goes back once the copy has read it) and for a consumer
+        # that has changed streams by the time it takes the batch.
+        stream = torch.cuda.current_stream(self.device)
+        self.sent_on = stream.stream_id
+        return _send(lease, self.to, stream, self.step - 1)
 
     def shutdown(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
         """Stops the pass: drops the batch sent ahead, closes the source's pass. Idempotent."""

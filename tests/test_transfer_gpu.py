@@ -11,6 +11,7 @@ import collections
 import dataclasses
 import gc
 import threading
+import time
 
 import pytest
 import torch
@@ -199,6 +200,33 @@ def _delay_copies(cycles: int = SLEEP) -> None:
     """Makes every pinxfer H2D copy queued from now on run after a GPU spin."""
     with torch.cuda.stream(pinxfer.transfer.copy_stream()):
         torch.cuda._sleep(cycles)
+
+
+@pytest.mark.parametrize("nbytes", [2 * MiB + 5, 8 * MiB, 40 * MiB])  # one block (<= 64 MiB)
+def test_parked_helpers_do_not_hold_the_transfer(nbytes):
+    """A copy helper the scheduler has parked mid-piece (simulated: every helper sleeps
+    30 ms after it claims a piece) does not hold to_device: the caller stages that piece
+    again into a spare block and sends it from there. The helpers' late bytes land where
+    no DMA reads, the source may be overwritten as soon as to_device returns, and the
+    staging block is reused only after the last helper has left."""
+    x = _random_bytes(nbytes, seed=nbytes)
+    want = x.clone()
+    before = pinxfer._C.stolen_pieces()
+    pinxfer._C._set_helper_stall_us(30_000)
+    try:
+        y = pinxfer.to_device(x)
+        x.fill_(0xA5)  # pageable sources are free once to_device returns
+        torch.cuda.synchronize()
+        _check(y, want)
+        assert pinxfer._C.stolen_pieces() > before  # the helpers claimed pieces and stalled
+    finally:
+        pinxfer._C._set_helper_stall_us(0)
+    # While the stalled helpers finish into their old block, new transfers reuse the pool.
+    for seed in range(3):
+        z_src = _random_bytes(nbytes, seed=seed)
+        _check(pinxfer.to_device(z_src), z_src)
+    time.sleep(0.1)  # every stalled helper has left; its block is back in the pool
+    _check(pinxfer.to_device(want), want)
 
 
 def test_copy_does_not_wait_for_busy_current_stream():
@@ -503,9 +531,10 @@ def test_prefetch_exception_and_early_break_with_cuda(producer):
 
 def test_prefetch_auto_road_follows_the_first_batch():
     """producer="auto": small batches are sent in the consumer's thread (no producer
-    thread), one batch ahead on the pass's own stream, leaving the consumer's current
-    stream and device as they were; a first batch over CALLER_SENDS_BYTES moves the pass
-    to a producer thread, the first batch included."""
+    thread), one batch ahead on the consumer's current stream, which stays current; a
+    consumer that changes streams between batches still gets each batch ready on its new
+    stream; a first batch over CALLER_SENDS_BYTES moves the pass to a producer thread, the
+    first batch included."""
     from pinxfer.prefetch import CALLER_SENDS_BYTES
 
     def threads():
@@ -519,10 +548,22 @@ def test_prefetch_auto_road_follows_the_first_batch():
             assert torch.cuda.current_stream() == consumer
             assert b["x"].is_cuda and b["x"].sum().item() == 1024 * i
             assert b["y"].tolist() == list(range(i, i + 8))
+    # A consumer that takes each batch on another stream than the one current when that
+    # batch was sent (one step earlier): the batch is made ready on the new stream.
+    streams = [torch.cuda.Stream() for _ in range(2)]
+    it = iter(pinxfer.prefetch([torch.full((64 * 1024,), float(i)) for i in range(6)]))
+    oks = []
+    for i in range(6):
+        with torch.cuda.stream(streams[i % 2]):
+            b = next(it)
+            oks.append(torch.all(b == float(i)))
+    torch.cuda.synchronize()
+    assert torch.stack(oks).all().item()
     large = [torch.full((CALLER_SENDS_BYTES // 4 + 1024,), float(i)) for i in range(4)]
     got = []
-    for b in pinxfer.prefetch(large):
-        assert len(threads()) == 1
+    for i, b in enumerate(pinxfer.prefetch(large, depth=2)):
+        if i == 0:  # the producer thread is at most depth batches ahead: still running
+            assert len(threads()) == 1
         got.append(b[0].item())
     assert got == [0.0, 1.0, 2.0, 3.0]
 

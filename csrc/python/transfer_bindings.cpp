@@ -8,6 +8,9 @@
 #include "ops/kernels.h"
 #include "python/bindings.h"
 #include "transfer/chunk_plan.h"
+#if PINXFER_WITH_CUDA
+#include "transfer/cuda/pipeline.h"
+#endif
 
 namespace pinxfer::python {
 
@@ -49,6 +52,12 @@ void bind_transfer(pybind11::module_& m) {
         "release_finished_sources(device): drops pinxfer's references to pinned sources whose "
         "copies to the device have finished (an owner about to free pinned memory calls it "
         "after waiting for its copies)");
+  m.def("stolen_pieces", &transfer::stolen_pieces,
+        "stolen_pieces() -> int: pieces a to_device caller staged again because the copy "
+        "thread that had claimed them had not finished in time (process total)");
+  m.def("_set_helper_stall_us", &transfer::set_helper_stall_us,
+        "TEST-ONLY: _set_helper_stall_us(us): each copy helper of to_device's single-block "
+        "path sleeps us microseconds after claiming a piece, as a parked thread would (0: off)");
 #endif
 }
 

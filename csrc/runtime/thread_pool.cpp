@@ -17,14 +17,11 @@
 #include "runtime/thread_budget.h"
 #include "runtime/topology.h"
 
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
-
 namespace pinxfer {
 
 struct ThreadPool::Job {
   std::function<void(size_t, size_t)> fn;
+  std::chrono::steady_clock::time_point started;
   size_t n = 0;
   size_t chunk = 1;
   size_t num_chunks = 0;
@@ -41,16 +38,6 @@ struct ThreadPool::Job {
 
   bool finished() const { return chunks_done.load(std::memory_order_acquire) == num_chunks; }
 };
-
-namespace {
-inline void cpu_relax() {
-#if defined(__x86_64__)
-  _mm_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield");
-#endif
-}
-}  // namespace
 
 ThreadPool::ThreadPool(int num_threads, std::vector<int> cpus)
     : cpus_(std::move(cpus)), spin_us_(default_spin_us()), spin_adaptive_(default_spin_adaptive()) {
@@ -250,6 +237,45 @@ void ThreadPool::parallel_for(size_t n, size_t grain, const std::function<void(s
     error = job->error;
   }
   if (error) std::rethrow_exception(error);
+}
+
+ThreadPool::Offer ThreadPool::offer(int helpers, std::function<void(size_t, size_t)> fn) {
+  helpers = std::min<int>(helpers, static_cast<int>(workers_.size()));
+  if (helpers <= 0) return nullptr;
+  auto job = std::make_shared<Job>();
+  job->fn = std::move(fn);
+  job->started = std::chrono::steady_clock::now();
+  job->n = static_cast<size_t>(helpers);
+  job->chunk = 1;
+  job->num_chunks = job->n;
+  job->max_helpers = helpers;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    jobs_.push_back(job);
+    queued_jobs_.store(jobs_.size(), std::memory_order_relaxed);
+  }
+  if (helpers > 1) {
+    wake_.notify_all();
+  } else {
+    wake_.notify_one();
+  }
+  return job;
+}
+
+void ThreadPool::withdraw(const Offer& job) {
+  if (!job) return;
+  // A worker that takes it from here on claims no chunk (run_chunks sees none left).
+  job->next_chunk.store(job->num_chunks, std::memory_order_relaxed);
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = std::find(jobs_.begin(), jobs_.end(), job);
+    if (it != jobs_.end()) jobs_.erase(it);
+    queued_jobs_.store(jobs_.size(), std::memory_order_relaxed);
+  }
+  last_job_us_.store(std::chrono::duration_cast<std::chrono::microseconds>(
+                         std::chrono::steady_clock::now() - job->started)
+                         .count(),
+                     std::memory_order_relaxed);
 }
 
 // Spinning workers join at once; a sleeping one costs a wake-up, and on the

@@ -34,7 +34,20 @@
 #include <thread>
 #include <vector>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 namespace pinxfer {
+
+// One step of a spin-wait: tells the core this thread is spinning (pause/yield).
+inline void cpu_relax() {
+#if defined(__x86_64__)
+  _mm_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
 
 class ThreadPool {
  public:
@@ -51,6 +64,20 @@ class ThreadPool {
   void parallel_for(size_t n, size_t grain, const std::function<void(size_t, size_t)>& fn,
                     int max_threads = 0);
 
+  struct Job;  // defined in thread_pool.cpp
+  // An offer of work to the workers that the caller does not wait for (offer/withdraw).
+  using Offer = std::shared_ptr<Job>;
+
+  // Offers fn(i, i + 1) for i in [0, helpers) to up to `helpers` workers and returns at once
+  // (helpers is capped by the pool's workers; nullptr when none). The caller does its own
+  // share and never waits for them: fn must own (share) everything it touches, and must
+  // not throw. For work whose stragglers the caller can finish itself (the transfer
+  // pipeline's single-block path, transfer/cuda/pipeline.cpp).
+  Offer offer(int helpers, std::function<void(size_t, size_t)> fn);
+  // Takes an offer back from the queue: a worker that has not started it never will (one
+  // that has, runs on). Records its wall time for the adaptive spin.
+  void withdraw(const Offer& offer);
+
   int num_threads() const { return static_cast<int>(workers_.size()) + 1; }
   // Workers spinning for work right now (they take a job at once, with no
   // wake-up). A snapshot: it may change as soon as it is read.
@@ -63,7 +90,6 @@ class ThreadPool {
   const std::vector<int>& cpus() const { return cpus_; }
 
  private:
-  struct Job;
   void worker_loop();
   // Tells every worker to stop and joins them (the destructor, and a
   // constructor that could not start all its threads).

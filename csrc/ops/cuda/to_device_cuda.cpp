@@ -4,6 +4,7 @@
 // csrc/module.cpp, section "transfers"; Python in pinxfer/transfer.py. These functions only
 // check and adapt tensors; streams, staging and the pipeline are the transfer
 // layer's (csrc/transfer/, see its headers for the stream and staging rules).
+#include <c10/core/TensorImpl.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
@@ -22,6 +23,24 @@ namespace pinxfer::ops {
 namespace {
 
 using transfer::copy_stream_for;
+
+// A contiguous tensor of `like`'s dtype and sizes over bytes [offset, offset + nbytes) of
+// `packed`'s storage, made directly: narrow + view(dtype) + view(sizes) are three dispatched
+// ops, about 2 µs a leaf on the H100 host, the largest part of a small batch's cost over one
+// tensor's (benchmarks/diag_batch.py). The result shares the storage (its device memory lives
+// while any slice does) but is not an autograd view of `packed`: these are fresh copies that
+// need no grad, and `packed` is never handed out. offset is a multiple of kPackAlign, so of
+// every item size.
+at::Tensor slice_as(const at::Tensor& packed, size_t offset, const at::Tensor& like) {
+  const auto itemsize = static_cast<size_t>(like.element_size());
+  TORCH_INTERNAL_ASSERT(offset % itemsize == 0, "pinxfer: packed offset ", offset,
+                        " not a multiple of the item size ", itemsize);
+  auto impl = c10::make_intrusive<c10::TensorImpl>(c10::Storage(packed.storage()), packed.key_set(),
+                                                   like.dtype());
+  impl->set_sizes_contiguous(like.sizes());
+  impl->set_storage_offset(static_cast<int64_t>(offset / itemsize));
+  return at::Tensor(std::move(impl));
+}
 
 void check_cuda_usable(const char* op) {
   TORCH_CHECK(cuda::cuda_usable(), "pinxfer.", op, ": expected a usable CUDA device, but ",
@@ -147,10 +166,12 @@ void release_finished_sources_of(c10::Device device) {
 }
 
 PackedOnDevice pack_to_device(at::TensorList tensors, c10::Device device, bool want_views) {
-  check_cuda_usable("to_device_packed");
-  const c10::DeviceIndex index = resolve_device(device, "to_device_packed");
+  // With views this is pinxfer.to_device of a batch (the fast call): errors name that.
+  const char* op = want_views ? "to_device" : "to_device_packed";
+  check_cuda_usable(op);
+  const c10::DeviceIndex index = resolve_device(device, op);
   c10::cuda::CUDAGuard guard(index);
-  check_not_capturing("to_device_packed", index);
+  check_not_capturing(op, index);
 
   std::vector<at::Tensor> srcs;
   std::vector<size_t> offsets;
@@ -158,10 +179,9 @@ PackedOnDevice pack_to_device(at::TensorList tensors, c10::Device device, bool w
   offsets.reserve(tensors.size());
   size_t total = 0;
   for (const auto& t : tensors) {
-    srcs.push_back(dense_source(t, "to_device_packed"));
+    srcs.push_back(dense_source(t, op));
     offsets.push_back(total);
-    total = checked_round_up(checked_add(total, srcs.back().nbytes(), "to_device_packed"),
-                             kPackAlign, "to_device_packed");
+    total = checked_round_up(checked_add(total, srcs.back().nbytes(), op), kPackAlign, op);
   }
   const c10::cuda::CUDAStream cur = c10::cuda::getCurrentCUDAStream(index);
   // Small: on the caller's stream (pipeline.h, kCurrentStreamBytes, says why).
@@ -179,12 +199,7 @@ PackedOnDevice pack_to_device(at::TensorList tensors, c10::Device device, bool w
     // Aligned byte slices reinterpreted as each dtype (as pinxfer._ops.to_device_many).
     result.views.reserve(srcs.size());
     for (size_t i = 0; i < srcs.size(); ++i) {
-      const auto& s = srcs[i];
-      result.views.push_back(
-          result.packed
-              .narrow(0, static_cast<int64_t>(offsets[i]), static_cast<int64_t>(s.nbytes()))
-              .view(s.scalar_type())
-              .view(s.sizes()));
+      result.views.push_back(slice_as(result.packed, offsets[i], srcs[i]));
     }
   }
   return result;

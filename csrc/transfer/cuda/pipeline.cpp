@@ -6,10 +6,12 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <thread>
 
 #include "memory/pinned_pool.h"
 #include "memory/placement.h"
@@ -25,8 +27,8 @@ namespace pinxfer::transfer {
 
 namespace {
 
-// Shared state of one pipelined transfer; lives on the caller's stack for the
-// duration of the parallel_for.
+// Shared state of one pipelined transfer through a ring of staging slots; lives on the
+// caller's stack for the duration of the parallel_for.
 struct Pipeline {
   const char* src = nullptr;
   char* dst = nullptr;
@@ -47,11 +49,8 @@ struct Pipeline {
 
   explicit Pipeline(c10::cuda::CUDAStream s) : stream(s) {}
 
-  // Where chunk c is staged.
-  char* staging_of(size_t c) const {
-    if (plan.ring == 0) return static_cast<char*>(slots[0].get()) + plan.bounds[c];
-    return static_cast<char*>(slots[c % plan.ring].get());
-  }
+  // Where chunk c is staged (ring slot c % ring).
+  char* staging_of(size_t c) const { return static_cast<char*>(slots[c % plan.ring].get()); }
 
   // Blocks until ring slot c % ring may be overwritten with chunk c (c >= ring).
   // Returns false if the transfer failed meanwhile.
@@ -76,7 +75,6 @@ struct Pipeline {
     Range range("pinxfer::h2d");
     C10_CUDA_CHECK(cudaMemcpyAsync(dst + plan.bounds[c], staging_of(c), len, cudaMemcpyHostToDevice,
                                    stream.stream()));
-    if (plan.ring == 0) return;  // nobody waits for single-block chunks
     const cuda::Event ev = cuda::record_event(stream.unwrap());
     const size_t slot = c % plan.ring;
     cuda::Event old;
@@ -92,9 +90,9 @@ struct Pipeline {
 
   void copy_piece(const ChunkPlan::Piece& p) {
     const auto& b = plan.bounds;
-    TORCH_INTERNAL_ASSERT(plan.ring == 0 || p.end - b[p.chunk] <= plan.slot_bytes,
+    TORCH_INTERNAL_ASSERT(p.end - b[p.chunk] <= plan.slot_bytes,
                           "pinxfer: staging chunk larger than its ring slot");
-    if (plan.ring != 0 && p.chunk >= plan.ring && !wait_slot_free(p.chunk)) return;
+    if (p.chunk >= plan.ring && !wait_slot_free(p.chunk)) return;
     {
       Range range("pinxfer::stage");
       stage_copy(staging_of(p.chunk) + (p.begin - b[p.chunk]), src + p.begin, p.end - p.begin,
@@ -133,6 +131,209 @@ struct Pipeline {
   }
 };
 
+// The single-block path (plan.ring == 0: the whole tensor staged in one block), where the
+// caller never waits for a helper that the scheduler has parked.
+//
+// Why: right after a torch CPU op, torch's OpenMP team spins on every core for milliseconds;
+// woken copy threads then share cores with it, and a helper descheduled in the middle of a
+// piece held the whole transfer for a scheduler slice (H100, bench_loop: 8 MiB back to back
+// 1.3-2.8 ms median against 0.26 ms with OMP_NUM_THREADS=1). So:
+//   * helpers only stage pieces (no CUDA call): claim a piece (kFree -> kClaimed), copy it,
+//     publish it (kClaimed -> kDone) and count it off its chunk;
+//   * the caller stages pieces too, queues every chunk's DMA, in order, as soon as its
+//     pieces are all final, and, once no piece is left to claim, waits for the pieces in
+//     flight at most twice its own time per piece; then it steals the rest (kClaimed or
+//     kFree -> kStolen), stages each again into a spare block of its own and sends that
+//     piece from there. A helper whose piece was stolen finds kStolen when it publishes and
+//     does nothing more: its bytes land in a region of the block no DMA reads.
+//   * the state is shared (shared_ptr) by the caller and the helpers, so the block and the
+//     source's storage live until the last helper has left, however late; the block goes
+//     back to the pool marked as read by the stream (the pool's event FIFO keeps it from
+//     reuse until the DMAs are done), spares likewise.
+// A ring (plan.ring > 0: larger than num_buffers chunks) keeps the Pipeline above: its slots
+// are refilled within the transfer, so a late helper's bytes could land in a later chunk.
+enum PieceState : uint8_t { kFree, kClaimed, kDone, kStolen };
+
+std::atomic<uint64_t> g_stolen_pieces{0};
+std::atomic<int64_t> g_helper_stall_us{0};  // test hook (set_helper_stall_us)
+
+struct SingleBlock {
+  c10::Storage source;  // keeps the source's bytes mapped for a late helper
+  const char* src = nullptr;
+  char* dst = nullptr;
+  size_t nbytes = 0;
+  ChunkPlan plan;
+  StagePolicy policy;
+  c10::DeviceIndex device = 0;
+  c10::cuda::CUDAStream stream;
+  PinnedPool* pool = nullptr;
+  c10::DataPtr block;
+  std::unique_ptr<std::atomic<uint8_t>[]> state;  // PieceState of each piece
+  std::unique_ptr<std::atomic<size_t>[]> left;    // pieces of each chunk not yet final
+  std::vector<size_t> first_piece;                // of each chunk, and pieces.size() last
+  std::atomic<size_t> next_piece{0};
+
+  explicit SingleBlock(c10::cuda::CUDAStream s) : stream(s) {}
+  SingleBlock(const SingleBlock&) = delete;
+  SingleBlock& operator=(const SingleBlock&) = delete;
+
+  // The last participant out returns the block (a late helper, possibly), marked as read
+  // by the stream. A destructor must not throw: if the device cannot be set (the process
+  // is exiting), the block is kept out of the pool for good rather than freed unmarked.
+  ~SingleBlock() {
+    if (!block.get_context()) return;
+    try {
+      c10::cuda::CUDAGuard guard(device);
+      pool->record_stream(block.get_context(), stream.unwrap());
+      block.clear();
+    } catch (...) {
+      (void)block.release_context();
+    }
+  }
+
+  void stage(size_t p, char* into) const {
+    const auto& piece = plan.pieces[p];
+    Range range("pinxfer::stage");
+    stage_copy(into, src + piece.begin, piece.end - piece.begin,
+               policy.kind_for(plan.bounds[piece.chunk + 1], nbytes));
+  }
+
+  // A helper's share: pieces claimed in order until none are left. No CUDA call, no throw.
+  void help() {
+    for (;;) {
+      const size_t p = next_piece.fetch_add(1, std::memory_order_relaxed);
+      if (p >= plan.pieces.size()) return;
+      uint8_t expected = kFree;
+      if (!state[p].compare_exchange_strong(expected, kClaimed, std::memory_order_acq_rel)) {
+        continue;  // the caller stole it before this helper started it
+      }
+      if (const int64_t stall = g_helper_stall_us.load(std::memory_order_relaxed)) {
+        std::this_thread::sleep_for(std::chrono::microseconds(stall));
+      }
+      stage(p, static_cast<char*>(block.get()) + plan.pieces[p].begin);
+      expected = kClaimed;
+      // acq_rel: the caller, seeing the chunk's count reach zero, sees these bytes.
+      if (state[p].compare_exchange_strong(expected, kDone, std::memory_order_acq_rel)) {
+        left[plan.pieces[p].chunk].fetch_sub(1, std::memory_order_acq_rel);
+      }
+    }
+  }
+};
+
+// Queues chunk c's bytes: runs of pieces from the block, a stolen piece from its spare.
+void queue_single_block_chunk(const SingleBlock& sb, size_t c,
+                              const std::vector<c10::DataPtr>& spares) {
+  Range range("pinxfer::h2d");
+  const char* block = static_cast<const char*>(sb.block.get());
+  const cudaStream_t stream = sb.stream.stream();
+  size_t run = sb.plan.bounds[c];  // start of the run of block bytes not yet queued
+  for (size_t p = sb.first_piece[c]; p < sb.first_piece[c + 1]; ++p) {
+    if (sb.state[p].load(std::memory_order_acquire) != kStolen) continue;
+    const auto& piece = sb.plan.pieces[p];
+    if (run < piece.begin) {
+      C10_CUDA_CHECK(cudaMemcpyAsync(sb.dst + run, block + run, piece.begin - run,
+                                     cudaMemcpyHostToDevice, stream));
+    }
+    C10_CUDA_CHECK(cudaMemcpyAsync(sb.dst + piece.begin, spares[p].get(), piece.end - piece.begin,
+                                   cudaMemcpyHostToDevice, stream));
+    run = piece.end;
+  }
+  const size_t end = sb.plan.bounds[c + 1];
+  if (run < end) {
+    C10_CUDA_CHECK(
+        cudaMemcpyAsync(sb.dst + run, block + run, end - run, cudaMemcpyHostToDevice, stream));
+  }
+}
+
+void single_block_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex device,
+                       const c10::cuda::CUDAStream& stream, ChunkPlan plan, StagePolicy policy,
+                       PinnedPool& pool, ThreadPool& threads) {
+  using Clock = std::chrono::steady_clock;
+  auto sb = std::make_shared<SingleBlock>(stream);
+  sb->source = src.storage();
+  sb->src = static_cast<const char*>(src.const_data_ptr());
+  sb->dst = static_cast<char*>(out.data_ptr());
+  sb->nbytes = src.nbytes();
+  sb->plan = std::move(plan);
+  sb->policy = policy;
+  sb->device = device;
+  sb->pool = &pool;
+  const auto& pieces = sb->plan.pieces;
+  const size_t chunks = sb->plan.num_chunks();
+  sb->state.reset(new std::atomic<uint8_t>[pieces.size()]);
+  sb->left.reset(new std::atomic<size_t>[chunks]);
+  for (size_t p = 0; p < pieces.size(); ++p) sb->state[p].store(kFree);
+  for (size_t c = 0; c < chunks; ++c) sb->left[c].store(0);
+  sb->first_piece.assign(chunks + 1, pieces.size());
+  for (size_t p = pieces.size(); p-- > 0;) {
+    sb->left[pieces[p].chunk].fetch_add(1, std::memory_order_relaxed);
+    sb->first_piece[pieces[p].chunk] = p;
+  }
+  sb->block = pool.allocate(sb->nbytes);
+
+  const ThreadPool::Offer offer =
+      threads.offer(static_cast<int>(sb->plan.threads) - 1, [sb](size_t, size_t) { sb->help(); });
+  std::vector<c10::DataPtr> spares(pieces.size());
+  size_t queued = 0;  // chunks queued, in order
+  auto queue_ready = [&] {
+    while (queued < chunks && sb->left[queued].load(std::memory_order_acquire) == 0) {
+      queue_single_block_chunk(*sb, queued++, spares);
+    }
+  };
+  try {
+    // The caller's share, queueing chunks as they complete.
+    const auto started = Clock::now();
+    size_t own = 0;
+    for (;;) {
+      const size_t p = sb->next_piece.fetch_add(1, std::memory_order_relaxed);
+      if (p >= pieces.size()) break;
+      uint8_t expected = kFree;
+      if (!sb->state[p].compare_exchange_strong(expected, kClaimed, std::memory_order_acq_rel)) {
+        continue;
+      }
+      sb->stage(p, static_cast<char*>(sb->block.get()) + pieces[p].begin);
+      sb->state[p].store(kDone, std::memory_order_release);
+      sb->left[pieces[p].chunk].fetch_sub(1, std::memory_order_acq_rel);
+      ++own;
+      queue_ready();
+    }
+    // The pieces in flight: a running helper finishes one within about a piece's time.
+    const auto waited = Clock::now();
+    const auto per_piece = (waited - started) / std::max<size_t>(own, 1);
+    const auto patience = std::max<Clock::duration>(2 * per_piece, std::chrono::microseconds(20));
+    for (unsigned i = 1; queued < chunks; ++i) {
+      queue_ready();
+      if (queued == chunks) break;
+      cpu_relax();
+      if (i % 64 != 0 || Clock::now() - waited < patience) continue;
+      // Parked helpers: stage their pieces again, into spares, and send them from there.
+      for (size_t p = sb->first_piece[queued]; p < pieces.size(); ++p) {
+        uint8_t expected = sb->state[p].load(std::memory_order_acquire);
+        if (expected == kDone || expected == kStolen) continue;
+        if (!sb->state[p].compare_exchange_strong(expected, kStolen, std::memory_order_acq_rel)) {
+          continue;  // published meanwhile
+        }
+        spares[p] = pool.allocate(pieces[p].end - pieces[p].begin);
+        sb->stage(p, static_cast<char*>(spares[p].get()));
+        sb->left[pieces[p].chunk].fetch_sub(1, std::memory_order_acq_rel);
+        g_stolen_pieces.fetch_add(1, std::memory_order_relaxed);
+      }
+    }
+  } catch (...) {
+    threads.withdraw(offer);
+    // Nothing more is queued; what was queued reads the block and spares, which go back
+    // to the pool marked by the stream (the block when the last helper leaves).
+    for (auto& sp : spares) {
+      if (sp.get_context()) pool.record_stream(sp.get_context(), stream.unwrap());
+    }
+    throw;
+  }
+  threads.withdraw(offer);
+  for (auto& sp : spares) {
+    if (sp.get_context()) pool.record_stream(sp.get_context(), stream.unwrap());
+  }
+}
+
 // Hands staging blocks back to the pool, marked as read by `stream`, so the
 // pool reuses them only after the copies queued so far have finished.
 void return_staging(std::vector<c10::DataPtr>& blocks, PinnedPool& pool,
@@ -159,18 +360,18 @@ void pipelined_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex dev
                         static_cast<size_t>(threads.threads_for_copy(pl.nbytes)));
   pl.policy = stage_policy(options.mode, options.cached_tail, pl.nbytes,
                            [&stream] { return stream_busy(stream); });
+  if (pl.plan.ring == 0) {
+    single_block_copy(src, out, device, stream, std::move(pl.plan), pl.policy, pool, threads);
+    return;
+  }
   pl.device = device;
   const size_t chunks = pl.plan.num_chunks();
   pl.left.reset(new std::atomic<size_t>[chunks]);
   for (size_t c = 0; c < chunks; ++c) pl.left[c].store(0);
   for (const auto& p : pl.plan.pieces) pl.left[p.chunk].fetch_add(1, std::memory_order_relaxed);
-  if (pl.plan.ring == 0) {
-    pl.slots.push_back(pool.allocate(pl.nbytes));
-  } else {
-    pl.queued.assign(pl.plan.ring, -1);
-    pl.events.assign(pl.plan.ring, cuda::Event{});
-    for (size_t s = 0; s < pl.plan.ring; ++s) pl.slots.push_back(pool.allocate(pl.plan.slot_bytes));
-  }
+  pl.queued.assign(pl.plan.ring, -1);
+  pl.events.assign(pl.plan.ring, cuda::Event{});
+  for (size_t s = 0; s < pl.plan.ring; ++s) pl.slots.push_back(pool.allocate(pl.plan.slot_bytes));
 
   try {
     threads.parallel_for(pl.plan.threads, 1, [&pl](size_t begin, size_t end) {
@@ -183,6 +384,14 @@ void pipelined_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex dev
   }
   pl.release_events();
   return_staging(pl.slots, pool, stream);
+}
+
+uint64_t stolen_pieces() { return g_stolen_pieces.load(std::memory_order_relaxed); }
+
+void set_helper_stall_us(int64_t us) {
+  TORCH_CHECK_VALUE(us >= 0 && us <= 10'000'000, "pinxfer._set_helper_stall_us: expected 0 to ",
+                    "10^7 microseconds, got ", us);
+  g_helper_stall_us.store(us, std::memory_order_relaxed);
 }
 
 void caller_staged_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex device,

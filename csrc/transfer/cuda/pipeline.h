@@ -27,6 +27,7 @@
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include <cstdint>
 #include <vector>
 
 #include "transfer/chunk_plan.h"
@@ -61,6 +62,13 @@ constexpr size_t kCurrentStreamBytes = kSerialBytes;
 // only after the DMA.
 void caller_staged_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex device,
                         const c10::cuda::CUDAStream& stream);
+
+// Pieces the single-block path's caller staged again because their helper had not
+// finished them in time (a diagnostic: process total since start).
+uint64_t stolen_pieces();
+// TEST-ONLY: each copy helper of the single-block path sleeps `us` microseconds after it
+// claims a piece, as a helper the scheduler has parked would (0: off).
+void set_helper_stall_us(int64_t us);
 
 // Copies a DMA-readable (pinned) source with one DMA, and tells its owner.
 void direct_copy(const at::Tensor& src, at::Tensor& out, const c10::cuda::CUDAStream& stream);
