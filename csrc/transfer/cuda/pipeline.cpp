@@ -280,6 +280,14 @@ void single_block_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex 
       queue_single_block_chunk(*sb, queued++, spares);
     }
   };
+  if (offer && g_helper_stall_us.load(std::memory_order_relaxed) > 0) {
+    // Test hook on: a helper claims the first piece before the caller starts, so that a
+    // stalled helper is there to be stolen from whatever the scheduler does.
+    const auto until = Clock::now() + std::chrono::seconds(1);
+    while (sb->next_piece.load(std::memory_order_relaxed) == 0 && Clock::now() < until) {
+      std::this_thread::yield();
+    }
+  }
   try {
     // The caller's share, queueing chunks as they complete.
     const auto started = Clock::now();
