@@ -5,14 +5,20 @@
 //
 // The pipeline (ChunkPlan in transfer/chunk_plan.h says how a tensor is cut).
 // The host threads of the node's ThreadPool claim pieces in order and copy
-// each into staging (transfer/stage_copy.h). The thread that finishes the last
-// piece of a chunk queues its cudaMemcpyAsync on the copy stream (and, in a
-// ring, records the slot's event). A thread about to write into a ring slot
-// first waits until the slot's previous chunk has been queued, then
-// synchronizes its event: a staging slot is never refilled while its previous
-// copy may still read it. Claims are in order and each claimed piece is
-// finished by its claimer, so the waits only point backwards and cannot
-// deadlock.
+// each into staging (transfer/stage_copy.h). Two layouts:
+// * one block (the tensor fits num_buffers chunks): helpers only stage; the
+//   caller queues each chunk's cudaMemcpyAsync once its pieces are final and,
+//   when a helper has not finished a claimed piece in time (parked by the
+//   scheduler), stages that piece again into a spare block and sends it from
+//   there. The block and the source stay alive (shared) until the last helper
+//   has left. pipeline.cpp, "The single-block path", says why and how.
+// * a ring: the thread that finishes the last piece of a chunk queues its
+//   cudaMemcpyAsync on the copy stream and records the slot's event. A thread
+//   about to write into a ring slot first waits until the slot's previous
+//   chunk has been queued, then synchronizes its event: a staging slot is
+//   never refilled while its previous copy may still read it. Claims are in
+//   order and each claimed piece is finished by its claimer, so the waits only
+//   point backwards and cannot deadlock.
 //
 // Staging memory comes from pinxfer's pool for the device's NUMA node, a fresh
 // set of blocks per call (the pool caches them: a second call is a cache hit).
