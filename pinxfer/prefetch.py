@@ -265,6 +265,21 @@ def _hand_over(payload: Any, event: torch.cuda.Event | None, device: torch.devic
     return payload
 
 
+def _next_of(p: _CallerPass | _Pass) -> Any:
+    """The gate of every road's next(): a finished pass ends, a capture is refused, and one
+    consumer at a time (non-blocking: a second consumer waiting for a batch could wait
+    forever, the pass delivers one END, so it is refused instead)."""
+    if p.finished:
+        raise StopIteration
+    _refuse_under_capture(p.device)
+    if not p.consumer.acquire(blocking=False):
+        raise RuntimeError(_SECOND_CONSUMER)
+    try:
+        return p._next_locked()
+    finally:
+        p.consumer.release()
+
+
 def _tensor_bytes(batch: Any) -> int:
     return sum(t.nbytes for t in tensors_in(batch))
 
@@ -294,15 +309,7 @@ class _CallerPass:
     def next(self) -> Any:
         if self.threaded is not None:
             return self.threaded.next()
-        if self._finished:
-            raise StopIteration
-        _refuse_under_capture(self.device)
-        if not self.consumer.acquire(blocking=False):
-            raise RuntimeError(_SECOND_CONSUMER)
-        try:
-            return self._next_locked()
-        finally:
-            self.consumer.release()
+        return _next_of(self)
 
     def _next_locked(self) -> Any:
         if self._finished:  # stopped by another thread meanwhile
@@ -389,17 +396,7 @@ class _Pass:
         self.thread.start()
 
     def next(self) -> Any:
-        if self.finished:
-            raise StopIteration
-        _refuse_under_capture(self.device)
-        # Non-blocking: a second consumer waiting in get() could wait forever (the
-        # pass delivers one END), so it is refused instead.
-        if not self.consumer.acquire(blocking=False):
-            raise RuntimeError(_SECOND_CONSUMER)
-        try:
-            return self._next_locked()
-        finally:
-            self.consumer.release()
+        return _next_of(self)
 
     def _next_locked(self) -> Any:
         if self.finished:  # stopped by another thread while this one acquired the lock
