@@ -528,3 +528,16 @@ def test_allocate_free_race_storm(pause_us, seconds):
     )
     assert out.returncode == 0, (out.returncode, out.stdout[-2000:], out.stderr[-3000:])
     assert "errors 0" in out.stdout
+
+
+def test_thread_pool_offer_and_parallel_for_from_many_callers():
+    """ThreadPool::offer/withdraw, the pattern of to_device's single-block path: the caller
+    takes what the offered workers have not and never waits for them; the shared state is
+    dropped by whoever leaves last. Mixed with parallel_for (whose caller spins, then
+    sleeps, for its helpers) from several threads on one pool: every item is taken exactly
+    once. scripts/sanitize.sh runs it under TSan and ASan."""
+    rounds = 100
+    taken = pinxfer._C._thread_pool_self_test(4, 3, rounds, 257)
+    assert 0 <= taken <= 3 * rounds * 257
+    with pytest.raises(ValueError, match=r"expected 0\.\.64 workers"):
+        pinxfer._C._thread_pool_self_test(65, 1, 1, 1)

@@ -12,6 +12,7 @@
 #include "runtime/cuda_runtime.h"
 #include "runtime/settings.h"
 #include "runtime/thread_budget.h"
+#include "runtime/thread_pool.h"
 
 namespace pinxfer::python {
 
@@ -78,6 +79,10 @@ void bind_settings(pybind11::module_& m) {
   m.def("settings", wrap_pybind_function_no_gil(&settings_rows),
         "every row of the settings table as read once: (name, value, source, doc), source "
         "being 'env', 'derived' or 'default'; raises ValueError if a variable is malformed");
+  m.def("_thread_pool_self_test", wrap_pybind_function_no_gil(&thread_pool_self_test),
+        "TEST-ONLY: _thread_pool_self_test(workers, callers, rounds, items) -> claims the "
+        "offered workers took: offer/withdraw (the caller never waits) and parallel_for from "
+        "several threads on one pool, every item claimed exactly once");
   m.def("copy_threads_for", wrap_pybind_function_no_gil(&copy_threads),
         "copy_threads_for(affinity_cpus, online_cpus, quota_cpus, local_world_size) -> "
         "(threads, why): the copy threads of a process with these CPUs");

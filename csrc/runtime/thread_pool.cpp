@@ -298,6 +298,73 @@ int ThreadPool::threads_for_copy(size_t nbytes) const {
   return 1 + static_cast<int>(std::min(helpers, workers_.size()));
 }
 
+int64_t thread_pool_self_test(int64_t workers, int64_t callers, int64_t rounds, int64_t items) {
+  TORCH_CHECK_VALUE(workers >= 0 && workers <= 64 && callers >= 1 && callers <= 64 && rounds >= 1 &&
+                        items >= 1 && items <= (int64_t{1} << 20),
+                    "pinxfer._thread_pool_self_test: expected 0..64 workers, 1..64 callers, "
+                    "rounds >= 1 and 1..2^20 items; got ",
+                    workers, ", ", callers, ", ", rounds, ", ", items);
+  ThreadPool pool(static_cast<int>(workers) + 1, {});
+  const size_t n = static_cast<size_t>(items);
+  struct Claims {
+    explicit Claims(size_t count) : hits(count) {}
+    std::atomic<size_t> next{0};
+    std::vector<std::atomic<int>> hits;
+    std::atomic<size_t> done{0};
+    std::atomic<int64_t> by_helpers{0};
+  };
+  auto take = [](Claims& c, bool helper) {
+    for (;;) {
+      const size_t i = c.next.fetch_add(1, std::memory_order_relaxed);
+      if (i >= c.hits.size()) return;
+      c.hits[i].fetch_add(1, std::memory_order_relaxed);
+      if (helper) c.by_helpers.fetch_add(1, std::memory_order_relaxed);
+      c.done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  auto check = [](const std::vector<std::atomic<int>>& hits, const char* what) {
+    for (size_t i = 0; i < hits.size(); ++i) {
+      const int h = hits[i].load(std::memory_order_relaxed);
+      TORCH_CHECK(h == 1, "pinxfer._thread_pool_self_test: ", what, " item ", i, " taken ", h,
+                  " times");
+    }
+  };
+  std::atomic<int64_t> by_helpers{0};
+  std::mutex error_mutex;
+  std::exception_ptr error;
+  auto caller = [&] {
+    try {
+      for (int64_t r = 0; r < rounds; ++r) {
+        auto claims = std::make_shared<Claims>(n);
+        const ThreadPool::Offer offer =
+            pool.offer(static_cast<int>(workers),
+                       [claims, take](size_t, size_t) { take(*claims, true); });
+        take(*claims, false);
+        pool.withdraw(offer);
+        // Every claim has been handed out; wait for those in flight to be counted (not for
+        // the workers to leave: they drop their share of `claims` when they do).
+        while (claims->done.load(std::memory_order_acquire) < n) cpu_relax();
+        check(claims->hits, "offered");
+        by_helpers.fetch_add(claims->by_helpers.load(std::memory_order_relaxed));
+        std::vector<std::atomic<int>> hits(n);
+        pool.parallel_for(n, 1, [&hits](size_t begin, size_t end) {
+          for (size_t i = begin; i < end; ++i) hits[i].fetch_add(1, std::memory_order_relaxed);
+        });
+        check(hits, "parallel_for");
+      }
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(error_mutex);
+      if (!error) error = std::current_exception();
+    }
+  };
+  std::vector<std::thread> threads;
+  for (int64_t c = 1; c < callers; ++c) threads.emplace_back(caller);
+  caller();
+  for (auto& t : threads) t.join();
+  if (error) std::rethrow_exception(error);
+  return by_helpers.load();
+}
+
 int default_num_threads() { return settings().copy_threads; }
 
 int default_spin_us() { return settings().spin_us; }

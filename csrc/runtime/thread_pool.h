@@ -118,6 +118,14 @@ class ThreadPool {
   std::atomic<int64_t> last_job_us_{0};
 };
 
+// TEST-ONLY (pinxfer._C._thread_pool_self_test): `callers` threads share one pool of
+// `workers` workers for `rounds` rounds each; a round offers `items` claims to the workers
+// and takes the rest itself without waiting for them (the single-block transfer's pattern:
+// the claims' state is shared and dropped by whoever leaves last), then runs a parallel_for
+// over `items`. Every item must be claimed exactly once (a c10::Error otherwise). Returns
+// the claims the offered workers took. Run under TSan by scripts/sanitize.sh.
+int64_t thread_pool_self_test(int64_t workers, int64_t callers, int64_t rounds, int64_t items);
+
 // The process's budget of threads for host copies, shared by all its node
 // pools: PINXFER_NUM_THREADS, else derived from the process's CPUs, cgroup
 // quota and ranks on the host (copy_threads_for() in runtime/thread_budget.h).
