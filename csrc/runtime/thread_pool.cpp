@@ -107,7 +107,7 @@ void ThreadPool::run_chunks(Job& job) {
   }
 }
 
-void ThreadPool::wait_for_helpers(Job& job, std::chrono::steady_clock::time_point started) const {
+void ThreadPool::wait_for_helpers(Job& job) const {
   using Clock = std::chrono::steady_clock;
   // The caller has run out of chunks; helpers are finishing theirs. Sleeping here gives
   // the caller's core away, and when something else is runnable there (torch's OpenMP
@@ -119,7 +119,7 @@ void ThreadPool::wait_for_helpers(Job& job, std::chrono::steady_clock::time_poin
   // its CPU cost is bounded by the job's own wall time on one thread.
   const auto now = Clock::now();
   const int64_t ran_us =
-      std::chrono::duration_cast<std::chrono::microseconds>(now - started).count();
+      std::chrono::duration_cast<std::chrono::microseconds>(now - job.started).count();
   const int64_t spin_us =
       std::min<int64_t>(kMaxAdaptiveSpinUs, std::max<int64_t>(spin_us_, ran_us));
   const auto deadline = now + std::chrono::microseconds(spin_us);
@@ -187,7 +187,6 @@ void ThreadPool::parallel_for(size_t n, size_t grain, const std::function<void(s
     fn(0, n);
     return;
   }
-  const auto started = std::chrono::steady_clock::now();
   auto job = std::make_shared<Job>();
   job->fn = fn;
   job->n = n;
@@ -196,6 +195,20 @@ void ThreadPool::parallel_for(size_t n, size_t grain, const std::function<void(s
   job->chunk = (n + want_chunks - 1) / want_chunks;
   job->num_chunks = (n + job->chunk - 1) / job->chunk;
   job->max_helpers = std::min<int>(threads - 1, static_cast<int>(job->num_chunks) - 1);
+  post(job);
+  run_chunks(*job);
+  wait_for_helpers(*job);
+  retire(*job);
+  std::exception_ptr error;
+  {
+    std::lock_guard<std::mutex> lock(job->done_mutex);
+    error = job->error;
+  }
+  if (error) std::rethrow_exception(error);
+}
+
+void ThreadPool::post(const std::shared_ptr<Job>& job) {
+  job->started = std::chrono::steady_clock::now();
   {
     std::lock_guard<std::mutex> lock(mutex_);
     jobs_.push_back(job);
@@ -218,25 +231,21 @@ void ThreadPool::parallel_for(size_t n, size_t grain, const std::function<void(s
   } else {
     wake_.notify_one();
   }
-  run_chunks(*job);
-  wait_for_helpers(*job, started);
+}
+
+void ThreadPool::retire(Job& job) {
   {
     // Drop the job if no worker got round to taking it off the queue.
     std::lock_guard<std::mutex> lock(mutex_);
-    auto it = std::find(jobs_.begin(), jobs_.end(), job);
+    auto it = std::find_if(jobs_.begin(), jobs_.end(),
+                           [&job](const std::shared_ptr<Job>& j) { return j.get() == &job; });
     if (it != jobs_.end()) jobs_.erase(it);
     queued_jobs_.store(jobs_.size(), std::memory_order_relaxed);
   }
   last_job_us_.store(std::chrono::duration_cast<std::chrono::microseconds>(
-                         std::chrono::steady_clock::now() - started)
+                         std::chrono::steady_clock::now() - job.started)
                          .count(),
                      std::memory_order_relaxed);
-  std::exception_ptr error;
-  {
-    std::lock_guard<std::mutex> lock(job->done_mutex);
-    error = job->error;
-  }
-  if (error) std::rethrow_exception(error);
 }
 
 ThreadPool::Offer ThreadPool::offer(int helpers, std::function<void(size_t, size_t)> fn) {
@@ -244,21 +253,11 @@ ThreadPool::Offer ThreadPool::offer(int helpers, std::function<void(size_t, size
   if (helpers <= 0) return nullptr;
   auto job = std::make_shared<Job>();
   job->fn = std::move(fn);
-  job->started = std::chrono::steady_clock::now();
   job->n = static_cast<size_t>(helpers);
   job->chunk = 1;
   job->num_chunks = job->n;
   job->max_helpers = helpers;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    jobs_.push_back(job);
-    queued_jobs_.store(jobs_.size(), std::memory_order_relaxed);
-  }
-  if (helpers > 1) {
-    wake_.notify_all();
-  } else {
-    wake_.notify_one();
-  }
+  post(job);
   return job;
 }
 
@@ -266,16 +265,7 @@ void ThreadPool::withdraw(const Offer& job) {
   if (!job) return;
   // A worker that takes it from here on claims no chunk (run_chunks sees none left).
   job->next_chunk.store(job->num_chunks, std::memory_order_relaxed);
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    auto it = std::find(jobs_.begin(), jobs_.end(), job);
-    if (it != jobs_.end()) jobs_.erase(it);
-    queued_jobs_.store(jobs_.size(), std::memory_order_relaxed);
-  }
-  last_job_us_.store(std::chrono::duration_cast<std::chrono::microseconds>(
-                         std::chrono::steady_clock::now() - job->started)
-                         .count(),
-                     std::memory_order_relaxed);
+  retire(*job);
 }
 
 // Spinning workers join at once; a sleeping one costs a wake-up, and on the

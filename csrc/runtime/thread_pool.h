@@ -96,9 +96,14 @@ class ThreadPool {
   void stop_and_join();
   void spin_for_work() const;
   static void run_chunks(Job& job);
+  // Queues a job (stamping its start) and wakes the workers it may use.
+  void post(const std::shared_ptr<Job>& job);
+  // Takes a job off the queue if no worker did, and records its wall time for the
+  // adaptive spin (parallel_for once its chunks are done; withdraw).
+  void retire(Job& job);
   // The caller, its own chunks done: spins while the helpers finish theirs (at most as
   // long as the job has run), then sleeps until they have.
-  void wait_for_helpers(Job& job, std::chrono::steady_clock::time_point started) const;
+  void wait_for_helpers(Job& job) const;
 
   std::vector<int> cpus_;
   std::vector<std::thread> workers_;
