@@ -200,50 +200,40 @@ def to_device(
     """
     if (
         _FAST_TO_DEVICE
-        and type(obj) is torch.Tensor
-        and chunk_bytes is DEFAULT_CHUNK_BYTES
-        and num_buffers is DEFAULT_NUM_BUFFERS
-        and staging == "auto"
-        and (device is None or (type(device) is torch.device and device.type == "cuda"))
-        and plain_dense_cpu(obj)
-        and _ops.eager()
-    ):
-        # The hot case, one plain CPU tensor to a GPU with the default settings, in
-        # eager mode: straight to the kernel's fast call. Its Python cost is most of
-        # a 4 KiB transfer's (benchmarks/diag_small_calls.py), so nothing here that
-        # the kernel checks anyway: it resolves a device without an index to the
-        # current one and raises if CUDA is unusable.
-        with profiler_range("pinxfer::to_device"):
-            out = _ops.fast.to_device(
-                obj, _CURRENT_CUDA if device is None else device, chunk_bytes, num_buffers, "auto"
-            )
-        if not non_blocking:
-            torch.cuda.current_stream(out.device).synchronize()
-        return out
-    if (
-        _FAST_TO_DEVICE
         and chunk_bytes is DEFAULT_CHUNK_BYTES
         and num_buffers is DEFAULT_NUM_BUFFERS
         and staging == "auto"
         and (device is None or (type(device) is torch.device and device.type == "cuda"))
         and _ops.eager()
     ):
-        # The hot case of a batch: every tensor a small plain CPU one (a collated batch of
-        # a few tensors, per-step inputs). One fast call packs and sends them all and cuts
-        # the results; nothing here that the kernel checks (device, CUDA, capture). The
-        # general path below costs about 15 us more in Python (diag_batch.py, H100).
-        leaves = tensors_in(obj)
-        if len(leaves) > 1 and all(
-            plain_dense_cpu(t) and t.nbytes < SMALL_TENSOR_BYTES for t in leaves
-        ):
-            with profiler_range("pinxfer::to_device"):
-                results = iter(
-                    _ops.fast.to_device_many(leaves, _CURRENT_CUDA if device is None else device)
-                )
-            out = map_tensors(obj, lambda _t: next(results))
-            if not non_blocking:
-                torch.cuda.current_stream(device).synchronize()
-            return out
+        # The hot cases, with the default settings in eager mode: straight to the kernel's
+        # fast call. Their Python cost is most of a small transfer's
+        # (benchmarks/diag_small_calls.py, diag_batch.py: the general path below costs a
+        # 4-tensor batch about 15 us more on the H100), so nothing here that the kernel
+        # checks anyway: it resolves a device without an index to the current one and
+        # raises if CUDA is unusable or the stream is capturing.
+        dev = _CURRENT_CUDA if device is None else device
+        if type(obj) is torch.Tensor:
+            if plain_dense_cpu(obj):  # one plain CPU tensor
+                with profiler_range("pinxfer::to_device"):
+                    out = _ops.fast.to_device(obj, dev, chunk_bytes, num_buffers, "auto")
+                if not non_blocking:
+                    torch.cuda.current_stream(out.device).synchronize()
+                return out
+        else:
+            # A batch whose tensors are all small plain CPU ones (a collated batch of a few
+            # tensors, per-step inputs): one fast call packs and sends them and cuts the
+            # results.
+            leaves = tensors_in(obj)
+            if len(leaves) > 1 and all(
+                plain_dense_cpu(t) and t.nbytes < SMALL_TENSOR_BYTES for t in leaves
+            ):
+                with profiler_range("pinxfer::to_device"):
+                    results = iter(_ops.fast.to_device_many(leaves, dev))
+                out = map_tensors(obj, lambda _t: next(results))
+                if not non_blocking:
+                    torch.cuda.current_stream(device).synchronize()
+                return out
     chunk_bytes = _check.integer(
         chunk_bytes, "to_device", "chunk_bytes", lo=4096, hi=_check.INT64_MAX
     )
