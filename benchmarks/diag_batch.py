@@ -30,22 +30,7 @@ from pinxfer._batch import map_tensors, tensors_in
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_loop import batch_layout, parse_sizes
-
-
-def us_per_call(fn: Callable[[], Any], calls: int, sync: bool, rounds: int = 7) -> float:
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-            if sync:
-                torch.cuda.synchronize()
-        torch.cuda.synchronize()
-        samples.append((time.perf_counter() - t0) / calls * 1e6)
-    return round(statistics.median(samples), 2)
+from diag_small_calls import us_per_call
 
 
 def make_batch(nbytes: int) -> dict:
@@ -83,7 +68,7 @@ def main() -> None:
     ev.record()
     gpu_t = torch.empty(1024, device=dev)
     result["pieces_us"] = {
-        name: us_per_call(fn, 5000, False)
+        name: us_per_call(fn, calls=5000)
         for name, fn in {
             "_check.device(cuda)": lambda: _check.device("cuda", "x"),
             "_check.device(torch.device)": lambda: _check.device(dev, "x"),
@@ -131,9 +116,11 @@ def main() -> None:
             "map_tensors(batch, id)": lambda b=b: map_tensors(b, lambda t: t),
         }
         sz: dict[str, Any] = {
-            "synced_us": {k: us_per_call(fn, calls // 4 + 50, True) for k, fn in rows.items()},
-            "unsynced_us": {k: us_per_call(fn, calls, False) for k, fn in rows.items()},
-            "python_us": {k: us_per_call(fn, 5000, False) for k, fn in py_only.items()},
+            "synced_us": {
+                k: us_per_call(fn, calls=calls // 4 + 50, sync=True) for k, fn in rows.items()
+            },
+            "unsynced_us": {k: us_per_call(fn, calls=calls) for k, fn in rows.items()},
+            "python_us": {k: us_per_call(fn, calls=5000) for k, fn in py_only.items()},
         }
         batches = [make_batch(nbytes) for _ in range(64)]
         sz["prefetch_per_batch_us"] = {"prefetch": prefetch_us(batches, device=dev)}
