@@ -55,6 +55,25 @@ void bind_transfer(pybind11::module_& m) {
   m.def("stolen_pieces", &transfer::stolen_pieces,
         "stolen_pieces() -> int: pieces a to_device caller staged again because the copy "
         "thread that had claimed them had not finished in time (process total)");
+  m.def(
+      "_last_single_block_trace",
+      [] {
+        const transfer::SingleBlockTrace t = transfer::last_single_block_trace();
+        pybind11::dict d;
+        d["nbytes"] = t.nbytes;
+        d["pieces"] = t.pieces;
+        d["helpers_offered"] = t.helpers_offered;
+        d["own_pieces"] = t.own_pieces;
+        d["helper_pieces"] = t.helper_pieces;
+        d["stolen"] = t.stolen;
+        d["alloc_us"] = t.alloc_us;
+        d["own_done_us"] = t.own_done_us;
+        d["total_us"] = t.total_us;
+        d["first_helper_us"] = t.first_helper_us;
+        return d;
+      },
+      "DIAGNOSTIC: _last_single_block_trace() -> dict: what this thread's last single-block "
+      "to_device did (pieces by the caller, by helpers, stolen; microseconds from its start)");
   m.def("_set_helper_stall_us", &transfer::set_helper_stall_us,
         "TEST-ONLY: _set_helper_stall_us(us): each copy helper of to_device's single-block "
         "path sleeps us microseconds after claiming a piece, as a parked thread would (0: off)");

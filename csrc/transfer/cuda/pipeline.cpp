@@ -155,7 +155,8 @@ struct Pipeline {
 enum PieceState : uint8_t { kFree, kClaimed, kDone, kStolen };
 
 std::atomic<uint64_t> g_stolen_pieces{0};
-std::atomic<int64_t> g_helper_stall_us{0};  // test hook (set_helper_stall_us)
+thread_local SingleBlockTrace t_last_trace;  // last_single_block_trace()
+std::atomic<int64_t> g_helper_stall_us{0};   // test hook (set_helper_stall_us)
 
 struct SingleBlock {
   c10::Storage source;  // keeps the source's bytes mapped for a late helper
@@ -172,6 +173,11 @@ struct SingleBlock {
   std::unique_ptr<std::atomic<size_t>[]> left;    // pieces of each chunk not yet final
   std::vector<size_t> first_piece;                // of each chunk, and pieces.size() last
   std::atomic<size_t> next_piece{0};
+  // For the trace (last_single_block_trace): when the call began, when the first helper
+  // claimed a piece (ns after `started`, -1: none yet), and the pieces helpers published.
+  std::chrono::steady_clock::time_point started;
+  std::atomic<int64_t> first_claim_ns{-1};
+  std::atomic<int64_t> helper_pieces{0};
 
   explicit SingleBlock(c10::cuda::CUDAStream s) : stream(s) {}
   SingleBlock(const SingleBlock&) = delete;
@@ -207,6 +213,14 @@ struct SingleBlock {
       if (!state[p].compare_exchange_strong(expected, kClaimed, std::memory_order_acq_rel)) {
         continue;  // the caller stole it before this helper started it
       }
+      if (first_claim_ns.load(std::memory_order_relaxed) < 0) {
+        int64_t none = -1;
+        first_claim_ns.compare_exchange_strong(none,
+                                               std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                                   std::chrono::steady_clock::now() - started)
+                                                   .count(),
+                                               std::memory_order_relaxed);
+      }
       if (const int64_t stall = g_helper_stall_us.load(std::memory_order_relaxed)) {
         std::this_thread::sleep_for(std::chrono::microseconds(stall));
       }
@@ -215,6 +229,7 @@ struct SingleBlock {
       // acq_rel: the caller, seeing the chunk's count reach zero, sees these bytes.
       if (state[p].compare_exchange_strong(expected, kDone, std::memory_order_acq_rel)) {
         left[plan.pieces[p].chunk].fetch_sub(1, std::memory_order_acq_rel);
+        helper_pieces.fetch_add(1, std::memory_order_relaxed);
       }
     }
   }
@@ -250,6 +265,11 @@ void single_block_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex 
                        PinnedPool& pool, ThreadPool& threads) {
   using Clock = std::chrono::steady_clock;
   auto sb = std::make_shared<SingleBlock>(stream);
+  sb->started = Clock::now();
+  auto us_since_start = [&sb](Clock::time_point t) {
+    return std::chrono::duration<double, std::micro>(t - sb->started).count();
+  };
+  SingleBlockTrace trace;
   sb->source = src.storage();
   sb->src = static_cast<const char*>(src.const_data_ptr());
   sb->dst = static_cast<char*>(out.data_ptr());
@@ -270,9 +290,13 @@ void single_block_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex 
     sb->first_piece[pieces[p].chunk] = p;
   }
   sb->block = pool.allocate(sb->nbytes);
+  trace.alloc_us = us_since_start(Clock::now());
 
-  const ThreadPool::Offer offer =
-      threads.offer(static_cast<int>(sb->plan.threads) - 1, [sb](size_t, size_t) { sb->help(); });
+  const int helpers = std::min(static_cast<int>(sb->plan.threads) - 1, threads.num_threads() - 1);
+  const ThreadPool::Offer offer = threads.offer(helpers, [sb](size_t, size_t) { sb->help(); });
+  trace.nbytes = static_cast<int64_t>(sb->nbytes);
+  trace.pieces = static_cast<int64_t>(pieces.size());
+  trace.helpers_offered = offer ? helpers : 0;
   std::vector<c10::DataPtr> spares(pieces.size());
   size_t queued = 0;  // chunks queued, in order
   auto queue_ready = [&] {
@@ -307,6 +331,8 @@ void single_block_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex 
     }
     // The pieces in flight: a running helper finishes one within about a piece's time.
     const auto waited = Clock::now();
+    trace.own_pieces = static_cast<int64_t>(own);
+    trace.own_done_us = us_since_start(waited);
     const auto per_piece = (waited - started) / std::max<size_t>(own, 1);
     const auto patience = std::max<Clock::duration>(2 * per_piece, std::chrono::microseconds(20));
     for (unsigned i = 1; queued < chunks; ++i) {
@@ -325,6 +351,7 @@ void single_block_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex 
         sb->stage(p, static_cast<char*>(spares[p].get()));
         sb->left[pieces[p].chunk].fetch_sub(1, std::memory_order_acq_rel);
         g_stolen_pieces.fetch_add(1, std::memory_order_relaxed);
+        ++trace.stolen;
       }
     }
   } catch (...) {
@@ -340,6 +367,11 @@ void single_block_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex 
   for (auto& sp : spares) {
     if (sp.get_context()) pool.record_stream(sp.get_context(), stream.unwrap());
   }
+  trace.helper_pieces = sb->helper_pieces.load(std::memory_order_relaxed);
+  const int64_t first_claim = sb->first_claim_ns.load(std::memory_order_relaxed);
+  trace.first_helper_us = first_claim < 0 ? -1.0 : static_cast<double>(first_claim) / 1e3;
+  trace.total_us = us_since_start(Clock::now());
+  t_last_trace = trace;
 }
 
 // Hands staging blocks back to the pool, marked as read by `stream`, so the
@@ -393,6 +425,8 @@ void pipelined_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex dev
   pl.release_events();
   return_staging(pl.slots, pool, stream);
 }
+
+SingleBlockTrace last_single_block_trace() { return t_last_trace; }
 
 uint64_t stolen_pieces() { return g_stolen_pieces.load(std::memory_order_relaxed); }
 

@@ -69,6 +69,17 @@ constexpr size_t kCurrentStreamBytes = kSerialBytes;
 void caller_staged_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex device,
                         const c10::cuda::CUDAStream& stream);
 
+// What the calling thread's last single-block transfer did (a diagnostic for
+// benchmarks/diag_midsize.py; thread-local, so a reader sees its own thread's last call).
+// Times are microseconds from the call's start; helper figures are as the caller left.
+struct SingleBlockTrace {
+  int64_t nbytes = 0, pieces = 0, helpers_offered = 0;
+  int64_t own_pieces = 0, helper_pieces = 0, stolen = 0;
+  double alloc_us = 0, own_done_us = 0, total_us = 0;
+  double first_helper_us = -1;  // when the first helper claimed a piece; -1: none had
+};
+SingleBlockTrace last_single_block_trace();
+
 // Pieces the single-block path's caller staged again because their helper had not
 // finished them in time (a diagnostic: process total since start).
 uint64_t stolen_pieces();

@@ -1,0 +1,187 @@
+"""Why a mid-size to_device is slow back to back in bench_loop (issue 22): each timed call
+traced from inside.
+
+bench_loop's back-to-back cells call every way in a rotated order, each timed call right
+after an untimed call of the same way. Some ways are torch CPU ops (t.pin_memory() copies
+with torch's OpenMP team, which then spins on every core for milliseconds). This script
+runs that same rotation for a few sizes and, for every timed pinxfer.to_device call, keeps:
+
+  wall_us        the call and a synchronize
+  preempted      involuntary context switches of the calling thread during the call
+  pool_misses    pool cache misses during the call (a cold block pinned)
+  trace          pinxfer._C._last_single_block_trace(): pieces the caller staged, pieces
+                 helpers staged, pieces stolen, when the first helper claimed a piece, when
+                 the caller ran out of pieces to claim
+
+Each variant runs in a child process with the environment it names:
+
+  default        as bench_loop runs
+  omp=1          OMP_NUM_THREADS=1 (torch's CPU ops on one thread: no OpenMP team)
+  omp_passive    OMP_WAIT_POLICY=PASSIVE (the team sleeps at once after each op)
+  pinxfer_only   default environment, but only pinxfer.to_device is called (no torch way)
+  threads=N      PINXFER_NUM_THREADS=N (1: the caller alone, no helper)
+
+    python benchmarks/diag_midsize.py [--json PATH] [--sizes 1M,8M,32M] [--rounds 15]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_loop import parse_sizes, size_label
+
+VARIANTS: dict[str, dict[str, str]] = {
+    "default": {},
+    "omp=1": {"OMP_NUM_THREADS": "1"},
+    "omp_passive": {"OMP_WAIT_POLICY": "PASSIVE"},
+    "pinxfer_only": {},
+    "threads=1": {"PINXFER_NUM_THREADS": "1"},
+    "threads=4": {"PINXFER_NUM_THREADS": "4"},
+}
+
+
+def involuntary_switches() -> int:
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_nivcsw
+
+
+def measure(sizes: list[int], rounds: int, pinxfer_only: bool) -> dict:
+    import pinxfer
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    sync = torch.cuda.synchronize
+    out: dict[str, Any] = {}
+    for nbytes in sizes:
+        t = torch.randn(nbytes // 4)
+        pinned = t.pin_memory()
+        ways = {"to_device": lambda: pinxfer.to_device(t, dev)}
+        if not pinxfer_only:
+            ways.update(
+                {
+                    "pin_memory": lambda: pinxfer.pin_memory(t),
+                    "torch_to": lambda: t.to(dev),
+                    "torch_pinned_to": lambda: pinned.to(dev, non_blocking=True),
+                    "torch_pin_to": lambda: t.pin_memory().to(dev, non_blocking=True),
+                    "torch_pin": lambda: t.pin_memory(),
+                }
+            )
+        for fn in ways.values():  # warm-up
+            fn()
+            sync()
+        times: dict[str, list[float]] = {w: [] for w in ways}
+        traces: list[dict] = []
+        names = list(ways)
+        for r in range(rounds):
+            k = r % len(names)
+            for name in names[k:] + names[:k]:
+                fn = ways[name]
+                fn()  # the untimed call of the same way, as bench_loop's b2b
+                sync()
+                misses0 = pinxfer.memory_stats()["num_cache_misses"]
+                sw0 = involuntary_switches()
+                t0 = time.perf_counter()
+                res = fn()
+                sync()
+                wall = (time.perf_counter() - t0) * 1e6
+                sw1 = involuntary_switches()
+                del res
+                times[name].append(wall)
+                if name == "to_device":
+                    trace = dict(pinxfer._C._last_single_block_trace())
+                    traces.append(
+                        {
+                            "wall_us": round(wall, 1),
+                            "preempted": sw1 - sw0,
+                            "pool_misses": pinxfer.memory_stats()["num_cache_misses"] - misses0,
+                            "trace": {
+                                k2: round(v, 1) if isinstance(v, float) else v
+                                for k2, v in trace.items()
+                            },
+                        }
+                    )
+        cell = {
+            w: {"median_us": round(statistics.median(v), 1), "min_us": round(min(v), 1)}
+            for w, v in times.items()
+        }
+        slow = [tr for tr in traces if tr["wall_us"] > 2 * cell["to_device"]["min_us"]]
+        cell["to_device_calls"] = traces
+        cell["slow_calls"] = len(slow)
+        cell["slow_preempted"] = sum(1 for tr in slow if tr["preempted"])
+        cell["slow_stolen"] = sum(1 for tr in slow if tr["trace"]["stolen"])
+        cell["slow_missed"] = sum(1 for tr in slow if tr["pool_misses"])
+        out[size_label(nbytes)] = cell
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--sizes", default="1M,8M,32M")
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    sizes = parse_sizes(args.sizes)
+    if args.child:
+        print(json.dumps(measure(sizes, args.rounds, args.child == "pinxfer_only")))
+        return
+    result: dict[str, Any] = {
+        "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name(),
+        "variants": {},
+    }
+    for variant in args.variants.split(","):
+        env = dict(os.environ, **VARIANTS[variant])
+        proc = subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                "--child",
+                variant,
+                "--sizes",
+                args.sizes,
+                "--rounds",
+                str(args.rounds),
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        cells = json.loads(proc.stdout.strip().splitlines()[-1])
+        result["variants"][variant] = cells
+        for size, cell in cells.items():
+            ways = "  ".join(
+                f"{w} {c['median_us']:.0f}/{c['min_us']:.0f}"
+                for w, c in cell.items()
+                if isinstance(c, dict)
+            )
+            calls = cell["to_device_calls"]
+            med = lambda key: statistics.median(c["trace"][key] for c in calls)  # noqa: E731
+            print(
+                f"{variant:13} {size:>6}  {ways}\n{'':21}slow {cell['slow_calls']}/{len(calls)} "
+                f"(preempted {cell['slow_preempted']}, stolen {cell['slow_stolen']}, pool miss "
+                f"{cell['slow_missed']}); median own_done {med('own_done_us'):.0f} us, "
+                f"first helper {med('first_helper_us'):.0f} us, "
+                f"helper pieces {med('helper_pieces'):.0f} of {med('pieces'):.0f}, "
+                f"stolen {med('stolen'):.0f}",
+                flush=True,
+            )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
