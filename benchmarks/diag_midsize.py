@@ -11,7 +11,8 @@ runs that same rotation for a few sizes and, for every timed pinxfer.to_device c
   pool_misses    pool cache misses during the call (a cold block pinned)
   trace          pinxfer._C._last_single_block_trace(): pieces the caller staged, pieces
                  helpers staged, pieces stolen, when the first helper claimed a piece, when
-                 the caller ran out of pieces to claim
+                 the caller ran out of pieces to claim, whether it ran on torch's awake
+                 intra-op team (csrc/runtime/torch_team.h)
 
 Each variant runs in a child process with the environment it names:
 
@@ -175,7 +176,8 @@ def main() -> None:
                 f"{cell['slow_missed']}); median own_done {med('own_done_us'):.0f} us, "
                 f"first helper {med('first_helper_us'):.0f} us, "
                 f"helper pieces {med('helper_pieces'):.0f} of {med('pieces'):.0f}, "
-                f"stolen {med('stolen'):.0f}",
+                f"stolen {med('stolen'):.0f}, on torch's team "
+                f"{sum(c['trace']['on_torch_team'] for c in calls)}",
                 flush=True,
             )
     if args.json:

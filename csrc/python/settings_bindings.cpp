@@ -13,6 +13,7 @@
 #include "runtime/settings.h"
 #include "runtime/thread_budget.h"
 #include "runtime/thread_pool.h"
+#include "runtime/torch_team.h"
 
 namespace pinxfer::python {
 
@@ -83,6 +84,16 @@ void bind_settings(pybind11::module_& m) {
         "TEST-ONLY: _thread_pool_self_test(workers, callers, rounds, items) -> claims the "
         "offered workers took: offer/withdraw (the caller never waits) and parallel_for from "
         "several threads on one pool, every item claimed exactly once");
+  m.def(
+      "_torch_team_state",
+      [] {
+        const TorchTeamState s = torch_team_state();
+        return std::make_tuple(static_cast<int64_t>(s.threads), s.awake, s.copies);
+      },
+      "TEST-ONLY: _torch_team_state() -> (threads of torch's intra-op team learned on this "
+      "thread, 0: none; whether it is awake now; copies run on a team so far): the check that "
+      "makes pinxfer's host copies "
+      "run on that team (csrc/runtime/torch_team.h)");
   m.def("copy_threads_for", wrap_pybind_function_no_gil(&copy_threads),
         "copy_threads_for(affinity_cpus, online_cpus, quota_cpus, local_world_size) -> "
         "(threads, why): the copy threads of a process with these CPUs");

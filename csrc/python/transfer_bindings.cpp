@@ -60,6 +60,7 @@ void bind_transfer(pybind11::module_& m) {
       [] {
         const transfer::SingleBlockTrace t = transfer::last_single_block_trace();
         pybind11::dict d;
+        d["on_torch_team"] = t.on_torch_team;
         d["nbytes"] = t.nbytes;
         d["pieces"] = t.pieces;
         d["helpers_offered"] = t.helpers_offered;

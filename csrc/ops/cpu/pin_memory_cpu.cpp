@@ -35,6 +35,7 @@
 #include "runtime/settings.h"
 #include "runtime/thread_budget.h"
 #include "runtime/thread_pool.h"
+#include "runtime/torch_team.h"
 
 namespace pinxfer::ops {
 
@@ -76,8 +77,8 @@ void check_threads(int64_t num_threads) {
 
 void parallel_memcpy(char* dst, const char* src, size_t nbytes, ThreadPool& pool, int max_threads) {
   const size_t units = (nbytes + kCopyUnit - 1) / kCopyUnit;
-  pool.parallel_for(
-      units, kUnitsPerChunk,
+  host_parallel_for(
+      pool, units, kUnitsPerChunk,
       [&](size_t begin, size_t end) {
         const size_t lo = begin * kCopyUnit;
         const size_t hi = std::min(nbytes, end * kCopyUnit);
@@ -99,8 +100,8 @@ void parallel_elementwise_copy(at::Tensor& dst, const at::Tensor& src, ThreadPoo
   const int64_t rows = dst.size(0);
   const size_t row_bytes = std::max<size_t>(1, dst.numel() / rows * dst.element_size());
   const size_t grain = std::max<size_t>(1, (kCopyUnit * kUnitsPerChunk) / row_bytes);
-  pool.parallel_for(
-      static_cast<size_t>(rows), grain,
+  host_parallel_for(
+      pool, static_cast<size_t>(rows), grain,
       [&](size_t begin, size_t end) {
         c10::ParallelGuard guard(true);
         const auto b = static_cast<int64_t>(begin);

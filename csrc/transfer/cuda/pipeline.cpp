@@ -18,6 +18,7 @@
 #include "memory/pool_registry.h"
 #include "runtime/cuda_runtime.h"
 #include "runtime/thread_pool.h"
+#include "runtime/torch_team.h"
 #include "transfer/chunk_plan.h"
 #include "transfer/cuda/copy_streams.h"
 #include "transfer/cuda/source_use.h"
@@ -292,16 +293,41 @@ void single_block_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex 
   sb->block = pool.allocate(sb->nbytes);
   trace.alloc_us = us_since_start(Clock::now());
 
-  const int helpers = std::min(static_cast<int>(sb->plan.threads) - 1, threads.num_threads() - 1);
-  const ThreadPool::Offer offer = threads.offer(helpers, [sb](size_t, size_t) { sb->help(); });
+  // torch's team awake (runtime/torch_team.h): its threads stage the pieces beside the
+  // caller, which joins them all; none is parked by contention, so nothing is stolen.
+  const bool on_team = torch_team_awake();
+  const int helpers =
+      on_team ? 0 : std::min(static_cast<int>(sb->plan.threads) - 1, threads.num_threads() - 1);
+  const ThreadPool::Offer offer =
+      on_team ? nullptr : threads.offer(helpers, [sb](size_t, size_t) { sb->help(); });
   trace.nbytes = static_cast<int64_t>(sb->nbytes);
   trace.pieces = static_cast<int64_t>(pieces.size());
-  trace.helpers_offered = offer ? helpers : 0;
+  trace.on_torch_team = on_team;
+  trace.helpers_offered = on_team ? static_cast<int64_t>(sb->plan.threads) - 1
+                          : offer ? helpers
+                                  : 0;
   std::vector<c10::DataPtr> spares(pieces.size());
   size_t queued = 0;  // chunks queued, in order
   auto queue_ready = [&] {
     while (queued < chunks && sb->left[queued].load(std::memory_order_acquire) == 0) {
       queue_single_block_chunk(*sb, queued++, spares);
+    }
+  };
+  // The caller's share, queueing chunks as they complete; returns the pieces it staged.
+  auto caller_share = [&] {
+    size_t own = 0;
+    for (;;) {
+      const size_t p = sb->next_piece.fetch_add(1, std::memory_order_relaxed);
+      if (p >= pieces.size()) return own;
+      uint8_t expected = kFree;
+      if (!sb->state[p].compare_exchange_strong(expected, kClaimed, std::memory_order_acq_rel)) {
+        continue;
+      }
+      sb->stage(p, static_cast<char*>(sb->block.get()) + pieces[p].begin);
+      sb->state[p].store(kDone, std::memory_order_release);
+      sb->left[pieces[p].chunk].fetch_sub(1, std::memory_order_acq_rel);
+      ++own;
+      queue_ready();
     }
   };
   if (offer && g_helper_stall_us.load(std::memory_order_relaxed) > 0) {
@@ -313,45 +339,47 @@ void single_block_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex 
     }
   }
   try {
-    // The caller's share, queueing chunks as they complete.
-    const auto started = Clock::now();
-    size_t own = 0;
-    for (;;) {
-      const size_t p = sb->next_piece.fetch_add(1, std::memory_order_relaxed);
-      if (p >= pieces.size()) break;
-      uint8_t expected = kFree;
-      if (!sb->state[p].compare_exchange_strong(expected, kClaimed, std::memory_order_acq_rel)) {
-        continue;
-      }
-      sb->stage(p, static_cast<char*>(sb->block.get()) + pieces[p].begin);
-      sb->state[p].store(kDone, std::memory_order_release);
-      sb->left[pieces[p].chunk].fetch_sub(1, std::memory_order_acq_rel);
-      ++own;
-      queue_ready();
-    }
-    // The pieces in flight: a running helper finishes one within about a piece's time.
-    const auto waited = Clock::now();
-    trace.own_pieces = static_cast<int64_t>(own);
-    trace.own_done_us = us_since_start(waited);
-    const auto per_piece = (waited - started) / std::max<size_t>(own, 1);
-    const auto patience = std::max<Clock::duration>(2 * per_piece, std::chrono::microseconds(20));
-    for (unsigned i = 1; queued < chunks; ++i) {
-      queue_ready();
-      if (queued == chunks) break;
-      cpu_relax();
-      if (i % 64 != 0 || Clock::now() - waited < patience) continue;
-      // Parked helpers: stage their pieces again, into spares, and send them from there.
-      for (size_t p = sb->first_piece[queued]; p < pieces.size(); ++p) {
-        uint8_t expected = sb->state[p].load(std::memory_order_acquire);
-        if (expected == kDone || expected == kStolen) continue;
-        if (!sb->state[p].compare_exchange_strong(expected, kStolen, std::memory_order_acq_rel)) {
-          continue;  // published meanwhile
+    if (on_team) {
+      const std::thread::id caller = std::this_thread::get_id();
+      size_t own = 0;
+      run_on_torch_team(sb->plan.threads, 1, [&](size_t, size_t) {
+        if (std::this_thread::get_id() == caller) {
+          own += caller_share();
+        } else {
+          sb->help();
         }
-        spares[p] = pool.allocate(pieces[p].end - pieces[p].begin);
-        sb->stage(p, static_cast<char*>(spares[p].get()));
-        sb->left[pieces[p].chunk].fetch_sub(1, std::memory_order_acq_rel);
-        g_stolen_pieces.fetch_add(1, std::memory_order_relaxed);
-        ++trace.stolen;
+      });
+      trace.own_pieces = static_cast<int64_t>(own);
+      trace.own_done_us = us_since_start(Clock::now());
+      queue_ready();  // every piece is final once the team has joined
+      TORCH_INTERNAL_ASSERT(queued == chunks, "pinxfer: a chunk left unsent after the join");
+    } else {
+      const auto started = Clock::now();
+      const size_t own = caller_share();
+      // The pieces in flight: a running helper finishes one within about a piece's time.
+      const auto waited = Clock::now();
+      trace.own_pieces = static_cast<int64_t>(own);
+      trace.own_done_us = us_since_start(waited);
+      const auto per_piece = (waited - started) / std::max<size_t>(own, 1);
+      const auto patience = std::max<Clock::duration>(2 * per_piece, std::chrono::microseconds(20));
+      for (unsigned i = 1; queued < chunks; ++i) {
+        queue_ready();
+        if (queued == chunks) break;
+        cpu_relax();
+        if (i % 64 != 0 || Clock::now() - waited < patience) continue;
+        // Parked helpers: stage their pieces again, into spares, and send them from there.
+        for (size_t p = sb->first_piece[queued]; p < pieces.size(); ++p) {
+          uint8_t expected = sb->state[p].load(std::memory_order_acquire);
+          if (expected == kDone || expected == kStolen) continue;
+          if (!sb->state[p].compare_exchange_strong(expected, kStolen, std::memory_order_acq_rel)) {
+            continue;  // published meanwhile
+          }
+          spares[p] = pool.allocate(pieces[p].end - pieces[p].begin);
+          sb->stage(p, static_cast<char*>(spares[p].get()));
+          sb->left[pieces[p].chunk].fetch_sub(1, std::memory_order_acq_rel);
+          g_stolen_pieces.fetch_add(1, std::memory_order_relaxed);
+          ++trace.stolen;
+        }
       }
     }
   } catch (...) {
@@ -414,7 +442,7 @@ void pipelined_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex dev
   for (size_t s = 0; s < pl.plan.ring; ++s) pl.slots.push_back(pool.allocate(pl.plan.slot_bytes));
 
   try {
-    threads.parallel_for(pl.plan.threads, 1, [&pl](size_t begin, size_t end) {
+    host_parallel_for(threads, pl.plan.threads, 1, [&pl](size_t begin, size_t end) {
       for (size_t i = begin; i < end; ++i) pl.run();
     });
   } catch (...) {
@@ -530,7 +558,8 @@ void packed_copy(const std::vector<at::Tensor>& srcs, const std::vector<size_t>&
         // Grain: about 64 KiB of average payload per claim.
         const size_t grain = std::max<size_t>(1, srcs.size() * 64 * kKiB / total);
         ThreadPool& threads = thread_pool_for_node(node);
-        threads.parallel_for(srcs.size(), grain, pack_and_send, threads.threads_for_copy(total));
+        host_parallel_for(threads, srcs.size(), grain, pack_and_send,
+                          threads.threads_for_copy(total));
       }
     } catch (...) {
       // Groups already queued read the block: it goes back marked by the stream.

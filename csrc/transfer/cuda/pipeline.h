@@ -73,6 +73,7 @@ void caller_staged_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex
 // benchmarks/diag_midsize.py; thread-local, so a reader sees its own thread's last call).
 // Times are microseconds from the call's start; helper figures are as the caller left.
 struct SingleBlockTrace {
+  bool on_torch_team = false;  // staged on torch's awake intra-op team (runtime/torch_team.h)
   int64_t nbytes = 0, pieces = 0, helpers_offered = 0;
   int64_t own_pieces = 0, helper_pieces = 0, stolen = 0;
   double alloc_us = 0, own_done_us = 0, total_us = 0;

@@ -1,0 +1,66 @@
+// torch's intra-op thread team, seen from a host copy: whether it is awake, and running a
+// copy on it when it is.
+//
+// Why. torch's parallel CPU ops (a t.pin_memory() copy, a collate, an augmentation) run on
+// an OpenMP team per calling thread, and libgomp's team threads then spin for milliseconds
+// before they sleep. A pinxfer copy that wakes its own copy threads in that window puts
+// more runnable threads than cores on the machine: threads wait scheduler slices, and an
+// 8 MiB to_device back to back after t.pin_memory() took 462 us median against 251 with
+// OMP_WAIT_POLICY=PASSIVE, a 32 MiB one 2301 against 899 (H100,
+// benchmarks/diag_midsize.py, 2026-11-26). The spinning team is idle CPU already paid for:
+// a copy run on it meets no contention and starts at once.
+//
+// So, on the interpreter's main thread (the one whose team torch's own ops use in a
+// training loop), when that team is awake, pinxfer's host copies run on it instead of on
+// pinxfer's ThreadPool. pinxfer is not built with OpenMP (at::parallel_for compiled here
+// would run serially): it calls GOMP_parallel, the entry point `#pragma omp parallel`
+// compiles to, of the libgomp torch loaded; where torch has no libgomp this is all off. A team that
+// sleeps is never woken for a copy: its spin after every transfer would cost milliseconds of CPU on
+// every core (the design note, "Copy threads and torch's OpenMP threads").
+//
+// How "awake" is known: on first use the main thread runs one (empty) region that
+// records its team members' thread ids; each later question reads the scheduler state of
+// two of them from /proc/self/task/<tid>/stat (running: spinning; sleeping: asleep), about
+// a microsecond each. A team that changed (torch.set_num_threads, a fork) is learned again.
+//
+// Thread-safe: the state is per thread. Off (always "asleep") under ThreadSanitizer,
+// which cannot see libgomp's barriers, and where /proc cannot be read.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+
+namespace pinxfer {
+
+class ThreadPool;
+
+// Whether the calling thread's torch intra-op team is awake now (its threads running).
+// False on any thread but the interpreter's main thread, inside a parallel region, with
+// one intra-op thread, and where it cannot be told.
+bool torch_team_awake();
+
+// fn(begin, end) over [0, n) in chunks of >= grain on torch's intra-op team, at most
+// max_threads of its threads (0: all), the caller among them; chunks are claimed as the
+// threads arrive. Returns when all are done; rethrows the first exception. For a caller
+// that has just seen torch_team_awake(); counted in torch_team_state().copies.
+void run_on_torch_team(size_t n, size_t grain, const std::function<void(size_t, size_t)>& fn,
+                       int max_threads = 0);
+
+// pool.parallel_for(n, grain, fn, max_threads), run on torch's intra-op team instead when
+// that team is awake (torch_team_awake), on at most max_threads of its threads (0: all).
+// fn must be safe on any thread (no thread-local state of pinxfer's pool) and may throw:
+// the first exception is rethrown here, as parallel_for does.
+void host_parallel_for(ThreadPool& pool, size_t n, size_t grain,
+                       const std::function<void(size_t, size_t)>& fn, int max_threads = 0);
+
+// TEST-ONLY (pinxfer._C._torch_team_state): team threads learned on this thread, whether
+// the team is awake now, and how many copies ran on a team (process total).
+struct TorchTeamState {
+  int threads = 0;
+  bool awake = false;
+  int64_t copies = 0;
+};
+TorchTeamState torch_team_state();
+
+}  // namespace pinxfer

@@ -1,0 +1,146 @@
+"""Host copies on torch's awake intra-op team (csrc/runtime/torch_team.h).
+
+Right after a torch parallel CPU op, the main thread's OpenMP team spins for milliseconds;
+pinxfer then runs its host copies on that team instead of waking its own copy threads.
+These tests run in a fresh interpreter (the team that is probed is its main thread's, and
+a test runner may run tests on another thread), with torch on at least two threads, and
+check the probe itself, that copies really take the team's road, and every byte.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from .conftest import SANITIZER, requires_cuda
+
+pytestmark = pytest.mark.skipif(
+    SANITIZER == "thread", reason="the team's road is off under TSan (libgomp is not instrumented)"
+)
+
+_PRELUDE = """
+import json, threading, time
+import torch, pinxfer
+
+torch.set_num_threads(max(2, torch.get_num_threads()))
+state = pinxfer._C._torch_team_state
+WAKE = torch.ones(1 << 22)  # 16 MiB: an add on it is one of torch's parallel ops
+
+def wake_team():
+    WAKE.add_(1)
+
+def random_bytes(nbytes, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
+"""
+
+
+def _run(body: str) -> dict:
+    code = _PRELUDE + textwrap.dedent(body)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_probe_tells_a_spinning_team_from_a_sleeping_one():
+    got = _run(
+        """
+        wake_team()
+        threads, awake_after_op, _ = state()
+        time.sleep(1.0)  # libgomp's spin is milliseconds
+        _, awake_after_idle, _ = state()
+        wake_team()
+        _, awake_again, _ = state()
+        other = []
+        t = threading.Thread(target=lambda: other.append(state()))
+        t.start(); t.join()
+        torch.set_num_threads(1)
+        _, awake_one_thread, _ = state()
+        print(json.dumps(dict(threads=threads, want=torch.get_num_threads(),
+              after_op=awake_after_op, after_idle=awake_after_idle, again=awake_again,
+              other=list(other[0][:2]), one_thread=awake_one_thread)))
+        """
+    )
+    assert got["threads"] >= 2  # the team was learned, its size torch's
+    assert got["after_op"] and got["again"], got
+    assert not got["after_idle"], got
+    assert got["other"] == [0, False]  # only the main thread's team is probed
+    assert not got["one_thread"]
+
+
+def test_pin_memory_on_the_team_keeps_every_byte():
+    """pin_memory right after a torch parallel op (its copy then runs on the team), over
+    sizes and layouts, each result checked byte for byte against the source, and the
+    source overwritten afterwards (the copy was finished when pin_memory returned)."""
+    got = _run(
+        """
+        import random
+        rng = random.Random(7)
+        before = state()[2]
+        bad = []
+        for i in range(40):
+            n = rng.choice([300 << 10, 1 << 20, 3 << 20, 8 << 20]) + rng.randrange(0, 4096)
+            x = random_bytes(n, i)
+            want = x.clone()
+            wake_team()
+            y = pinxfer.pin_memory(x)
+            x.fill_(0x5A)
+            if not (pinxfer.is_pinned(y) and torch.equal(y, want)):
+                bad.append(n)
+        # The element-wise road (a conjugate view) on the team too.
+        z = torch.randn(1 << 20, dtype=torch.complex64)
+        wake_team()
+        zc = pinxfer.pin_memory(z.conj())
+        conj_ok = torch.equal(zc, z.conj().resolve_conj())
+        print(json.dumps(dict(bad=bad, copies=state()[2] - before, conj_ok=conj_ok)))
+        """
+    )
+    assert got["bad"] == []
+    assert got["conj_ok"]
+    assert got["copies"] >= 20, got  # most of them ran on the team (a slow CI core may miss some)
+
+
+@requires_cuda
+@pytest.mark.gpu
+def test_to_device_on_the_team_keeps_every_byte():
+    """to_device right after a torch parallel op: one block (1 MiB - 64 MiB), the ring
+    (larger) and a packed batch of small tensors; the source is overwritten as soon as
+    to_device returns and every byte is checked."""
+    got = _run(
+        """
+        import random
+        rng = random.Random(11)
+        trace = pinxfer._C._last_single_block_trace
+        before = state()[2]
+        bad, single_on_team, singles = [], 0, 0
+        sizes = [(1 << 20) + 5, 3 << 20, 8 << 20, (40 << 20) + 4097, 100 << 20]
+        for i in range(30):
+            n = rng.choice(sizes)
+            x = random_bytes(n, i)
+            want = x.clone()
+            wake_team()
+            y = pinxfer.to_device(x)
+            if n <= 64 << 20:
+                singles += 1
+                single_on_team += trace()["on_torch_team"]
+            x.fill_(0xA5)
+            if not torch.equal(y.cpu(), want):
+                bad.append(n)
+        xs = [random_bytes(rng.randrange(1, 200 << 10), 100 + k) for k in range(12)]
+        wants = [t.clone() for t in xs]
+        wake_team()
+        ys = pinxfer.to_device(xs)
+        for t in xs:
+            t.fill_(0)
+        batch_ok = all(torch.equal(a.cpu(), b) for a, b in zip(ys, wants))
+        print(json.dumps(dict(bad=bad, singles=singles, single_on_team=single_on_team,
+                              copies=state()[2] - before, batch_ok=batch_ok)))
+        """
+    )
+    assert got["bad"] == [] and got["batch_ok"]
+    assert got["single_on_team"] >= got["singles"] // 2, got
+    assert got["copies"] >= 15, got
