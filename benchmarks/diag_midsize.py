@@ -1,9 +1,10 @@
 """Why a mid-size to_device is slow back to back in bench_loop (issue 22): each timed call
 traced from inside.
 
-bench_loop's back-to-back cells call every way in a rotated order, each timed call right
-after an untimed call of the same way. Some ways are torch CPU ops (t.pin_memory() copies
-with torch's OpenMP team, which then spins on every core for milliseconds). This script
+bench_loop's back-to-back cells call every way (the same seven here) in a rotated order,
+each timed call right after an untimed call of the same way. Some ways are torch CPU ops
+(t.pin_memory() copies with torch's OpenMP team, which then spins on every core for
+milliseconds). This script
 runs that same rotation for a few sizes and, for every timed pinxfer.to_device call, keeps:
 
   wall_us        the call and a synchronize
@@ -41,7 +42,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_loop import parse_sizes, size_label
+from bench_loop import batch_layout, parse_sizes, size_label
 
 VARIANTS: dict[str, dict[str, str]] = {
     "default": {},
@@ -66,10 +67,17 @@ def measure(sizes: list[int], rounds: int, pinxfer_only: bool) -> dict:
     for nbytes in sizes:
         t = torch.randn(nbytes // 4)
         pinned = t.pin_memory()
+        lay = batch_layout(nbytes)
+        batch = {
+            "x": torch.randn(lay["x"] // 4),
+            "y": torch.randint(0, 1 << 30, (lay["y"] // 8,), dtype=torch.int64),
+            "meta": [torch.tensor(1), torch.tensor(nbytes)],
+        }
         ways = {"to_device": lambda: pinxfer.to_device(t, dev)}
         if not pinxfer_only:
             ways.update(
                 {
+                    "to_device_batch": lambda: pinxfer.to_device(batch, dev),
                     "pin_memory": lambda: pinxfer.pin_memory(t),
                     "torch_to": lambda: t.to(dev),
                     "torch_pinned_to": lambda: pinned.to(dev, non_blocking=True),
@@ -180,6 +188,8 @@ def main() -> None:
                 f"{sum(c['trace']['on_torch_team'] for c in calls)}",
                 flush=True,
             )
+            for c in [c for c in calls if c["wall_us"] > 2 * cell["to_device"]["min_us"]][:4]:
+                print(f"{'':21}slow call: {c}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -40,15 +40,19 @@ class ThreadPool;
 // one intra-op thread, and where it cannot be told.
 bool torch_team_awake();
 
-// fn(begin, end) over [0, n) in chunks of >= grain on torch's intra-op team, at most
-// max_threads of its threads (0: all), the caller among them; chunks are claimed as the
-// threads arrive. Returns when all are done; rethrows the first exception. For a caller
-// that has just seen torch_team_awake(); counted in torch_team_state().copies.
-void run_on_torch_team(size_t n, size_t grain, const std::function<void(size_t, size_t)>& fn,
-                       int max_threads = 0);
+// fn(begin, end) over [0, n) in chunks of >= grain on torch's intra-op team, the caller
+// among its threads; chunks are claimed as the threads arrive. Returns when all are done;
+// rethrows the first exception. For a caller that has just seen torch_team_awake();
+// counted in torch_team_state().copies. The team's threads are awake: all may take part,
+// however few ThreadPool::threads_for_copy would wake.
+void run_on_torch_team(size_t n, size_t grain, const std::function<void(size_t, size_t)>& fn);
+
+// fn() once on every member of torch's intra-op team, the caller included (a body that
+// claims its own work, such as the single-block transfer's); as run_on_torch_team.
+void run_on_each_team_member(const std::function<void()>& fn);
 
 // pool.parallel_for(n, grain, fn, max_threads), run on torch's intra-op team instead when
-// that team is awake (torch_team_awake), on at most max_threads of its threads (0: all).
+// that team is awake (torch_team_awake); max_threads then does not apply (see above).
 // fn must be safe on any thread (no thread-local state of pinxfer's pool) and may throw:
 // the first exception is rethrown here, as parallel_for does.
 void host_parallel_for(ThreadPool& pool, size_t n, size_t grain,

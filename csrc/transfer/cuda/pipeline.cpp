@@ -342,7 +342,7 @@ void single_block_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex 
     if (on_team) {
       const std::thread::id caller = std::this_thread::get_id();
       size_t own = 0;
-      run_on_torch_team(sb->plan.threads, 1, [&](size_t, size_t) {
+      run_on_each_team_member([&] {
         if (std::this_thread::get_id() == caller) {
           own += caller_share();
         } else {
