@@ -133,6 +133,30 @@ def measure(sizes: list[int], rounds: int, pinxfer_only: bool) -> dict:
     return out
 
 
+def team_spin_ms(trials: int = 7) -> dict:
+    """How long torch's intra-op team stays awake (spinning) after one parallel op, as
+    pinxfer's probe sees it (csrc/runtime/torch_team.h): the window in which pinxfer's
+    copies run on the team, and the CPU each such copy re-arms on every team thread."""
+    import pinxfer
+
+    state = pinxfer._C._torch_team_state
+    wake = torch.ones(1 << 22)
+    spins = []
+    for _ in range(trials):
+        time.sleep(0.3)
+        wake.add_(1)
+        t0 = time.perf_counter()
+        while state()[1] and time.perf_counter() - t0 < 2.0:
+            time.sleep(0.0002)
+        spins.append((time.perf_counter() - t0) * 1e3)
+    return {
+        "team_threads": state()[0],
+        "median_ms": round(statistics.median(spins), 2),
+        "min_ms": round(min(spins), 2),
+        "max_ms": round(max(spins), 2),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None)
@@ -142,6 +166,9 @@ def main() -> None:
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     sizes = parse_sizes(args.sizes)
+    if args.child == "team_spin":
+        print(json.dumps(team_spin_ms()))
+        return
     if args.child:
         print(json.dumps(measure(sizes, args.rounds, args.child == "pinxfer_only")))
         return
@@ -150,6 +177,10 @@ def main() -> None:
         "gpu": torch.cuda.get_device_name(),
         "variants": {},
     }
+    spin_cmd = [sys.executable, __file__, "--child", "team_spin"]
+    spin = subprocess.run(spin_cmd, capture_output=True, text=True, check=True)
+    result["team_spin"] = json.loads(spin.stdout.strip().splitlines()[-1])
+    print(f"torch's team stays awake after one op: {result['team_spin']}", flush=True)
     for variant in args.variants.split(","):
         env = dict(os.environ, **VARIANTS[variant])
         proc = subprocess.run(

@@ -33,6 +33,7 @@ PINXFER_VARS = [
     "PINXFER_SPIN_US",
     "PINXFER_STAGE_COPY",
     "PINXFER_CACHED_TAIL",
+    "PINXFER_TORCH_TEAM",
     "LOCAL_WORLD_SIZE",  # torchrun's, read by the same table
 ]
 
@@ -292,6 +293,7 @@ def test_derived_threads_follow_local_world_size_and_affinity():
         ("PINXFER_MAX_PINNED_BYTES", "0.5", "a byte size"),
         ("PINXFER_MAX_PINNED_BYTES", "1.5", "a byte size"),
         ("PINXFER_STAGE_COPY", "fast", "expected 'auto', 'nt'"),
+        ("PINXFER_TORCH_TEAM", "on", "expected 'auto' \\(on torch's team"),
         ("PINXFER_DISABLE_CUDA", "yes", "1 \\(never touch CUDA\\) or 0"),
         ("PINXFER_NUMA_NODE", "first", "an integer from 0 to"),
         # Issue 27: 2^32 was read as node 0 while settings() showed 4294967296.

@@ -10,6 +10,7 @@ check the probe itself, that copies really take the team's road, and every byte.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -39,9 +40,15 @@ def random_bytes(nbytes, seed):
 """
 
 
-def _run(body: str) -> dict:
+def _run(body: str, **env: str) -> dict:
     code = _PRELUDE + textwrap.dedent(body)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **env},
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -70,6 +77,21 @@ def test_probe_tells_a_spinning_team_from_a_sleeping_one():
     assert not got["after_idle"], got
     assert got["other"] == [0, False]  # only the main thread's team is probed
     assert not got["one_thread"]
+
+
+def test_the_road_can_be_turned_off():
+    """PINXFER_TORCH_TEAM=off: a spinning team is never used (nor probed)."""
+    got = _run(
+        """
+        before = state()[2]
+        wake_team()
+        awake = state()[1]
+        y = pinxfer.pin_memory(torch.ones(4 << 20))
+        print(json.dumps(dict(awake=awake, copies=state()[2] - before)))
+        """,
+        PINXFER_TORCH_TEAM="off",
+    )
+    assert got == {"awake": False, "copies": 0}
 
 
 def test_pin_memory_on_the_team_keeps_every_byte():

@@ -143,6 +143,16 @@ const Row kRows[] = {
        return std::to_string(s.cached_tail);
      },
      [](Settings&) { return std::string("16MiB (0 while the copy stream is busy)"); }, "default"},
+
+    {"PINXFER_TORCH_TEAM", "host copies run on torch's intra-op team while it spins: auto or off",
+     [](const char* name, const std::string& text, Settings& s) {
+       if (text != "auto" && text != "off") {
+         bad_env(name, text, "'auto' (on torch's team while it is awake) or 'off' (never)");
+       }
+       s.torch_team = text == "auto";
+       return text;
+     },
+     [](Settings&) { return std::string("auto"); }, "default"},
 };
 
 Settings read_settings() {

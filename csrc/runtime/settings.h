@@ -47,6 +47,7 @@ struct Settings {
   bool spin_adaptive = true;        // unset PINXFER_SPIN_US: spin longer after long jobs
   std::string stage_copy = "auto";  // PINXFER_STAGE_COPY, one of kStagingModeNames
   int64_t cached_tail = -1;         // PINXFER_CACHED_TAIL; -1: not set (16 MiB)
+  bool torch_team = true;           // PINXFER_TORCH_TEAM: copies may run on torch's awake team
   CpuResources cpus;                // what copy_threads was derived from (with LOCAL_WORLD_SIZE)
 
   // One per table row, in the table's order, for doctor: the value in force, its source

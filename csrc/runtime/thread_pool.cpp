@@ -152,6 +152,9 @@ void ThreadPool::spin_for_work() const {
 }
 
 void ThreadPool::worker_loop() {
+  // Named, so that tools (top -H, py-spy) and the torch-team probe (runtime/torch_team.h)
+  // tell pinxfer's copy threads from the process's others.
+  pthread_setname_np(pthread_self(), kCopyThreadName);
   for (;;) {
     std::shared_ptr<Job> job;
     if (spin_us_ > 0 || spin_adaptive_) {

@@ -49,6 +49,9 @@ inline void cpu_relax() {
 #endif
 }
 
+// The name of every ThreadPool worker thread (at most 15 characters: the kernel's limit).
+inline constexpr const char* kCopyThreadName = "pinxfer-copy";
+
 class ThreadPool {
  public:
   // num_threads counts the caller too: a pool of N runs N-1 workers.

@@ -1,6 +1,7 @@
 #include "runtime/torch_team.h"
 
 #include <ATen/Parallel.h>
+#include <dirent.h>
 #include <dlfcn.h>
 #include <fcntl.h>
 #include <link.h>
@@ -9,12 +10,14 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <mutex>
 #include <string>
 #include <vector>
 
+#include "runtime/settings.h"
 #include "runtime/thread_pool.h"
 
 namespace pinxfer {
@@ -58,39 +61,45 @@ GompParallel gomp_parallel() {
   return fn;
 }
 
-// fn over [0, n) in chunks of `chunk`, claimed by the team's threads as they arrive (a late
-// one finds none left); the first exception is kept and rethrown after the join (one must
-// not leave an OpenMP region).
+// A parallel region: body() runs once on each of the team's threads (the caller among
+// them) and returns when all have; the first exception is kept and rethrown after the
+// join (one must not leave an OpenMP region).
 struct Region {
-  const std::function<void(size_t, size_t)>* fn;
-  size_t n = 0, chunk = 1;
-  std::atomic<size_t> next{0};
+  const std::function<void()>* member;
   std::mutex mutex;
   std::exception_ptr error;  // LOCK: mutex
 
   static void body(void* self) {
     auto& r = *static_cast<Region*>(self);
-    for (;;) {
-      const size_t begin = r.next.fetch_add(r.chunk, std::memory_order_relaxed);
-      if (begin >= r.n) return;
-      try {
-        (*r.fn)(begin, std::min(r.n, begin + r.chunk));
-      } catch (...) {
-        std::lock_guard<std::mutex> lock(r.mutex);
-        if (!r.error) r.error = std::current_exception();
-      }
+    try {
+      (*r.member)();
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(r.mutex);
+      if (!r.error) r.error = std::current_exception();
     }
   }
 };
 
-void run_region(size_t n, size_t chunk, unsigned threads,
-                const std::function<void(size_t, size_t)>& fn) {
+void run_on_each_member(unsigned threads, const std::function<void()>& member) {
   Region r;
-  r.fn = &fn;
-  r.n = n;
-  r.chunk = std::max<size_t>(1, chunk);
+  r.member = &member;
   gomp_parallel()(&Region::body, &r, threads, 0);
   if (r.error) std::rethrow_exception(r.error);
+}
+
+// fn over [0, n) in chunks of `chunk`, claimed by the team's threads as they arrive (a late
+// one finds none left).
+void run_region(size_t n, size_t chunk, unsigned threads,
+                const std::function<void(size_t, size_t)>& fn) {
+  std::atomic<size_t> next{0};
+  chunk = std::max<size_t>(1, chunk);
+  run_on_each_member(threads, [&] {
+    for (;;) {
+      const size_t begin = next.fetch_add(chunk, std::memory_order_relaxed);
+      if (begin >= n) return;
+      fn(begin, std::min(n, begin + chunk));
+    }
+  });
 }
 
 // The calling thread's view of its team.
@@ -117,8 +126,10 @@ struct TeamProbe {
     pid = ::getpid();
     threads = n;
     std::vector<pid_t> tids(static_cast<size_t>(n), 0);
-    run_region(tids.size(), 1, static_cast<unsigned>(n), [&tids](size_t begin, size_t end) {
-      for (size_t i = begin; i < end; ++i) tids[i] = current_tid();
+    std::atomic<size_t> arrived{0};
+    run_on_each_member(static_cast<unsigned>(n), [&] {
+      const size_t i = arrived.fetch_add(1, std::memory_order_relaxed);
+      if (i < tids.size()) tids[i] = current_tid();
     });
     const pid_t self = current_tid();
     for (pid_t tid : tids) {
@@ -127,19 +138,59 @@ struct TeamProbe {
       const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
       if (fd >= 0) stat_fds.push_back(fd);
     }
+    if (stat_fds.empty()) forget();  // no member to watch: try again at a later scan
   }
 
-  // 'R' running, 'S' sleeping, ...; 0 if the thread is gone or unreadable.
-  static char state_of(int fd) {
+  // Reads "tid (comm) S ..." of a /proc stat file: the state ('R' running, 'S' sleeping,
+  // ...; 0 if the thread is gone or unreadable) and, if asked, the comm.
+  static char state_of(int fd, std::string* comm = nullptr) {
     char buf[512];
     const ssize_t got = ::pread(fd, buf, sizeof(buf) - 1, 0);
     if (got <= 0) return 0;
     buf[got] = '\0';
-    // "tid (comm) S ...": comm may hold spaces and parentheses, the last ')' ends it.
+    // comm may hold spaces and parentheses: the first '(' opens it, the last ')' ends it.
+    const char* open = std::strchr(buf, '(');
     const char* close = std::strrchr(buf, ')');
-    if (close == nullptr || close[1] != ' ') return 0;
+    if (open == nullptr || close == nullptr || close < open || close[1] != ' ') return 0;
+    if (comm != nullptr) comm->assign(open + 1, close);
     return close[2];
   }
+
+  // Whether a team of n seems to exist and spin, seen without running a region: at least
+  // n - 1 threads of this process other than the caller and pinxfer's copy threads are
+  // running. A region of our own would start a team where torch never made one, and
+  // libgomp ends the process when it cannot start its threads (tests/test_limits.py).
+  // One stat read per thread of the process: a few dozen microseconds, so it is rationed
+  // (scan_due) and stops once the team is learned.
+  static bool others_running(int n) {
+    DIR* dir = ::opendir("/proc/self/task");
+    if (dir == nullptr) return false;
+    const pid_t self = current_tid();
+    int running = 0;
+    std::string comm;
+    while (const dirent* entry = ::readdir(dir)) {
+      const pid_t tid = static_cast<pid_t>(std::atoi(entry->d_name));
+      if (tid <= 0 || tid == self) continue;
+      const std::string path = "/proc/self/task/" + std::to_string(tid) + "/stat";
+      const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+      if (fd < 0) continue;
+      const char state = state_of(fd, &comm);
+      ::close(fd);
+      if (state == 'R' && comm != kCopyThreadName && ++running >= n - 1) break;
+    }
+    ::closedir(dir);
+    return running >= n - 1;
+  }
+
+  // Scans (others_running) come at calls 1, 2, 4, ... 64, then every 64th, until the team
+  // is learned: a process whose team never spins pays for few of them.
+  bool scan_due() {
+    if (++calls_since_scan < scan_every) return false;
+    calls_since_scan = 0;
+    scan_every = std::min(scan_every * 2, 64);
+    return true;
+  }
+  int calls_since_scan = 0, scan_every = 1;
 
   bool awake() {
     bool any_running = false;
@@ -166,13 +217,19 @@ bool on_main_thread() { return current_tid() == ::getpid(); }
 }  // namespace
 
 bool torch_team_awake() {
-  if (!kProbeAllowed || gomp_parallel() == nullptr || at::in_parallel_region() ||
-      !on_main_thread()) {
+  if (!kProbeAllowed || !settings().torch_team || gomp_parallel() == nullptr ||
+      at::in_parallel_region() || !on_main_thread()) {
     return false;
   }
   const int n = at::get_num_threads();
   if (n <= 1) return false;
-  if (t_probe.threads != n || t_probe.pid != ::getpid()) t_probe.learn(n);
+  if (t_probe.threads != n || t_probe.pid != ::getpid()) {
+    // Not learned (or the team changed): learn it only once it is seen spinning.
+    if (!t_probe.scan_due() || !TeamProbe::others_running(n)) return false;
+    t_probe.learn(n);
+    t_probe.calls_since_scan = 0;
+    t_probe.scan_every = 1;
+  }
   return t_probe.awake();
 }
 
@@ -203,11 +260,7 @@ void run_on_torch_team(size_t n, size_t grain, const std::function<void(size_t, 
 
 void run_on_each_team_member(const std::function<void()>& fn) {
   g_team_copies.fetch_add(1, std::memory_order_relaxed);
-  const int team = std::max(1, at::get_num_threads());
-  run_region(static_cast<size_t>(team), 1, static_cast<unsigned>(team),
-             [&fn](size_t begin, size_t end) {
-               for (size_t i = begin; i < end; ++i) fn();
-             });
+  run_on_each_member(static_cast<unsigned>(std::max(1, at::get_num_threads())), fn);
 }
 
 TorchTeamState torch_team_state() {

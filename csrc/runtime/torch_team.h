@@ -18,10 +18,18 @@
 // sleeps is never woken for a copy: its spin after every transfer would cost milliseconds of CPU on
 // every core (the design note, "Copy threads and torch's OpenMP threads").
 //
-// How "awake" is known: on first use the main thread runs one (empty) region that
-// records its team members' thread ids; each later question reads the scheduler state of
-// two of them from /proc/self/task/<tid>/stat (running: spinning; sleeping: asleep), about
-// a microsecond each. A team that changed (torch.set_num_threads, a fork) is learned again.
+// How "awake" is known: once at least team-size - 1 threads of the process other than
+// the caller and pinxfer's copy threads are seen running (a rationed scan of
+// /proc/self/task), the main thread runs one (empty) region that records its team
+// members' thread ids; each later question reads the scheduler state of two of them from
+// /proc/self/task/<tid>/stat (running: spinning; sleeping: asleep), about a microsecond
+// each. A team that changed (torch.set_num_threads, a fork) is learned again. pinxfer never
+// runs a region before it has seen the team spin: one of its own would start a team where
+// torch has not, and libgomp ends the process when it cannot start threads.
+//
+// The cost: the team spins again after each region, as after torch's own ops, so a loop
+// whose transfers come closer together than that spin keeps it spinning where torch's last
+// op alone would have let it sleep. PINXFER_TORCH_TEAM=off turns the road off.
 //
 // Thread-safe: the state is per thread. Off (always "asleep") under ThreadSanitizer,
 // which cannot see libgomp's barriers, and where /proc cannot be read.
