@@ -30,8 +30,8 @@ constexpr bool kProbeAllowed = false;  // TSan cannot see libgomp's fork and joi
 constexpr bool kProbeAllowed = true;
 #endif
 
-// Team members watched: all spin and sleep together, two guard against one being
-// descheduled at the moment it is read.
+// Team members watched: all spin and sleep together; a second is kept in case the first
+// ends (libgomp ends members when a region asks for fewer threads than the last).
 constexpr size_t kWatched = 2;
 
 pid_t current_tid() { return static_cast<pid_t>(::syscall(SYS_gettid)); }
@@ -192,17 +192,15 @@ struct TeamProbe {
   }
   int calls_since_scan = 0, scan_every = 1;
 
+  // The members spin and sleep together: one read tells (a spinning member the scheduler
+  // has descheduled is still 'R', runnable); the second is read only when the first has gone.
   bool awake() {
-    bool any_running = false;
     for (int fd : stat_fds) {
       const char s = state_of(fd);
-      if (s == 0) {  // a member is gone: the team was rebuilt; learn it next time
-        forget();
-        return false;
-      }
-      any_running |= s == 'R';
+      if (s != 0) return s == 'R';
     }
-    return any_running;
+    forget();  // every watched member is gone: the team was rebuilt; learn it next time
+    return false;
   }
 };
 
@@ -236,7 +234,9 @@ bool torch_team_awake() {
 void host_parallel_for(ThreadPool& pool, size_t n, size_t grain,
                        const std::function<void(size_t, size_t)>& fn, int max_threads) {
   if (n == 0) return;
-  if (!torch_team_awake()) {
+  // The probe costs a /proc read: asked only when the pool would run threads at all.
+  const bool one_thread = max_threads == 1 || n <= std::max<size_t>(1, grain);
+  if (one_thread || !torch_team_awake()) {
     pool.parallel_for(n, grain, fn, max_threads);
     return;
   }

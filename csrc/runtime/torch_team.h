@@ -21,11 +21,12 @@
 // How "awake" is known: once at least team-size - 1 threads of the process other than
 // the caller and pinxfer's copy threads are seen running (a rationed scan of
 // /proc/self/task), the main thread runs one (empty) region that records its team
-// members' thread ids; each later question reads the scheduler state of two of them from
-// /proc/self/task/<tid>/stat (running: spinning; sleeping: asleep), about a microsecond
-// each. A team that changed (torch.set_num_threads, a fork) is learned again. pinxfer never
-// runs a region before it has seen the team spin: one of its own would start a team where
-// torch has not, and libgomp ends the process when it cannot start threads.
+// members' thread ids; each later question reads the scheduler state of one of them from
+// /proc/self/task/<tid>/stat (running: spinning; sleeping: asleep), a microsecond or two,
+// and only where pinxfer would otherwise wake copy threads. A team that changed
+// (torch.set_num_threads, a fork) is learned again. pinxfer never runs a region before it has seen
+// the team spin: one of its own would start a team where torch has not, and libgomp ends the
+// process when it cannot start threads.
 //
 // The cost: the team spins again after each region, as after torch's own ops, so a loop
 // whose transfers come closer together than that spin keeps it spinning where torch's last

@@ -295,7 +295,7 @@ void single_block_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex 
 
   // torch's team awake (runtime/torch_team.h): its threads stage the pieces beside the
   // caller, which joins them all; none is parked by contention, so nothing is stolen.
-  const bool on_team = torch_team_awake();
+  const bool on_team = sb->plan.threads > 1 && torch_team_awake();
   const int helpers =
       on_team ? 0 : std::min(static_cast<int>(sb->plan.threads) - 1, threads.num_threads() - 1);
   const ThreadPool::Offer offer =
