@@ -231,16 +231,16 @@ bool torch_team_awake() {
   return t_probe.awake();
 }
 
-void host_parallel_for(ThreadPool& pool, size_t n, size_t grain,
+void host_parallel_for(ThreadPool& pool, size_t n, size_t grain, size_t awake_grain,
                        const std::function<void(size_t, size_t)>& fn, int max_threads) {
   if (n == 0) return;
-  // The probe costs a /proc read: asked only when the pool would run threads at all.
-  const bool one_thread = max_threads == 1 || n <= std::max<size_t>(1, grain);
-  if (one_thread || !torch_team_awake()) {
+  awake_grain = std::max<size_t>(1, std::min(awake_grain, grain));
+  // The probe costs a /proc read: asked only where two threads could share the copy.
+  if (n <= awake_grain || !torch_team_awake()) {
     pool.parallel_for(n, grain, fn, max_threads);
     return;
   }
-  run_on_torch_team(n, grain, fn);
+  run_on_torch_team(n, awake_grain, fn);
 }
 
 void run_on_torch_team(size_t n, size_t grain, const std::function<void(size_t, size_t)>& fn) {

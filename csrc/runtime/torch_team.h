@@ -61,10 +61,12 @@ void run_on_torch_team(size_t n, size_t grain, const std::function<void(size_t, 
 void run_on_each_team_member(const std::function<void()>& fn);
 
 // pool.parallel_for(n, grain, fn, max_threads), run on torch's intra-op team instead when
-// that team is awake (torch_team_awake); max_threads then does not apply (see above).
-// fn must be safe on any thread (no thread-local state of pinxfer's pool) and may throw:
-// the first exception is rethrown here, as parallel_for does.
-void host_parallel_for(ThreadPool& pool, size_t n, size_t grain,
+// that team is awake (torch_team_awake), in chunks of at least awake_grain (<= grain: a
+// chunk on the pool must be worth waking a thread, one on the awake team need not), and
+// max_threads does not apply (see above). The team is asked about only when the copy could
+// use two threads. fn must be safe on any thread (no thread-local state of pinxfer's pool)
+// and may throw: the first exception is rethrown here, as parallel_for does.
+void host_parallel_for(ThreadPool& pool, size_t n, size_t grain, size_t awake_grain,
                        const std::function<void(size_t, size_t)>& fn, int max_threads = 0);
 
 // TEST-ONLY (pinxfer._C._torch_team_state): team threads learned on this thread, whether

@@ -43,7 +43,8 @@ namespace {
 
 // Copies are split in 64 KiB units, at least 16 per chunk: chunks of >= 1 MiB
 // amortise waking a worker, and unit-aligned chunk starts keep memcpy on its
-// fast aligned path.
+// fast aligned path. On torch's awake team (runtime/torch_team.h) nothing is woken:
+// chunks of one unit.
 constexpr size_t kCopyUnit = size_t{64} << 10;
 constexpr size_t kUnitsPerChunk = 16;
 
@@ -78,7 +79,7 @@ void check_threads(int64_t num_threads) {
 void parallel_memcpy(char* dst, const char* src, size_t nbytes, ThreadPool& pool, int max_threads) {
   const size_t units = (nbytes + kCopyUnit - 1) / kCopyUnit;
   host_parallel_for(
-      pool, units, kUnitsPerChunk,
+      pool, units, kUnitsPerChunk, 1,
       [&](size_t begin, size_t end) {
         const size_t lo = begin * kCopyUnit;
         const size_t hi = std::min(nbytes, end * kCopyUnit);
@@ -100,8 +101,9 @@ void parallel_elementwise_copy(at::Tensor& dst, const at::Tensor& src, ThreadPoo
   const int64_t rows = dst.size(0);
   const size_t row_bytes = std::max<size_t>(1, dst.numel() / rows * dst.element_size());
   const size_t grain = std::max<size_t>(1, (kCopyUnit * kUnitsPerChunk) / row_bytes);
+  const size_t awake_grain = std::max<size_t>(1, kCopyUnit / row_bytes);
   host_parallel_for(
-      pool, static_cast<size_t>(rows), grain,
+      pool, static_cast<size_t>(rows), grain, awake_grain,
       [&](size_t begin, size_t end) {
         c10::ParallelGuard guard(true);
         const auto b = static_cast<int64_t>(begin);

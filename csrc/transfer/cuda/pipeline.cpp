@@ -442,7 +442,7 @@ void pipelined_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex dev
   for (size_t s = 0; s < pl.plan.ring; ++s) pl.slots.push_back(pool.allocate(pl.plan.slot_bytes));
 
   try {
-    host_parallel_for(threads, pl.plan.threads, 1, [&pl](size_t begin, size_t end) {
+    host_parallel_for(threads, pl.plan.threads, 1, 1, [&pl](size_t begin, size_t end) {
       for (size_t i = begin; i < end; ++i) pl.run();
     });
   } catch (...) {
@@ -558,7 +558,7 @@ void packed_copy(const std::vector<at::Tensor>& srcs, const std::vector<size_t>&
         // Grain: about 64 KiB of average payload per claim.
         const size_t grain = std::max<size_t>(1, srcs.size() * 64 * kKiB / total);
         ThreadPool& threads = thread_pool_for_node(node);
-        host_parallel_for(threads, srcs.size(), grain, pack_and_send,
+        host_parallel_for(threads, srcs.size(), grain, grain, pack_and_send,
                           threads.threads_for_copy(total));
       }
     } catch (...) {
