@@ -34,6 +34,16 @@ WAKE = torch.ones(1 << 22)  # 16 MiB: an add on it is one of torch's parallel op
 def wake_team():
     WAKE.add_(1)
 
+def awake_after_op(tries=20):
+    # Whether the probe sees the team awake right after one of torch's ops, in a few tries
+    # (on a loaded machine a team member may not run at the moment it is read).
+    for _ in range(tries):
+        wake_team()
+        if state()[1]:
+            return True
+        time.sleep(0.01)
+    return False
+
 def random_bytes(nbytes, seed):
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
@@ -56,19 +66,18 @@ def _run(body: str, **env: str) -> dict:
 def test_probe_tells_a_spinning_team_from_a_sleeping_one():
     got = _run(
         """
-        wake_team()
-        threads, awake_after_op, _ = state()
+        first = awake_after_op()
+        threads = state()[0]
         time.sleep(1.0)  # libgomp's spin is milliseconds
         _, awake_after_idle, _ = state()
-        wake_team()
-        _, awake_again, _ = state()
+        again = awake_after_op()
         other = []
         t = threading.Thread(target=lambda: other.append(state()))
         t.start(); t.join()
         torch.set_num_threads(1)
         _, awake_one_thread, _ = state()
         print(json.dumps(dict(threads=threads, want=torch.get_num_threads(),
-              after_op=awake_after_op, after_idle=awake_after_idle, again=awake_again,
+              after_op=first, after_idle=awake_after_idle, again=again,
               other=list(other[0][:2]), one_thread=awake_one_thread)))
         """
     )

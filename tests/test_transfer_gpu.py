@@ -441,7 +441,9 @@ def test_to_host_roundtrip_and_wait():
 def test_to_host_cannot_be_read_early():
     x = torch.randn(4 * MiB, device="cuda")
     expected = (x + 1).cpu()
-    torch.cuda._sleep(5 * SLEEP)  # ~250 ms: the copy below runs after this
+    # ~1 s: the copy below runs after this, even where the host is slowed by other work
+    # (a loaded test run once took longer than 250 ms to queue it).
+    torch.cuda._sleep(20 * SLEEP)
     h = pinxfer.to_host(x + 1)
     assert not h.ready()  # still queued behind the sleep
     assert torch.equal(h.tensor, expected)  # .tensor waits first

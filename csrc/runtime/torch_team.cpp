@@ -157,8 +157,8 @@ struct TeamProbe {
   }
 
   // Whether a team of n seems to exist and spin, seen without running a region: at least
-  // n - 1 threads of this process other than the caller and pinxfer's copy threads are
-  // running. A region of our own would start a team where torch never made one, and
+  // (n - 1) / 2 threads of this process other than the caller and pinxfer's copy threads
+  // are running. A region of our own would start a team where torch never made one, and
   // libgomp ends the process when it cannot start its threads (tests/test_limits.py).
   // One stat read per thread of the process: a few dozen microseconds, so it is rationed
   // (scan_due) and stops once the team is learned.
@@ -166,6 +166,9 @@ struct TeamProbe {
     DIR* dir = ::opendir("/proc/self/task");
     if (dir == nullptr) return false;
     const pid_t self = current_tid();
+    // Half the other members: on a loaded machine some have already gone to sleep, and
+    // that many running threads of this process that are not pinxfer's are a team.
+    const int enough = std::max(1, (n - 1) / 2);
     int running = 0;
     std::string comm;
     while (const dirent* entry = ::readdir(dir)) {
@@ -176,10 +179,10 @@ struct TeamProbe {
       if (fd < 0) continue;
       const char state = state_of(fd, &comm);
       ::close(fd);
-      if (state == 'R' && comm != kCopyThreadName && ++running >= n - 1) break;
+      if (state == 'R' && comm != kCopyThreadName && ++running >= enough) break;
     }
     ::closedir(dir);
-    return running >= n - 1;
+    return running >= enough;
   }
 
   // Scans (others_running) come at calls 1, 2, 4, ... 64, then every 64th, until the team
