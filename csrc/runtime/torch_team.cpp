@@ -106,6 +106,11 @@ void run_region(size_t n, size_t chunk, unsigned threads,
 struct TeamProbe {
   pid_t pid = 0;    // process the team was learned in (a forked child learns again)
   int threads = 0;  // at::get_num_threads() when learned; 0: not learned
+  // Threads every region asks for: the caller and the members seen spinning when the team
+  // was learned. Never more: a region larger than the team makes libgomp start threads,
+  // and it ends the process when it cannot (tests/test_limits.py); a smaller one makes it
+  // end the members left out, which torch's next op starts again.
+  int region_threads = 1;
   std::vector<int> stat_fds;
 
   TeamProbe() = default;
@@ -121,13 +126,14 @@ struct TeamProbe {
 
   // One parallel region, each member recording its thread id; the first two that are
   // not the caller are watched.
-  void learn(int n) {
+  void learn(int n, int team) {
     forget();
     pid = ::getpid();
     threads = n;
-    std::vector<pid_t> tids(static_cast<size_t>(n), 0);
+    region_threads = team;
+    std::vector<pid_t> tids(static_cast<size_t>(team), 0);
     std::atomic<size_t> arrived{0};
-    run_on_each_member(static_cast<unsigned>(n), [&] {
+    run_on_each_member(static_cast<unsigned>(team), [&] {
       const size_t i = arrived.fetch_add(1, std::memory_order_relaxed);
       if (i < tids.size()) tids[i] = current_tid();
     });
@@ -156,15 +162,15 @@ struct TeamProbe {
     return close[2];
   }
 
-  // Whether a team of n seems to exist and spin, seen without running a region: at least
-  // (n - 1) / 2 threads of this process other than the caller and pinxfer's copy threads
-  // are running. A region of our own would start a team where torch never made one, and
-  // libgomp ends the process when it cannot start its threads (tests/test_limits.py).
-  // One stat read per thread of the process: a few dozen microseconds, so it is rationed
-  // (scan_due) and stops once the team is learned.
-  static bool others_running(int n) {
+  // How many members of a team of n seem to exist and spin, seen without running a
+  // region: the threads of this process other than the caller and pinxfer's copy threads
+  // that are running, if at least (n - 1) / 2 (else 0). A region of our own would start a team
+  // where torch never made one, and libgomp ends the process when it cannot start its threads
+  // (tests/test_limits.py). One stat read per thread of the process: a few dozen microseconds, so
+  // it is rationed (scan_due) and stops once the team is learned.
+  static int others_running(int n) {
     DIR* dir = ::opendir("/proc/self/task");
-    if (dir == nullptr) return false;
+    if (dir == nullptr) return 0;
     const pid_t self = current_tid();
     // Half the other members: on a loaded machine some have already gone to sleep, and
     // that many running threads of this process that are not pinxfer's are a team.
@@ -179,10 +185,10 @@ struct TeamProbe {
       if (fd < 0) continue;
       const char state = state_of(fd, &comm);
       ::close(fd);
-      if (state == 'R' && comm != kCopyThreadName && ++running >= enough) break;
+      if (state == 'R' && comm != kCopyThreadName && ++running == n - 1) break;
     }
     ::closedir(dir);
-    return running >= enough;
+    return running >= enough ? running : 0;
   }
 
   // Scans (others_running) come at calls 1, 2, 4, ... 64, then every 64th, until the team
@@ -226,8 +232,10 @@ bool torch_team_awake() {
   if (n <= 1) return false;
   if (t_probe.threads != n || t_probe.pid != ::getpid()) {
     // Not learned (or the team changed): learn it only once it is seen spinning.
-    if (!t_probe.scan_due() || !TeamProbe::others_running(n)) return false;
-    t_probe.learn(n);
+    if (!t_probe.scan_due()) return false;
+    const int members = TeamProbe::others_running(n);
+    if (members == 0) return false;
+    t_probe.learn(n, members + 1);
     t_probe.calls_since_scan = 0;
     t_probe.scan_every = 1;
   }
@@ -251,19 +259,20 @@ void run_on_torch_team(size_t n, size_t grain, const std::function<void(size_t, 
   grain = std::max<size_t>(1, grain);
   // Chunks of at least `grain`, four per thread (as ThreadPool::parallel_for), so a thread
   // that comes late leaves its share to the others.
-  const int team = std::max(1, at::get_num_threads());
+  const int team = t_probe.region_threads;
   const size_t threads = std::max<size_t>(1, std::min<size_t>(team, (n + grain - 1) / grain));
   const size_t chunk = std::max(grain, (n + threads * 4 - 1) / (threads * 4));
-  // The region always asks for the whole team, as torch's own ops do; members beyond the
-  // chunks find none and leave at once. A smaller region would make libgomp end the
-  // members it leaves out, and torch's next op start them again (diag_midsize, H100: a
-  // 1 MiB to_device on a 3-thread region, 67 -> 111 us, its helpers 2 -> 24 us late).
+  // The region asks for the team as learned (region_threads), however few chunks there
+  // are; members beyond the chunks find none and leave at once. A smaller region would
+  // make libgomp end the members it leaves out, and torch's next op start them again
+  // (diag_midsize, H100: a 1 MiB to_device on a 3-thread region, 67 -> 111 us, its helpers
+  // 2 -> 24 us late).
   run_region(n, chunk, static_cast<unsigned>(team), fn);
 }
 
 void run_on_each_team_member(const std::function<void()>& fn) {
   g_team_copies.fetch_add(1, std::memory_order_relaxed);
-  run_on_each_member(static_cast<unsigned>(std::max(1, at::get_num_threads())), fn);
+  run_on_each_member(static_cast<unsigned>(t_probe.region_threads), fn);
 }
 
 TorchTeamState torch_team_state() {

@@ -20,7 +20,8 @@
 //
 // How "awake" is known: once at least (team-size - 1) / 2 threads of the process other than
 // the caller and pinxfer's copy threads are seen running (a rationed scan of
-// /proc/self/task), the main thread runs one (empty) region that records its team
+// /proc/self/task), the main thread runs one (empty) region of that many threads and the
+// caller (never more: a larger region makes libgomp start threads) that records its team
 // members' thread ids; each later question reads the scheduler state of one of them from
 // /proc/self/task/<tid>/stat (running: spinning; sleeping: asleep), a microsecond or two,
 // and only where pinxfer would otherwise wake copy threads. A team that changed
