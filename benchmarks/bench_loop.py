@@ -88,6 +88,21 @@ IDLE_CPU_LIMIT_S = 0.005
 # ---------------------------------------------------------------- pure helpers (self-tested)
 
 
+def call_ways(px: Any, t: Any, pinned: Any, batch: dict, dev: Any) -> dict[str, Callable[[], Any]]:
+    """The per-call ways of a cell, in bench_loop's order (the rotation starts from it):
+    pinxfer's three and torch's four, over the same tensor `t` (pageable), its pinned copy
+    and a batch. benchmarks/diag_midsize.py runs the same ones."""
+    return {
+        "to_device": lambda: px.to_device(t, dev),
+        "to_device_batch": lambda: px.to_device(batch, dev),
+        "pin_memory": lambda: px.pin_memory(t),
+        "torch_to": lambda: t.to(dev),
+        "torch_pinned_to": lambda: pinned.to(dev, non_blocking=True),
+        "torch_pin_to": lambda: t.pin_memory().to(dev, non_blocking=True),
+        "torch_pin": lambda: t.pin_memory(),
+    }
+
+
 def size_label(n: int) -> str:
     for unit, name in ((GiB, "GiB"), (MiB, "MiB"), (KiB, "KiB")):
         if n >= unit and n % unit == 0:
@@ -785,15 +800,7 @@ class Bench:
             assert torch.equal(gb["x"].cpu(), batch["x"]) and torch.equal(gb["y"].cpu(), batch["y"])
             assert [int(m) for m in gb["meta"]] == [0, nbytes]
             del got, gb
-            ways = {
-                "to_device": lambda: px.to_device(t, dev),
-                "to_device_batch": lambda: px.to_device(batch, dev),
-                "pin_memory": lambda: px.pin_memory(t),
-                "torch_to": lambda: t.to(dev),
-                "torch_pinned_to": lambda: pinned.to(dev, non_blocking=True),
-                "torch_pin_to": lambda: t.pin_memory().to(dev, non_blocking=True),
-                "torch_pin": lambda: t.pin_memory(),
-            }
+            ways = call_ways(px, t, pinned, batch, dev)
             k = 16 if nbytes <= 64 * MiB else 8 if nbytes <= 256 * MiB else 4
             batches = [batch] + [self.make_batch(nbytes, i) for i in range(1, k)]
             for pattern in PATTERNS:

@@ -42,7 +42,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_loop import batch_layout, parse_sizes, size_label
+from bench_loop import batch_layout, call_ways, parse_sizes, size_label
 
 VARIANTS: dict[str, dict[str, str]] = {
     "default": {},
@@ -73,18 +73,9 @@ def measure(sizes: list[int], rounds: int, pinxfer_only: bool) -> dict:
             "y": torch.randint(0, 1 << 30, (lay["y"] // 8,), dtype=torch.int64),
             "meta": [torch.tensor(1), torch.tensor(nbytes)],
         }
-        ways = {"to_device": lambda: pinxfer.to_device(t, dev)}
-        if not pinxfer_only:
-            ways.update(
-                {
-                    "to_device_batch": lambda: pinxfer.to_device(batch, dev),
-                    "pin_memory": lambda: pinxfer.pin_memory(t),
-                    "torch_to": lambda: t.to(dev),
-                    "torch_pinned_to": lambda: pinned.to(dev, non_blocking=True),
-                    "torch_pin_to": lambda: t.pin_memory().to(dev, non_blocking=True),
-                    "torch_pin": lambda: t.pin_memory(),
-                }
-            )
+        ways = call_ways(pinxfer, t, pinned, batch, dev)
+        if pinxfer_only:
+            ways = {"to_device": ways["to_device"]}
         for fn in ways.values():  # warm-up
             fn()
             sync()
