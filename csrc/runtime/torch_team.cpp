@@ -164,17 +164,20 @@ struct TeamProbe {
 
   // How many members of a team of n seem to exist and spin, seen without running a
   // region: the threads of this process other than the caller and pinxfer's copy threads
-  // that are running, if at least (n - 1) / 2 (else 0). A region of our own would start a team
-  // where torch never made one, and libgomp ends the process when it cannot start its threads
+  // that are running, if at least max(2, (n - 1) / 2) (else 0). A region of our own would start a
+  // team where torch never made one, and libgomp ends the process when it cannot start its threads
   // (tests/test_limits.py). One stat read per thread of the process: a few dozen microseconds, so
   // it is rationed (scan_due) and stops once the team is learned.
   static int others_running(int n) {
     DIR* dir = ::opendir("/proc/self/task");
     if (dir == nullptr) return 0;
     const pid_t self = current_tid();
-    // Half the other members: on a loaded machine some have already gone to sleep, and
-    // that many running threads of this process that are not pinxfer's are a team.
-    const int enough = std::max(1, (n - 1) / 2);
+    // Half the other members, and at least two: on a loaded machine some have already gone
+    // to sleep, and that many running threads of this process that are not pinxfer's are a
+    // team. One running thread is no sign (a data thread, a runner's I/O thread): a team of
+    // two is never learned (CI, 2 CPUs: learning on one stray thread started a team under
+    // RLIMIT_AS and libgomp ended the process).
+    const int enough = std::max(2, (n - 1) / 2);
     int running = 0;
     std::string comm;
     while (const dirent* entry = ::readdir(dir)) {

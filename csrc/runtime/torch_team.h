@@ -18,7 +18,8 @@
 // sleeps is never woken for a copy: its spin after every transfer would cost milliseconds of CPU on
 // every core (the design note, "Copy threads and torch's OpenMP threads").
 //
-// How "awake" is known: once at least (team-size - 1) / 2 threads of the process other than
+// How "awake" is known: once at least max(2, (team-size - 1) / 2) threads of the process
+// other than
 // the caller and pinxfer's copy threads are seen running (a rationed scan of
 // /proc/self/task), the main thread runs one (empty) region of that many threads and the
 // caller (never more: a larger region makes libgomp start threads) that records its team
