@@ -42,7 +42,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_loop import batch_layout, call_ways, parse_sizes, size_label
+from bench_loop import call_ways, parse_sizes, size_label
+from diag_batch import make_batch
 
 VARIANTS: dict[str, dict[str, str]] = {
     "default": {},
@@ -67,13 +68,7 @@ def measure(sizes: list[int], rounds: int, pinxfer_only: bool) -> dict:
     for nbytes in sizes:
         t = torch.randn(nbytes // 4)
         pinned = t.pin_memory()
-        lay = batch_layout(nbytes)
-        batch = {
-            "x": torch.randn(lay["x"] // 4),
-            "y": torch.randint(0, 1 << 30, (lay["y"] // 8,), dtype=torch.int64),
-            "meta": [torch.tensor(1), torch.tensor(nbytes)],
-        }
-        ways = call_ways(pinxfer, t, pinned, batch, dev)
+        ways = call_ways(pinxfer, t, pinned, make_batch(nbytes), dev)
         if pinxfer_only:
             ways = {"to_device": ways["to_device"]}
         for fn in ways.values():  # warm-up

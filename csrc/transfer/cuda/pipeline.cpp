@@ -296,16 +296,13 @@ void single_block_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex 
   // torch's team awake (runtime/torch_team.h): its threads stage the pieces beside the
   // caller, which joins them all; none is parked by contention, so nothing is stolen.
   const bool on_team = sb->plan.threads > 1 && torch_team_awake();
-  const int helpers =
-      on_team ? 0 : std::min(static_cast<int>(sb->plan.threads) - 1, threads.num_threads() - 1);
+  const int helpers = static_cast<int>(sb->plan.threads) - 1;
   const ThreadPool::Offer offer =
       on_team ? nullptr : threads.offer(helpers, [sb](size_t, size_t) { sb->help(); });
   trace.nbytes = static_cast<int64_t>(sb->nbytes);
   trace.pieces = static_cast<int64_t>(pieces.size());
   trace.on_torch_team = on_team;
-  trace.helpers_offered = on_team ? static_cast<int64_t>(sb->plan.threads) - 1
-                          : offer ? helpers
-                                  : 0;
+  trace.helpers_offered = on_team || offer ? helpers : 0;
   std::vector<c10::DataPtr> spares(pieces.size());
   size_t queued = 0;  // chunks queued, in order
   auto queue_ready = [&] {

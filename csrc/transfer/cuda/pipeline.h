@@ -74,7 +74,8 @@ void caller_staged_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex
 // Times are microseconds from the call's start; helper figures are as the caller left.
 struct SingleBlockTrace {
   bool on_torch_team = false;  // staged on torch's awake intra-op team (runtime/torch_team.h)
-  int64_t nbytes = 0, pieces = 0, helpers_offered = 0;
+  int64_t nbytes = 0, pieces = 0;
+  int64_t helpers_offered = 0;  // helpers the plan asked for (ThreadPool::offer caps them)
   int64_t own_pieces = 0, helper_pieces = 0, stolen = 0;
   double alloc_us = 0, own_done_us = 0, total_us = 0;
   double first_helper_us = -1;  // when the first helper claimed a piece; -1: none had
