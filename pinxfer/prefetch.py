@@ -120,6 +120,11 @@ class StagedLease:
 
     __slots__ = ("batch",)
 
+    #: Whether ``done`` uses the event after the copies. A staged batch does not (its staging
+    #: blocks wait for the copy in pinxfer's pool, the batch is the caller's), so the
+    #: caller's road records none for it (an event costs the step microseconds of Python).
+    wants_copy_event = False
+
     def __init__(self, batch: Any):
         self.batch = batch
 
@@ -229,20 +234,21 @@ def _fetch(leases: Iterator[Any], step: int) -> Any:
         return (_ERROR, err, None)
 
 
-def _send(lease: Any, to: Delivery, stream: torch.cuda.Stream | None, step: int) -> tuple:
-    """Sends one lease with ``stream`` current (the road's job) and gives it back:
-    (_ITEM, result, event after the copies), or (_ERROR, err, None) once no copy reads the
-    batch any more. A KeyboardInterrupt or SystemExit is cleaned up after, then raised."""
+def _send(lease: Any, to: Delivery, event_on: torch.cuda.Stream | None, step: int) -> tuple:
+    """Sends one lease (on the current stream, which the road has chosen) and gives it back:
+    (_ITEM, result, event after the copies, recorded on ``event_on``; None without one), or
+    (_ERROR, err, None) once no copy reads the batch any more. A KeyboardInterrupt or
+    SystemExit is cleaned up after, then raised."""
     try:
         event = None
         with profiler_range("pinxfer::prefetch::transfer"):
             out = lease.send(to)
-            if stream is not None:
+            if event_on is not None:
                 event = torch.cuda.Event()
-                event.record(stream)
+                event.record(event_on)
         lease.done(event)
     except BaseException as err:
-        if stream is not None:
+        if to.device.type == "cuda":
             torch.cuda.synchronize(to.device)  # no copy may still read the batch
         lease.done(None)
         if not isinstance(err, Exception):
@@ -263,6 +269,18 @@ def _hand_over(payload: Any, event: torch.cuda.Event | None, device: torch.devic
             if t.is_cuda:
                 t.record_stream(consumer)
     return payload
+
+
+def _stream_of(ids: tuple) -> torch.cuda.Stream:
+    """The Stream of torch._C._cuda_getCurrentStream's (id, device index, device type)."""
+    return torch.cuda.Stream(stream_id=ids[0], device_index=ids[1], device_type=ids[2])
+
+
+def _event_after(ids: tuple) -> torch.cuda.Event:
+    """An event recorded now on the stream ``ids``: it completes after the work queued there."""
+    event = torch.cuda.Event()
+    event.record(_stream_of(ids))
+    return event
 
 
 def _next_of(p: _CallerPass | _Pass) -> Any:
@@ -293,7 +311,7 @@ class _CallerPass:
         self.to = to
         self.depth = depth
         self.device = to.device if to.device.type == "cuda" else None  # None: a CPU pass
-        self.sent_on: int | None = None  # the stream id the batch ahead was sent on
+        self.sent_on: tuple | None = None  # the stream the batch ahead was sent on (ids)
         self.hand_off_large = hand_off_large  # producer="auto": a large first batch -> thread
         self.ahead: tuple | None = None  # the item sent one step early
         self.step = 0  # batches fetched
@@ -318,15 +336,24 @@ class _CallerPass:
         if item[0] == _ITEM:
             first = self.step == 1
             if first and self.hand_off_large and _tensor_bytes(item[1]) > CALLER_SENDS_BYTES:
-                # Large batches: a producer thread sends the rest, this one first.
+                # Large batches: a producer thread sends the rest, this one first (with an
+                # event: the thread's road hands every batch over with one).
+                if self.device is not None and item[2] is None:
+                    item = (item[0], item[1], _event_after(self.sent_on))
                 self.threaded = _Pass(self.leases, self.to, self.depth, first=item)
                 self.leases = None
                 return self.threaded.next()
             out = item[1]
-            if item[2] is not None and self._current_stream_id() != self.sent_on:
-                # The consumer changed streams since the batch was sent: the new one waits.
-                out = _hand_over(out, item[2], self.device)
-            self.ahead = self._send_next()
+            now = None
+            if self.device is not None:
+                now = self._current_stream()
+                if now != self.sent_on:
+                    # The consumer changed streams since the batch was sent: the new one
+                    # waits for the copies (an event recorded now on the stream they were
+                    # queued on comes after them).
+                    event = item[2] if item[2] is not None else _event_after(self.sent_on)
+                    out = _hand_over(out, event, self.device)
+            self.ahead = self._send_next(now)
             return out
         self._finished = True
         self.shutdown()
@@ -334,23 +361,26 @@ class _CallerPass:
             raise item[1]
         raise StopIteration
 
-    def _current_stream_id(self) -> int:
-        # The id alone (torch.cuda.current_stream() builds a Stream object: ~3 us).
-        return torch._C._cuda_getCurrentStream(self.device.index)[0]  # type: ignore[union-attr]
+    def _current_stream(self) -> tuple:
+        # (stream id, device index, device type): no Stream object (torch.cuda.current_stream()
+        # builds one, ~3 us of a step that sends a small batch in ~25).
+        return torch._C._cuda_getCurrentStream(self.device.index)  # type: ignore[union-attr]
 
-    def _send_next(self) -> tuple:
+    def _send_next(self, current: tuple | None = None) -> tuple:
+        """Fetches and sends the next batch; ``current``: the consumer's current stream if
+        the caller has just read it."""
         lease = _fetch(self.leases, self.step)  # type: ignore[arg-type]
         if type(lease) is tuple:
             return lease
         self.step += 1
         if self.device is None:
             return _send(lease, self.to, None, self.step - 1)
-        # On the consumer's current stream for the pass's device: the event after the copy
-        # is for lease.done (a slot goes back once the copy has read it) and for a consumer
-        # that has changed streams by the time it takes the batch.
-        stream = torch.cuda.current_stream(self.device)
-        self.sent_on = stream.stream_id
-        return _send(lease, self.to, stream, self.step - 1)
+        # On the consumer's current stream for the pass's device. An event after the copy
+        # only for a lease whose done() waits for it (a slot goes back once the copy has
+        # read it); a consumer that changes streams gets one when it takes the batch.
+        self.sent_on = current or self._current_stream()
+        event_on = _stream_of(self.sent_on) if lease.wants_copy_event else None
+        return _send(lease, self.to, event_on, self.step - 1)
 
     def shutdown(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
         """Stops the pass: drops the batch sent ahead, closes the source's pass. Idempotent."""

@@ -556,12 +556,15 @@ def test_prefetch_auto_road_follows_the_first_batch():
             assert b["x"].is_cuda and b["x"].sum().item() == 1024 * i
             assert b["y"].tolist() == list(range(i, i + 8))
     # A consumer that takes each batch on another stream than the one current when that
-    # batch was sent (one step earlier): the batch is made ready on the new stream.
+    # batch was sent (one step earlier): the batch is made ready on the new stream. Each
+    # batch is sent behind a sleep on its stream, so a read on the other stream that did
+    # not wait for the copy would see the memory before it.
     streams = [torch.cuda.Stream() for _ in range(2)]
     it = iter(pinxfer.prefetch([torch.full((64 * 1024,), float(i)) for i in range(6)]))
     oks = []
     for i in range(6):
         with torch.cuda.stream(streams[i % 2]):
+            torch.cuda._sleep(SLEEP // 4)  # the batch sent ahead in this next() queues behind it
             b = next(it)
             oks.append(torch.all(b == float(i)))
     torch.cuda.synchronize()
