@@ -221,15 +221,19 @@ def to_device(
                     torch.cuda.current_stream(out.device).synchronize()
                 return out
         else:
-            # A batch whose tensors are all small plain CPU ones (a collated batch of a few
-            # tensors, per-step inputs): one fast call packs and sends them and cuts the
-            # results.
+            # A batch of plain CPU tensors (a collated batch, per-step inputs). All small:
+            # one fast call packs and sends them and cuts the results. Some larger: those
+            # one by one, the small ones packed (_send_leaves), still without the argument
+            # checks of the general path below (which cost a batch microseconds).
             leaves = tensors_in(obj)
-            if len(leaves) > 1 and all(
-                plain_dense_cpu(t) and t.nbytes < SMALL_TENSOR_BYTES for t in leaves
-            ):
+            if len(leaves) > 1 and all(plain_dense_cpu(t) for t in leaves):
                 with profiler_range("pinxfer::to_device"):
-                    results = iter(_ops.fast.to_device_many(leaves, dev))
+                    if all(t.nbytes < SMALL_TENSOR_BYTES for t in leaves):
+                        results = iter(_ops.fast.to_device_many(leaves, dev))
+                    else:
+                        results = iter(
+                            _send_leaves(leaves, dev, non_blocking, chunk_bytes, num_buffers)
+                        )
                 out = map_tensors(obj, lambda _t: next(results))
                 if not non_blocking:
                     torch.cuda.current_stream(device).synchronize()

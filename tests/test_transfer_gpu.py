@@ -422,6 +422,23 @@ def test_nested_batch_small_and_large():
     assert out["gpu"] is batch["gpu"]
 
 
+@pytest.mark.parametrize("non_blocking", [True, False])
+def test_batch_of_cpu_tensors_small_and_large(non_blocking):
+    """A batch of plain CPU tensors only, some of 256 KiB or more (the fast road: those one
+    by one, the small ones packed): every byte, the structure, a transposed leaf."""
+    batch = {
+        "x": torch.randn(512, 1024).t(),  # 2 MiB, not contiguous
+        "y": torch.arange(100),
+        "z": [torch.rand(3) > 0.5, torch.randn(2 * MiB // 4), torch.tensor(7)],
+    }
+    out = pinxfer.to_device(batch, non_blocking=non_blocking)
+    _check(out["x"], batch["x"])
+    _check(out["y"], batch["y"])
+    assert isinstance(out["z"], list) and len(out["z"]) == 3
+    for got, want in zip(out["z"], batch["z"]):
+        _check(got, want)
+
+
 def test_requires_grad_keeps_autograd():
     w = torch.randn(5, requires_grad=True)
     y = pinxfer.to_device(w)
