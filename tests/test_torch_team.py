@@ -78,13 +78,13 @@ def test_probe_tells_a_spinning_team_from_a_sleeping_one():
         first = awake_after_op()
         threads = state()[0]
         time.sleep(1.0)  # libgomp's spin is milliseconds
-        _, awake_after_idle, _ = state()
+        awake_after_idle = state()[1]
         again = awake_after_op()
         other = []
         t = threading.Thread(target=lambda: other.append(state()))
         t.start(); t.join()
         torch.set_num_threads(1)
-        _, awake_one_thread, _ = state()
+        awake_one_thread = state()[1]
         print(json.dumps(dict(threads=threads, want=torch.get_num_threads(),
               after_op=first, after_idle=awake_after_idle, again=again,
               other=list(other[0][:2]), one_thread=awake_one_thread)))

@@ -88,10 +88,12 @@ void bind_settings(pybind11::module_& m) {
       "_torch_team_state",
       [] {
         const TorchTeamState s = torch_team_state();
-        return std::make_tuple(static_cast<int64_t>(s.threads), s.awake, s.copies);
+        return std::make_tuple(static_cast<int64_t>(s.threads), s.awake, s.copies,
+                               static_cast<int64_t>(s.region_threads));
       },
       "TEST-ONLY: _torch_team_state() -> (threads of torch's intra-op team learned on this "
-      "thread, 0: none; whether it is awake now; copies run on a team so far): the check that "
+      "thread, 0: none; whether it is awake now; copies run on a team so far; threads each "
+      "region asks for, the members seen spinning and the caller): the check that "
       "makes pinxfer's host copies "
       "run on that team (csrc/runtime/torch_team.h)");
   m.def("copy_threads_for", wrap_pybind_function_no_gil(&copy_threads),

@@ -241,6 +241,12 @@ bool torch_team_awake() {
     t_probe.learn(n, members + 1);
     t_probe.calls_since_scan = 0;
     t_probe.scan_every = 1;
+  } else if (t_probe.region_threads < n && t_probe.scan_due()) {
+    // Learned on part of the team (some members had gone to sleep at that scan): regions of
+    // that size end the others at every copy and torch's next op starts them again. A later
+    // scan that sees more of the team spinning learns it again, larger.
+    const int members = TeamProbe::others_running(n);
+    if (members + 1 > t_probe.region_threads) t_probe.learn(n, members + 1);
   }
   return t_probe.awake();
 }
@@ -282,6 +288,7 @@ TorchTeamState torch_team_state() {
   TorchTeamState s;
   s.awake = torch_team_awake();
   s.threads = t_probe.threads;
+  s.region_threads = t_probe.threads > 0 ? t_probe.region_threads : 0;
   s.copies = g_team_copies.load(std::memory_order_relaxed);
   return s;
 }

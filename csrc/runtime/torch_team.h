@@ -72,9 +72,11 @@ void host_parallel_for(ThreadPool& pool, size_t n, size_t grain, size_t awake_gr
                        const std::function<void(size_t, size_t)>& fn, int max_threads = 0);
 
 // TEST-ONLY (pinxfer._C._torch_team_state): team threads learned on this thread, whether
-// the team is awake now, and how many copies ran on a team (process total).
+// the team is awake now, how many copies ran on a team (process total), and the threads
+// each region asks for.
 struct TorchTeamState {
   int threads = 0;
+  int region_threads = 0;  // threads each region asks for (0: not learned)
   bool awake = false;
   int64_t copies = 0;
 };
