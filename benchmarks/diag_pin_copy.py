@@ -1,0 +1,90 @@
+"""Where pinxfer.pin_memory's time goes at 256 KiB - 8 MiB back to back (issue 22): its pool
+allocation, its copy, and torch's, in one process.
+
+Each way is timed as bench_loop times a back-to-back cell: every timed call right after an
+untimed call of the same way. Besides pinxfer.pin_memory and t.pin_memory():
+
+  px_empty / torch_empty            the allocation alone (pinxfer's pool, torch's cache)
+  px_empty_copy / torch_empty_copy  the allocation, then torch's copy_ (on torch's team)
+  copy_into_px_block / ..._torch_   torch's copy_ into a block kept from either
+  small_torch_op_then_*             after a 256 KiB t.pin_memory() (torch's team wakes)
+  probe_call / plain_call           _C._torch_team_state() (one /proc read) against a
+                                    pybind call without it
+  team_state                        _C._torch_team_state(): (threads learned, awake, copies
+                                    on the team, threads each region asks for)
+
+    python benchmarks/diag_pin_copy.py OUT.json      (PINXFER_TORCH_TEAM=off: the pool's road)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import pinxfer as px
+from pinxfer import _C
+
+
+def bench(fn: Callable[[], Any], n: int) -> tuple[float, float]:
+    """(median, min) µs of n timed calls, each right after an untimed one."""
+    fn()
+    fn()
+    ts = []
+    for _ in range(n):
+        out = fn()
+        del out
+        t = time.perf_counter()
+        out = fn()
+        ts.append(time.perf_counter() - t)
+        del out
+    return round(statistics.median(ts) * 1e6, 1), round(min(ts) * 1e6, 1)
+
+
+def main() -> None:
+    res: dict[str, Any] = {
+        "team_setting": os.environ.get("PINXFER_TORCH_TEAM", "auto"),
+        "torch_threads": torch.get_num_threads(),
+        "rows": [],
+    }
+    for nbytes in [256 << 10, 1 << 20, 4 << 20, 8 << 20]:
+        numel = nbytes // 4
+        t = torch.randn(numel)
+        small = torch.randn(64 << 10)  # 256 KiB: a torch op that wakes the team
+        pe = px.empty(numel)
+        te = torch.empty(numel, pin_memory=True)
+        ways = {
+            "torch_pin": lambda: t.pin_memory(),
+            "px_pin": lambda: px.pin_memory(t),
+            "px_empty": lambda: px.empty(numel),
+            "torch_empty": lambda: torch.empty(numel, pin_memory=True),
+            "px_empty_copy": lambda: px.empty(numel).copy_(t),
+            "torch_empty_copy": lambda: torch.empty(numel, pin_memory=True).copy_(t),
+            "copy_into_px_block": lambda: pe.copy_(t),
+            "copy_into_torch_block": lambda: te.copy_(t),
+            "small_torch_op_then_torch_pin": lambda: (small.pin_memory(), t.pin_memory())[1],
+            "small_torch_op_then_px_pin": lambda: (small.pin_memory(), px.pin_memory(t))[1],
+            "small_torch_op_alone": lambda: small.pin_memory(),
+        }
+        row: dict[str, Any] = {"bytes": nbytes}
+        for name, fn in ways.items():
+            row[name] = bench(fn, 300 if nbytes <= (1 << 20) else 150)
+        row["team_state"] = list(_C._torch_team_state())
+        t.pin_memory()  # the team awake for the probe
+        row["probe_call"] = bench(_C._torch_team_state, 300)
+        row["plain_call"] = bench(_C.stolen_pieces, 300)
+        res["rows"].append(row)
+        print(json.dumps(row), flush=True)
+    with open(sys.argv[1], "w") as f:
+        json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
