@@ -12,6 +12,9 @@ untimed call of the same way. Besides pinxfer.pin_memory and t.pin_memory():
                                     pybind call without it
   team_state                        _C._torch_team_state(): (threads learned, awake, copies
                                     on the team, threads each region asks for)
+  team_region                       pinxfer.pin_memory's region on the team, traced from
+                                    inside (_C._last_team_region_trace): when its members
+                                    arrived and finished
 
     python benchmarks/diag_pin_copy.py OUT.json      (PINXFER_TORCH_TEAM=off: the pool's road)
 """
@@ -48,6 +51,41 @@ def bench(fn: Callable[[], Any], n: int) -> tuple[float, float]:
     return round(statistics.median(ts) * 1e6, 1), round(min(ts) * 1e6, 1)
 
 
+def region_trace(fn: Callable[[], Any], n: int = 100) -> dict[str, Any]:
+    """Medians over n calls (each right after an untimed one) of the call and of its region on
+    torch's team (_C._last_team_region_trace): its length, when the last member arrived,
+    when the first and the last finished; and one call's chunks per member."""
+    calls, regions, last_in, first_out, last_out = [], [], [], [], []
+    sample: dict[str, Any] = {}
+    for _ in range(n):
+        out = fn()
+        del out
+        t0 = time.perf_counter()
+        out = fn()
+        calls.append((time.perf_counter() - t0) * 1e6)
+        del out
+        tr = _C._last_team_region_trace()
+        if not tr["arrive_us"]:
+            continue
+        regions.append(tr["total_us"])
+        last_in.append(max(tr["arrive_us"]))
+        first_out.append(min(tr["done_us"]))
+        last_out.append(max(tr["done_us"]))
+        sample = tr
+
+    def med(xs: list[float]) -> float | None:
+        return round(statistics.median(xs), 1) if xs else None
+
+    return {
+        "call_us": med(calls),
+        "region_us": med(regions),
+        "last_member_arrived_us": med(last_in),
+        "first_member_done_us": med(first_out),
+        "last_member_done_us": med(last_out),
+        "one_region": sample,
+    }
+
+
 def main() -> None:
     res: dict[str, Any] = {
         "team_setting": os.environ.get("PINXFER_TORCH_TEAM", "auto"),
@@ -77,6 +115,7 @@ def main() -> None:
         for name, fn in ways.items():
             row[name] = bench(fn, 300 if nbytes <= (1 << 20) else 150)
         row["team_state"] = list(_C._torch_team_state())
+        row["team_region"] = region_trace(lambda: px.pin_memory(t))
         t.pin_memory()  # the team awake for the probe
         row["probe_call"] = bench(_C._torch_team_state, 300)
         row["plain_call"] = bench(_C.stolen_pieces, 300)

@@ -96,6 +96,22 @@ void bind_settings(pybind11::module_& m) {
       "region asks for, the members seen spinning and the caller): the check that "
       "makes pinxfer's host copies "
       "run on that team (csrc/runtime/torch_team.h)");
+  m.def(
+      "_last_team_region_trace",
+      [] {
+        const TeamRegionTrace t = last_team_region_trace();
+        pybind11::dict d;
+        d["total_us"] = t.total_us;
+        d["chunks"] = t.chunks;
+        d["arrive_us"] = t.arrive_us;
+        d["done_us"] = t.done_us;
+        d["member_chunks"] = t.member_chunks;
+        return d;
+      },
+      "DIAGNOSTIC: _last_team_region_trace() -> dict: this thread's last shared-out copy on "
+      "torch's team (csrc/runtime/torch_team.h): microseconds from the region's start until "
+      "each member (by place in the team) arrived and finished, whether it had a share, the "
+      "number of shares (chunks), the whole region");
   m.def("copy_threads_for", wrap_pybind_function_no_gil(&copy_threads),
         "copy_threads_for(affinity_cpus, online_cpus, quota_cpus, local_world_size) -> "
         "(threads, why): the copy threads of a process with these CPUs");

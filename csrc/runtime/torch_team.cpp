@@ -9,7 +9,9 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
@@ -39,26 +41,37 @@ pid_t current_tid() { return static_cast<pid_t>(::syscall(SYS_gettid)); }
 // libgomp's entry point for `#pragma omp parallel` (GCC's ABI since 4.9): runs fn(data) on
 // the calling thread's team of num_threads (the caller included) and returns when all
 // have. pinxfer is not built with -fopenmp, so at::parallel_for compiled here would run
-// serially; the team torch uses is reached through the libgomp torch loaded.
+// serially; the team torch uses is reached through the libgomp torch loaded. Its
+// omp_get_thread_num gives each member its place in the team (the caller 0).
 using GompParallel = void (*)(void (*)(void*), void*, unsigned, unsigned);
+using GompThreadNum = int (*)();
+
+struct Gomp {
+  GompParallel parallel = nullptr;
+  GompThreadNum thread_num = nullptr;
+};
 
 int find_gomp(struct dl_phdr_info* info, size_t, void* out) {
   if (info->dlpi_name == nullptr || std::strstr(info->dlpi_name, "libgomp") == nullptr) return 0;
   void* lib = ::dlopen(info->dlpi_name, RTLD_LAZY | RTLD_NOLOAD);
   if (lib == nullptr) return 0;
-  *static_cast<GompParallel*>(out) = reinterpret_cast<GompParallel>(::dlsym(lib, "GOMP_parallel"));
+  Gomp found;
+  found.parallel = reinterpret_cast<GompParallel>(::dlsym(lib, "GOMP_parallel"));
+  found.thread_num = reinterpret_cast<GompThreadNum>(::dlsym(lib, "omp_get_thread_num"));
   ::dlclose(lib);  // NOLOAD took a reference to a library that stays loaded
-  return *static_cast<GompParallel*>(out) != nullptr ? 1 : 0;
+  if (found.parallel == nullptr || found.thread_num == nullptr) return 0;
+  *static_cast<Gomp*>(out) = found;
+  return 1;
 }
 
-// torch's libgomp's GOMP_parallel; nullptr where torch's intra-op backend is not libgomp.
-GompParallel gomp_parallel() {
-  static const GompParallel fn = [] {
-    GompParallel found = nullptr;
-    ::dl_iterate_phdr(&find_gomp, &found);
-    return found;
+// torch's libgomp; both null where torch's intra-op backend is not libgomp.
+const Gomp& gomp() {
+  static const Gomp found = [] {
+    Gomp g;
+    ::dl_iterate_phdr(&find_gomp, &g);
+    return g;
   }();
-  return fn;
+  return found;
 }
 
 // A parallel region: body() runs once on each of the team's threads (the caller among
@@ -83,23 +96,60 @@ struct Region {
 void run_on_each_member(unsigned threads, const std::function<void()>& member) {
   Region r;
   r.member = &member;
-  gomp_parallel()(&Region::body, &r, threads, 0);
+  gomp().parallel(&Region::body, &r, threads, 0);
   if (r.error) std::rethrow_exception(r.error);
 }
 
-// fn over [0, n) in chunks of `chunk`, claimed by the team's threads as they arrive (a late
-// one finds none left).
-void run_region(size_t n, size_t chunk, unsigned threads,
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+thread_local TeamRegionTrace t_region_trace;  // last_team_region_trace()
+
+// fn over [0, n): member k of the team takes [k * share, (k + 1) * share), as torch's own
+// parallel_for splits its range on this team. The same member takes the same part of every
+// copy, so a copy of bytes copied or written just before (a torch op's output, the same
+// tensor again) finds its part in that member's core's cache. Claiming chunks as members
+// arrived (the first design) left the parts to chance: each member copied bytes another
+// core had cached, and a 4 MiB pin_memory's region took 33 us against 16 for torch's
+// copy_ of the same bytes on the same team (H100, diag_pin_copy; every member had arrived
+// within 5 us).
+
+void run_region(size_t n, size_t share, unsigned threads,
                 const std::function<void(size_t, size_t)>& fn) {
-  std::atomic<size_t> next{0};
-  chunk = std::max<size_t>(1, chunk);
+  share = std::max<size_t>(1, share);
+  // Per member (by place in the team, the first kTracedMembers): arrival and finish (ns
+  // after `start`); each member writes its own slot, read after the join. On the stack:
+  // no allocation on the copy's path.
+  constexpr size_t kTracedMembers = 64;
+  std::array<int64_t, kTracedMembers> arrive{}, done{};
+  std::array<int, kTracedMembers> taken{};
+  const size_t traced_members = std::min<size_t>(threads, kTracedMembers);
+  const int64_t start = now_ns();
   run_on_each_member(threads, [&] {
-    for (;;) {
-      const size_t begin = next.fetch_add(chunk, std::memory_order_relaxed);
-      if (begin >= n) return;
-      fn(begin, std::min(n, begin + chunk));
+    const auto me = static_cast<size_t>(gomp().thread_num());
+    const bool traced = me < traced_members;
+    if (traced) arrive[me] = now_ns() - start;
+    const size_t begin = std::min(n, me * share);
+    const size_t end = std::min(n, begin + share);
+    if (begin < end) {
+      fn(begin, end);
+      if (traced) taken[me] = 1;
     }
+    if (traced) done[me] = now_ns() - start;
   });
+  TeamRegionTrace& t = t_region_trace;
+  t.total_us = static_cast<double>(now_ns() - start) / 1e3;
+  t.chunks = (n + share - 1) / share;
+  t.arrive_us.clear();
+  t.done_us.clear();
+  t.member_chunks.assign(taken.begin(), taken.begin() + traced_members);
+  for (size_t i = 0; i < traced_members; ++i) {
+    t.arrive_us.push_back(static_cast<double>(arrive[i]) / 1e3);
+    t.done_us.push_back(static_cast<double>(done[i]) / 1e3);
+  }
 }
 
 // The calling thread's view of its team.
@@ -227,7 +277,7 @@ bool on_main_thread() { return current_tid() == ::getpid(); }
 }  // namespace
 
 bool torch_team_awake() {
-  if (!kProbeAllowed || !settings().torch_team || gomp_parallel() == nullptr ||
+  if (!kProbeAllowed || !settings().torch_team || gomp().parallel == nullptr ||
       at::in_parallel_region() || !on_main_thread()) {
     return false;
   }
@@ -266,23 +316,23 @@ void host_parallel_for(ThreadPool& pool, size_t n, size_t grain, size_t awake_gr
 void run_on_torch_team(size_t n, size_t grain, const std::function<void(size_t, size_t)>& fn) {
   g_team_copies.fetch_add(1, std::memory_order_relaxed);
   grain = std::max<size_t>(1, grain);
-  // Chunks of at least `grain`, four per thread (as ThreadPool::parallel_for), so a thread
-  // that comes late leaves its share to the others.
+  // One share a member, of at least `grain` (run_region: member k always takes part k).
   const int team = t_probe.region_threads;
-  const size_t threads = std::max<size_t>(1, std::min<size_t>(team, (n + grain - 1) / grain));
-  const size_t chunk = std::max(grain, (n + threads * 4 - 1) / (threads * 4));
-  // The region asks for the team as learned (region_threads), however few chunks there
-  // are; members beyond the chunks find none and leave at once. A smaller region would
+  const size_t share = std::max(grain, (n + team - 1) / static_cast<size_t>(team));
+  // The region asks for the team as learned (region_threads), however few shares there
+  // are; members beyond the shares find none and leave at once. A smaller region would
   // make libgomp end the members it leaves out, and torch's next op start them again
   // (diag_midsize, H100: a 1 MiB to_device on a 3-thread region, 67 -> 111 us, its helpers
   // 2 -> 24 us late).
-  run_region(n, chunk, static_cast<unsigned>(team), fn);
+  run_region(n, share, static_cast<unsigned>(team), fn);
 }
 
 void run_on_each_team_member(const std::function<void()>& fn) {
   g_team_copies.fetch_add(1, std::memory_order_relaxed);
   run_on_each_member(static_cast<unsigned>(t_probe.region_threads), fn);
 }
+
+TeamRegionTrace last_team_region_trace() { return t_region_trace; }
 
 TorchTeamState torch_team_state() {
   TorchTeamState s;

@@ -41,6 +41,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <vector>
 
 namespace pinxfer {
 
@@ -51,8 +52,10 @@ class ThreadPool;
 // one intra-op thread, and where it cannot be told.
 bool torch_team_awake();
 
-// fn(begin, end) over [0, n) in chunks of >= grain on torch's intra-op team, the caller
-// among its threads; chunks are claimed as the threads arrive. Returns when all are done;
+// fn(begin, end) over [0, n) on torch's intra-op team, the caller among its threads: one
+// share of >= grain a member, member k always the k-th share (as torch's parallel_for, so
+// the same member copies the same bytes each time and finds them in its core's cache).
+// Returns when all are done;
 // rethrows the first exception. For a caller that has just seen torch_team_awake();
 // counted in torch_team_state().copies. The team's threads are awake: all may take part,
 // however few ThreadPool::threads_for_copy would wake.
@@ -81,5 +84,17 @@ struct TorchTeamState {
   int64_t copies = 0;
 };
 TorchTeamState torch_team_state();
+
+// DIAGNOSTIC (pinxfer._C._last_team_region_trace): the calling thread's last shared-out
+// region (run_on_torch_team): microseconds from the call to GOMP_parallel until each member
+// (by place in the team) arrived and until it finished its share, whether it had one (1)
+// or none (0), the number of shares, and the whole region.
+struct TeamRegionTrace {
+  double total_us = 0;
+  size_t chunks = 0;
+  std::vector<double> arrive_us, done_us;
+  std::vector<int> member_chunks;
+};
+TeamRegionTrace last_team_region_trace();
 
 }  // namespace pinxfer
