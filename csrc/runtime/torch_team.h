@@ -54,16 +54,18 @@ bool torch_team_awake();
 
 // fn(begin, end) over [0, n) on torch's intra-op team, the caller among its threads: one
 // share of >= grain a member, member k always the k-th share (as torch's parallel_for, so
-// the same member copies the same bytes each time and finds them in its core's cache).
+// the same member copies the same bytes each time and finds them in its core's cache),
+// copied in four pieces; a member done early takes pieces a late member has left.
 // Returns when all are done;
 // rethrows the first exception. For a caller that has just seen torch_team_awake();
 // counted in torch_team_state().copies. The team's threads are awake: all may take part,
 // however few ThreadPool::threads_for_copy would wake.
 void run_on_torch_team(size_t n, size_t grain, const std::function<void(size_t, size_t)>& fn);
 
-// fn() once on every member of torch's intra-op team, the caller included (a body that
-// claims its own work, such as the single-block transfer's); as run_on_torch_team.
-void run_on_each_team_member(const std::function<void()>& fn);
+// fn(member, members) once on every member of torch's intra-op team: member is its place
+// in the team (the caller 0), members the team's size. For a body that shares out its own
+// work (the single-block transfer's); as run_on_torch_team.
+void run_on_each_team_member(const std::function<void(size_t, size_t)>& fn);
 
 // pool.parallel_for(n, grain, fn, max_threads), run on torch's intra-op team instead when
 // that team is awake (torch_team_awake), in chunks of at least awake_grain (<= grain: a
@@ -87,8 +89,8 @@ TorchTeamState torch_team_state();
 
 // DIAGNOSTIC (pinxfer._C._last_team_region_trace): the calling thread's last shared-out
 // region (run_on_torch_team): microseconds from the call to GOMP_parallel until each member
-// (by place in the team) arrived and until it finished its share, whether it had one (1)
-// or none (0), the number of shares, and the whole region.
+// (by place in the team) arrived and until it finished, the pieces it copied (its share's
+// four, fewer or more where it helped a late member), the pieces, and the whole region.
 struct TeamRegionTrace {
   double total_us = 0;
   size_t chunks = 0;

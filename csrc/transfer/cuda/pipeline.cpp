@@ -236,6 +236,28 @@ struct SingleBlock {
   }
 };
 
+// On torch's team: pieces first, first + step, ... not yet claimed (kFree -> kClaimed),
+// staged and published, after_each() after each (the caller queues chunks there); returns
+// the pieces staged. No steal happens on the team.
+size_t stage_every(SingleBlock& sb, size_t first, size_t step, bool helper,
+                   const std::function<void()>& after_each) {
+  size_t staged = 0;
+  for (size_t p = first; p < sb.plan.pieces.size(); p += step) {
+    if (sb.state[p].load(std::memory_order_relaxed) != kFree) continue;
+    uint8_t expected = kFree;
+    if (!sb.state[p].compare_exchange_strong(expected, kClaimed, std::memory_order_acq_rel)) {
+      continue;
+    }
+    sb.stage(p, static_cast<char*>(sb.block.get()) + sb.plan.pieces[p].begin);
+    sb.state[p].store(kDone, std::memory_order_release);
+    sb.left[sb.plan.pieces[p].chunk].fetch_sub(1, std::memory_order_acq_rel);
+    if (helper) sb.helper_pieces.fetch_add(1, std::memory_order_relaxed);
+    ++staged;
+    if (after_each) after_each();
+  }
+  return staged;
+}
+
 // Queues chunk c's bytes: runs of pieces from the block, a stolen piece from its spare.
 void queue_single_block_chunk(const SingleBlock& sb, size_t c,
                               const std::vector<c10::DataPtr>& spares) {
@@ -337,14 +359,20 @@ void single_block_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex 
   }
   try {
     if (on_team) {
-      const std::thread::id caller = std::this_thread::get_id();
+      // Member k stages pieces k, k + members, ...: the same ones at every transfer of that
+      // size, as torch's ops split their ranges on this team, so a member finds the bytes
+      // it staged last time (or a torch op just wrote) in its core's cache (pin_memory's
+      // copies on the team, split so, took half the time: runtime/torch_team.cpp). Chunks
+      // still complete in order. The caller (member 0) then stages what members not yet
+      // arrived have left.
       size_t own = 0;
-      run_on_each_team_member([&] {
-        if (std::this_thread::get_id() == caller) {
-          own += caller_share();
-        } else {
-          sb->help();
+      run_on_each_team_member([&](size_t member, size_t members) {
+        if (member != 0) {
+          stage_every(*sb, member, members, /*helper=*/true, nullptr);
+          return;
         }
+        own += stage_every(*sb, 0, members, /*helper=*/false, queue_ready);
+        own += stage_every(*sb, 0, 1, /*helper=*/false, queue_ready);
       });
       trace.own_pieces = static_cast<int64_t>(own);
       trace.own_done_us = us_since_start(Clock::now());
