@@ -185,7 +185,18 @@ def assert_clear_child_error(
 
 
 def _task_count() -> int:
-    return len(os.listdir("/proc/self/task"))
+    """OS threads of this process, less the Python threads that are not pinxfer's: torch
+    starts some lazily (Inductor's compile pool, tqdm's monitor), and one that an earlier
+    test set off and that starts mid-test is no leak of pinxfer's (H100, shuffled seed 21:
+    one more OS thread after a test that only ran a child process). pinxfer's copy threads
+    and torch's OpenMP threads are not Python threads: they still count."""
+    tasks = {int(tid) for tid in os.listdir("/proc/self/task")}
+    foreign = {
+        t.native_id
+        for t in threading.enumerate()
+        if t is not threading.main_thread() and not t.name.startswith("pinxfer-")
+    }
+    return len(tasks - foreign)
 
 
 def _pinxfer_threads() -> set[threading.Thread]:
