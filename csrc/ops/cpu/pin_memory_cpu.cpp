@@ -44,7 +44,7 @@ namespace {
 // Copies are split in 64 KiB units, at least 16 per chunk: chunks of >= 1 MiB
 // amortise waking a worker, and unit-aligned chunk starts keep memcpy on its
 // fast aligned path. On torch's awake team (runtime/torch_team.h) nothing is woken:
-// chunks of one unit.
+// a share of the units for each member, however few.
 constexpr size_t kCopyUnit = size_t{64} << 10;
 constexpr size_t kUnitsPerChunk = 16;
 
