@@ -539,6 +539,20 @@ def test_allocate_free_race_storm(pause_us, seconds):
     assert "errors 0" in out.stdout
 
 
+def test_team_share_split_runs_every_unit_once_with_late_members():
+    """How host copies on torch's team split their bytes (runtime/share_split.h): member k
+    takes its own share in pieces, then what late members left. Plain threads here, some of
+    them late at random, so the protocol runs under TSan and ASan (scripts/sanitize.sh),
+    where the team's own road is off: every unit is run exactly once, and members do take
+    over shares not their own."""
+    helped = 0
+    for units, share, members in [(64, 4, 16), (100, 7, 16), (1, 1, 3), (5, 1, 8), (257, 33, 8)]:
+        helped += pinxfer._C._share_split_self_test(units, share, members, 40)
+    assert helped > 0  # some late member's pieces were taken by another
+    with pytest.raises(ValueError, match=r"share \* members >= units"):
+        pinxfer._C._share_split_self_test(100, 2, 4, 1)
+
+
 def test_thread_pool_offer_and_parallel_for_from_many_callers():
     """ThreadPool::offer/withdraw, the pattern of to_device's single-block path: the caller
     takes what the offered workers have not and never waits for them; the shared state is

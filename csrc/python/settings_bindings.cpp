@@ -11,6 +11,7 @@
 #include "runtime/cpu_resources.h"
 #include "runtime/cuda_runtime.h"
 #include "runtime/settings.h"
+#include "runtime/share_split.h"
 #include "runtime/thread_budget.h"
 #include "runtime/thread_pool.h"
 #include "runtime/torch_team.h"
@@ -84,6 +85,10 @@ void bind_settings(pybind11::module_& m) {
         "TEST-ONLY: _thread_pool_self_test(workers, callers, rounds, items) -> claims the "
         "offered workers took: offer/withdraw (the caller never waits) and parallel_for from "
         "several threads on one pool, every item claimed exactly once");
+  m.def("_share_split_self_test", wrap_pybind_function_no_gil(&share_split_self_test),
+        "TEST-ONLY: _share_split_self_test(units, share, members, rounds) -> pieces members "
+        "took from shares not their own: `members` threads (some late) split [0, units) as "
+        "host copies on torch's team do (runtime/share_split.h); every unit run exactly once");
   m.def(
       "_torch_team_state",
       [] {

@@ -15,12 +15,12 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
-#include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
 
 #include "runtime/settings.h"
+#include "runtime/share_split.h"
 #include "runtime/thread_pool.h"
 
 namespace pinxfer {
@@ -109,15 +109,9 @@ int64_t now_ns() {
 
 thread_local TeamRegionTrace t_region_trace;  // last_team_region_trace()
 
-// Where member k stands in its share: [next, end) left, claimed a piece at a time. On a
-// cache line of its own (its owner claims from it at every piece).
-struct alignas(64) ShareCursor {
-  std::atomic<size_t> next{0};
-  size_t end = 0;
-};
-
 // fn over [0, n): member k of the team takes [k * share, (k + 1) * share), as torch's own
-// parallel_for splits its range on this team (then helps with what late members left). The same
+// parallel_for splits its range on this team, in pieces, then helps with what late members
+// left (runtime/share_split.h). The same
 // member takes the same part of every copy, so a copy of bytes copied or written just before (a
 // torch op's output, the same tensor again) finds its part in that member's core's cache. Claiming
 // chunks as members arrived (the first design) left the parts to chance: each member copied bytes
@@ -125,16 +119,7 @@ struct alignas(64) ShareCursor {
 // of the same bytes on the same team (H100, diag_pin_copy; every member had arrived within 5 us).
 void run_region(size_t n, size_t share, unsigned threads,
                 const std::function<void(size_t, size_t)>& fn) {
-  share = std::max<size_t>(1, share);
-  // Pieces of a share: four, so that a member that finishes early can take the rest of a
-  // late member's share (a member descheduled by a busy core would otherwise hold the
-  // whole copy), in order from the share's start.
-  const size_t piece = std::max<size_t>(1, (share + 3) / 4);
-  const std::unique_ptr<ShareCursor[]> cursors(new ShareCursor[threads]);
-  for (size_t k = 0; k < threads; ++k) {
-    cursors[k].next.store(std::min(n, k * share), std::memory_order_relaxed);
-    cursors[k].end = std::min(n, k * share + share);
-  }
+  ShareSplit split(n, share, threads);
   // Per member (by place in the team, the first kTracedMembers): arrival and finish (ns
   // after `start`) and pieces taken; each member writes its own slot, read after the join.
   constexpr size_t kTracedMembers = 64;
@@ -146,22 +131,15 @@ void run_region(size_t n, size_t share, unsigned threads,
     const auto me = static_cast<size_t>(gomp().thread_num());
     const bool traced = me < traced_members;
     if (traced) arrive[me] = now_ns() - start;
-    // Its own share first, then what is left of the others', the next member's first.
-    for (size_t i = 0; i < threads; ++i) {
-      ShareCursor& c = cursors[(me + i) % threads];
-      if (c.next.load(std::memory_order_relaxed) >= c.end) continue;
-      for (;;) {
-        const size_t begin = c.next.fetch_add(piece, std::memory_order_relaxed);
-        if (begin >= c.end) break;
-        fn(begin, std::min(c.end, begin + piece));
-        if (traced) ++taken[me];
-      }
+    const size_t ran = split.take(me, fn);
+    if (traced) {
+      taken[me] = static_cast<int>(ran);
+      done[me] = now_ns() - start;
     }
-    if (traced) done[me] = now_ns() - start;
   });
   TeamRegionTrace& t = t_region_trace;
   t.total_us = static_cast<double>(now_ns() - start) / 1e3;
-  t.chunks = (n + piece - 1) / piece;
+  t.chunks = split.pieces();
   t.arrive_us.clear();
   t.done_us.clear();
   t.member_chunks.assign(taken.begin(), taken.begin() + traced_members);
