@@ -111,12 +111,12 @@ thread_local TeamRegionTrace t_region_trace;  // last_team_region_trace()
 
 // fn over [0, n): member k of the team takes [k * share, (k + 1) * share), as torch's own
 // parallel_for splits its range on this team, in pieces, then helps with what late members
-// left (runtime/share_split.h). The same
-// member takes the same part of every copy, so a copy of bytes copied or written just before (a
-// torch op's output, the same tensor again) finds its part in that member's core's cache. Claiming
-// chunks as members arrived (the first design) left the parts to chance: each member copied bytes
-// another core had cached, and a 4 MiB pin_memory's region took 33 us against 16 for torch's copy_
-// of the same bytes on the same team (H100, diag_pin_copy; every member had arrived within 5 us).
+// left (runtime/share_split.h). The same member takes the same part of every copy, so a copy
+// of bytes copied or written just before (a torch op's output, the same tensor again) finds
+// its part in that member's core's cache. Claiming chunks as members arrived (the first
+// design) left the parts to chance: each member copied bytes another core had cached, and a
+// 4 MiB pin_memory's region took 33 us against 16 for torch's copy_ of the same bytes on the
+// same team (H100, diag_pin_copy; every member had arrived within 5 us).
 void run_region(size_t n, size_t share, unsigned threads,
                 const std::function<void(size_t, size_t)>& fn) {
   ShareSplit split(n, share, threads);
