@@ -120,6 +120,11 @@ class StagedLease:
 
     __slots__ = ("batch",)
 
+    #: Whether ``done`` uses the event after the copies. A staged batch does not (its staging
+    #: blocks wait for the copy in pinxfer's pool, the batch is the caller's), so the
+    #: caller's road records none for it (an event costs the step microseconds of Python).
+    wants_copy_event = False
+
     def __init__(self, batch: Any):
         self.batch = batch
 
@@ -175,21 +180,24 @@ class _StagedPass:
 # same three functions below, so a batch is treated alike on either.
 #
 # * The caller's road (_CallerPass): the consumer's next() hands out the batch sent at the
-#   previous step and sends the one after it, in the consumer's thread, with the pass's own
-#   stream current and an event recorded after the copies; the batch is handed over as on
-#   the thread's road (the consumer's current stream waits on the event, record_stream per
-#   tensor). What the road saves is the thread's hand-off: a producer thread that wakes per
-#   batch, a queue, the GIL passed back and forth while the consumer synchronizes (H100: a
-#   4 KiB batch took 75-96 us per step through the thread against 27 us for a plain loop of
-#   .to(), benchmarks/diag_batch.py). On its own stream the copy runs while the consumer
-#   works on the batch before it, so after a step of compute, or of idle time, the batch
-#   has landed and the step pays only the hand-over. Sending on the consumer's stream
-#   instead (until 2026-11-26: no event, wait or record_stream) saved a few microseconds
-#   back to back, but queued the copy ahead of the consumer's work on the batch before
-#   and left its whole round trip to the step after an idle gap, when the GPU and its link
-#   wake slowly (benchmarks/diag_idle_wake.py, H100, after 20 ms of sleep: a 4 KiB pinned
-#   copy and synchronize 240 us median, a wait on a copy queued before the gap 85 us).
-#   It is the road for small batches, whose sending costs the consumer less than a hand-off.
+#   previous step and sends the one after it, in the consumer's thread, on the consumer's
+#   current stream, as a plain loop of .to(non_blocking=True) would. What the road saves is
+#   every hand-off: a producer thread that wakes per batch, a queue, the GIL passed back and
+#   forth while the consumer synchronizes, and the cross-stream event, wait and
+#   record_stream per tensor (H100: a 4 KiB batch took 75-96 us per step through the
+#   thread against 27 us for a plain loop of .to(), benchmarks/diag_batch.py; stream and
+#   event calls from Python cost 2-4 us each). The copy is queued after the work the
+#   consumer has already queued and before the work on the batch it is handed, so it does
+#   not overlap that work: for a small batch the copy is a few microseconds of the bus. It
+#   is the road for small batches, whose sending costs the consumer less than a hand-off.
+#   Tried and measured against (2026-11-26, H100, bench_loop, two interleaved rounds,
+#   results/h100/loop_2026-11-26_s3_caller_road_*): the batch sent ahead on the pass's own
+#   stream with an event, handed over with a wait and record_stream, so its copy lands
+#   during the consumer's step. Back to back a 4 KiB step went from 31-32 to 54-74 us, and
+#   after a 20 ms gap it was no better against the plain loop (0.52-0.67x against
+#   0.72-0.92x): right after a gap every CUDA call is slow (diag_idle_wake.py: an event
+#   query 42 us, a synchronize with nothing queued 62 us, after 20 ms of sleep), so the
+#   calls of a hand-over cost more than the round trip of a small copy they hide.
 # * The thread's road (_Pass): a producer thread sends up to ``depth`` batches ahead. It is
 #   the road for large batches, whose host-side staging takes long enough that the
 #   consumer should not wait for it, and for CPU passes and a caller's ``transfer``.
@@ -271,6 +279,18 @@ def _hand_over(payload: Any, event: torch.cuda.Event | None, device: torch.devic
     return payload
 
 
+def _stream_of(ids: tuple) -> torch.cuda.Stream:
+    """The Stream of torch._C._cuda_getCurrentStream's (id, device index, device type)."""
+    return torch.cuda.Stream(stream_id=ids[0], device_index=ids[1], device_type=ids[2])
+
+
+def _event_after(ids: tuple) -> torch.cuda.Event:
+    """An event recorded now on the stream ``ids``: it completes after the work queued there."""
+    event = torch.cuda.Event()
+    event.record(_stream_of(ids))
+    return event
+
+
 def _next_of(p: _CallerPass | _Pass) -> Any:
     """The gate of every road's next(): a finished pass ends, a capture is refused, and one
     consumer at a time (non-blocking: a second consumer waiting for a batch could wait
@@ -292,14 +312,14 @@ def _tensor_bytes(batch: Any) -> int:
 
 class _CallerPass:
     """One pass on the caller's road: each next() hands out the batch sent at the previous
-    step and sends the next one, in the consumer's thread, on the pass's own stream."""
+    step and sends the next one, in the consumer's thread, on its current stream."""
 
     def __init__(self, leases: Iterator[Any], to: Delivery, depth: int, hand_off_large: bool):
         self.leases: Iterator[Any] | None = leases
         self.to = to
         self.depth = depth
         self.device = to.device if to.device.type == "cuda" else None  # None: a CPU pass
-        self.stream: torch.cuda.Stream | None = None  # the pass's own, made at its first send
+        self.sent_on: tuple | None = None  # the stream the batch ahead was sent on (ids)
         self.hand_off_large = hand_off_large  # producer="auto": a large first batch -> thread
         self.ahead: tuple | None = None  # the item sent one step early
         self.step = 0  # batches fetched
@@ -324,12 +344,24 @@ class _CallerPass:
         if item[0] == _ITEM:
             first = self.step == 1
             if first and self.hand_off_large and _tensor_bytes(item[1]) > CALLER_SENDS_BYTES:
-                # Large batches: a producer thread sends the rest, this one first.
+                # Large batches: a producer thread sends the rest, this one first (with an
+                # event: the thread's road hands every batch over with one).
+                if self.device is not None and item[2] is None:
+                    item = (item[0], item[1], _event_after(self.sent_on))
                 self.threaded = _Pass(self.leases, self.to, self.depth, first=item)
                 self.leases = None
                 return self.threaded.next()
-            out = _hand_over(item[1], item[2], self.device)
-            self.ahead = self._send_next()
+            out = item[1]
+            now = None
+            if self.device is not None:
+                now = self._current_stream()
+                if now != self.sent_on:
+                    # The consumer changed streams since the batch was sent: the new one
+                    # waits for the copies (an event recorded now on the stream they were
+                    # queued on comes after them).
+                    event = item[2] if item[2] is not None else _event_after(self.sent_on)
+                    out = _hand_over(out, event, self.device)
+            self.ahead = self._send_next(now)
             return out
         self._finished = True
         self.shutdown()
@@ -337,28 +369,26 @@ class _CallerPass:
             raise item[1]
         raise StopIteration
 
-    def _send_next(self) -> tuple:
-        """Fetches the next batch and sends it with the pass's own stream current, an event
-        recorded after its copies."""
+    def _current_stream(self) -> tuple:
+        # (stream id, device index, device type): no Stream object (torch.cuda.current_stream()
+        # builds one, ~3 us of a step that sends a small batch in ~25).
+        return torch._C._cuda_getCurrentStream(self.device.index)  # type: ignore[union-attr]
+
+    def _send_next(self, current: tuple | None = None) -> tuple:
+        """Fetches and sends the next batch; ``current``: the consumer's current stream if
+        the caller has just read it."""
         lease = _fetch(self.leases, self.step)  # type: ignore[arg-type]
         if type(lease) is tuple:
             return lease
         self.step += 1
         if self.device is None:
             return _send(lease, self.to, None, self.step - 1)
-        if self.stream is None:
-            self.stream = torch.cuda.Stream(self.device)
-        stream, index = self.stream, self.device.index
-        if torch.cuda.current_device() != index:
-            with torch.cuda.stream(stream):  # also makes the stream's device current, then not
-                return _send(lease, self.to, stream, self.step - 1)
-        # The stream context costs the step several microseconds of Python: set by ids.
-        consumer = torch._C._cuda_getCurrentStream(index)
-        torch._C._cuda_setStream(stream.stream_id, stream.device_index, stream.device_type)
-        try:
-            return _send(lease, self.to, stream, self.step - 1)
-        finally:
-            torch._C._cuda_setStream(*consumer)
+        # On the consumer's current stream for the pass's device. An event after the copy
+        # only for a lease whose done() waits for it (a slot goes back once the copy has
+        # read it); a consumer that changes streams gets one when it takes the batch.
+        self.sent_on = current or self._current_stream()
+        event_on = _stream_of(self.sent_on) if lease.wants_copy_event else None
+        return _send(lease, self.to, event_on, self.step - 1)
 
     def shutdown(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
         """Stops the pass: drops the batch sent ahead, closes the source's pass. Idempotent."""

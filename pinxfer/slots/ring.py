@@ -311,6 +311,9 @@ class SlotLease:
 
     __slots__ = ("_nbytes", "_ring", "_slot", "_structure", "_tag", "batch")
 
+    #: done() gives the slot back only once the event after the copies has completed.
+    wants_copy_event = True
+
     def __init__(self, ring: Ring, desc: SlotBatch):
         slot_bytes = ring.bytes_of(desc.slot, ring.slot_bytes)
         self.batch = rebuild(desc.structure, slot_bytes)
