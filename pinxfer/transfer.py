@@ -165,13 +165,12 @@ def to_device(
     subclassed or ``requires_grad`` tensors use ``tensor.to(device)``. Other leaves
     (numbers, strings, None, ...) pass through.
 
-    Copies of more than 1 MiB run on pinxfer's copy stream (:func:`copy_stream`)
+    Copies of more than 256 KiB run on pinxfer's copy stream (:func:`copy_stream`)
     and do not wait for work already queued on the caller's current stream, so they
     overlap it; the current stream waits for the copies, so the results can be used
     on it at once. Smaller ones (and each packed buffer of a batch's small tensors
-    up to that size) go on the current stream itself, as ``tensor.to(device,
-    non_blocking=True)`` does: such a copy takes less time than the cross-stream
-    hand-over would cost. To use them on another stream, make
+    up to that size) go on the current stream itself: such a copy takes less time
+    than the cross-stream hand-over would cost. To use them on another stream, make
     that stream wait on the current one and ``record_stream`` them there (as with
     any tensor). Pageable sources may be modified or freed as soon as this returns
     (they have been copied into staging memory by then). Pinned sources are read by

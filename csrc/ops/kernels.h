@@ -65,9 +65,9 @@ struct PackedOnDevice {
 };
 PackedOnDevice pack_to_device(at::TensorList tensors, c10::Device device, bool want_views);
 
-// to_device of one CPU tensor (the pipeline, or one DMA from pinned memory): up to
-// transfer::kCurrentStreamBytes on the caller's current stream, larger on the copy
-// stream, handed over to the current stream.
+// to_device of one CPU tensor: up to transfer::kCurrentStreamBytes on the
+// caller's current stream by the caller, larger through the copy stream (the
+// pipeline, or one DMA from pinned memory), handed over to the current stream.
 // csrc/ops/cuda/to_device_cuda.cpp
 at::Tensor send_to_device(const at::Tensor& self, c10::Device device,
                           const transfer::StagingOptions& options);

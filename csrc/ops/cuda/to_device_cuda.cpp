@@ -125,16 +125,13 @@ at::Tensor send_to_device(const at::Tensor& self, c10::Device device,
   const at::TensorOptions on_device = src.options().device(c10::Device(c10::kCUDA, index));
   const size_t nbytes = src.nbytes();
   if (nbytes <= transfer::kCurrentStreamBytes) {
-    // Small: on the caller's stream (pipeline.h says why), staged by the caller alone up
-    // to kSerialBytes.
+    // Small: on the caller's stream, by the caller (pipeline.h says why).
     at::Tensor out = at::empty(src.sizes(), on_device);
     if (nbytes == 0) return out;
     if (transfer::is_dma_pinned(src)) {
       transfer::direct_copy(src, out, cur);
-    } else if (nbytes <= transfer::kSerialBytes) {
-      transfer::caller_staged_copy(src, out, index, cur);
     } else {
-      transfer::pipelined_copy(src, out, index, cur, options);
+      transfer::caller_staged_copy(src, out, index, cur);
     }
     return out;
   }

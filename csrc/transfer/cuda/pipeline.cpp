@@ -492,7 +492,7 @@ void set_helper_stall_us(int64_t us) {
 void caller_staged_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex device,
                         const c10::cuda::CUDAStream& stream) {
   const size_t nbytes = src.nbytes();
-  TORCH_INTERNAL_ASSERT(nbytes <= kSerialBytes, "pinxfer: caller_staged_copy of ", nbytes,
+  TORCH_INTERNAL_ASSERT(nbytes <= kCurrentStreamBytes, "pinxfer: caller_staged_copy of ", nbytes,
                         " bytes");
   PinnedPool& pool = pool_for_node(numa_node_for_device(device));
   std::vector<c10::DataPtr> staging;

@@ -54,17 +54,14 @@ struct StagingOptions {
 void pipelined_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex device,
                     const c10::cuda::CUDAStream& stream, const StagingOptions& options);
 
-// Up to this many bytes a transfer goes on the caller's current stream, as torch's own
-// .to(non_blocking=True) does: up to kSerialBytes staged by the calling thread alone
-// (caller_staged_copy), above that by the pipeline, or one DMA from pinned memory. The
-// copy-stream hand-over a larger transfer takes (an event record, a stream wait and a
-// recordStream) costs more than the copy could gain by overlapping work queued on the
-// current stream: a 1 MiB DMA takes about 20 us of the bus, and right after an idle gap
-// every CUDA call is slow (benchmarks/diag_idle_wake.py, H100, after 20 ms of sleep: an
-// event query 42 us, a synchronize with nothing queued 62 us).
-constexpr size_t kCurrentStreamBytes = kMiB;
+// Up to this many bytes a transfer is sent by the calling thread alone on the
+// caller's current stream (caller_staged_copy / direct_copy on `cur`): the copy
+// is shorter than the copy-stream hand-over it would need (an event record, a
+// stream wait and a recordStream: several µs), and nothing it could overlap
+// is worth that. The same bound below which the pipeline stages serially.
+constexpr size_t kCurrentStreamBytes = kSerialBytes;
 
-// A small pageable source (<= kSerialBytes): the calling thread copies
+// A small pageable source (<= kCurrentStreamBytes): the calling thread copies
 // it into one pinned block from the pool and queues one DMA on `stream`, the
 // caller's current stream. No copy threads are woken, no cross-stream event.
 // The block goes back to the pool marked as read by `stream`, so it is reused
