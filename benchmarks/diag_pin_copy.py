@@ -55,6 +55,7 @@ def region_trace(fn: Callable[[], Any], n: int = 100) -> dict[str, Any]:
     """Medians over n calls (each right after an untimed one) of the call and of its region on
     torch's team (_C._last_team_region_trace): its length, when the last member arrived,
     when the first and the last finished; and one call's chunks per member."""
+    _C._trace_team_regions(True)
     calls, regions, last_in, first_out, last_out = [], [], [], [], []
     sample: dict[str, Any] = {}
     for _ in range(n):
@@ -72,6 +73,7 @@ def region_trace(fn: Callable[[], Any], n: int = 100) -> dict[str, Any]:
         first_out.append(min(tr["done_us"]))
         last_out.append(max(tr["done_us"]))
         sample = tr
+    _C._trace_team_regions(False)
 
     def med(xs: list[float]) -> float | None:
         return round(statistics.median(xs), 1) if xs else None

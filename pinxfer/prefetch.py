@@ -346,8 +346,8 @@ class _CallerPass:
             if first and self.hand_off_large and _tensor_bytes(item[1]) > CALLER_SENDS_BYTES:
                 # Large batches: a producer thread sends the rest, this one first (with an
                 # event: the thread's road hands every batch over with one).
-                if self.device is not None and item[2] is None:
-                    item = (item[0], item[1], _event_after(self.sent_on))
+                if self.device is not None:
+                    item = (item[0], item[1], self._copy_event(item))
                 self.threaded = _Pass(self.leases, self.to, self.depth, first=item)
                 self.leases = None
                 return self.threaded.next()
@@ -359,8 +359,7 @@ class _CallerPass:
                     # The consumer changed streams since the batch was sent: the new one
                     # waits for the copies (an event recorded now on the stream they were
                     # queued on comes after them).
-                    event = item[2] if item[2] is not None else _event_after(self.sent_on)
-                    out = _hand_over(out, event, self.device)
+                    out = _hand_over(out, self._copy_event(item), self.device)
             self.ahead = self._send_next(now)
             return out
         self._finished = True
@@ -368,6 +367,11 @@ class _CallerPass:
         if item[0] == _ERROR:
             raise item[1]
         raise StopIteration
+
+    def _copy_event(self, item: tuple) -> torch.cuda.Event:
+        """The event after the batch's copies: the one its send recorded, else one recorded
+        now on the stream the copies were queued on (it comes after them)."""
+        return item[2] if item[2] is not None else _event_after(self.sent_on)  # type: ignore[arg-type]
 
     def _current_stream(self) -> tuple:
         # (stream id, device index, device type): no Stream object (torch.cuda.current_stream()

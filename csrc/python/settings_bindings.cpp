@@ -116,7 +116,10 @@ void bind_settings(pybind11::module_& m) {
       "DIAGNOSTIC: _last_team_region_trace() -> dict: this thread's last shared-out copy on "
       "torch's team (csrc/runtime/torch_team.h): microseconds from the region's start until "
       "each member (by place in the team) arrived and finished, the pieces each copied, the "
-      "pieces (chunks), the whole region");
+      "pieces (chunks), the whole region; recorded only while _trace_team_regions(True)");
+  m.def("_trace_team_regions", &set_team_region_tracing, pybind11::arg("on"),
+        "DIAGNOSTIC: _trace_team_regions(on) -> None: record _last_team_region_trace() from "
+        "now on (off by default: it costs each region clock reads and a copy-out)");
   m.def("copy_threads_for", wrap_pybind_function_no_gil(&copy_threads),
         "copy_threads_for(affinity_cpus, online_cpus, quota_cpus, local_world_size) -> "
         "(threads, why): the copy threads of a process with these CPUs");

@@ -108,6 +108,7 @@ int64_t now_ns() {
 }
 
 thread_local TeamRegionTrace t_region_trace;  // last_team_region_trace()
+std::atomic<bool> g_trace_regions{false};     // set_team_region_tracing()
 
 // fn over [0, n): member k of the team takes [k * share, (k + 1) * share), as torch's own
 // parallel_for splits its range on this team, in pieces, then helps with what late members
@@ -125,8 +126,9 @@ void run_region(size_t n, size_t share, unsigned threads,
   constexpr size_t kTracedMembers = 64;
   std::array<int64_t, kTracedMembers> arrive{}, done{};
   std::array<int, kTracedMembers> taken{};
-  const size_t traced_members = std::min<size_t>(threads, kTracedMembers);
-  const int64_t start = now_ns();
+  const bool tracing = g_trace_regions.load(std::memory_order_relaxed);
+  const size_t traced_members = tracing ? std::min<size_t>(threads, kTracedMembers) : 0;
+  const int64_t start = tracing ? now_ns() : 0;
   run_on_each_member(threads, [&] {
     const auto me = static_cast<size_t>(gomp().thread_num());
     const bool traced = me < traced_members;
@@ -137,6 +139,7 @@ void run_region(size_t n, size_t share, unsigned threads,
       done[me] = now_ns() - start;
     }
   });
+  if (!tracing) return;
   TeamRegionTrace& t = t_region_trace;
   t.total_us = static_cast<double>(now_ns() - start) / 1e3;
   t.chunks = split.pieces();
@@ -332,6 +335,8 @@ void run_on_each_team_member(const std::function<void(size_t, size_t)>& fn) {
 }
 
 TeamRegionTrace last_team_region_trace() { return t_region_trace; }
+
+void set_team_region_tracing(bool on) { g_trace_regions.store(on, std::memory_order_relaxed); }
 
 TorchTeamState torch_team_state() {
   TorchTeamState s;

@@ -87,7 +87,9 @@ struct TorchTeamState {
 };
 TorchTeamState torch_team_state();
 
-// DIAGNOSTIC (pinxfer._C._last_team_region_trace): the calling thread's last shared-out
+// DIAGNOSTIC (pinxfer._C._last_team_region_trace), recorded only while tracing is on
+// (set_team_region_tracing, pinxfer._C._trace_team_regions; off by default: the clock reads
+// and the copy-out cost each region a little): the calling thread's last shared-out
 // region (run_on_torch_team): microseconds from the call to GOMP_parallel until each member
 // (by place in the team) arrived and until it finished, the pieces it copied (its share's
 // four, fewer or more where it helped a late member), the pieces, and the whole region.
@@ -98,5 +100,6 @@ struct TeamRegionTrace {
   std::vector<int> member_chunks;
 };
 TeamRegionTrace last_team_region_trace();
+void set_team_region_tracing(bool on);
 
 }  // namespace pinxfer

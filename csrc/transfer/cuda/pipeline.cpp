@@ -205,6 +205,22 @@ struct SingleBlock {
                policy.kind_for(plan.bounds[piece.chunk + 1], nbytes));
   }
 
+  // Claims piece p if it is still free (kFree -> kClaimed), stages it and publishes it
+  // (kDone), counting it off its chunk; false if another thread had taken it. For pieces
+  // nobody steals from their stager: the caller's own (it is the only thief) and those of
+  // torch's team (no steals there). A pool helper publishes with a CAS instead (help()).
+  bool claim_and_stage(size_t p) {
+    uint8_t expected = kFree;
+    if (!state[p].compare_exchange_strong(expected, kClaimed, std::memory_order_acq_rel)) {
+      return false;
+    }
+    stage(p, static_cast<char*>(block.get()) + plan.pieces[p].begin);
+    state[p].store(kDone, std::memory_order_release);
+    // acq_rel: whoever queues the chunk, seeing its count reach zero, sees these bytes.
+    left[plan.pieces[p].chunk].fetch_sub(1, std::memory_order_acq_rel);
+    return true;
+  }
+
   // A helper's share: pieces claimed in order until none are left. No CUDA call, no throw.
   void help() {
     for (;;) {
@@ -244,13 +260,7 @@ size_t stage_every(SingleBlock& sb, size_t first, size_t step, bool helper,
   size_t staged = 0;
   for (size_t p = first; p < sb.plan.pieces.size(); p += step) {
     if (sb.state[p].load(std::memory_order_relaxed) != kFree) continue;
-    uint8_t expected = kFree;
-    if (!sb.state[p].compare_exchange_strong(expected, kClaimed, std::memory_order_acq_rel)) {
-      continue;
-    }
-    sb.stage(p, static_cast<char*>(sb.block.get()) + sb.plan.pieces[p].begin);
-    sb.state[p].store(kDone, std::memory_order_release);
-    sb.left[sb.plan.pieces[p].chunk].fetch_sub(1, std::memory_order_acq_rel);
+    if (!sb.claim_and_stage(p)) continue;
     if (helper) sb.helper_pieces.fetch_add(1, std::memory_order_relaxed);
     ++staged;
     if (after_each) after_each();
@@ -338,13 +348,7 @@ void single_block_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex 
     for (;;) {
       const size_t p = sb->next_piece.fetch_add(1, std::memory_order_relaxed);
       if (p >= pieces.size()) return own;
-      uint8_t expected = kFree;
-      if (!sb->state[p].compare_exchange_strong(expected, kClaimed, std::memory_order_acq_rel)) {
-        continue;
-      }
-      sb->stage(p, static_cast<char*>(sb->block.get()) + pieces[p].begin);
-      sb->state[p].store(kDone, std::memory_order_release);
-      sb->left[pieces[p].chunk].fetch_sub(1, std::memory_order_acq_rel);
+      if (!sb->claim_and_stage(p)) continue;
       ++own;
       queue_ready();
     }
