@@ -32,7 +32,7 @@ from pinxfer.memory import empty, record_stream
 #: "cuda" without an index: the operators read it as the caller's current device.
 _CURRENT_CUDA = torch.device("cuda")
 
-#: Tensors below this many bytes in a batch are packed together (to_device_many): the
+#: Tensors of at most this many bytes in a batch are packed together (to_device_many): the
 #: size up to which the kernel stages a tensor with the calling thread alone (kSerialBytes,
 #: csrc/transfer/chunk_plan.h). A larger leaf gets the pipeline's threads: packed, it was
 #: copied by one thread (H100: a 1 MiB batch 97 us packed, its 1 MiB leaf alone 58 us).
@@ -123,7 +123,7 @@ def _send_leaves(
         if t.device == device:
             out[i] = t
         elif plain_dense_cpu(t):
-            if t.numel() * t.element_size() < SMALL_TENSOR_BYTES:
+            if t.numel() * t.element_size() <= SMALL_TENSOR_BYTES:
                 small.append(i)
             else:
                 out[i] = _ops.to_device(t, device, chunk_bytes, num_buffers, staging)
@@ -157,7 +157,7 @@ def to_device(
     stream sends the chunks already staged. A tensor of up to ``num_buffers *
     chunk_bytes`` is staged in one pooled block; a larger one through a ring of
     ``num_buffers`` chunks, so it is never pinned whole. Pinned CPU tensors
-    (pinxfer's pool or torch's) go with one DMA. In a batch, the CPU tensors under
+    (pinxfer's pool or torch's) go with one DMA. In a batch, the CPU tensors of at most
     256 KiB are packed into one staging buffer and sent with one copy; they come back
     as slices of one device allocation. Non-contiguous CPU tensors are made contiguous
     on the host first, and results are contiguous. Tensors already on ``device``
@@ -228,7 +228,7 @@ def to_device(
             leaves = tensors_in(obj)
             if len(leaves) > 1 and all(plain_dense_cpu(t) for t in leaves):
                 with profiler_range("pinxfer::to_device"):
-                    if all(t.nbytes < SMALL_TENSOR_BYTES for t in leaves):
+                    if all(t.nbytes <= SMALL_TENSOR_BYTES for t in leaves):
                         results = iter(_ops.fast.to_device_many(leaves, dev))
                     else:
                         results = iter(
