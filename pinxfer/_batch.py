@@ -126,6 +126,8 @@ def _walk(obj: Any, fn: Callable, other: Callable | None) -> Any:
         return clone
     if kind == _MAPPING:
         values = {k: _step(v, fn, other, k, "[]") for k, v in obj.items()}
+        if type(obj) is dict:
+            return values  # what the copy below would give, without its cost
         if isinstance(obj, MutableMapping):
             try:
                 clone = copy.copy(obj)  # keeps the type and e.g. a defaultdict's factory

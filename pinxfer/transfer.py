@@ -226,9 +226,11 @@ def to_device(
             # one by one, the small ones packed (_send_leaves), still without the argument
             # checks of the general path below (which cost a batch microseconds).
             leaves = tensors_in(obj)
-            if len(leaves) > 1 and all(plain_dense_cpu(t) for t in leaves):
+            # plain_dense_cpu of every leaf and the largest one's bytes, in one C++ call.
+            largest = _ops.fast.plain_leaves_max_bytes(leaves) if len(leaves) > 1 else -1
+            if largest >= 0:
                 with profiler_range("pinxfer::to_device"):
-                    if all(t.nbytes <= SMALL_TENSOR_BYTES for t in leaves):
+                    if largest <= SMALL_TENSOR_BYTES:
                         results = iter(_ops.fast.to_device_many(leaves, dev))
                     else:
                         results = iter(

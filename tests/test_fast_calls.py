@@ -35,6 +35,38 @@ def test_fast_pin_matches_the_operator_bit_for_bit():
         assert pinxfer.is_pool_tensor(via_fast) or via_fast.numel() == 0
 
 
+def test_plain_leaves_check_agrees_with_the_python_predicate():
+    """_C.plain_leaves_max_bytes is plain_dense_cpu's accelerator for a batch's leaves: it
+    must say "not plain" (-1) exactly where the Python predicate does, for every kind of
+    leaf, and otherwise give the largest leaf's bytes."""
+
+    class Sub(torch.Tensor):
+        pass
+
+    kinds = {
+        "plain": torch.randn(3, 4),
+        "transposed": torch.randn(4, 6).t(),
+        "zero_dim": torch.tensor(7),
+        "empty": torch.empty(0, 5),
+        "uint8_large": torch.zeros(300_000, dtype=torch.uint8),
+        "requires_grad": torch.randn(3, requires_grad=True),
+        "parameter_no_grad": torch.nn.Parameter(torch.randn(3), requires_grad=False),
+        "subclass": torch.randn(3).as_subclass(Sub),
+        "sparse": torch.eye(3).to_sparse(),
+        "nested": torch.nested.nested_tensor([torch.randn(2), torch.randn(3)]),
+        "quantized": torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8),
+        "meta": torch.empty(3, device="meta"),
+        "not_a_tensor": 3,
+    }
+    for name, leaf in kinds.items():
+        plain = isinstance(leaf, torch.Tensor) and _ops.plain_dense_cpu(leaf)
+        got = _ops.fast.plain_leaves_max_bytes([kinds["plain"], leaf])
+        assert (got >= 0) == plain, name
+        if plain:
+            assert got == max(kinds["plain"].nbytes, leaf.nbytes), name
+    assert _ops.fast.plain_leaves_max_bytes([]) == 0
+
+
 def test_fast_pin_returns_an_already_pinned_tensor_itself():
     t = pinxfer.empty(1000)
     assert _ops.fast.pin_memory(t, None, 0, True) is t

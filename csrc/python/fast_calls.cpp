@@ -19,6 +19,7 @@
 // is released for the duration of each call.
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <optional>
 #include <vector>
 
@@ -71,6 +72,27 @@ std::vector<at::Tensor> to_device_many_fast(const std::vector<at::Tensor>& tenso
 }
 #endif
 
+// pinxfer/_ops.py's plain_dense_cpu over a batch's leaves at once: the largest leaf's bytes
+// if every object is exactly a torch.Tensor (no subclass, no Parameter) on the CPU that
+// needs no grad, strided, not nested and not quantized; -1 if one is not. The Python
+// predicate stays the definition (traced code runs it); this is its eager accelerator for
+// batches (H100: the Python checks cost a 64-leaf batch about 30 us, diag_many_small), and
+// tests/test_fast_calls.py checks that both agree. Holds the GIL: it reads Python objects.
+int64_t plain_leaves_max_bytes(const pybind11::list& leaves) {
+  const auto* tensor_type = reinterpret_cast<PyTypeObject*>(THPVariableClass);
+  int64_t largest = 0;
+  for (const pybind11::handle leaf : leaves) {
+    if (Py_TYPE(leaf.ptr()) != tensor_type) return -1;
+    const at::Tensor& t = THPVariable_Unpack(leaf.ptr());
+    if (!t.is_cpu() || t.requires_grad() || t.layout() != at::kStrided || t.is_nested() ||
+        t.is_quantized()) {
+      return -1;
+    }
+    largest = std::max(largest, static_cast<int64_t>(t.nbytes()));
+  }
+  return largest;
+}
+
 at::Tensor empty_fast(const std::vector<int64_t>& size, at::ScalarType dtype,
                       std::optional<int64_t> numa_node) {
   return pool_empty(size, dtype, numa_node);
@@ -98,6 +120,9 @@ PYBIND11_MODULE(_C, m) {
         "is_pinned(tensor, ask_torch) for a dense CPU tensor");
   m.def("empty", torch::wrap_pybind_function_no_gil(&pinxfer::ops::empty_fast),
         "empty(sizes, dtype, numa_node): contiguous pool tensor");
+  m.def("plain_leaves_max_bytes", &pinxfer::ops::plain_leaves_max_bytes,
+        "plain_leaves_max_bytes(leaves: list) -> int: the largest leaf's bytes if every leaf "
+        "is a plain dense CPU tensor (pinxfer._ops.plain_dense_cpu), else -1");
 #if PINXFER_WITH_CUDA
   m.def("to_device", torch::wrap_pybind_function_no_gil(&pinxfer::ops::to_device_fast),
         "to_device(tensor, device, chunk_bytes, num_buffers, staging): the op's kernel, "
