@@ -22,6 +22,7 @@
 #include <ATen/ATen.h>
 #include <ATen/EmptyTensor.h>
 #include <ATen/MemoryOverlap.h>
+#include <ATen/Parallel.h>
 #include <c10/util/ParallelGuard.h>
 #include <torch/library.h>
 
@@ -44,9 +45,23 @@ namespace {
 // Copies are split in 64 KiB units, at least 16 per chunk: chunks of >= 1 MiB
 // amortise waking a worker, and unit-aligned chunk starts keep memcpy on its
 // fast aligned path. On torch's awake team (runtime/torch_team.h) nothing is woken:
-// a share of the units for each member, however few.
+// one share for each member, cut as torch's own copy_ cuts the same tensor there
+// (torch_share_units).
 constexpr size_t kCopyUnit = size_t{64} << 10;
 constexpr size_t kUnitsPerChunk = 16;
+
+// The least share, in units, of a member of torch's team copying elements of item_bytes:
+// torch's copy_ (at::parallel_for) gives each member at least at::internal::GRAIN_SIZE
+// elements, so a 256 KiB float32 tensor goes to two members, 1 MiB to eight, 4 MiB to all
+// sixteen. Cut the same way, member k copies the bytes member k wrote in the torch op that
+// made the tensor (or read in torch's last pin of it) and finds them in its core's cache;
+// 64 KiB shares gave a 256 KiB pin_memory to four members, two of them reading bytes
+// cached on other cores (H100, diag_pin_copy: their pieces took 8-11 us against 3).
+// Below that many units the copy is one thread's (no team, no probe), as torch's is.
+size_t torch_share_units(size_t item_bytes) {
+  return std::max<size_t>(1,
+                          static_cast<size_t>(at::internal::GRAIN_SIZE) * item_bytes / kCopyUnit);
+}
 
 void check_input(const at::Tensor& self) {
   TORCH_CHECK(self.defined(), "pinxfer.pin_memory: expected a CPU tensor, got an undefined tensor");
@@ -76,10 +91,11 @@ void check_threads(int64_t num_threads) {
                     " (max(16, the CPUs this process may use)), got ", num_threads);
 }
 
-void parallel_memcpy(char* dst, const char* src, size_t nbytes, ThreadPool& pool, int max_threads) {
+void parallel_memcpy(char* dst, const char* src, size_t nbytes, size_t item_bytes, ThreadPool& pool,
+                     int max_threads) {
   const size_t units = (nbytes + kCopyUnit - 1) / kCopyUnit;
   host_parallel_for(
-      pool, units, kUnitsPerChunk, 1,
+      pool, units, kUnitsPerChunk, torch_share_units(item_bytes),
       [&](size_t begin, size_t end) {
         const size_t lo = begin * kCopyUnit;
         const size_t hi = std::min(nbytes, end * kCopyUnit);
@@ -140,7 +156,8 @@ at::Tensor pin_memory_copy(const at::Tensor& self, std::optional<int64_t> numa_n
       num_threads > 0 ? static_cast<int>(num_threads) : pool.threads_for_copy(nbytes);
   if (!overlapping && !self.is_conj() && !self.is_neg()) {
     parallel_memcpy(static_cast<char*>(out.data_ptr()),
-                    static_cast<const char*>(self.const_data_ptr()), nbytes, pool, max_threads);
+                    static_cast<const char*>(self.const_data_ptr()), nbytes,
+                    self.dtype().itemsize(), pool, max_threads);
   } else {
     parallel_elementwise_copy(out, self, pool, max_threads);
   }
