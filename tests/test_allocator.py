@@ -544,9 +544,11 @@ def test_team_share_split_runs_every_unit_once_with_late_members():
     takes its own share in pieces, then what late members left. Plain threads here, some of
     them late at random, so the protocol runs under TSan and ASan (scripts/sanitize.sh),
     where the team's own road is off: every unit is run exactly once, and members do take
-    over shares not their own."""
+    over shares not their own; members without a share (fewer shares than members) take
+    nothing."""
     helped = 0
-    for units, share, members in [(64, 4, 16), (100, 7, 16), (1, 1, 3), (5, 1, 8), (257, 33, 8)]:
+    cases = [(64, 4, 16), (100, 7, 16), (1, 1, 3), (5, 1, 8), (257, 33, 8), (4, 2, 16)]
+    for units, share, members in cases:
         helped += pinxfer._C._share_split_self_test(units, share, members, 40)
     assert helped > 0  # some late member's pieces were taken by another
     with pytest.raises(ValueError, match=r"share \* members >= units"):

@@ -22,11 +22,13 @@ ShareSplit::ShareSplit(size_t n, size_t share, size_t members)
     cursors_[k].next.store(begin, std::memory_order_relaxed);
     cursors_[k].end = std::min(n, begin + share);
     pieces_ += (cursors_[k].end - begin + piece_ - 1) / piece_;
+    if (begin < cursors_[k].end) sharing_ = k + 1;
   }
 }
 
 size_t ShareSplit::take(size_t me, const std::function<void(size_t, size_t)>& fn) {
   size_t ran = 0;
+  if (me >= sharing_) return ran;  // no share of its own: it leaves the shares to their owners
   for (size_t i = 0; i < members_; ++i) {
     Cursor& c = cursors_[(me + i) % members_];
     if (c.next.load(std::memory_order_relaxed) >= c.end) continue;
@@ -58,16 +60,19 @@ int64_t share_split_self_test(int64_t n, int64_t share, int64_t members, int64_t
     for (size_t me = 0; me < team; ++me) {
       threads.emplace_back([&, me] {
         try {
-          // Some members late, by up to 200 us, so that others take over their shares.
+          // Some members late, by up to 200 us, so that others take over their shares (members
+          // without a share take nothing: the owners, late or not, run every unit).
           std::mt19937 rng(static_cast<uint32_t>(r * 131 + static_cast<int64_t>(me)));
           if (rng() % 3 == 0) std::this_thread::sleep_for(std::chrono::microseconds(rng() % 200));
           const size_t own_begin = std::min(units, me * static_cast<size_t>(share));
           const size_t own_end = std::min(units, own_begin + static_cast<size_t>(share));
-          split.take(me, [&](size_t begin, size_t end) {
+          const size_t ran = split.take(me, [&](size_t begin, size_t end) {
             TORCH_CHECK(begin < end && end <= units, "piece [", begin, ", ", end, ") out of range");
             if (begin < own_begin || begin >= own_end) helped.fetch_add(1);
             for (size_t u = begin; u < end; ++u) hits[u].fetch_add(1, std::memory_order_relaxed);
           });
+          TORCH_CHECK(own_begin < own_end || ran == 0, "member ", me, " has no share but took ",
+                      ran, " pieces");
         } catch (...) {
           std::lock_guard<std::mutex> lock(error_mutex);
           if (!error) error = std::current_exception();

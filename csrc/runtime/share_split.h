@@ -20,8 +20,12 @@ class ShareSplit {
 
   // Runs fn(begin, end) over the pieces member `me` (< members) takes: its own share's, in
   // order, then what is left of the others' (the next member's first), so a member done
-  // early takes over from a late one. Returns the pieces it ran. Lock-free; every unit is
-  // handed out exactly once, whatever the members' timing.
+  // early takes over from a late one. A member with no share (fewer shares than members)
+  // takes nothing: arriving with nothing to do, it would take the first pieces of members
+  // about to start theirs, whose bytes are in their cores' caches (a 256 KiB pin_memory's
+  // two shares went to four members, H100, diag_pin_copy). Returns the pieces it ran.
+  // Lock-free; every unit is handed out exactly once, whatever the timing, provided every
+  // member that has a share calls take().
   size_t take(size_t me, const std::function<void(size_t, size_t)>& fn);
 
   // Pieces in all.
@@ -36,6 +40,7 @@ class ShareSplit {
   };
   std::unique_ptr<Cursor[]> cursors_;
   size_t members_;
+  size_t sharing_ = 0;  // members with a share: the first ceil(n / share)
   size_t piece_;
   size_t pieces_ = 0;
 };
