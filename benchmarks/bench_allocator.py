@@ -14,14 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
-import subprocess
-import sys
 import time
 
 import torch
+from _child import run_child
 
 import pinxfer
 
@@ -134,17 +132,12 @@ def main() -> None:
     cold = []
     best_conf = {}
     if has_cuda:
-        env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF=TORCH_BEST_CONF)
-        cmd = [sys.executable, __file__, "--child-torch-cold", "--reps", str(args.reps)] + (
-            ["--quick"] if args.quick else []
+        best_conf = run_child(
+            __file__,
+            ["--child-torch-cold", "--reps", str(args.reps)] + (["--quick"] if args.quick else []),
+            {"PYTORCH_CUDA_ALLOC_CONF": TORCH_BEST_CONF},
+            timeout=600,
         )
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        if proc.returncode == 0:
-            best_conf = json.loads(proc.stdout.strip().splitlines()[-1])
-        else:
-            report["skipped"].append(
-                {"section": "cold torch best setting", "reason": proc.stderr[-500:]}
-            )
     else:
         report["skipped"].append(
             {"section": "cold: torch", "reason": "no CUDA device: torch cannot pin"}

@@ -21,13 +21,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import time
 
 import torch
+from _child import run_child
 
 SIZES = [4 << 10, 1 << 20, 8 << 20]
 GAP_S = 0.020
@@ -81,25 +79,14 @@ def main() -> None:
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        print("RESULT " + json.dumps(measure(args.rounds)))
+        print(json.dumps(measure(args.rounds)))
         return
     if not torch.cuda.is_available():
         print("diag_latency: no CUDA device; nothing to measure")
         return
     results = {}
     for variant, env in VARIANTS.items():
-        proc = subprocess.run(
-            [sys.executable, __file__, "--child", "--rounds", str(args.rounds)],
-            env=dict(os.environ, **env),
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-        if proc.returncode != 0 or not line:
-            print(proc.stdout, proc.stderr)
-            raise SystemExit(f"diag_latency: variant {variant} failed")
-        results[variant] = json.loads(line[0][len("RESULT ") :])
+        results[variant] = run_child(__file__, ["--child", "--rounds", str(args.rounds)], env)
     print(
         f"{'size:pattern':<22} {'variant':<10} "
         + " ".join(f"{w:>14}" for w in ("pinned", "torch.to", "op", "fast", "public"))

@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -32,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _child import run_child
 
 HERE = Path(__file__).resolve().parent
 
@@ -109,14 +108,9 @@ def main() -> int:
         return 0
     result: dict = {"gpu": torch.cuda.get_device_name(0), "variants": {}}
     for variant, env in {"default": {}, "team_off": {"PINXFER_TORCH_TEAM": "off"}}.items():
-        got = subprocess.run(
-            [sys.executable, __file__, "--child", "--rounds", str(args.rounds)],
-            env={**os.environ, **env},
-            capture_output=True,
-            text=True,
-            check=True,
+        result["variants"][variant] = run_child(
+            __file__, ["--child", "--rounds", str(args.rounds)], env
         )
-        result["variants"][variant] = json.loads(got.stdout.strip().splitlines()[-1])
     for variant, res in result["variants"].items():
         print(f"{variant}: {res['total_bytes'] / 2**20:.2f} MiB")
         for pname, rows in res["us"].items():

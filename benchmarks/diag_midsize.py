@@ -33,12 +33,12 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import time
 from typing import Any
 
 import torch
+from _child import run_child
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -163,29 +163,14 @@ def main() -> None:
         "gpu": torch.cuda.get_device_name(),
         "variants": {},
     }
-    spin_cmd = [sys.executable, __file__, "--child", "team_spin"]
-    spin = subprocess.run(spin_cmd, capture_output=True, text=True, check=True)
-    result["team_spin"] = json.loads(spin.stdout.strip().splitlines()[-1])
+    result["team_spin"] = run_child(__file__, ["--child", "team_spin"])
     print(f"torch's team stays awake after one op: {result['team_spin']}", flush=True)
     for variant in args.variants.split(","):
-        env = dict(os.environ, **VARIANTS[variant])
-        proc = subprocess.run(
-            [
-                sys.executable,
-                __file__,
-                "--child",
-                variant,
-                "--sizes",
-                args.sizes,
-                "--rounds",
-                str(args.rounds),
-            ],
-            env=env,
-            capture_output=True,
-            text=True,
-            check=True,
+        cells = run_child(
+            __file__,
+            ["--child", variant, "--sizes", args.sizes, "--rounds", str(args.rounds)],
+            VARIANTS[variant],
         )
-        cells = json.loads(proc.stdout.strip().splitlines()[-1])
         result["variants"][variant] = cells
         for size, cell in cells.items():
             ways = "  ".join(

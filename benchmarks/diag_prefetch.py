@@ -24,15 +24,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import queue
 import statistics
-import subprocess
 import sys
 import threading
 import time
 
 import torch
+from _child import run_child
 from bench_bus import cpu_seconds  # this script's directory is on sys.path
 
 import pinxfer
@@ -165,17 +164,9 @@ def main() -> int:
         print(json.dumps(report))
         return 0
     for label, spin in (("spin_100us", "100"), ("spin_1ms", "1000")):
-        proc = subprocess.run(
-            [sys.executable, os.path.abspath(__file__), "--child", "--runs", str(args.runs)],
-            env={**os.environ, "PINXFER_SPIN_US": spin},
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        if proc.returncode != 0:
-            print(f"{label} child failed:", proc.stderr[-1500:])
-            continue
-        report[label] = json.loads(proc.stdout.strip().splitlines()[-1])["rows"]
+        report[label] = run_child(
+            __file__, ["--child", "--runs", str(args.runs)], {"PINXFER_SPIN_US": spin}, timeout=120
+        )["rows"]
         for r in report[label]:
             print(
                 label,

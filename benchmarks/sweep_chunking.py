@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
+
+from _child import run_child
 
 MiB = 1 << 20
 THREADS = ["", "8", "15"]  # "": pinxfer's own choice
@@ -87,21 +87,9 @@ def main() -> int:
         return 0
     table = {}
     for threads in THREADS:
-        env = dict(os.environ)
-        if threads:
-            env["PINXFER_NUM_THREADS"] = threads
-        proc = subprocess.run(
-            [sys.executable, os.path.abspath(__file__), "--child", "--runs", str(args.runs)],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+        env = {"PINXFER_NUM_THREADS": threads} if threads else {}
         name = f"threads {threads or 'default'}"
-        if proc.returncode != 0:
-            print(f"{name}: FAILED\n{proc.stderr[-2000:]}")
-            continue
-        table[name] = json.loads(proc.stdout.strip().splitlines()[-1])
+        table[name] = run_child(__file__, ["--child", "--runs", str(args.runs)], env)
         for size, row in table[name].items():
             ceiling = row["ceiling"]
             best = sorted(((v, k) for k, v in row.items() if k != "ceiling"), reverse=True)[:4]

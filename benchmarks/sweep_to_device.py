@@ -18,9 +18,10 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
+
+from _child import run_child
 
 MiB = 1 << 20
 
@@ -127,18 +128,7 @@ def main() -> int:
     names = [n for n in SETTINGS if not args.only or n in args.only.split(",")]
     table: dict[str, dict[str, float]] = {}
     for name in names:
-        env = {**os.environ, **SETTINGS[name]}
-        proc = subprocess.run(
-            [sys.executable, os.path.abspath(__file__), "--child"],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        if proc.returncode != 0:
-            print(f"{name}: FAILED\n{proc.stderr[-2000:]}")
-            continue
-        rows = json.loads(proc.stdout.strip().splitlines()[-1])
+        rows = run_child(__file__, ["--child"], SETTINGS[name], timeout=120)
         table[name] = {r["what"]: (r["us"] if "latency" in r["what"] else r["gbps"]) for r in rows}
         print(name, "done", flush=True)
     with open(args.out, "w") as f:

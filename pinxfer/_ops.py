@@ -39,6 +39,7 @@ Python call would cost about 5% of a small call.)
 from __future__ import annotations
 
 import collections
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -87,7 +88,7 @@ def plain_dense_cpu(t: torch.Tensor) -> bool:
 # ---- the pinned pool (ops: csrc/ops/memory_ops.cpp; the rest: python/memory_bindings.cpp) ----
 
 
-def empty(size: list[int], dtype: torch.dtype, numa_node: int | None = None) -> torch.Tensor:
+def empty(size: Sequence[int], dtype: torch.dtype, numa_node: int | None = None) -> torch.Tensor:
     """A CPU tensor of ``size`` and ``dtype`` from the pinned pool of ``numa_node``
     (None: the current GPU's node; -1: unbound). Sizes must be non-negative."""
     return _lib.empty(size, dtype, numa_node)

@@ -50,9 +50,24 @@ __all__ = [
 StreamLike = torch.cuda.Stream | torch.Stream
 
 
-def _size_tuple(size: Sequence[int] | tuple) -> list[int]:
-    if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)):
+def _sizes(size: tuple) -> Sequence[int]:
+    """``empty``'s sizes (``*size``: ints, or one sequence of them) as one sequence of
+    non-negative ints. Checked in one pass without a copy when every size is an exact int
+    (the usual call: a few hundred ns less per ``empty``); anything else, int subclasses
+    included, goes to :func:`_checked_sizes`."""
+    if (
+        len(size) == 1
+        and type(size[0]) is not int
+        and isinstance(size[0], (tuple, list, torch.Size))
+    ):
         size = size[0]
+    for d in size:
+        if type(d) is not int or not 0 <= d <= _check.INT64_MAX:
+            return _checked_sizes(size)
+    return size
+
+
+def _checked_sizes(size: Sequence) -> list[int]:
     out = []
     for d in size:
         if not isinstance(d, int) or isinstance(d, bool):
@@ -93,7 +108,7 @@ def empty(
             ``numa_node`` names no node of this machine.
         torch.OutOfMemoryError: the memory cannot be had (cap, OS).
     """
-    dims = _size_tuple(size)
+    dims = _sizes(size)
     dt = torch.get_default_dtype() if dtype is None else _check.dtype(dtype, "empty")
     if numa_node is not None:
         numa_node = _check.numa_node(numa_node, "empty")

@@ -116,14 +116,20 @@ def _send_leaves(
     chunk_bytes: int,
     num_buffers: int,
     staging: str = "auto",
+    *,
+    all_plain: bool = False,
 ) -> list[torch.Tensor]:
+    """Each leaf to ``device``: plain CPU ones of at most SMALL_TENSOR_BYTES packed into one
+    copy, larger ones by to_device one by one, the rest by ``Tensor.to``. ``all_plain``: the
+    caller has already checked that every leaf is a plain dense CPU tensor
+    (``_C.plain_leaves_max_bytes``), so they are not checked again."""
     out: list[torch.Tensor | None] = [None] * len(tensors)
     small: list[int] = []
     for i, t in enumerate(tensors):
-        if t.device == device:
+        if not all_plain and t.device == device:
             out[i] = t
-        elif plain_dense_cpu(t):
-            if t.numel() * t.element_size() <= SMALL_TENSOR_BYTES:
+        elif all_plain or plain_dense_cpu(t):
+            if t.nbytes <= SMALL_TENSOR_BYTES:
                 small.append(i)
             else:
                 out[i] = _ops.to_device(t, device, chunk_bytes, num_buffers, staging)
@@ -234,7 +240,9 @@ def to_device(
                         results = iter(_ops.fast.to_device_many(leaves, dev))
                     else:
                         results = iter(
-                            _send_leaves(leaves, dev, non_blocking, chunk_bytes, num_buffers)
+                            _send_leaves(
+                                leaves, dev, non_blocking, chunk_bytes, num_buffers, all_plain=True
+                            )
                         )
                 out = map_tensors(obj, lambda _t: next(results))
                 if not non_blocking:

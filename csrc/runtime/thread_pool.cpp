@@ -9,6 +9,7 @@
 #include <map>
 #include <string>
 #include <system_error>
+#include <thread>
 
 #include <c10/util/Exception.h>
 
@@ -356,6 +357,64 @@ int64_t thread_pool_self_test(int64_t workers, int64_t callers, int64_t rounds, 
   for (auto& t : threads) t.join();
   if (error) std::rethrow_exception(error);
   return by_helpers.load();
+}
+
+std::vector<WakeSample> wake_probe(int64_t workers, int64_t helpers, int64_t gap_us,
+                                   int64_t rounds) {
+  TORCH_CHECK_VALUE(workers >= 1 && workers <= 256 && helpers >= 1 && helpers <= workers &&
+                        gap_us >= 0 && gap_us <= 1000000 && rounds >= 1 && rounds <= 10000,
+                    "pinxfer._wake_probe: expected 1..256 workers, 1..workers helpers, a gap "
+                    "of 0..1e6 us and 1..10000 rounds; got ",
+                    workers, ", ", helpers, ", ", gap_us, ", ", rounds);
+  using Clock = std::chrono::steady_clock;
+  static constexpr auto kHold = std::chrono::milliseconds(20);
+  ThreadPool pool(static_cast<int>(workers) + 1, {});
+  struct Round {
+    explicit Round(size_t n) : arrived_ns(n) {
+      for (auto& a : arrived_ns) a.store(-1, std::memory_order_relaxed);
+    }
+    Clock::time_point start;
+    std::vector<std::atomic<int64_t>> arrived_ns;
+    std::atomic<size_t> arrivals{0};
+  };
+  const size_t n = static_cast<size_t>(helpers);
+  std::vector<WakeSample> out;
+  out.reserve(static_cast<size_t>(rounds));
+  for (int64_t r = 0; r < rounds; ++r) {
+    if (gap_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(gap_us));
+    auto round = std::make_shared<Round>(n);
+    round->start = Clock::now();
+    const ThreadPool::Offer offer =
+        pool.offer(static_cast<int>(helpers), [round, n](size_t i, size_t) {
+          const auto now = Clock::now();
+          round->arrived_ns[i].store(
+              std::chrono::duration_cast<std::chrono::nanoseconds>(now - round->start).count(),
+              std::memory_order_relaxed);
+          round->arrivals.fetch_add(1, std::memory_order_acq_rel);
+          // Hold this worker until every item has started, so no worker takes two items.
+          while (round->arrivals.load(std::memory_order_acquire) < n &&
+                 Clock::now() - round->start < kHold) {
+            cpu_relax();
+          }
+        });
+    const double offer_us =
+        std::chrono::duration<double, std::micro>(Clock::now() - round->start).count();
+    while (round->arrivals.load(std::memory_order_acquire) < n &&
+           Clock::now() - round->start < kHold) {
+      cpu_relax();
+    }
+    pool.withdraw(offer);
+    WakeSample sample;
+    sample.offer_us = offer_us;
+    for (size_t i = 0; i < n; ++i) {
+      const int64_t ns = round->arrived_ns[i].load(std::memory_order_relaxed);
+      sample.arrivals_us.push_back(ns < 0 ? -1.0 : static_cast<double>(ns) / 1000.0);
+    }
+    std::sort(sample.arrivals_us.begin(), sample.arrivals_us.end(),
+              [](double a, double b) { return (a < 0 ? 1e300 : a) < (b < 0 ? 1e300 : b); });
+    out.push_back(std::move(sample));
+  }
+  return out;
 }
 
 int default_num_threads() { return settings().copy_threads; }

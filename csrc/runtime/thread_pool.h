@@ -134,6 +134,20 @@ class ThreadPool {
 // the claims the offered workers took. Run under TSan by scripts/sanitize.sh.
 int64_t thread_pool_self_test(int64_t workers, int64_t callers, int64_t rounds, int64_t items);
 
+// DIAGNOSTIC (pinxfer._C._wake_probe, benchmarks/diag_wake.py): how waking copy workers
+// scales. A pool of `workers` workers (unbound, as a node's pool on a one-node host); each
+// of `rounds` rounds sleeps `gap_us` (longer than the workers' spin: they sleep too), then
+// offers `helpers` items, each of which records when it started and holds its worker until
+// every item has started (or 20 ms have passed), so each item is a different worker's
+// arrival. Per round: the microseconds the caller spent in the offer (the wake-up call) and
+// each arrival after the offer began, sorted; -1 for an item no worker took within 20 ms.
+struct WakeSample {
+  double offer_us = 0;
+  std::vector<double> arrivals_us;
+};
+std::vector<WakeSample> wake_probe(int64_t workers, int64_t helpers, int64_t gap_us,
+                                   int64_t rounds);
+
 // The process's budget of threads for host copies, shared by all its node
 // pools: PINXFER_NUM_THREADS, else derived from the process's CPUs, cgroup
 // quota and ranks on the host (copy_threads_for() in runtime/thread_budget.h).
