@@ -15,7 +15,7 @@ them. Two parts, both as a training loop sees them (back to back, and after 20 m
 --root DIR imports pinxfer from another checkout (built in place), so two builds can be
 run in turn by a driver and compared row by row.
 
-    python benchmarks/diag_wake.py [--root DIR] [--json PATH] [--rounds 15]
+    python benchmarks/diag_wake.py [--root DIR] [--json PATH] [--rounds 15] [--parts wake,calls]
 """
 
 from __future__ import annotations
@@ -118,7 +118,9 @@ def main() -> int:
     ap.add_argument("--root", default=str(Path(__file__).resolve().parent.parent))
     ap.add_argument("--json", default=None)
     ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--parts", default="wake,calls", help="wake, calls or both (comma-separated)")
     args = ap.parse_args()
+    parts = set(args.parts.split(","))
 
     os.environ.setdefault("PINXFER_TORCH_TEAM", "off")
     sys.path.insert(0, str(Path(args.root).resolve()))
@@ -133,9 +135,10 @@ def main() -> int:
         "torch_team": os.environ["PINXFER_TORCH_TEAM"],
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "time": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "wake": wake_part(_C, args.rounds),
     }
-    if torch.cuda.is_available():
+    if "wake" in parts:
+        result["wake"] = wake_part(_C, args.rounds)
+    if "calls" in parts and torch.cuda.is_available():
         result["calls"] = calls_part(torch, pinxfer, args.rounds)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))

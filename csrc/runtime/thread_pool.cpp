@@ -1,10 +1,16 @@
 #include "runtime/thread_pool.h"
 
+#include <linux/futex.h>
 #include <pthread.h>
 #include <sched.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
+#include <climits>
+#include <condition_variable>
 #include <cstdlib>
 #include <map>
 #include <string>
@@ -19,6 +25,31 @@
 #include "runtime/topology.h"
 
 namespace pinxfer {
+namespace {
+
+// The futex word is the atomic's own 32 bits (lock-free, no padding).
+static_assert(sizeof(std::atomic<uint32_t>) == sizeof(uint32_t) &&
+              std::atomic<uint32_t>::is_always_lock_free);
+
+uint32_t* futex_word(std::atomic<uint32_t>& word) { return reinterpret_cast<uint32_t*>(&word); }
+
+// Sleeps while `word` still holds `seen` (returns at once if it does not). EAGAIN (the word
+// changed) and EINTR are the normal ways out, and the caller looks again either way. Any
+// other failure cannot happen with these arguments; if it did, a short sleep keeps the
+// caller's loop from spinning on a core.
+void futex_wait(std::atomic<uint32_t>& word, uint32_t seen) {
+  if (syscall(SYS_futex, futex_word(word), FUTEX_WAIT_PRIVATE, seen, nullptr, nullptr, 0) == 0) {
+    return;
+  }
+  if (errno != EAGAIN && errno != EINTR) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+}
+
+// Wakes at most `count` threads sleeping on `word`, in one system call.
+void futex_wake(std::atomic<uint32_t>& word, int count) {
+  syscall(SYS_futex, futex_word(word), FUTEX_WAKE_PRIVATE, count, nullptr, nullptr, 0);
+}
+
+}  // namespace
 
 struct ThreadPool::Job {
   std::function<void(size_t, size_t)> fn;
@@ -78,7 +109,8 @@ void ThreadPool::stop_and_join() {
     std::lock_guard<std::mutex> lock(mutex_);
     stopping_ = true;
   }
-  wake_.notify_all();
+  wake_seq_.fetch_add(1, std::memory_order_release);
+  futex_wake(wake_seq_, INT_MAX);
   for (auto& t : workers_) {
     if (t.joinable()) t.join();
   }
@@ -157,26 +189,38 @@ void ThreadPool::worker_loop() {
   // tell pinxfer's copy threads from the process's others.
   pthread_setname_np(pthread_self(), kCopyThreadName);
   for (;;) {
-    std::shared_ptr<Job> job;
     if (spin_us_ > 0 || spin_adaptive_) {
       spinning_.fetch_add(1, std::memory_order_relaxed);
       spin_for_work();
       spinning_.fetch_sub(1, std::memory_order_relaxed);
     }
+    const std::shared_ptr<Job> job = next_job();
+    if (!job) return;
+    run_chunks(*job);
+  }
+}
+
+std::shared_ptr<ThreadPool::Job> ThreadPool::next_job() {
+  for (;;) {
+    // The word is read before the queue is looked at: a post() after the look bumps it,
+    // and the wait below then returns at once instead of sleeping through that job.
+    const uint32_t seen = wake_seq_.load(std::memory_order_acquire);
     {
-      std::unique_lock<std::mutex> lock(mutex_);
-      wake_.wait(lock, [this] { return stopping_ || !jobs_.empty(); });
-      if (stopping_) return;
-      job = jobs_.front();
-      // A job leaves the queue once it has all the helpers it may use or has
-      // no chunks left to hand out.
-      if (job->helpers.fetch_add(1) + 1 >= job->max_helpers ||
-          job->next_chunk.load() >= job->num_chunks) {
-        jobs_.pop_front();
-        queued_jobs_.store(jobs_.size(), std::memory_order_relaxed);
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (stopping_) return nullptr;
+      if (!jobs_.empty()) {
+        std::shared_ptr<Job> job = jobs_.front();
+        // A job leaves the queue once it has all the helpers it may use or has
+        // no chunks left to hand out.
+        if (job->helpers.fetch_add(1) + 1 >= job->max_helpers ||
+            job->next_chunk.load() >= job->num_chunks) {
+          jobs_.pop_front();
+          queued_jobs_.store(jobs_.size(), std::memory_order_relaxed);
+        }
+        return job;
       }
     }
-    run_chunks(*job);
+    futex_wait(wake_seq_, seen);
   }
 }
 
@@ -218,11 +262,14 @@ void ThreadPool::post(const std::shared_ptr<Job>& job) {
     jobs_.push_back(job);
     queued_jobs_.store(jobs_.size(), std::memory_order_relaxed);
   }
-  // One futex call for many helpers: notify_one in a loop delays the caller's
-  // own share of the work by a system call per helper. Workers woken beyond
-  // max_helpers find the job gone and sleep again. Spinning workers need no
-  // wake-up at all: they see queued_jobs_. Small copies ask for few helpers
-  // (threads_for_copy), so a 1 MiB transfer after a compute step wakes one.
+  // Wake exactly the sleeping workers the job may use: spinning ones need no wake-up (they
+  // see queued_jobs_), and FUTEX_WAKE with a count wakes at most that many sleepers in one
+  // system call. A condition variable offers one or all: with notify_all every sleeping
+  // worker woke, and on these virtual machines each wake-up is an interrupt to an idle
+  // core, paid by the caller inside the wake call, after which all but the job's few
+  // queued on mutex_ and slept again (benchmarks/diag_wake.py measured it; csrc/README.md,
+  // "How many helpers a copy takes"). Small copies ask for few helpers (threads_for_copy),
+  // so a 1 MiB transfer after a compute step wakes one.
   // (Tried 2026-11-25: the caller waking one worker and each woken worker two
   // more, a tree. It took no wake-up off a small transfer that threads_for_copy
   // had not already, and with it a 32 MiB transfer back to back took 2.8 ms
@@ -230,11 +277,9 @@ void ThreadPool::post(const std::shared_ptr<Job>& job) {
   // helpers coming up three wake-ups late; the tree was the only change on
   // that path, but no A/B run isolated it. results/<kind>/loop.json are of
   // that trial.)
-  if (job->max_helpers > 1) {
-    wake_.notify_all();
-  } else {
-    wake_.notify_one();
-  }
+  wake_seq_.fetch_add(1, std::memory_order_release);
+  const int sleepers_wanted = job->max_helpers - spinning_workers();
+  if (sleepers_wanted > 0) futex_wake(wake_seq_, sleepers_wanted);
 }
 
 void ThreadPool::retire(Job& job) {

@@ -10,20 +10,18 @@
 // once; jobs from concurrent callers share the workers, and every caller also
 // works on its own job, so a call never waits for a free pool.
 //
-// Idle workers spin for a short while before they sleep on the condition
-// variable: transfers come back to back (one per batch, one per tensor of a
-// batch), and a sleeping worker takes tens of microseconds to wake (more on a
-// virtual machine), which is a large share of an 8 MiB transfer. The spin is
-// PINXFER_SPIN_US when set; otherwise 100 us, or an eighth of the last job's
-// wall time when that is longer (at most kMaxAdaptiveSpinUs): a caller that
-// spends a little time between long jobs (a prefetch producer running Python
-// between batches) then finds the workers awake, and the spin costs at most
-// an eighth more CPU than the job itself. No CPU is used once the spin ends.
+// Idle workers spin for a short while before they sleep (on a futex word, so a
+// job wakes exactly the helpers it may use: thread_pool.cpp, post()): transfers
+// come back to back (one per batch, one per tensor of a batch), and a sleeping worker takes tens of
+// microseconds to wake (more on a virtual machine), which is a large share of an 8 MiB transfer.
+// The spin is PINXFER_SPIN_US when set; otherwise 100 us, or an eighth of the last job's wall time
+// when that is longer (at most kMaxAdaptiveSpinUs): a caller that spends a little time between long
+// jobs (a prefetch producer running Python between batches) then finds the workers awake, and the
+// spin costs at most an eighth more CPU than the job itself. No CPU is used once the spin ends.
 #pragma once
 
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
 #include <deque>
@@ -94,6 +92,9 @@ class ThreadPool {
 
  private:
   void worker_loop();
+  // A worker's next job: the queue's first, once there is one (sleeping on wake_seq_ while
+  // there is none); nullptr when the pool is stopping.
+  std::shared_ptr<Job> next_job();
   // Tells every worker to stop and joins them (the destructor, and a
   // constructor that could not start all its threads).
   void stop_and_join();
@@ -111,8 +112,11 @@ class ThreadPool {
   std::vector<int> cpus_;
   std::vector<std::thread> workers_;
   std::mutex mutex_;
-  std::condition_variable wake_;
   std::deque<std::shared_ptr<Job>> jobs_;  // LOCK: mutex_
+  // The futex word sleeping workers wait on: bumped by every post() (and at stop) after the
+  // queue changed, so a worker that looked at the queue before the bump does not sleep
+  // through it (its wait returns at once: the word is no longer what it read).
+  std::atomic<uint32_t> wake_seq_{0};
   // Written under mutex_ (so sleeping workers cannot miss it), also read
   // without it by spinning workers.
   std::atomic<bool> stopping_{false};
