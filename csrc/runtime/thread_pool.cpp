@@ -9,7 +9,6 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
-#include <climits>
 #include <condition_variable>
 #include <cstdlib>
 #include <map>
@@ -18,6 +17,7 @@
 #include <thread>
 
 #include <c10/util/Exception.h>
+#include <c10/util/SmallVector.h>
 
 #include "runtime/fork.h"
 #include "runtime/settings.h"
@@ -44,9 +44,9 @@ void futex_wait(std::atomic<uint32_t>& word, uint32_t seen) {
   if (errno != EAGAIN && errno != EINTR) std::this_thread::sleep_for(std::chrono::milliseconds(1));
 }
 
-// Wakes at most `count` threads sleeping on `word`, in one system call.
-void futex_wake(std::atomic<uint32_t>& word, int count) {
-  syscall(SYS_futex, futex_word(word), FUTEX_WAKE_PRIVATE, count, nullptr, nullptr, 0);
+// Wakes the thread sleeping on `word` (each word has one sleeper at most).
+void futex_wake_one(std::atomic<uint32_t>& word) {
+  syscall(SYS_futex, futex_word(word), FUTEX_WAKE_PRIVATE, 1, nullptr, nullptr, 0);
 }
 
 }  // namespace
@@ -75,9 +75,11 @@ ThreadPool::ThreadPool(int num_threads, std::vector<int> cpus)
     : cpus_(std::move(cpus)), spin_us_(default_spin_us()), spin_adaptive_(default_spin_adaptive()) {
   num_threads = std::max(1, num_threads);
   workers_.reserve(num_threads - 1);
+  wake_words_ = std::make_unique<WakeWord[]>(static_cast<size_t>(num_threads - 1));
+  asleep_.reserve(static_cast<size_t>(num_threads - 1));  // no allocation under mutex_ later
   for (int i = 0; i < num_threads - 1; ++i) {
     try {
-      workers_.emplace_back([this] { worker_loop(); });
+      workers_.emplace_back([this, i] { worker_loop(i); });
     } catch (const std::system_error& e) {
       // The OS refused a thread (address space, ulimit -u, cgroup pids.max).
       // A constructor that throws runs no destructor: stop and join the
@@ -105,12 +107,13 @@ ThreadPool::ThreadPool(int num_threads, std::vector<int> cpus)
 ThreadPool::~ThreadPool() { stop_and_join(); }
 
 void ThreadPool::stop_and_join() {
+  std::vector<int> sleeping;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     stopping_ = true;
+    sleeping.swap(asleep_);
   }
-  wake_seq_.fetch_add(1, std::memory_order_release);
-  futex_wake(wake_seq_, INT_MAX);
+  for (const int w : sleeping) wake(w);
   for (auto& t : workers_) {
     if (t.joinable()) t.join();
   }
@@ -184,7 +187,7 @@ void ThreadPool::spin_for_work() const {
   }
 }
 
-void ThreadPool::worker_loop() {
+void ThreadPool::worker_loop(int me) {
   // Named, so that tools (top -H, py-spy) and the torch-team probe (runtime/torch_team.h)
   // tell pinxfer's copy threads from the process's others.
   pthread_setname_np(pthread_self(), kCopyThreadName);
@@ -194,17 +197,15 @@ void ThreadPool::worker_loop() {
       spin_for_work();
       spinning_.fetch_sub(1, std::memory_order_relaxed);
     }
-    const std::shared_ptr<Job> job = next_job();
+    const std::shared_ptr<Job> job = next_job(me);
     if (!job) return;
     run_chunks(*job);
   }
 }
 
-std::shared_ptr<ThreadPool::Job> ThreadPool::next_job() {
+std::shared_ptr<ThreadPool::Job> ThreadPool::next_job(int me) {
+  std::atomic<uint32_t>& word = wake_words_[me].word;
   for (;;) {
-    // The word is read before the queue is looked at: a post() after the look bumps it,
-    // and the wait below then returns at once instead of sleeping through that job.
-    const uint32_t seen = wake_seq_.load(std::memory_order_acquire);
     {
       std::lock_guard<std::mutex> lock(mutex_);
       if (stopping_) return nullptr;
@@ -219,9 +220,19 @@ std::shared_ptr<ThreadPool::Job> ThreadPool::next_job() {
         }
         return job;
       }
+      // Nothing to do: onto the sleepers' stack, with the word cleared under the lock, so
+      // a waker (who takes this worker off the stack under the same lock) sets it after.
+      word.store(0, std::memory_order_relaxed);
+      asleep_.push_back(me);
     }
-    futex_wait(wake_seq_, seen);
+    while (word.load(std::memory_order_acquire) == 0) futex_wait(word, 0);
   }
+}
+
+void ThreadPool::wake(int worker) {
+  std::atomic<uint32_t>& word = wake_words_[worker].word;
+  word.store(1, std::memory_order_release);
+  futex_wake_one(word);
 }
 
 void ThreadPool::parallel_for(size_t n, size_t grain, const std::function<void(size_t, size_t)>& fn,
@@ -257,19 +268,27 @@ void ThreadPool::parallel_for(size_t n, size_t grain, const std::function<void(s
 
 void ThreadPool::post(const std::shared_ptr<Job>& job) {
   job->started = std::chrono::steady_clock::now();
+  c10::SmallVector<int, 16> to_wake;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     jobs_.push_back(job);
     queued_jobs_.store(jobs_.size(), std::memory_order_relaxed);
+    for (int wanted = job->max_helpers - spinning_workers(); wanted > 0 && !asleep_.empty();
+         --wanted) {
+      to_wake.push_back(asleep_.back());
+      asleep_.pop_back();
+    }
   }
-  // Wake exactly the sleeping workers the job may use: spinning ones need no wake-up (they
-  // see queued_jobs_), and FUTEX_WAKE with a count wakes at most that many sleepers in one
-  // system call. A condition variable offers one or all: with notify_all every sleeping
-  // worker woke, and on these virtual machines each wake-up is an interrupt to an idle
-  // core, paid by the caller inside the wake call, after which all but the job's few
-  // queued on mutex_ and slept again (benchmarks/diag_wake.py measured it; csrc/README.md,
-  // "How many helpers a copy takes"). Small copies ask for few helpers (threads_for_copy),
-  // so a 1 MiB transfer after a compute step wakes one.
+  // Wake exactly the sleeping workers the job may use, the most recently active first
+  // (a LIFO stack of sleepers); spinning ones need no wake-up (they see queued_jobs_).
+  // Measured (benchmarks/diag_wake.py, H200; csrc/README.md, "How many helpers a copy
+  // takes"): a condition variable's notify_all woke every sleeper on every job, which
+  // cost the caller 10-17 us inside the wake call back to back (2-4 helpers wanted, the
+  // other workers asleep) and 16-26 us after a 20 ms gap. One FUTEX_WAKE with a count
+  // on a shared word cut that cost, but the 2nd of 2 helpers then came up after 176-208
+  // us against 56-74 with notify_all (where the first two of eleven woken had raced):
+  // the kernel wakes a word's waiters in the order they came, so it woke the workers
+  // that had slept longest. The stack wakes those whose cores were idle the shortest.
   // (Tried 2026-11-25: the caller waking one worker and each woken worker two
   // more, a tree. It took no wake-up off a small transfer that threads_for_copy
   // had not already, and with it a 32 MiB transfer back to back took 2.8 ms
@@ -277,9 +296,7 @@ void ThreadPool::post(const std::shared_ptr<Job>& job) {
   // helpers coming up three wake-ups late; the tree was the only change on
   // that path, but no A/B run isolated it. results/<kind>/loop.json are of
   // that trial.)
-  wake_seq_.fetch_add(1, std::memory_order_release);
-  const int sleepers_wanted = job->max_helpers - spinning_workers();
-  if (sleepers_wanted > 0) futex_wake(wake_seq_, sleepers_wanted);
+  for (const int w : to_wake) wake(w);
 }
 
 void ThreadPool::retire(Job& job) {

@@ -10,14 +10,15 @@
 // once; jobs from concurrent callers share the workers, and every caller also
 // works on its own job, so a call never waits for a free pool.
 //
-// Idle workers spin for a short while before they sleep (on a futex word, so a
-// job wakes exactly the helpers it may use: thread_pool.cpp, post()): transfers
-// come back to back (one per batch, one per tensor of a batch), and a sleeping worker takes tens of
-// microseconds to wake (more on a virtual machine), which is a large share of an 8 MiB transfer.
-// The spin is PINXFER_SPIN_US when set; otherwise 100 us, or an eighth of the last job's wall time
-// when that is longer (at most kMaxAdaptiveSpinUs): a caller that spends a little time between long
-// jobs (a prefetch producer running Python between batches) then finds the workers awake, and the
-// spin costs at most an eighth more CPU than the job itself. No CPU is used once the spin ends.
+// Idle workers spin for a short while before they sleep (each on a futex word of its
+// own, so a job wakes exactly the helpers it may use, the most recently active first:
+// thread_pool.cpp, post()): transfers come back to back (one per batch, one per tensor of a batch),
+// and a sleeping worker takes tens of microseconds to wake (more on a virtual machine), which is a
+// large share of an 8 MiB transfer. The spin is PINXFER_SPIN_US when set; otherwise 100 us, or an
+// eighth of the last job's wall time when that is longer (at most kMaxAdaptiveSpinUs): a caller
+// that spends a little time between long jobs (a prefetch producer running Python between batches)
+// then finds the workers awake, and the spin costs at most an eighth more CPU than the job itself.
+// No CPU is used once the spin ends.
 #pragma once
 
 #include <atomic>
@@ -91,10 +92,10 @@ class ThreadPool {
   const std::vector<int>& cpus() const { return cpus_; }
 
  private:
-  void worker_loop();
-  // A worker's next job: the queue's first, once there is one (sleeping on wake_seq_ while
-  // there is none); nullptr when the pool is stopping.
-  std::shared_ptr<Job> next_job();
+  void worker_loop(int me);
+  // Worker `me`'s next job: the queue's first, once there is one (asleep on its own word
+  // while there is none); nullptr when the pool is stopping.
+  std::shared_ptr<Job> next_job(int me);
   // Tells every worker to stop and joins them (the destructor, and a
   // constructor that could not start all its threads).
   void stop_and_join();
@@ -102,6 +103,8 @@ class ThreadPool {
   static void run_chunks(Job& job);
   // Queues a job (stamping its start) and wakes the workers it may use.
   void post(const std::shared_ptr<Job>& job);
+  // Wakes worker `worker`, which the caller has just taken off asleep_.
+  void wake(int worker);
   // Takes a job off the queue if no worker did, and records its wall time for the
   // adaptive spin (parallel_for once its chunks are done; withdraw).
   void retire(Job& job);
@@ -113,10 +116,16 @@ class ThreadPool {
   std::vector<std::thread> workers_;
   std::mutex mutex_;
   std::deque<std::shared_ptr<Job>> jobs_;  // LOCK: mutex_
-  // The futex word sleeping workers wait on: bumped by every post() (and at stop) after the
-  // queue changed, so a worker that looked at the queue before the bump does not sleep
-  // through it (its wait returns at once: the word is no longer what it read).
-  std::atomic<uint32_t> wake_seq_{0};
+  // Each worker's futex word, on a cache line of its own: 0 while it sleeps (or is about
+  // to), 1 once a waker has taken it off asleep_. A worker sleeps only while its word is 0,
+  // so a wake-up that comes before its wait is not lost.
+  struct alignas(64) WakeWord {
+    std::atomic<uint32_t> word{0};
+  };
+  std::unique_ptr<WakeWord[]> wake_words_;  // one per worker, built before the workers start
+  // Workers asleep or about to sleep, the most recent last: post() wakes from the back
+  // (LIFO). LOCK: mutex_
+  std::vector<int> asleep_;
   // Written under mutex_ (so sleeping workers cannot miss it), also read
   // without it by spinning workers.
   std::atomic<bool> stopping_{false};
