@@ -266,6 +266,9 @@ void ThreadPool::parallel_for(size_t n, size_t grain, const std::function<void(s
   if (error) std::rethrow_exception(error);
 }
 
+// Sleeping workers woken per helper a job still wants (post() says why).
+constexpr int kWakeHedge = 2;
+
 void ThreadPool::post(const std::shared_ptr<Job>& job) {
   job->started = std::chrono::steady_clock::now();
   c10::SmallVector<int, 16> to_wake;
@@ -273,22 +276,24 @@ void ThreadPool::post(const std::shared_ptr<Job>& job) {
     std::lock_guard<std::mutex> lock(mutex_);
     jobs_.push_back(job);
     queued_jobs_.store(jobs_.size(), std::memory_order_relaxed);
-    for (int wanted = job->max_helpers - spinning_workers(); wanted > 0 && !asleep_.empty();
-         --wanted) {
+    const int wanted = job->max_helpers - spinning_workers();
+    for (int n = wanted > 0 ? kWakeHedge * wanted : 0; n > 0 && !asleep_.empty(); --n) {
       to_wake.push_back(asleep_.back());
       asleep_.pop_back();
     }
   }
-  // Wake exactly the sleeping workers the job may use, the most recently active first
-  // (a LIFO stack of sleepers); spinning ones need no wake-up (they see queued_jobs_).
-  // Measured (benchmarks/diag_wake.py, H200; csrc/README.md, "How many helpers a copy
-  // takes"): a condition variable's notify_all woke every sleeper on every job, which
-  // cost the caller 10-17 us inside the wake call back to back (2-4 helpers wanted, the
-  // other workers asleep) and 16-26 us after a 20 ms gap. One FUTEX_WAKE with a count
-  // on a shared word cut that cost, but the 2nd of 2 helpers then came up after 176-208
-  // us against 56-74 with notify_all (where the first two of eleven woken had raced):
-  // the kernel wakes a word's waiters in the order they came, so it woke the workers
-  // that had slept longest. The stack wakes those whose cores were idle the shortest.
+  // Wake the sleeping workers the job may use (spinning ones need no wake-up: they see
+  // queued_jobs_), the most recently active first (a LIFO stack of sleepers), and as many
+  // again: the job takes the first to arrive, the others find it full and sleep again.
+  // Measured (benchmarks/diag_wake.py, H100 and H200; csrc/README.md, "How they are
+  // woken"): a condition variable's notify_all woke every sleeper for every job, which
+  // cost the caller 9-65 us inside the wake call back to back (2-4 helpers wanted, the
+  // other workers asleep) and 16-30 us after a 20 ms gap. Waking exactly the helpers
+  // wanted cut that to under 4 and 7-15 us, but after a gap one slow riser then held the
+  // whole job: the 2nd of 2 helpers came up after 140-210 us in four of eight H200
+  // processes, against 49-89 with notify_all, where the first two of eleven woken had
+  // raced. A wake-up's latency on these hosts varies that much from worker to worker,
+  // so the wake is hedged (kWakeHedge), for about 2 us a worker in the wake call.
   // (Tried 2026-11-25: the caller waking one worker and each woken worker two
   // more, a tree. It took no wake-up off a small transfer that threads_for_copy
   // had not already, and with it a 32 MiB transfer back to back took 2.8 ms
