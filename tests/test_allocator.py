@@ -566,3 +566,19 @@ def test_thread_pool_offer_and_parallel_for_from_many_callers():
     assert 0 <= taken <= 3 * rounds * 257
     with pytest.raises(ValueError, match=r"expected 0\.\.64 workers"):
         pinxfer._C._thread_pool_self_test(65, 1, 1, 1)
+
+
+def test_a_sleeping_copy_worker_is_woken_for_each_job():
+    """ThreadPool's wake-up (a futex word per worker, a stack of sleepers, a hedged count):
+    after a gap longer than the workers' spin every worker sleeps, and each round's offer
+    must wake one that takes the item. A lost wake-up leaves the item untaken for the
+    probe's 20 ms hold (-1). Under TSan and ASan too (scripts/sanitize.sh)."""
+    rounds = pinxfer._C._wake_probe(2, 1, 3000, 10)  # 3 ms > the spin (at most 1 ms)
+    assert len(rounds) == 10
+    for r in rounds:
+        assert r["offer_us"] >= 0 and len(r["arrivals_us"]) == 1
+        assert r["arrivals_us"][0] >= 0, f"no worker took the offer within 20 ms: {rounds}"
+    back_to_back = pinxfer._C._wake_probe(3, 3, 0, 5)
+    assert all(len(r["arrivals_us"]) == 3 for r in back_to_back)
+    with pytest.raises(ValueError, match=r"expected 1\.\.256 workers, 1\.\.workers helpers"):
+        pinxfer._C._wake_probe(2, 3, 0, 1)
