@@ -445,6 +445,10 @@ std::vector<WakeSample> wake_probe(int64_t workers, int64_t helpers, int64_t gap
     std::atomic<size_t> arrivals{0};
   };
   const size_t n = static_cast<size_t>(helpers);
+  // Items and caller alike wait until every item has started, or the hold has passed.
+  const auto waiting = [n](const Round& round) {
+    return round.arrivals.load(std::memory_order_acquire) < n && Clock::now() - round.start < kHold;
+  };
   std::vector<WakeSample> out;
   out.reserve(static_cast<size_t>(rounds));
   for (int64_t r = 0; r < rounds; ++r) {
@@ -452,24 +456,18 @@ std::vector<WakeSample> wake_probe(int64_t workers, int64_t helpers, int64_t gap
     auto round = std::make_shared<Round>(n);
     round->start = Clock::now();
     const ThreadPool::Offer offer =
-        pool.offer(static_cast<int>(helpers), [round, n](size_t i, size_t) {
+        pool.offer(static_cast<int>(helpers), [round, waiting](size_t i, size_t) {
           const auto now = Clock::now();
           round->arrived_ns[i].store(
               std::chrono::duration_cast<std::chrono::nanoseconds>(now - round->start).count(),
               std::memory_order_relaxed);
           round->arrivals.fetch_add(1, std::memory_order_acq_rel);
           // Hold this worker until every item has started, so no worker takes two items.
-          while (round->arrivals.load(std::memory_order_acquire) < n &&
-                 Clock::now() - round->start < kHold) {
-            cpu_relax();
-          }
+          while (waiting(*round)) cpu_relax();
         });
     const double offer_us =
         std::chrono::duration<double, std::micro>(Clock::now() - round->start).count();
-    while (round->arrivals.load(std::memory_order_acquire) < n &&
-           Clock::now() - round->start < kHold) {
-      cpu_relax();
-    }
+    while (waiting(*round)) cpu_relax();
     pool.withdraw(offer);
     WakeSample sample;
     sample.offer_us = offer_us;

@@ -11,14 +11,14 @@
 // works on its own job, so a call never waits for a free pool.
 //
 // Idle workers spin for a short while before they sleep (each on a futex word of its
-// own, so a job wakes exactly the helpers it may use, the most recently active first:
-// thread_pool.cpp, post()): transfers come back to back (one per batch, one per tensor of a batch),
-// and a sleeping worker takes tens of microseconds to wake (more on a virtual machine), which is a
-// large share of an 8 MiB transfer. The spin is PINXFER_SPIN_US when set; otherwise 100 us, or an
-// eighth of the last job's wall time when that is longer (at most kMaxAdaptiveSpinUs): a caller
-// that spends a little time between long jobs (a prefetch producer running Python between batches)
-// then finds the workers awake, and the spin costs at most an eighth more CPU than the job itself.
-// No CPU is used once the spin ends.
+// own, so a job wakes the sleepers it wants, the most recently active first, and as many
+// again to race: thread_pool.cpp, post()): transfers come back to back (one per batch, one per
+// tensor of a batch), and a sleeping worker takes tens of microseconds to wake (more on a virtual
+// machine), which is a large share of an 8 MiB transfer. The spin is PINXFER_SPIN_US when set;
+// otherwise 100 us, or an eighth of the last job's wall time when that is longer (at most
+// kMaxAdaptiveSpinUs): a caller that spends a little time between long jobs (a prefetch producer
+// running Python between batches) then finds the workers awake, and the spin costs at most an
+// eighth more CPU than the job itself. No CPU is used once the spin ends.
 #pragma once
 
 #include <atomic>
