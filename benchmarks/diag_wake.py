@@ -6,11 +6,17 @@ them. Two parts, both as a training loop sees them (back to back, and after 20 m
   wake      pinxfer._C._wake_probe on a fresh pool of the process's copy workers: the time
             the caller spends in the offer (the wake-up call) and when the 1st ... k-th
             helper starts, for k = 1, 2, 4, 8 and every worker. Serial wake-ups show as
-            arrivals spaced evenly; a costly wake-up call as a long offer.
+            arrivals spaced evenly; a costly wake-up call as a long offer. After a gap also
+            with the helpers woken ahead (ThreadPool::wake_ahead) AHEAD_US before the offer,
+            as a transfer wakes them before its setup.
   calls     (GPU) pinxfer.pin_memory and pinxfer.to_device of 1, 4, 8 and 32 MiB pageable
             tensors, with torch's t.pin_memory() and t.to() beside them, each call timed to
-            completion (a synchronize). PINXFER_TORCH_TEAM=off unless set: the pool's
-            threads do the copies, the road this script is about.
+            completion (a synchronize); to_device twice, its helpers woken ahead (the
+            default) and woken at the offer (_C._set_wake_ahead(False)), with the
+            single-block trace of each call: setup_us (the op's start to the pipeline's)
+            and first_helper_us (the pipeline's start to the first helper's claim).
+            PINXFER_TORCH_TEAM=off unless set: the pool's threads do the copies, the road
+            this script is about.
 
 --root DIR imports pinxfer from another checkout (built in place), so two builds can be
 run in turn by a driver and compared row by row.
@@ -23,12 +29,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import sys
 import time
 from pathlib import Path
 
 GAP_S = 0.020
+AHEAD_US = 50  # a transfer's setup after a gap, between the wake-ahead and the offer
 HELPERS = [1, 2, 4, 8]
 CALL_SIZES = [1 << 20, 4 << 20, 8 << 20, 32 << 20]
 
@@ -50,8 +58,13 @@ def wake_part(C, rounds: int) -> dict:
     workers = copy_workers(C.settings())
     out: dict = {"workers": workers}
     for k in sorted({h for h in HELPERS if h <= workers} | {workers}):
-        for gap_name, gap_us in (("b2b", 0), ("sleep", int(GAP_S * 1e6))):
-            got = C._wake_probe(workers, k, gap_us, rounds + 1)[1:]  # the first builds up
+        for gap_name, gap_us, ahead_us in (
+            ("b2b", 0, -1),
+            ("sleep", int(GAP_S * 1e6), -1),
+            (f"sleep_ahead{AHEAD_US}", int(GAP_S * 1e6), AHEAD_US),
+        ):
+            # the first round builds up
+            got = C._wake_probe(workers, k, gap_us, rounds + 1, ahead_us)[1:]
             arrivals = [s["arrivals_us"] for s in got]
             missing = sum(a < 0 for row in arrivals for a in row)
             row = {
@@ -68,7 +81,7 @@ def wake_part(C, rounds: int) -> dict:
             out[f"{k}_helpers_{gap_name}"] = row
             firsts = row["arrival_us"]
             print(
-                f"wake  {k:2d} helpers {gap_name:5s}  offer {row['offer_us']['median']:7.1f} us"
+                f"wake  {k:2d} helpers {gap_name:13s}  offer {row['offer_us']['median']:7.1f} us"
                 f"  first {firsts[0]:7.1f}  last {firsts[-1]:7.1f} us"
                 + (f"  ({missing} never came)" if missing else ""),
                 flush=True,
@@ -82,32 +95,60 @@ def calls_part(torch, pinxfer, rounds: int) -> dict:
     out: dict = {}
     for size in CALL_SIZES:
         src = torch.randn(size // 4)
+
+        def woken_at_offer(src=src):
+            pinxfer._C._set_wake_ahead(False)
+            try:
+                return pinxfer.to_device(src, dev)
+            finally:
+                pinxfer._C._set_wake_ahead(True)
+
         ways = {
             "pinxfer.pin_memory": lambda: pinxfer.pin_memory(src),
             "t.pin_memory": lambda: src.pin_memory(),
             "pinxfer.to_device": lambda: pinxfer.to_device(src, dev),
+            "pinxfer.to_device@offer": woken_at_offer,
             "t.to": lambda: src.to(dev),
         }
+        traced = {"pinxfer.to_device", "pinxfer.to_device@offer"}
         for fn in ways.values():  # warm: pool blocks, CUDA allocations, threads
             for _ in range(3):
                 fn()
         torch.cuda.synchronize()
         for gap_name, gap in (("b2b", 0.0), ("sleep", GAP_S)):
             times: dict[str, list[float]] = {name: [] for name in ways}
+            traces: dict[str, list[dict]] = {name: [] for name in traced}
+            order = random.Random(size)
             for _ in range(rounds):
-                for name, fn in ways.items():  # rotated: each way after the same gap
+                # each way after the same gap, in a new random order each round: back to
+                # back, what a call follows matters (torch's copies leave its OpenMP team
+                # spinning, pinxfer's its copy threads), so no way always follows another
+                names = list(ways)
+                order.shuffle(names)
+                for name in names:
+                    fn = ways[name]
                     if gap:
                         time.sleep(gap)
                     t0 = time.perf_counter()
                     fn()
                     torch.cuda.synchronize()
                     times[name].append((time.perf_counter() - t0) * 1e6)
+                    if name in traced:
+                        traces[name].append(dict(pinxfer._C._last_single_block_trace()))
             for name, got in times.items():
                 row = summarize(got)
+                extra = ""
+                if name in traces:
+                    for key in ("setup_us", "first_helper_us", "own_done_us", "total_us"):
+                        row[key] = statistics.median(t[key] for t in traces[name])
+                    extra = (
+                        f"  setup {row['setup_us']:6.1f}  1st helper {row['first_helper_us']:6.1f}"
+                        f"  own done {row['own_done_us']:6.1f}  pipeline {row['total_us']:7.1f}"
+                    )
                 out[f"{name}_{size >> 20}MiB_{gap_name}"] = row
                 print(
-                    f"call  {name:20s} {size >> 20:3d} MiB {gap_name:5s}"
-                    f"  median {row['median']:8.1f}  min {row['min']:8.1f} us",
+                    f"call  {name:24s} {size >> 20:3d} MiB {gap_name:5s}"
+                    f"  median {row['median']:8.1f}  min {row['min']:8.1f} us" + extra,
                     flush=True,
                 )
     return out

@@ -582,3 +582,20 @@ def test_a_sleeping_copy_worker_is_woken_for_each_job():
     assert all(len(r["arrivals_us"]) == 3 for r in back_to_back)
     with pytest.raises(ValueError, match=r"expected 1\.\.256 workers, 1\.\.workers helpers"):
         pinxfer._C._wake_probe(2, 3, 0, 1)
+
+
+def test_copy_workers_woken_ahead_take_the_job_that_follows():
+    """ThreadPool::wake_ahead (a transfer wakes its helpers before its setup, so that they
+    rise meanwhile): the woken workers, finding no job, spin for one, and post() counts
+    them as on their way until they rise. Each round's offer must be taken, whether it
+    comes while they spin (no setup) or after they have slept again (a setup of 3 ms,
+    longer than any spin): a worker counted as rising and never uncounted would leave
+    the offer unwoken and its items untaken (-1). Under TSan and ASan too."""
+    for ahead_us in (0, 3000):
+        rounds = pinxfer._C._wake_probe(3, 2, 3000, 8, ahead_us)
+        assert len(rounds) == 8
+        for r in rounds:
+            assert len(r["arrivals_us"]) == 2
+            assert min(r["arrivals_us"]) >= 0, f"ahead {ahead_us} us: an item never taken: {rounds}"
+    with pytest.raises(ValueError, match=r"a wake-ahead of -1 \(none\) or 0\.\.1e6 us"):
+        pinxfer._C._wake_probe(2, 1, 0, 1, -2)

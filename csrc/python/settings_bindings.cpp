@@ -87,11 +87,11 @@ void bind_settings(pybind11::module_& m) {
         "several threads on one pool, every item claimed exactly once");
   m.def("_wake_probe",
         torch::wrap_pybind_function(
-            [](int64_t workers, int64_t helpers, int64_t gap_us, int64_t rounds) {
+            [](int64_t workers, int64_t helpers, int64_t gap_us, int64_t rounds, int64_t ahead_us) {
               std::vector<WakeSample> samples;
               {
                 pybind11::gil_scoped_release no_gil;
-                samples = wake_probe(workers, helpers, gap_us, rounds);
+                samples = wake_probe(workers, helpers, gap_us, rounds, ahead_us);
               }
               pybind11::list out;
               for (const WakeSample& s : samples) {
@@ -103,11 +103,12 @@ void bind_settings(pybind11::module_& m) {
               return out;
             }),
         pybind11::arg("workers"), pybind11::arg("helpers"), pybind11::arg("gap_us"),
-        pybind11::arg("rounds"),
-        "DIAGNOSTIC: _wake_probe(workers, helpers, gap_us, rounds) -> [{offer_us, arrivals_us}]: "
-        "per round, after sleeping gap_us, the time the caller spent offering work to "
-        "`helpers` of a fresh pool's `workers` copy workers, and when each arrived (sorted; -1: "
-        "none within 20 ms); csrc/runtime/thread_pool.h");
+        pybind11::arg("rounds"), pybind11::arg("ahead_us") = -1,
+        "DIAGNOSTIC: _wake_probe(workers, helpers, gap_us, rounds, ahead_us=-1) -> "
+        "[{offer_us, arrivals_us}]: per round, after sleeping gap_us (and, with ahead_us >= 0, "
+        "waking the helpers ahead and being busy ahead_us), the time the caller spent offering "
+        "work to `helpers` of a fresh pool's `workers` copy workers, and when each arrived "
+        "(sorted; -1: none within 20 ms); csrc/runtime/thread_pool.h");
   m.def("_share_split_self_test", wrap_pybind_function_no_gil(&share_split_self_test),
         "TEST-ONLY: _share_split_self_test(units, share, members, rounds) -> pieces members "
         "took from shares not their own: `members` threads (some late) split [0, units) as "

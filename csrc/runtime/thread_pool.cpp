@@ -113,7 +113,7 @@ void ThreadPool::stop_and_join() {
     stopping_ = true;
     sleeping.swap(asleep_);
   }
-  for (const int w : sleeping) wake(w);
+  for (const int w : sleeping) wake(w, kWokenForJob);
   for (auto& t : workers_) {
     if (t.joinable()) t.join();
   }
@@ -198,16 +198,21 @@ void ThreadPool::worker_loop(int me) {
       spinning_.fetch_sub(1, std::memory_order_relaxed);
     }
     const std::shared_ptr<Job> job = next_job(me);
-    if (!job) return;
-    run_chunks(*job);
+    if (job) {
+      run_chunks(*job);
+    } else if (stopping_.load()) {
+      return;
+    }  // else woken ahead of a job that has not come yet: spin for it
   }
 }
 
 std::shared_ptr<ThreadPool::Job> ThreadPool::next_job(int me) {
   std::atomic<uint32_t>& word = wake_words_[me].word;
+  bool woken_ahead = false;
   for (;;) {
     {
       std::lock_guard<std::mutex> lock(mutex_);
+      if (woken_ahead) --rising_;
       if (stopping_) return nullptr;
       if (!jobs_.empty()) {
         std::shared_ptr<Job> job = jobs_.front();
@@ -220,18 +225,21 @@ std::shared_ptr<ThreadPool::Job> ThreadPool::next_job(int me) {
         }
         return job;
       }
+      if (woken_ahead) return nullptr;  // the job is on its way: spin for it
       // Nothing to do: onto the sleepers' stack, with the word cleared under the lock, so
       // a waker (who takes this worker off the stack under the same lock) sets it after.
-      word.store(0, std::memory_order_relaxed);
+      word.store(kAsleep, std::memory_order_relaxed);
       asleep_.push_back(me);
     }
-    while (word.load(std::memory_order_acquire) == 0) futex_wait(word, 0);
+    uint32_t why;
+    while ((why = word.load(std::memory_order_acquire)) == kAsleep) futex_wait(word, kAsleep);
+    woken_ahead = why == kWokenAhead;
   }
 }
 
-void ThreadPool::wake(int worker) {
+void ThreadPool::wake(int worker, uint32_t why) {
   std::atomic<uint32_t>& word = wake_words_[worker].word;
-  word.store(1, std::memory_order_release);
+  word.store(why, std::memory_order_release);
   futex_wake_one(word);
 }
 
@@ -276,11 +284,7 @@ void ThreadPool::post(const std::shared_ptr<Job>& job) {
     std::lock_guard<std::mutex> lock(mutex_);
     jobs_.push_back(job);
     queued_jobs_.store(jobs_.size(), std::memory_order_relaxed);
-    const int wanted = job->max_helpers - spinning_workers();
-    for (int n = wanted > 0 ? kWakeHedge * wanted : 0; n > 0 && !asleep_.empty(); --n) {
-      to_wake.push_back(asleep_.back());
-      asleep_.pop_back();
-    }
+    take_sleepers(job->max_helpers, to_wake);
   }
   // Wake the sleeping workers the job may use (spinning ones need no wake-up: they see
   // queued_jobs_), the most recently active first (a LIFO stack of sleepers), and as many
@@ -301,7 +305,34 @@ void ThreadPool::post(const std::shared_ptr<Job>& job) {
   // helpers coming up three wake-ups late; the tree was the only change on
   // that path, but no A/B run isolated it. results/<kind>/loop.json are of
   // that trial.)
-  for (const int w : to_wake) wake(w);
+  for (const int w : to_wake) wake(w, kWokenForJob);
+}
+
+void ThreadPool::take_sleepers(int helpers, c10::SmallVectorImpl<int>& out) {
+  // Workers rising from an earlier wake_ahead will take the job as spinning ones do.
+  const int wanted = helpers - spinning_workers() - rising_;
+  for (int n = wanted > 0 ? kWakeHedge * wanted : 0; n > 0 && !asleep_.empty(); --n) {
+    out.push_back(asleep_.back());
+    asleep_.pop_back();
+  }
+}
+
+void ThreadPool::wake_ahead(int helpers) {
+  helpers = std::min<int>(helpers, static_cast<int>(workers_.size()));
+  if (helpers <= 0) return;
+  // A gap: the pool idle for more than twice its longest spin (thread_pool.h says why).
+  const int64_t gap_ns = int64_t{2000} * std::max(spin_us_, kMaxAdaptiveSpinUs);
+  const int64_t now_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                             std::chrono::steady_clock::now().time_since_epoch())
+                             .count();
+  if (now_ns - last_retired_ns_.load(std::memory_order_relaxed) < gap_ns) return;
+  c10::SmallVector<int, 16> to_wake;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    take_sleepers(helpers, to_wake);
+    rising_ += static_cast<int>(to_wake.size());
+  }
+  for (const int w : to_wake) wake(w, kWokenAhead);
 }
 
 void ThreadPool::retire(Job& job) {
@@ -313,10 +344,13 @@ void ThreadPool::retire(Job& job) {
     if (it != jobs_.end()) jobs_.erase(it);
     queued_jobs_.store(jobs_.size(), std::memory_order_relaxed);
   }
-  last_job_us_.store(std::chrono::duration_cast<std::chrono::microseconds>(
-                         std::chrono::steady_clock::now() - job.started)
-                         .count(),
-                     std::memory_order_relaxed);
+  const auto now = std::chrono::steady_clock::now();
+  last_job_us_.store(
+      std::chrono::duration_cast<std::chrono::microseconds>(now - job.started).count(),
+      std::memory_order_relaxed);
+  last_retired_ns_.store(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(now.time_since_epoch()).count(),
+      std::memory_order_relaxed);
 }
 
 ThreadPool::Offer ThreadPool::offer(int helpers, std::function<void(size_t, size_t)> fn) {
@@ -426,13 +460,15 @@ int64_t thread_pool_self_test(int64_t workers, int64_t callers, int64_t rounds, 
   return by_helpers.load();
 }
 
-std::vector<WakeSample> wake_probe(int64_t workers, int64_t helpers, int64_t gap_us,
-                                   int64_t rounds) {
+std::vector<WakeSample> wake_probe(int64_t workers, int64_t helpers, int64_t gap_us, int64_t rounds,
+                                   int64_t ahead_us) {
   TORCH_CHECK_VALUE(workers >= 1 && workers <= 256 && helpers >= 1 && helpers <= workers &&
-                        gap_us >= 0 && gap_us <= 1000000 && rounds >= 1 && rounds <= 10000,
+                        gap_us >= 0 && gap_us <= 1000000 && rounds >= 1 && rounds <= 10000 &&
+                        ahead_us >= -1 && ahead_us <= 1000000,
                     "pinxfer._wake_probe: expected 1..256 workers, 1..workers helpers, a gap "
-                    "of 0..1e6 us and 1..10000 rounds; got ",
-                    workers, ", ", helpers, ", ", gap_us, ", ", rounds);
+                    "of 0..1e6 us, 1..10000 rounds and a wake-ahead of -1 (none) or 0..1e6 us; "
+                    "got ",
+                    workers, ", ", helpers, ", ", gap_us, ", ", rounds, ", ", ahead_us);
   using Clock = std::chrono::steady_clock;
   static constexpr auto kHold = std::chrono::milliseconds(20);
   ThreadPool pool(static_cast<int>(workers) + 1, {});
@@ -453,6 +489,12 @@ std::vector<WakeSample> wake_probe(int64_t workers, int64_t helpers, int64_t gap
   out.reserve(static_cast<size_t>(rounds));
   for (int64_t r = 0; r < rounds; ++r) {
     if (gap_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(gap_us));
+    if (ahead_us >= 0) {
+      // As a transfer does: wake the helpers, then prepare (here: busy for ahead_us).
+      pool.wake_ahead(static_cast<int>(helpers));
+      const auto until = Clock::now() + std::chrono::microseconds(ahead_us);
+      while (Clock::now() < until) cpu_relax();
+    }
     auto round = std::make_shared<Round>(n);
     round->start = Clock::now();
     const ThreadPool::Offer offer =

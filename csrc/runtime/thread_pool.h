@@ -33,6 +33,8 @@
 #include <thread>
 #include <vector>
 
+#include <c10/util/SmallVector.h>
+
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -80,6 +82,20 @@ class ThreadPool {
   // that has, runs on). Records its wall time for the adaptive spin.
   void withdraw(const Offer& offer);
 
+  // After an idle gap, wakes ahead of a job the sleeping workers a job of `helpers` helpers
+  // would still want (as post() counts them: less the spinning ones and those already
+  // rising, twice over), so that they rise while the caller prepares the job; they then
+  // spin for it. For a caller that knows it will offer work but has slow steps to take
+  // first (a transfer: the output's allocation, stream hand-over and staging block, which
+  // after an idle gap cost tens of microseconds each, about what a sleeping worker takes to
+  // rise). A worker woken so that sees no job spins for one as after any job, then sleeps.
+  // Only after a gap: when the pool's last job ended more than twice its longest spin ago.
+  // Back to back the setup is short, and waking workers early then only adds runnable
+  // threads while the caller prepares; on the H200, with torch's OpenMP team spinning on
+  // every core, that stalled the caller's setup by 15-350 us in three of four processes
+  // (benchmarks/diag_wake.py; csrc/README.md, "Woken ahead").
+  void wake_ahead(int helpers);
+
   int num_threads() const { return static_cast<int>(workers_.size()) + 1; }
   // Workers spinning for work right now (they take a job at once, with no
   // wake-up). A snapshot: it may change as soon as it is read.
@@ -94,7 +110,8 @@ class ThreadPool {
  private:
   void worker_loop(int me);
   // Worker `me`'s next job: the queue's first, once there is one (asleep on its own word
-  // while there is none); nullptr when the pool is stopping.
+  // while there is none); nullptr when the pool is stopping, or when the worker was woken
+  // ahead of a job (wake_ahead) and none has come yet: it then spins for one.
   std::shared_ptr<Job> next_job(int me);
   // Tells every worker to stop and joins them (the destructor, and a
   // constructor that could not start all its threads).
@@ -103,8 +120,12 @@ class ThreadPool {
   static void run_chunks(Job& job);
   // Queues a job (stamping its start) and wakes the workers it may use.
   void post(const std::shared_ptr<Job>& job);
-  // Wakes worker `worker`, which the caller has just taken off asleep_.
-  void wake(int worker);
+  // Takes up to kWakeHedge x (helpers less the workers spinning or rising) off asleep_,
+  // most recent first, into `out`. Caller holds mutex_.
+  void take_sleepers(int helpers, c10::SmallVectorImpl<int>& out);
+  // Wakes worker `worker`, which the caller has just taken off asleep_, with `why`
+  // (kWokenForJob or kWokenAhead) in its word.
+  void wake(int worker, uint32_t why);
   // Takes a job off the queue if no worker did, and records its wall time for the
   // adaptive spin (parallel_for once its chunks are done; withdraw).
   void retire(Job& job);
@@ -116,9 +137,11 @@ class ThreadPool {
   std::vector<std::thread> workers_;
   std::mutex mutex_;
   std::deque<std::shared_ptr<Job>> jobs_;  // LOCK: mutex_
-  // Each worker's futex word, on a cache line of its own: 0 while it sleeps (or is about
-  // to), 1 once a waker has taken it off asleep_. A worker sleeps only while its word is 0,
-  // so a wake-up that comes before its wait is not lost.
+  // Each worker's futex word, on a cache line of its own: kAsleep while it sleeps (or is
+  // about to), kWokenForJob or kWokenAhead once a waker has taken it off asleep_. A worker
+  // sleeps only while its word is kAsleep, so a wake-up that comes before its wait is not
+  // lost.
+  static constexpr uint32_t kAsleep = 0, kWokenForJob = 1, kWokenAhead = 2;
   struct alignas(64) WakeWord {
     std::atomic<uint32_t> word{0};
   };
@@ -126,6 +149,9 @@ class ThreadPool {
   // Workers asleep or about to sleep, the most recent last: post() wakes from the back
   // (LIFO). LOCK: mutex_
   std::vector<int> asleep_;
+  // Workers woken ahead of a job (wake_ahead) that have not yet risen: post() counts them
+  // as on their way. LOCK: mutex_
+  int rising_ = 0;
   // Written under mutex_ (so sleeping workers cannot miss it), also read
   // without it by spinning workers.
   std::atomic<bool> stopping_{false};
@@ -137,6 +163,9 @@ class ThreadPool {
   // Wall time of the pool's last parallel_for, for the adaptive spin; relaxed:
   // a stale value only changes how long a worker spins.
   std::atomic<int64_t> last_job_us_{0};
+  // When the pool's last job was retired (steady_clock, ns), for wake_ahead's gap test;
+  // relaxed: a stale value only decides whether workers are woken early.
+  std::atomic<int64_t> last_retired_ns_{0};
 };
 
 // TEST-ONLY (pinxfer._C._thread_pool_self_test): `callers` threads share one pool of
@@ -154,12 +183,14 @@ int64_t thread_pool_self_test(int64_t workers, int64_t callers, int64_t rounds, 
 // every item has started (or 20 ms have passed), so each item is a different worker's
 // arrival. Per round: the microseconds the caller spent in the offer (the wake-up call) and
 // each arrival after the offer began, sorted; -1 for an item no worker took within 20 ms.
+// ahead_us >= 0: the round first wakes the helpers ahead (wake_ahead) and is busy for
+// ahead_us before it offers, as a transfer preparing its copy is; -1: no wake-ahead.
 struct WakeSample {
   double offer_us = 0;
   std::vector<double> arrivals_us;
 };
-std::vector<WakeSample> wake_probe(int64_t workers, int64_t helpers, int64_t gap_us,
-                                   int64_t rounds);
+std::vector<WakeSample> wake_probe(int64_t workers, int64_t helpers, int64_t gap_us, int64_t rounds,
+                                   int64_t ahead_us);
 
 // The process's budget of threads for host copies, shared by all its node
 // pools: PINXFER_NUM_THREADS, else derived from the process's CPUs, cgroup

@@ -117,18 +117,24 @@ at::Tensor send_to_device(const at::Tensor& self, c10::Device device,
   check_cuda_usable("to_device");
   const c10::DeviceIndex index = resolve_device(device, "to_device");
   c10::cuda::CUDAGuard guard(index);
+  const at::Tensor src = dense_source(self, "to_device");
+  const size_t nbytes = src.nbytes();
+  const bool pinned = nbytes > 0 && transfer::is_dma_pinned(src);
+  // A pipelined copy's helpers are woken first, so that they rise during the steps below
+  // (pipeline.h, CopyCrew).
+  const bool pipelined = nbytes > transfer::kCurrentStreamBytes && !pinned;
+  const transfer::CopyCrew crew =
+      pipelined ? transfer::muster_copy_crew(index, nbytes) : transfer::CopyCrew{};
   check_not_capturing("to_device", index);
   transfer::release_finished_sources(index);
 
-  const at::Tensor src = dense_source(self, "to_device");
   const c10::cuda::CUDAStream cur = c10::cuda::getCurrentCUDAStream(index);
   const at::TensorOptions on_device = src.options().device(c10::Device(c10::kCUDA, index));
-  const size_t nbytes = src.nbytes();
   if (nbytes <= transfer::kCurrentStreamBytes) {
     // Small: on the caller's stream, by the caller (pipeline.h says why).
     at::Tensor out = at::empty(src.sizes(), on_device);
     if (nbytes == 0) return out;
-    if (transfer::is_dma_pinned(src)) {
+    if (pinned) {
       transfer::direct_copy(src, out, cur);
     } else {
       transfer::caller_staged_copy(src, out, index, cur);
@@ -137,10 +143,10 @@ at::Tensor send_to_device(const at::Tensor& self, c10::Device device,
   }
   const c10::cuda::CUDAStream copy = copy_stream_for(index);
   at::Tensor out = transfer::empty_on_stream(src.sizes(), on_device, copy);
-  if (transfer::is_dma_pinned(src)) {
-    transfer::direct_copy(src, out, copy);
+  if (pipelined) {
+    transfer::pipelined_copy(src, out, index, copy, options, crew);
   } else {
-    transfer::pipelined_copy(src, out, index, copy, options);
+    transfer::direct_copy(src, out, copy);
   }
   transfer::hand_over(out, copy, cur);
   return out;

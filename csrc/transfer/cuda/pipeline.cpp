@@ -295,7 +295,7 @@ void queue_single_block_chunk(const SingleBlock& sb, size_t c,
 
 void single_block_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex device,
                        const c10::cuda::CUDAStream& stream, ChunkPlan plan, StagePolicy policy,
-                       PinnedPool& pool, ThreadPool& threads) {
+                       PinnedPool& pool, ThreadPool& threads, const CopyCrew& crew) {
   using Clock = std::chrono::steady_clock;
   auto sb = std::make_shared<SingleBlock>(stream);
   sb->started = Clock::now();
@@ -303,6 +303,7 @@ void single_block_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex 
     return std::chrono::duration<double, std::micro>(t - sb->started).count();
   };
   SingleBlockTrace trace;
+  trace.setup_us = std::chrono::duration<double, std::micro>(sb->started - crew.mustered).count();
   sb->source = src.storage();
   sb->src = static_cast<const char*>(src.const_data_ptr());
   sb->dst = static_cast<char*>(out.data_ptr());
@@ -327,7 +328,7 @@ void single_block_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex 
 
   // torch's team awake (runtime/torch_team.h): its threads stage the pieces beside the
   // caller, which joins them all; none is parked by contention, so nothing is stolen.
-  const bool on_team = sb->plan.threads > 1 && torch_team_awake();
+  const bool on_team = sb->plan.threads > 1 && crew.on_torch_team;
   const int helpers = static_cast<int>(sb->plan.threads) - 1;
   const ThreadPool::Offer offer =
       on_team ? nullptr : threads.offer(helpers, [sb](size_t, size_t) { sb->help(); });
@@ -441,24 +442,42 @@ void return_staging(std::vector<c10::DataPtr>& blocks, PinnedPool& pool,
   blocks.clear();
 }
 
+std::atomic<bool> g_wake_ahead{true};  // set_wake_ahead (diagnostic)
+
 }  // namespace
 
+CopyCrew muster_copy_crew(c10::DeviceIndex device, size_t nbytes) {
+  CopyCrew crew;
+  crew.mustered = std::chrono::steady_clock::now();
+  crew.node = numa_node_for_device(device);
+  ThreadPool& threads = thread_pool_for_node(crew.node);
+  crew.threads = threads.threads_for_copy(nbytes);
+  // The team probe costs a /proc read: asked only where two threads could share the copy.
+  crew.on_torch_team = crew.threads > 1 && torch_team_awake();
+  if (crew.threads > 1 && !crew.on_torch_team && g_wake_ahead.load(std::memory_order_relaxed)) {
+    threads.wake_ahead(crew.threads - 1);
+  }
+  return crew;
+}
+
+void set_wake_ahead(bool on) { g_wake_ahead.store(on, std::memory_order_relaxed); }
+
 void pipelined_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex device,
-                    const c10::cuda::CUDAStream& stream, const StagingOptions& options) {
-  const int node = numa_node_for_device(device);
-  PinnedPool& pool = pool_for_node(node);
-  ThreadPool& threads = thread_pool_for_node(node);
+                    const c10::cuda::CUDAStream& stream, const StagingOptions& options,
+                    const CopyCrew& crew) {
+  PinnedPool& pool = pool_for_node(crew.node);
+  ThreadPool& threads = thread_pool_for_node(crew.node);
 
   Pipeline pl(stream);
   pl.src = static_cast<const char*>(src.const_data_ptr());
   pl.dst = static_cast<char*>(out.data_ptr());
   pl.nbytes = src.nbytes();
   pl.plan = plan_chunks(pl.nbytes, options.chunk_bytes, options.num_buffers,
-                        static_cast<size_t>(threads.threads_for_copy(pl.nbytes)));
+                        static_cast<size_t>(crew.threads));
   pl.policy = stage_policy(options.mode, options.cached_tail, pl.nbytes,
                            [&stream] { return stream_busy(stream); });
   if (pl.plan.ring == 0) {
-    single_block_copy(src, out, device, stream, std::move(pl.plan), pl.policy, pool, threads);
+    single_block_copy(src, out, device, stream, std::move(pl.plan), pl.policy, pool, threads, crew);
     return;
   }
   pl.device = device;
@@ -471,9 +490,14 @@ void pipelined_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex dev
   for (size_t s = 0; s < pl.plan.ring; ++s) pl.slots.push_back(pool.allocate(pl.plan.slot_bytes));
 
   try {
-    host_parallel_for(threads, pl.plan.threads, 1, 1, [&pl](size_t begin, size_t end) {
+    const auto run = [&pl](size_t begin, size_t end) {
       for (size_t i = begin; i < end; ++i) pl.run();
-    });
+    };
+    if (crew.on_torch_team && pl.plan.threads > 1) {
+      run_on_torch_team(pl.plan.threads, 1, run);
+    } else {
+      threads.parallel_for(pl.plan.threads, 1, run);
+    }
   } catch (...) {
     pl.release_events();
     return_staging(pl.slots, pool, stream);

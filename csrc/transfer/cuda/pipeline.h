@@ -33,6 +33,7 @@
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include <chrono>
 #include <cstdint>
 #include <vector>
 
@@ -49,10 +50,24 @@ struct StagingOptions {
   int64_t cached_tail = -1;  // < 0: auto
 };
 
+// Who stages one pipelined transfer, chosen as soon as the op knows it will need a
+// pipeline, before its slow steps (the output's allocation, the stream hand-over, the
+// staging block: after an idle gap each CUDA call among them costs tens of microseconds,
+// about what a sleeping copy worker takes to rise). Then the helpers it will offer work
+// to are woken ahead (ThreadPool::wake_ahead), so they rise while the caller prepares.
+struct CopyCrew {
+  int node = -1;               // the device's NUMA node: whose pools stage
+  int threads = 1;             // threads that stage, the caller included (threads_for_copy)
+  bool on_torch_team = false;  // torch's intra-op team is awake and stages instead
+  std::chrono::steady_clock::time_point mustered;  // for the trace's setup_us
+};
+CopyCrew muster_copy_crew(c10::DeviceIndex device, size_t nbytes);
+
 // Copies a pageable tensor's bytes to `dst` (device memory of out's size) on
-// `stream`, staged through pinned chunks.
+// `stream`, staged through pinned chunks by `crew`.
 void pipelined_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex device,
-                    const c10::cuda::CUDAStream& stream, const StagingOptions& options);
+                    const c10::cuda::CUDAStream& stream, const StagingOptions& options,
+                    const CopyCrew& crew);
 
 // Up to this many bytes a transfer is sent by the calling thread alone on the
 // caller's current stream (caller_staged_copy / direct_copy on `cur`): the copy
@@ -77,6 +92,7 @@ struct SingleBlockTrace {
   int64_t nbytes = 0, pieces = 0;
   int64_t helpers_offered = 0;  // helpers the plan asked for (ThreadPool::offer caps them)
   int64_t own_pieces = 0, helper_pieces = 0, stolen = 0;
+  double setup_us = 0;  // from the crew's muster (helpers woken ahead) to the call's start
   double alloc_us = 0, own_done_us = 0, total_us = 0;
   double first_helper_us = -1;  // when the first helper claimed a piece; -1: none had
 };
@@ -88,6 +104,9 @@ uint64_t stolen_pieces();
 // TEST-ONLY: each copy helper of the single-block path sleeps `us` microseconds after it
 // claims a piece, as a helper the scheduler has parked would (0: off).
 void set_helper_stall_us(int64_t us);
+// DIAGNOSTIC (benchmarks/diag_wake_ahead.py): whether muster_copy_crew wakes helpers ahead
+// (on by default; off, they are woken when the work is offered, as before 2026-11-27).
+void set_wake_ahead(bool on);
 
 // Copies a DMA-readable (pinned) source with one DMA, and tells its owner.
 void direct_copy(const at::Tensor& src, at::Tensor& out, const c10::cuda::CUDAStream& stream);
