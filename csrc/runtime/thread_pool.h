@@ -92,7 +92,7 @@ class ThreadPool {
   // Only after a gap: when the pool's last job ended more than twice its longest spin ago.
   // Back to back the setup is short, and waking workers early then only adds runnable
   // threads while the caller prepares; on the H200, with torch's OpenMP team spinning on
-  // every core, that stalled the caller's setup by 15-350 us in three of four processes
+  // every core, the caller's setup took 28-377 us instead of 7-32 in four processes
   // (benchmarks/diag_wake.py; csrc/README.md, "Woken ahead").
   void wake_ahead(int helpers);
 
