@@ -18,6 +18,7 @@ import random
 import statistics
 import time
 
+import _checkout  # noqa: F401  (pinxfer from this checkout if not installed)
 import torch
 from _child import run_child
 

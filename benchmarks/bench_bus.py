@@ -44,6 +44,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import _checkout  # noqa: F401  (pinxfer from this checkout if not installed)
 import torch
 
 import pinxfer

@@ -30,6 +30,7 @@ import sys
 import threading
 import time
 
+import _checkout  # noqa: F401  (pinxfer from this checkout if not installed)
 import torch
 from _child import run_child
 from bench_bus import cpu_seconds  # this script's directory is on sys.path

@@ -18,6 +18,7 @@ import statistics
 import sys
 import time
 
+import _checkout  # noqa: F401  (pinxfer from this checkout if not installed)
 from _child import run_child
 
 MiB = 1 << 20
