@@ -11,10 +11,11 @@ them. Two parts, both as a training loop sees them (back to back, and after 20 m
             as a transfer wakes them before its setup.
   calls     (GPU) pinxfer.pin_memory and pinxfer.to_device of 1, 4, 8 and 32 MiB pageable
             tensors, with torch's t.pin_memory() and t.to() beside them, each call timed to
-            completion (a synchronize); to_device twice, its helpers woken ahead (the
-            default) and woken at the offer (_C._set_wake_ahead(False)), with the
-            single-block trace of each call: setup_us (the op's start to the pipeline's)
-            and first_helper_us (the pipeline's start to the first helper's claim).
+            completion (a synchronize); to_device twice, its helpers woken ahead after a
+            gap (the default) and woken at the offer (_C._set_wake_ahead(False)), with
+            the single-block trace of each call: setup_us (the op's start
+            to the pipeline's) and first_helper_us (the pipeline's start to the first
+            helper's claim).
             PINXFER_TORCH_TEAM=off unless set: the pool's threads do the copies, the road
             this script is about.
 
@@ -96,18 +97,21 @@ def calls_part(torch, pinxfer, rounds: int) -> dict:
     for size in CALL_SIZES:
         src = torch.randn(size // 4)
 
-        def woken_at_offer(src=src):
-            pinxfer._C._set_wake_ahead(False)
-            try:
-                return pinxfer.to_device(src, dev)
-            finally:
-                pinxfer._C._set_wake_ahead(True)
+        def woken_at_offer(call):
+            def way():
+                pinxfer._C._set_wake_ahead(False)
+                try:
+                    return call()
+                finally:
+                    pinxfer._C._set_wake_ahead(True)
+
+            return way
 
         ways = {
             "pinxfer.pin_memory": lambda: pinxfer.pin_memory(src),
             "t.pin_memory": lambda: src.pin_memory(),
             "pinxfer.to_device": lambda: pinxfer.to_device(src, dev),
-            "pinxfer.to_device@offer": woken_at_offer,
+            "pinxfer.to_device@offer": woken_at_offer(lambda: pinxfer.to_device(src, dev)),
             "t.to": lambda: src.to(dev),
         }
         traced = {"pinxfer.to_device", "pinxfer.to_device@offer"}

@@ -109,6 +109,10 @@ void bind_settings(pybind11::module_& m) {
         "waking the helpers ahead and being busy ahead_us), the time the caller spent offering "
         "work to `helpers` of a fresh pool's `workers` copy workers, and when each arrived "
         "(sorted; -1: none within 20 ms); csrc/runtime/thread_pool.h");
+  m.def("_set_wake_ahead", &set_wake_ahead_enabled,
+        "DIAGNOSTIC: _set_wake_ahead(on): whether to_device wakes its copy helpers as it "
+        "starts, after an idle gap (on, the default), or only when it offers them work (off; "
+        "for A/B runs in one process)");
   m.def("_share_split_self_test", wrap_pybind_function_no_gil(&share_split_self_test),
         "TEST-ONLY: _share_split_self_test(units, share, members, rounds) -> pieces members "
         "took from shares not their own: `members` threads (some late) split [0, units) as "

@@ -92,6 +92,14 @@ ThreadPool::ThreadPool(int num_threads, std::vector<int> cpus)
                   "). Set PINXFER_NUM_THREADS to fewer "
                   "threads, or raise the process's thread or memory limits.");
     }
+    // Named, so that tools (top -H, py-spy) and the torch-team probe (runtime/torch_team.h)
+    // tell pinxfer's copy threads from the process's others; named here, before the
+    // constructor returns, not by each thread as it starts: a probe right after the pool's
+    // construction (a first transfer's muster) can see workers not yet started, runnable
+    // and unnamed, and take them for torch's spinning team. On the H100 a pin_memory that
+    // probed there (a variant not kept) then ran a region of that team, and under
+    // test_limits.py's memory limit libgomp ended the process (2026-11-27).
+    pthread_setname_np(workers_.back().native_handle(), kCopyThreadName);
     if (!cpus_.empty()) {
       cpu_set_t set;
       CPU_ZERO(&set);
@@ -188,9 +196,6 @@ void ThreadPool::spin_for_work() const {
 }
 
 void ThreadPool::worker_loop(int me) {
-  // Named, so that tools (top -H, py-spy) and the torch-team probe (runtime/torch_team.h)
-  // tell pinxfer's copy threads from the process's others.
-  pthread_setname_np(pthread_self(), kCopyThreadName);
   for (;;) {
     if (spin_us_ > 0 || spin_adaptive_) {
       spinning_.fetch_add(1, std::memory_order_relaxed);
@@ -317,15 +322,25 @@ void ThreadPool::take_sleepers(int helpers, c10::SmallVectorImpl<int>& out) {
   }
 }
 
-void ThreadPool::wake_ahead(int helpers) {
-  helpers = std::min<int>(helpers, static_cast<int>(workers_.size()));
-  if (helpers <= 0) return;
+namespace {
+std::atomic<bool> g_wake_ahead_enabled{true};  // set_wake_ahead_enabled (diagnostic)
+}  // namespace
+
+void set_wake_ahead_enabled(bool on) { g_wake_ahead_enabled.store(on, std::memory_order_relaxed); }
+
+bool ThreadPool::wakes_ahead_now() const {
+  if (!g_wake_ahead_enabled.load(std::memory_order_relaxed)) return false;
   // A gap: the pool idle for more than twice its longest spin (thread_pool.h says why).
   const int64_t gap_ns = int64_t{2000} * std::max(spin_us_, kMaxAdaptiveSpinUs);
   const int64_t now_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
                              std::chrono::steady_clock::now().time_since_epoch())
                              .count();
-  if (now_ns - last_retired_ns_.load(std::memory_order_relaxed) < gap_ns) return;
+  return now_ns - last_retired_ns_.load(std::memory_order_relaxed) >= gap_ns;
+}
+
+void ThreadPool::wake_ahead(int helpers) {
+  helpers = std::min<int>(helpers, static_cast<int>(workers_.size()));
+  if (helpers <= 0 || !wakes_ahead_now()) return;
   c10::SmallVector<int, 16> to_wake;
   {
     std::lock_guard<std::mutex> lock(mutex_);

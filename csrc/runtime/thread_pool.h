@@ -123,6 +123,9 @@ class ThreadPool {
   // Takes up to kWakeHedge x (helpers less the workers spinning or rising) off asleep_,
   // most recent first, into `out`. Caller holds mutex_.
   void take_sleepers(int helpers, c10::SmallVectorImpl<int>& out);
+  // Whether wake_ahead() wakes workers now: wake-ahead is on (set_wake_ahead_enabled) and
+  // the pool's last job ended more than twice its longest spin ago.
+  bool wakes_ahead_now() const;
   // Wakes worker `worker`, which the caller has just taken off asleep_, with `why`
   // (kWokenForJob or kWokenAhead) in its word.
   void wake(int worker, uint32_t why);
@@ -191,6 +194,11 @@ struct WakeSample {
 };
 std::vector<WakeSample> wake_probe(int64_t workers, int64_t helpers, int64_t gap_us, int64_t rounds,
                                    int64_t ahead_us);
+
+// DIAGNOSTIC (pinxfer._C._set_wake_ahead, benchmarks/diag_wake.py): whether
+// ThreadPool::wake_ahead wakes anyone (on by default; off, helpers are woken when the work
+// is offered, as before 2026-11-27), for A/B runs in one process.
+void set_wake_ahead_enabled(bool on);
 
 // The process's budget of threads for host copies, shared by all its node
 // pools: PINXFER_NUM_THREADS, else derived from the process's CPUs, cgroup

@@ -442,8 +442,6 @@ void return_staging(std::vector<c10::DataPtr>& blocks, PinnedPool& pool,
   blocks.clear();
 }
 
-std::atomic<bool> g_wake_ahead{true};  // set_wake_ahead (diagnostic)
-
 }  // namespace
 
 CopyCrew muster_copy_crew(c10::DeviceIndex device, size_t nbytes) {
@@ -454,13 +452,9 @@ CopyCrew muster_copy_crew(c10::DeviceIndex device, size_t nbytes) {
   crew.threads = threads.threads_for_copy(nbytes);
   // The team probe costs a /proc read: asked only where two threads could share the copy.
   crew.on_torch_team = crew.threads > 1 && torch_team_awake();
-  if (crew.threads > 1 && !crew.on_torch_team && g_wake_ahead.load(std::memory_order_relaxed)) {
-    threads.wake_ahead(crew.threads - 1);
-  }
+  if (crew.threads > 1 && !crew.on_torch_team) threads.wake_ahead(crew.threads - 1);
   return crew;
 }
-
-void set_wake_ahead(bool on) { g_wake_ahead.store(on, std::memory_order_relaxed); }
 
 void pipelined_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex device,
                     const c10::cuda::CUDAStream& stream, const StagingOptions& options,

@@ -104,9 +104,6 @@ uint64_t stolen_pieces();
 // TEST-ONLY: each copy helper of the single-block path sleeps `us` microseconds after it
 // claims a piece, as a helper the scheduler has parked would (0: off).
 void set_helper_stall_us(int64_t us);
-// DIAGNOSTIC (benchmarks/diag_wake_ahead.py): whether muster_copy_crew wakes helpers ahead
-// (on by default; off, they are woken when the work is offered, as before 2026-11-27).
-void set_wake_ahead(bool on);
 
 // Copies a DMA-readable (pinned) source with one DMA, and tells its owner.
 void direct_copy(const at::Tensor& src, at::Tensor& out, const c10::cuda::CUDAStream& stream);
