@@ -77,7 +77,6 @@ void bind_transfer(pybind11::module_& m) {
       "DIAGNOSTIC: _last_single_block_trace() -> dict: what this thread's last single-block "
       "to_device did (pieces by the caller, by helpers, stolen; microseconds from its start, "
       "and setup_us from the op's muster of its copy threads to that start)");
-
   m.def("_set_helper_stall_us", &transfer::set_helper_stall_us,
         "TEST-ONLY: _set_helper_stall_us(us): each copy helper of to_device's single-block "
         "path sleeps us microseconds after claiming a piece, as a parked thread would (0: off)");

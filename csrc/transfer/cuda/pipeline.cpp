@@ -448,11 +448,11 @@ CopyCrew muster_copy_crew(c10::DeviceIndex device, size_t nbytes) {
   CopyCrew crew;
   crew.mustered = std::chrono::steady_clock::now();
   crew.node = numa_node_for_device(device);
-  ThreadPool& threads = thread_pool_for_node(crew.node);
-  crew.threads = threads.threads_for_copy(nbytes);
+  crew.pool = &thread_pool_for_node(crew.node);
+  crew.threads = crew.pool->threads_for_copy(nbytes);
   // The team probe costs a /proc read: asked only where two threads could share the copy.
   crew.on_torch_team = crew.threads > 1 && torch_team_awake();
-  if (crew.threads > 1 && !crew.on_torch_team) threads.wake_ahead(crew.threads - 1);
+  if (crew.threads > 1 && !crew.on_torch_team) crew.pool->wake_ahead(crew.threads - 1);
   return crew;
 }
 
@@ -460,7 +460,7 @@ void pipelined_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex dev
                     const c10::cuda::CUDAStream& stream, const StagingOptions& options,
                     const CopyCrew& crew) {
   PinnedPool& pool = pool_for_node(crew.node);
-  ThreadPool& threads = thread_pool_for_node(crew.node);
+  ThreadPool& threads = *crew.pool;
 
   Pipeline pl(stream);
   pl.src = static_cast<const char*>(src.const_data_ptr());

@@ -40,6 +40,10 @@
 #include "transfer/chunk_plan.h"
 #include "transfer/stage_copy.h"
 
+namespace pinxfer {
+class ThreadPool;
+}  // namespace pinxfer
+
 namespace pinxfer::transfer {
 
 // How one transfer stages its bytes (the op's arguments).
@@ -57,6 +61,7 @@ struct StagingOptions {
 // to are woken ahead (ThreadPool::wake_ahead), so they rise while the caller prepares.
 struct CopyCrew {
   int node = -1;               // the device's NUMA node: whose pools stage
+  ThreadPool* pool = nullptr;  // that node's copy threads (thread_pool_for_node)
   int threads = 1;             // threads that stage, the caller included (threads_for_copy)
   bool on_torch_team = false;  // torch's intra-op team is awake and stages instead
   std::chrono::steady_clock::time_point mustered;  // for the trace's setup_us
