@@ -11,8 +11,8 @@ them. Two parts, both as a training loop sees them (back to back, and after 20 m
             as a transfer wakes them before its setup.
   calls     (GPU) pinxfer.pin_memory and pinxfer.to_device of 1, 4, 8 and 32 MiB pageable
             tensors, with torch's t.pin_memory() and t.to() beside them, each call timed to
-            completion (a synchronize); to_device twice, its helpers woken ahead after a
-            gap (the default) and woken at the offer (_C._set_wake_ahead(False)), with
+            completion (a synchronize); both twice, their helpers woken ahead after a
+            gap (the default) and woken at the offer (_C._set_wake_ahead(False)); to_device with
             the single-block trace of each call: setup_us (the op's start
             to the pipeline's) and first_helper_us (the pipeline's start to the first
             helper's claim).
@@ -109,6 +109,7 @@ def calls_part(torch, pinxfer, rounds: int) -> dict:
 
         ways = {
             "pinxfer.pin_memory": lambda: pinxfer.pin_memory(src),
+            "pinxfer.pin_memory@offer": woken_at_offer(lambda: pinxfer.pin_memory(src)),
             "t.pin_memory": lambda: src.pin_memory(),
             "pinxfer.to_device": lambda: pinxfer.to_device(src, dev),
             "pinxfer.to_device@offer": woken_at_offer(lambda: pinxfer.to_device(src, dev)),

@@ -496,6 +496,34 @@ def test_import_and_queries_do_not_initialise_cuda():
             assert kind_a == kind_p == "cuda_registered" and pinned == "True"
 
 
+def test_pin_memory_after_idle_gaps_wakes_its_helpers_ahead_and_copies_every_byte():
+    """After an idle gap pin_memory wakes the copy helpers it will use before its pool
+    allocation (ThreadPool::wake_ahead, as to_device's pipeline does), so they rise while
+    it allocates. Gaps of 3 ms (longer than the pool's longest spin, so each call finds its
+    workers asleep), four copy threads and the pool's road (torch's team off), the helpers
+    woken ahead in one call and at the offer in the next, the source rewritten before each:
+    every byte must be the source's, and no call may hang on a helper counted as rising."""
+    code = textwrap.dedent("""
+        import time, torch, pinxfer
+        gen = torch.Generator().manual_seed(5)
+        src = torch.empty(4 << 20, dtype=torch.uint8)  # 4 chunks of 1 MiB: 3 helpers
+        for i in range(16):
+            pinxfer._C._set_wake_ahead(i % 2 == 0)
+            src.random_(0, 256, generator=gen)
+            time.sleep(0.003)
+            out = pinxfer.pin_memory(src)
+            assert out.data_ptr() != src.data_ptr() and torch.equal(out, src), i
+        pinxfer._C._set_wake_ahead(True)
+        print("OK")
+    """)
+    env = dict(os.environ, PINXFER_NUM_THREADS="4", PINXFER_TORCH_TEAM="off")
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "OK", out.stdout
+
+
 _FIRST_THING = {
     "pin_memory": "t = pinxfer.pin_memory(torch.randn(1000))",
     "pin_memory_batch": "t = pinxfer.pin_memory({'a': [torch.randn(10, 10).t()]})['a'][0]",

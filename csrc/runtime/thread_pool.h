@@ -95,6 +95,10 @@ class ThreadPool {
   // every core, the caller's setup took 28-377 us instead of 7-32 in four processes
   // (benchmarks/diag_wake.py; csrc/README.md, "Woken ahead").
   void wake_ahead(int helpers);
+  // Whether wake_ahead() wakes workers now: wake-ahead is on (set_wake_ahead_enabled) and
+  // the pool's last job ended more than twice its longest spin ago. A caller that must pay
+  // for its decision (pin_memory's torch-team probe) asks this first.
+  bool wakes_ahead_now() const;
 
   int num_threads() const { return static_cast<int>(workers_.size()) + 1; }
   // Workers spinning for work right now (they take a job at once, with no
@@ -123,9 +127,6 @@ class ThreadPool {
   // Takes up to kWakeHedge x (helpers less the workers spinning or rising) off asleep_,
   // most recent first, into `out`. Caller holds mutex_.
   void take_sleepers(int helpers, c10::SmallVectorImpl<int>& out);
-  // Whether wake_ahead() wakes workers now: wake-ahead is on (set_wake_ahead_enabled) and
-  // the pool's last job ended more than twice its longest spin ago.
-  bool wakes_ahead_now() const;
   // Wakes worker `worker`, which the caller has just taken off asleep_, with `why`
   // (kWokenForJob or kWokenAhead) in its word.
   void wake(int worker, uint32_t why);

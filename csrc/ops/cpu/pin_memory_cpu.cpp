@@ -129,6 +129,21 @@ void parallel_elementwise_copy(at::Tensor& dst, const at::Tensor& src, ThreadPoo
       max_threads);
 }
 
+// After an idle gap the setup below (the pool allocation: its lock, the event queries of
+// blocks freed behind copies; the output tensor) takes tens of microseconds, about what a
+// sleeping copy worker takes to rise: the helpers the copy will use are woken first, as
+// the pipeline's muster_copy_crew does for to_device (ThreadPool::wake_ahead; csrc/README.md,
+// "Woken ahead"). Not when torch's team is awake: host_parallel_for then copies on it and
+// no worker is offered anything. The team probe is a /proc read, so it is asked only after
+// a gap (wakes_ahead_now), where the wake-up it saves is worth far more.
+void wake_copy_helpers_ahead(ThreadPool& pool, size_t nbytes, int max_threads) {
+  if (!pool.wakes_ahead_now()) return;
+  const size_t units = (nbytes + kCopyUnit - 1) / kCopyUnit;
+  const size_t chunks = (units + kUnitsPerChunk - 1) / kUnitsPerChunk;
+  const int helpers = static_cast<int>(std::min<size_t>(max_threads, chunks)) - 1;
+  if (helpers > 0 && !torch_team_awake()) pool.wake_ahead(helpers);
+}
+
 }  // namespace
 
 at::Tensor pin_memory_copy(const at::Tensor& self, std::optional<int64_t> numa_node,
@@ -146,15 +161,20 @@ at::Tensor pin_memory_copy(const at::Tensor& self, std::optional<int64_t> numa_n
 
   // Built from dtype alone, without the conj/neg bits: the result holds
   // resolved values, as torch's does.
-  at::Tensor out = tensor_over(pool_for_node(node).allocate(nbytes), nbytes, self.sizes(), strides,
-                               self.scalar_type());
-  if (nbytes == 0 || self.numel() == 0) return out;
-
+  const auto allocate_out = [&] {
+    return tensor_over(pool_for_node(node).allocate(nbytes), nbytes, self.sizes(), strides,
+                       self.scalar_type());
+  };
+  if (nbytes == 0 || self.numel() == 0) return allocate_out();
+  const bool plain_copy = !overlapping && !self.is_conj() && !self.is_neg();
   ThreadPool& pool = thread_pool_for_node(node);
   // num_threads 0: as many as this copy is worth (ThreadPool::threads_for_copy).
   const int max_threads =
       num_threads > 0 ? static_cast<int>(num_threads) : pool.threads_for_copy(nbytes);
-  if (!overlapping && !self.is_conj() && !self.is_neg()) {
+  if (plain_copy) wake_copy_helpers_ahead(pool, nbytes, max_threads);
+
+  at::Tensor out = allocate_out();
+  if (plain_copy) {
     parallel_memcpy(static_cast<char*>(out.data_ptr()),
                     static_cast<const char*>(self.const_data_ptr()), nbytes,
                     self.dtype().itemsize(), pool, max_threads);
