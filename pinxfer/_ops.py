@@ -52,7 +52,10 @@ _lib = torch.ops.pinxfer
 
 _len_dispatch_modes = torch._C._len_torch_dispatch_stack
 _function_mode_on = torch._C._is_torch_function_mode_enabled
-_compiling = torch.compiler.is_compiling
+#: True while torch.compile traces (dynamo folds it to a constant): the one check a fast
+#: call leaves to Python. The ``*_if_plain``/``*_if_eager`` fast calls make the others in
+#: C++ and answer None where the operator must run.
+compiling = torch.compiler.is_compiling
 
 # True in a forked child of a process that initialised CUDA: torch can no longer
 # query CUDA there (Tensor.is_pinned() may raise), and nothing is pinned for this
@@ -62,9 +65,9 @@ in_bad_fork = getattr(torch._C, "_cuda_isInBadFork", lambda: False)
 
 def eager() -> bool:
     """True where a fast call is equivalent to its operator: not tracing, no mode active."""
-    # _compiling() first: under dynamo it is a constant, and the two mode queries
+    # compiling() first: under dynamo it is a constant, and the two mode queries
     # return ints dynamo cannot put in a graph (a graph break under fullgraph).
-    return not (_compiling() or _len_dispatch_modes() or _function_mode_on())
+    return not (compiling() or _len_dispatch_modes() or _function_mode_on())
 
 
 _STRIDED = torch.strided

@@ -114,8 +114,10 @@ def empty(
         numa_node = _check.numa_node(numa_node, "empty")
     if not _ops.torch_cuda_ready:
         _ops.ensure_torch_cuda()
-    if _ops.eager():
-        return _ops.fast.empty(dims, dt, numa_node)
+    if not _ops.compiling():
+        out = _ops.fast.empty_if_eager(dims, dt, numa_node)  # None while a mode is active
+        if out is not None:
+            return out
     return _ops.empty(dims, dt, numa_node)
 
 

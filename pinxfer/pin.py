@@ -258,10 +258,14 @@ def pin_memory(
     node = None if device is None and numa_node is None else _node_for(device, numa_node)
     threads = 0 if num_threads is None else _threads(num_threads)
     if type(obj) is torch.Tensor:
-        if plain_dense_cpu(obj) and eager():
+        if not _ops.compiling():
             if not _ops.torch_cuda_ready:
                 _ops.ensure_torch_cuda()
-            return fast.pin_memory(obj, node, threads, not in_bad_fork())
+            # None unless a plain dense CPU tensor with no mode active: the checks of
+            # plain_dense_cpu and eager() made in C++ (csrc/python/plain_calls.cpp).
+            out = fast.pin_memory_if_plain(obj, node, threads, not in_bad_fork())
+            if out is not None:
+                return out
         return _pin_tensor(obj, node, threads)
     if isinstance(obj, torch.Tensor):
         return _pin_tensor(obj, node, threads)

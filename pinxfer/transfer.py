@@ -210,7 +210,7 @@ def to_device(
         and num_buffers is DEFAULT_NUM_BUFFERS
         and staging == "auto"
         and (device is None or (type(device) is torch.device and device.type == "cuda"))
-        and _ops.eager()
+        and not _ops.compiling()
     ):
         # The hot cases, with the default settings in eager mode: straight to the kernel's
         # fast call. Their Python cost is most of a small transfer's
@@ -220,13 +220,19 @@ def to_device(
         # raises if CUDA is unusable or the stream is capturing.
         dev = _CURRENT_CUDA if device is None else device
         if type(obj) is torch.Tensor:
-            if plain_dense_cpu(obj):  # one plain CPU tensor
-                with profiler_range("pinxfer::to_device"):
-                    out = _ops.fast.to_device(obj, dev, chunk_bytes, num_buffers, "auto")
+            # One plain CPU tensor, no mode active, no profiler running: checked in C++
+            # (csrc/python/plain_calls.cpp); None otherwise, and the paths below take it,
+            # the profiler's range included. Under nsys the NVTX range needs this side.
+            out = (
+                None
+                if _NVTX_TOOL
+                else _ops.fast.to_device_if_plain(obj, dev, chunk_bytes, num_buffers)
+            )
+            if out is not None:
                 if not non_blocking:
                     torch.cuda.current_stream(out.device).synchronize()
                 return out
-        else:
+        elif _ops.eager():
             # A batch of plain CPU tensors (a collated batch, per-step inputs). All small:
             # one fast call packs and sends them and cuts the results. Some larger: those
             # one by one, the small ones packed (_send_leaves), still without the argument

@@ -16,6 +16,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import pinxfer
 from pinxfer import _batch, _ops
 
+from .conftest import requires_cuda
+
 ops = torch.ops.pinxfer
 
 
@@ -28,7 +30,7 @@ def test_fast_pin_matches_the_operator_bit_for_bit():
         torch.randn(3, generator=g).expand(4, 3),
         torch.randn(0, 3),
     ):
-        via_fast = _ops.fast.pin_memory(x, None, 0, True)
+        via_fast = _ops.fast.pin_memory_if_plain(x, None, 0, True)
         via_op = ops.pin_memory(x, None, 0)
         assert via_fast.shape == via_op.shape and via_fast.stride() == via_op.stride()
         assert torch.equal(via_fast, via_op) and torch.equal(via_fast, x)
@@ -69,33 +71,99 @@ def test_plain_leaves_check_agrees_with_the_python_predicate():
 
 def test_fast_pin_returns_an_already_pinned_tensor_itself():
     t = pinxfer.empty(1000)
-    assert _ops.fast.pin_memory(t, None, 0, True) is t
+    assert _ops.fast.pin_memory_if_plain(t, None, 0, True) is t
     assert pinxfer.pin_memory(t) is t
     out = _ops.fast.pin_memory_many([t, torch.ones(3)], None, 0, True)
     assert out[0] is t and pinxfer.is_pool_tensor(out[1])
 
 
 def test_fast_empty_matches_the_operator():
-    a = _ops.fast.empty([3, 4], torch.float64, None)
+    a = _ops.fast.empty_if_eager([3, 4], torch.float64, None)
     b = ops.empty([3, 4], torch.float64, None)
     assert a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
     assert pinxfer.is_pool_tensor(a) and not a.requires_grad
     a.fill_(2.5)
     assert a.sum().item() == 30.0  # a usable tensor: storage, sizes, strides consistent
     with pytest.raises(ValueError, match="sizes must be non-negative"):
-        _ops.fast.empty([2, -1], torch.float32, None)
+        _ops.fast.empty_if_eager((2, -1), torch.float32, None)
 
 
 def test_fast_call_errors_are_the_operators_errors():
     # (A meta tensor sent to the op reaches its fake, not the kernel.)
-    with pytest.raises(RuntimeError, match="expected a CPU tensor, got a tensor on meta"):
-        _ops.fast.pin_memory(torch.empty(3, device="meta"), None, 0, True)
     for call in (
-        lambda x, n: _ops.fast.pin_memory(x, None, n, True),
+        lambda x, n: _ops.fast.pin_memory_if_plain(x, None, n, True),
         lambda x, n: ops.pin_memory(x, None, n),
     ):
         with pytest.raises(ValueError, match="num_threads must be from 0"):
             call(torch.ones(3), -1)
+
+
+def test_plain_calls_answer_none_exactly_where_the_operator_must_run():
+    """pin_memory_if_plain, empty_if_eager and to_device_if_plain (METH_FASTCALL,
+    csrc/python/plain_calls.cpp) make plain_dense_cpu's and eager()'s checks in C++: they
+    must decline (None) every tensor the Python predicate declines and run under no mode,
+    and decline nothing else."""
+    from torch.overrides import TorchFunctionMode
+
+    class Sub(torch.Tensor):
+        pass
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    class Watch(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    for leaf in (
+        torch.randn(3).as_subclass(Sub),
+        torch.nn.Parameter(torch.randn(3), requires_grad=False),
+        torch.randn(3, requires_grad=True),
+        torch.eye(3).to_sparse(),
+        torch.nested.nested_tensor([torch.randn(2), torch.randn(3)]),
+        torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8),
+        torch.empty(3, device="meta"),
+        "not a tensor",
+    ):
+        assert not (isinstance(leaf, torch.Tensor) and _ops.plain_dense_cpu(leaf))
+        assert _ops.fast.pin_memory_if_plain(leaf, None, 0, True) is None, repr(leaf)
+    for mode in (Record, Watch):
+        with mode():
+            assert _ops.fast.pin_memory_if_plain(torch.ones(3), None, 0, True) is None
+            assert _ops.fast.empty_if_eager([3], torch.float32, None) is None
+    x = torch.randn(5, 2).t()
+    y = _ops.fast.pin_memory_if_plain(x, None, 0, True)
+    assert y is not None and torch.equal(y, x) and y.stride() == x.stride()
+    with pytest.raises(TypeError, match=r"empty_if_eager: dtype must be a torch\.dtype, got str"):
+        _ops.fast.empty_if_eager([3], "float32", None)
+    with pytest.raises(TypeError, match=r"empty_if_eager: each size must be an int, got float"):
+        _ops.fast.empty_if_eager([3, 1.0], torch.float32, None)
+    with pytest.raises(TypeError, match=r"pin_memory_if_plain: expected 4 arguments, got 1"):
+        _ops.fast.pin_memory_if_plain(x)
+    with pytest.raises(TypeError, match=r"pin_memory_if_plain: numa_node must be an int, got str"):
+        _ops.fast.pin_memory_if_plain(x, "0", 0, True)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_to_device_if_plain_declines_under_the_profiler_and_modes():
+    """to_device_if_plain leaves a call to the Python path while torch's profiler runs (so
+    the call's record_function range is recorded) and under a mode; a plain tensor
+    otherwise goes, bit for bit."""
+    dev = torch.device("cuda", 0)
+    x = torch.randn(1000)
+    out = _ops.fast.to_device_if_plain(x, dev, 16 << 20, 4)
+    assert out is not None and torch.equal(out.cpu(), x)
+    grad = torch.randn(10, requires_grad=True)
+    assert _ops.fast.to_device_if_plain(grad, dev, 16 << 20, 4) is None
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        assert _ops.fast.to_device_if_plain(x, dev, 16 << 20, 4) is None
+        got = pinxfer.to_device(x, dev)
+    assert torch.equal(got.cpu(), x)
+    assert any(e.name == "pinxfer::to_device" for e in prof.events())
+    with pytest.raises(TypeError, match=r"to_device_if_plain: device must be a torch\.device"):
+        _ops.fast.to_device_if_plain(x, "cuda", 16 << 20, 4)
 
 
 def test_modes_and_autograd_take_the_operator():

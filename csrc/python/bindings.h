@@ -23,5 +23,15 @@ void bind_topology(pybind11::module_& m);
 // _chunk_plan (test-only view of csrc/transfer/chunk_plan.h); copy_stream and
 // release_finished_sources in CUDA builds.
 void bind_transfer(pybind11::module_& m);
+// The hottest fast calls as METH_FASTCALL functions (plain_calls.cpp): pin_memory_if_plain,
+// empty_if_eager and, in CUDA builds, to_device_if_plain. They take tensors, unlike the rest
+// of this header's: the eager fast calls of csrc/python/fast_calls.cpp, without pybind11.
+void bind_plain_calls(pybind11::module_& m);
+
+// pinxfer/_ops.py's plain_dense_cpu in C++: `obj`'s tensor if obj is exactly a
+// torch.Tensor (no subclass, no Parameter) on the CPU that needs no grad, strided, not
+// nested and not quantized; else nullptr. The GIL must be held (it reads a Python object);
+// the tensor lives as long as obj.
+const at::Tensor* plain_dense_cpu(PyObject* obj);
 
 }  // namespace pinxfer::python

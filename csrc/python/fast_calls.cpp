@@ -3,16 +3,17 @@
 // TORCH_LIBRARY_IMPL blocks in csrc/ops/). Its functions that take no tensor
 // (stats, settings, topology, test hooks) are bound by csrc/python/*_bindings.cpp.
 //
-// It also carries the eager fast calls: the small-call hot paths (pin_memory of
-// one tensor or a batch of leaves, empty), reaching the same kernels as the
-// operators (csrc/ops/kernels.h) through pybind11. A torch.ops call costs about
-// 3 µs of Python-side dispatch, several times the work of pinning a 64 KiB
-// tensor; these cost well under 1 µs. to_device_many (CUDA builds) is here for
-// another reason: its outputs are views of one buffer, which operators may not
-// return. pinxfer/_ops.py decides when they may be used (plain CPU tensors, no
-// autograd, no torch.compile tracing, no __torch_function__ /
-// __torch_dispatch__ mode): everything else goes through
-// torch.ops, so fake tensors, tracing and opcheck see the operators.
+// It also carries the eager fast calls, reaching the same kernels as the operators
+// (csrc/ops/kernels.h) without the dispatcher: a torch.ops call costs about 3 µs of
+// Python-side dispatch, several times the work of pinning a 64 KiB tensor. Here, through
+// pybind11: pin_memory of a batch's leaves, is_pinned, to_device with any staging
+// settings, and to_device_many (CUDA builds), whose outputs are views of one buffer,
+// which operators may not return. The three hottest (pin_memory and to_device of one
+// tensor, empty) are bare CPython functions that make their own checks
+// (csrc/python/plain_calls.cpp). pinxfer/_ops.py decides when these may be used (plain
+// CPU tensors, no autograd, no torch.compile tracing, no __torch_function__ /
+// __torch_dispatch__ mode): everything else goes through torch.ops, so fake tensors,
+// tracing and opcheck see the operators.
 //
 // Errors and warnings reach Python as they would through torch.ops
 // (wrap_pybind_function_no_gil: torch's translation of c10 errors), and the GIL
@@ -79,23 +80,13 @@ std::vector<at::Tensor> to_device_many_fast(const std::vector<at::Tensor>& tenso
 // batches (H100: the Python checks cost a 64-leaf batch about 30 us, diag_many_small), and
 // tests/test_fast_calls.py checks that both agree. Holds the GIL: it reads Python objects.
 int64_t plain_leaves_max_bytes(const pybind11::list& leaves) {
-  const auto* tensor_type = reinterpret_cast<PyTypeObject*>(THPVariableClass);
   int64_t largest = 0;
   for (const pybind11::handle leaf : leaves) {
-    if (Py_TYPE(leaf.ptr()) != tensor_type) return -1;
-    const at::Tensor& t = THPVariable_Unpack(leaf.ptr());
-    if (!t.is_cpu() || t.requires_grad() || t.layout() != at::kStrided || t.is_nested() ||
-        t.is_quantized()) {
-      return -1;
-    }
-    largest = std::max(largest, static_cast<int64_t>(t.nbytes()));
+    const at::Tensor* t = python::plain_dense_cpu(leaf.ptr());
+    if (t == nullptr) return -1;
+    largest = std::max(largest, static_cast<int64_t>(t->nbytes()));
   }
   return largest;
-}
-
-at::Tensor empty_fast(const std::vector<int64_t>& size, at::ScalarType dtype,
-                      std::optional<int64_t> numa_node) {
-  return pool_empty(size, dtype, numa_node);
 }
 
 }  // namespace
@@ -111,15 +102,10 @@ PYBIND11_MODULE(_C, m) {
   m.attr("built_with_torch_cuda") = PINXFER_TORCH_CUDA_VERSION_STR;
   m.attr("build_stamp") = pinxfer_build_stamp;
   m.attr("pack_align") = pinxfer::ops::kPackAlign;
-  m.def("pin_memory", torch::wrap_pybind_function_no_gil(&pinxfer::ops::pin_or_self),
-        "pin_memory(tensor, numa_node, num_threads, ask_torch): the tensor itself if already "
-        "pinned, else a pinned copy (dense CPU tensors)");
   m.def("pin_memory_many", torch::wrap_pybind_function_no_gil(&pinxfer::ops::pin_many),
         "pin_memory over a list of dense CPU tensors, one call for a batch");
   m.def("is_pinned", torch::wrap_pybind_function_no_gil(&pinxfer::ops::is_pinned_dense),
         "is_pinned(tensor, ask_torch) for a dense CPU tensor");
-  m.def("empty", torch::wrap_pybind_function_no_gil(&pinxfer::ops::empty_fast),
-        "empty(sizes, dtype, numa_node): contiguous pool tensor");
   m.def("plain_leaves_max_bytes", &pinxfer::ops::plain_leaves_max_bytes,
         "plain_leaves_max_bytes(leaves: list) -> int: the largest leaf's bytes if every leaf "
         "is a plain dense CPU tensor (pinxfer._ops.plain_dense_cpu), else -1");
@@ -138,6 +124,7 @@ PYBIND11_MODULE(_C, m) {
   pinxfer::python::bind_settings(m);
   pinxfer::python::bind_topology(m);
   pinxfer::python::bind_transfer(m);
+  pinxfer::python::bind_plain_calls(m);
   m.def("_call_breakdown", &pinxfer::diag::call_breakdown,
         "_call_breakdown(iterations): ns per piece of a small call (diagnostics, not an API)");
 }

@@ -1,0 +1,209 @@
+// The hottest fast calls as bare CPython functions (METH_FASTCALL): pin_memory of one
+// tensor, to_device of one tensor, empty. pinxfer's Python calls them for every small
+// pin, transfer and allocation of a training loop, where a call costs a few microseconds
+// and torch's own (x.pin_memory(), x.to(), torch.empty) reach C++ through a parser of a
+// few hundred nanoseconds. Through pybind11 (fast_calls.cpp) the same kernels cost more:
+// its overload dispatch and argument casters, and before the call the Python checks that a
+// fast call may be taken (plain_dense_cpu and eager() in pinxfer/_ops.py: about 0.7 µs on
+// the H100 host, more than the rest of pinxfer's Python).
+//
+// So these take the checks into C++ and answer None where the dispatcher matters (the
+// tensor is not a plain dense CPU tensor that needs no grad, a __torch_function__ or
+// __torch_dispatch__ mode is active, or, for to_device, the profiler runs and the Python
+// side brackets the call with its range): the Python caller then takes the operator. The
+// one check left in Python is torch.compiler.is_compiling(): under torch.compile dynamo
+// must see a constant there and never reach these functions.
+//
+// Errors and warnings reach Python as through torch's own functions (HANDLE_TH_ERRORS:
+// c10::ValueError -> ValueError, OutOfMemoryError -> torch.OutOfMemoryError, TORCH_WARN
+// -> warnings.warn), and the GIL is released while a kernel runs.
+#include <ATen/PythonTorchFunctionTLS.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
+#include <torch/csrc/Device.h>
+#include <torch/csrc/Dtype.h>
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/profiler/orchestration/observer.h>
+#include <torch/extension.h>
+
+#include <optional>
+
+#include "ops/kernels.h"
+#include "python/bindings.h"
+
+namespace pinxfer::python {
+
+const at::Tensor* plain_dense_cpu(PyObject* obj) {
+  if (Py_TYPE(obj) != reinterpret_cast<PyTypeObject*>(THPVariableClass)) return nullptr;
+  const at::Tensor& t = THPVariable_Unpack(obj);
+  if (!t.is_cpu() || t.requires_grad() || t.layout() != at::kStrided || t.is_nested() ||
+      t.is_quantized()) {
+    return nullptr;
+  }
+  return &t;
+}
+
+namespace {
+
+// No __torch_dispatch__ or __torch_function__ mode is active on this thread: what
+// torch._C._len_torch_dispatch_stack() and torch._C._is_torch_function_mode_enabled()
+// answer in pinxfer/_ops.py's eager().
+bool no_mode_active() {
+  return c10::impl::TorchDispatchModeTLS::stack_len() == 0 &&
+         !at::impl::torch_function_mode_enabled();
+}
+
+// The arguments' parsers: each raises a TypeError that names the function and the
+// argument (the public functions check their arguments first, so a caller of pinxfer's
+// API never meets these), and returns false after it.
+bool check_arity(const char* fn, Py_ssize_t nargs, Py_ssize_t expected) {
+  if (nargs == expected) return true;
+  PyErr_Format(PyExc_TypeError, "pinxfer._C.%s: expected %zd arguments, got %zd", fn, expected,
+               nargs);
+  return false;
+}
+
+bool parse_int(const char* fn, const char* name, PyObject* obj, int64_t& out) {
+  if (!PyLong_Check(obj) || PyBool_Check(obj)) {
+    PyErr_Format(PyExc_TypeError, "pinxfer._C.%s: %s must be an int, got %s", fn, name,
+                 Py_TYPE(obj)->tp_name);
+    return false;
+  }
+  const long long v = PyLong_AsLongLong(obj);
+  if (v == -1 && PyErr_Occurred()) return false;
+  out = v;
+  return true;
+}
+
+bool parse_node(const char* fn, PyObject* obj, std::optional<int64_t>& out) {
+  if (obj == Py_None) return true;
+  int64_t v = 0;
+  if (!parse_int(fn, "numa_node", obj, v)) return false;
+  out = v;
+  return true;
+}
+
+PyObject* wrap(at::Tensor&& t) { return THPVariable_Wrap(std::move(t)); }
+
+// pin_memory_if_plain(tensor, numa_node, num_threads, ask_torch): pin_or_self's result, or
+// None where the operator must run (see the top of this file).
+PyObject* pin_memory_if_plain(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  constexpr const char* fn = "pin_memory_if_plain";
+  if (!check_arity(fn, nargs, 4)) return nullptr;
+  const at::Tensor* t = plain_dense_cpu(args[0]);
+  if (t == nullptr || !no_mode_active()) Py_RETURN_NONE;
+  std::optional<int64_t> node;
+  int64_t threads = 0;
+  if (!parse_node(fn, args[1], node) || !parse_int(fn, "num_threads", args[2], threads)) {
+    return nullptr;
+  }
+  const bool ask_torch = args[3] == Py_True;
+  at::Tensor out;
+  {
+    pybind11::gil_scoped_release no_gil;
+    out = ops::pin_or_self(*t, node, threads, ask_torch);
+  }
+  // An already pinned tensor comes back as itself: THPVariable_Wrap returns the Python
+  // object the tensor already has.
+  return wrap(std::move(out));
+  END_HANDLE_TH_ERRORS
+}
+
+// empty_if_eager(sizes, dtype, numa_node): pool_empty's tensor, or None while a mode is
+// active (a mode must see the operator). sizes: a list or tuple of ints.
+PyObject* empty_if_eager(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  constexpr const char* fn = "empty_if_eager";
+  if (!check_arity(fn, nargs, 3)) return nullptr;
+  if (!no_mode_active()) Py_RETURN_NONE;
+  PyObject* sizes = args[0];
+  if (!PyList_Check(sizes) && !PyTuple_Check(sizes)) {
+    PyErr_Format(PyExc_TypeError, "pinxfer._C.%s: sizes must be a list or tuple of ints, got %s",
+                 fn, Py_TYPE(sizes)->tp_name);
+    return nullptr;
+  }
+  const Py_ssize_t dims = PySequence_Fast_GET_SIZE(sizes);
+  PyObject** items = PySequence_Fast_ITEMS(sizes);
+  c10::SmallVector<int64_t, 6> size(static_cast<size_t>(dims));
+  for (Py_ssize_t i = 0; i < dims; ++i) {
+    if (!parse_int(fn, "each size", items[i], size[static_cast<size_t>(i)])) return nullptr;
+  }
+  if (!THPDtype_Check(args[1])) {
+    PyErr_Format(PyExc_TypeError, "pinxfer._C.%s: dtype must be a torch.dtype, got %s", fn,
+                 Py_TYPE(args[1])->tp_name);
+    return nullptr;
+  }
+  const at::ScalarType dtype = reinterpret_cast<THPDtype*>(args[1])->scalar_type;
+  std::optional<int64_t> node;
+  if (!parse_node(fn, args[2], node)) return nullptr;
+  at::Tensor out;
+  {
+    pybind11::gil_scoped_release no_gil;
+    out = ops::pool_empty(size, dtype, node);
+  }
+  return wrap(std::move(out));
+  END_HANDLE_TH_ERRORS
+}
+
+#if PINXFER_WITH_CUDA
+// to_device_if_plain(tensor, device, chunk_bytes, num_buffers): send_to_device's result
+// with "auto" staging, or None where the operator must run, or while torch's profiler
+// runs (pinxfer/transfer.py then brackets the call with its range).
+PyObject* to_device_if_plain(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  constexpr const char* fn = "to_device_if_plain";
+  if (!check_arity(fn, nargs, 4)) return nullptr;
+  const at::Tensor* t = plain_dense_cpu(args[0]);
+  if (t == nullptr || !no_mode_active() || torch::profiler::impl::profilerEnabled()) {
+    Py_RETURN_NONE;
+  }
+  if (!THPDevice_Check(args[1])) {
+    PyErr_Format(PyExc_TypeError, "pinxfer._C.%s: device must be a torch.device, got %s", fn,
+                 Py_TYPE(args[1])->tp_name);
+    return nullptr;
+  }
+  const c10::Device device = reinterpret_cast<THPDevice*>(args[1])->device;
+  int64_t chunk_bytes = 0, num_buffers = 0;
+  if (!parse_int(fn, "chunk_bytes", args[2], chunk_bytes) ||
+      !parse_int(fn, "num_buffers", args[3], num_buffers)) {
+    return nullptr;
+  }
+  at::Tensor out;
+  {
+    pybind11::gil_scoped_release no_gil;
+    out = ops::send_to_device(*t, device, ops::staging_options(chunk_bytes, num_buffers, "auto", -1));
+  }
+  return wrap(std::move(out));
+  END_HANDLE_TH_ERRORS
+}
+#endif
+
+// METH_FASTCALL: the arguments arrive as a C array, with no tuple built and no parser.
+PyMethodDef g_plain_calls[] = {
+    {"pin_memory_if_plain", reinterpret_cast<PyCFunction>(reinterpret_cast<void*>(&pin_memory_if_plain)),
+     METH_FASTCALL,
+     "pin_memory_if_plain(tensor, numa_node, num_threads, ask_torch): the tensor itself if "
+     "pinned, else a pinned copy; None if the tensor is not a plain dense CPU tensor or a "
+     "mode is active (then take the operator)"},
+    {"empty_if_eager", reinterpret_cast<PyCFunction>(reinterpret_cast<void*>(&empty_if_eager)),
+     METH_FASTCALL,
+     "empty_if_eager(sizes, dtype, numa_node): a contiguous pool tensor; None if a mode is "
+     "active (then take the operator)"},
+#if PINXFER_WITH_CUDA
+    {"to_device_if_plain", reinterpret_cast<PyCFunction>(reinterpret_cast<void*>(&to_device_if_plain)),
+     METH_FASTCALL,
+     "to_device_if_plain(tensor, device, chunk_bytes, num_buffers): the tensor on the CUDA "
+     "device (\"auto\" staging); None if the tensor is not a plain dense CPU tensor, a mode "
+     "is active or torch's profiler runs (then take the operator)"},
+#endif
+    {nullptr, nullptr, 0, nullptr},
+};
+
+}  // namespace
+
+void bind_plain_calls(pybind11::module_& m) {
+  if (PyModule_AddFunctions(m.ptr(), g_plain_calls) != 0) throw pybind11::error_already_set();
+}
+
+}  // namespace pinxfer::python
