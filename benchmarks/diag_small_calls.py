@@ -65,10 +65,10 @@ def main() -> None:
     x64k = torch.randn(16384)
     calls: dict[str, Callable[[], Any]] = {
         "pinxfer.empty(16384)": lambda: pinxfer.empty(16384),
-        "_C.empty": lambda: _ops.fast.empty([16384], torch.float32, None),
+        "_C.empty_if_eager": lambda: _ops.fast.empty_if_eager([16384], torch.float32, None),
         "torch.empty(16384)": lambda: torch.empty(16384),
         "pinxfer.pin_memory(64KiB)": lambda: pinxfer.pin_memory(x64k),
-        "_C.pin_memory(64KiB)": lambda: _ops.fast.pin_memory(x64k, None, 0, True),
+        "_C.pin_memory_if_plain(64KiB)": lambda: _ops.fast.pin_memory_if_plain(x64k, None, 0, True),
     }
     if cuda:
         dev = torch.device("cuda")
@@ -80,6 +80,9 @@ def main() -> None:
                 "x.pin_memory() 64KiB": lambda: x64k.pin_memory(),
                 "pinxfer.to_device(4KiB)": lambda: pinxfer.to_device(t4k),
                 "_C.to_device(4KiB)": lambda: _ops.fast.to_device(t4k, dev, 16 << 20, 4, "auto"),
+                "_C.to_device_if_plain(4KiB)": lambda: _ops.fast.to_device_if_plain(
+                    t4k, dev, 16 << 20, 4
+                ),
                 "pinned.to(nb) 4KiB": lambda: p4k.to(dev, non_blocking=True),
                 "t.to(cuda) 4KiB": lambda: t4k.to(dev),
                 "torch.empty(1024, device=cuda)": lambda: torch.empty(1024, device=dev),
@@ -92,6 +95,7 @@ def main() -> None:
             for k in (
                 "pinxfer.to_device(4KiB)",
                 "_C.to_device(4KiB)",
+                "_C.to_device_if_plain(4KiB)",
                 "pinned.to(nb) 4KiB",
                 "t.to(cuda) 4KiB",
             )

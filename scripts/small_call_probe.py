@@ -40,7 +40,7 @@ torch.cuda.init()
 r = {"root": sys.argv[1], "cpu_start": cpu_now()}
 r["torch_empty_cpu"] = us(lambda: torch.empty(16384))
 r["torch_clone_64k"] = us(lambda: x64.clone())
-r["fast_empty"] = us(lambda: pinxfer._ops.fast.empty((16384,), torch.float32, None))
+r["fast_empty"] = us(lambda: pinxfer._ops.fast.empty_if_eager((16384,), torch.float32, None))
 r["op_empty"] = us(lambda: ops.empty([16384], torch.float32, None))
 r["py_empty"] = us(lambda: pinxfer.empty(16384))
 r["py_pin_memory_64k"] = us(lambda: pinxfer.pin_memory(x64))

@@ -172,7 +172,8 @@ PyObject* to_device_if_plain(PyObject* /*module*/, PyObject* const* args, Py_ssi
   at::Tensor out;
   {
     pybind11::gil_scoped_release no_gil;
-    out = ops::send_to_device(*t, device, ops::staging_options(chunk_bytes, num_buffers, "auto", -1));
+    out =
+        ops::send_to_device(*t, device, ops::staging_options(chunk_bytes, num_buffers, "auto", -1));
   }
   return wrap(std::move(out));
   END_HANDLE_TH_ERRORS
@@ -181,8 +182,8 @@ PyObject* to_device_if_plain(PyObject* /*module*/, PyObject* const* args, Py_ssi
 
 // METH_FASTCALL: the arguments arrive as a C array, with no tuple built and no parser.
 PyMethodDef g_plain_calls[] = {
-    {"pin_memory_if_plain", reinterpret_cast<PyCFunction>(reinterpret_cast<void*>(&pin_memory_if_plain)),
-     METH_FASTCALL,
+    {"pin_memory_if_plain",
+     reinterpret_cast<PyCFunction>(reinterpret_cast<void*>(&pin_memory_if_plain)), METH_FASTCALL,
      "pin_memory_if_plain(tensor, numa_node, num_threads, ask_torch): the tensor itself if "
      "pinned, else a pinned copy; None if the tensor is not a plain dense CPU tensor or a "
      "mode is active (then take the operator)"},
@@ -191,8 +192,8 @@ PyMethodDef g_plain_calls[] = {
      "empty_if_eager(sizes, dtype, numa_node): a contiguous pool tensor; None if a mode is "
      "active (then take the operator)"},
 #if PINXFER_WITH_CUDA
-    {"to_device_if_plain", reinterpret_cast<PyCFunction>(reinterpret_cast<void*>(&to_device_if_plain)),
-     METH_FASTCALL,
+    {"to_device_if_plain",
+     reinterpret_cast<PyCFunction>(reinterpret_cast<void*>(&to_device_if_plain)), METH_FASTCALL,
      "to_device_if_plain(tensor, device, chunk_bytes, num_buffers): the tensor on the CUDA "
      "device (\"auto\" staging); None if the tensor is not a plain dense CPU tensor, a mode "
      "is active or torch's profiler runs (then take the operator)"},
