@@ -6,6 +6,8 @@ is usable (CI); they run on the device machine through scripts/gpu_check.sh.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import gc
 import os
 
@@ -39,6 +41,23 @@ def pytest_collection_modifyitems(config, items):
 def pytest_report_header(config):
     seed = os.environ.get("PINXFER_TEST_SHUFFLE")
     return f"pinxfer: tests shuffled with seed {seed!r}" if seed else None
+
+
+@contextlib.contextmanager
+def checkout_setup_lock():
+    """Held while a test runs setup.py (or pip's build hooks, which run it) in the checkout:
+    setup.py writes pinxfer.egg-info/ there, and two pytest-xdist workers writing it at once
+    failed one of them (H100, `-n 12`: test_install's hooks fixture against test_packaging's
+    sdist). An flock on a file in the checkout's ignored build/ directory, so every worker
+    of every run in this checkout takes the same lock."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    os.makedirs(os.path.join(root, "build"), exist_ok=True)
+    with open(os.path.join(root, "build", ".setup-py.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def vm_locked_kib() -> int:

@@ -25,6 +25,8 @@ import torch
 import pinxfer
 from pinxfer import _build_check
 
+from .conftest import checkout_setup_lock
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BACKEND_DIR = os.path.join(ROOT, "build_backend")
 
@@ -38,14 +40,15 @@ def _run_hook(code: str, tmp_path, env_extra=None, timeout=300) -> subprocess.Co
         f"import sys; sys.path.insert(0, {BACKEND_DIR!r}); import pinxfer_backend as backend\n"
         + code
     )
-    return subprocess.run(
-        [sys.executable, "-S", "-c", script],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    with checkout_setup_lock():
+        return subprocess.run(
+            [sys.executable, "-S", "-c", script],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
 
 
 @pytest.fixture(scope="module")

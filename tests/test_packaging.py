@@ -16,6 +16,8 @@ import pytest
 
 import pinxfer
 
+from .conftest import checkout_setup_lock
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PYPROJECT = os.path.join(ROOT, "pyproject.toml")
 
@@ -23,13 +25,14 @@ tomllib = pytest.importorskip("tomllib", reason="tomllib is Python >= 3.11")
 
 
 def _setup_py(*args: str) -> subprocess.CompletedProcess:
-    proc = subprocess.run(
-        [sys.executable, "setup.py", "-q", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    with checkout_setup_lock():
+        proc = subprocess.run(
+            [sys.executable, "setup.py", "-q", *args],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     return proc
 
