@@ -108,17 +108,21 @@ def empty(
             ``numa_node`` names no node of this machine.
         torch.OutOfMemoryError: the memory cannot be had (cap, OS).
     """
+    if not _ops.torch_cuda_ready:
+        _ops.ensure_torch_cuda()
+    eager = not _ops.compiling()
+    if eager and numa_node is None:
+        # The usual call, checked in C++ (csrc/python/plain_calls.cpp): None while a mode
+        # is active, or where a size or the dtype needs the checks below.
+        out = _ops.fast.empty_if_eager(size, dtype, None)
+        if out is not None:
+            return out
     dims = _sizes(size)
     dt = torch.get_default_dtype() if dtype is None else _check.dtype(dtype, "empty")
     if numa_node is not None:
         numa_node = _check.numa_node(numa_node, "empty")
-    if not _ops.torch_cuda_ready:
-        _ops.ensure_torch_cuda()
-    if not _ops.compiling():
-        out = _ops.fast.empty_if_eager(dims, dt, numa_node)  # None while a mode is active
-        if out is not None:
-            return out
-    return _ops.empty(dims, dt, numa_node)
+    out = _ops.fast.empty_if_eager(dims, dt, numa_node) if eager else None
+    return _ops.empty(dims, dt, numa_node) if out is None else out
 
 
 def is_pool_tensor(tensor: torch.Tensor) -> bool:

@@ -85,7 +85,7 @@ def test_fast_empty_matches_the_operator():
     a.fill_(2.5)
     assert a.sum().item() == 30.0  # a usable tensor: storage, sizes, strides consistent
     with pytest.raises(ValueError, match="sizes must be non-negative"):
-        _ops.fast.empty_if_eager((2, -1), torch.float32, None)
+        pinxfer.empty(2, -1)
 
 
 def test_fast_call_errors_are_the_operators_errors():
@@ -135,10 +135,13 @@ def test_plain_calls_answer_none_exactly_where_the_operator_must_run():
     x = torch.randn(5, 2).t()
     y = _ops.fast.pin_memory_if_plain(x, None, 0, True)
     assert y is not None and torch.equal(y, x) and y.stride() == x.stride()
-    with pytest.raises(TypeError, match=r"empty_if_eager: dtype must be a torch\.dtype, got str"):
-        _ops.fast.empty_if_eager([3], "float32", None)
-    with pytest.raises(TypeError, match=r"empty_if_eager: each size must be an int, got float"):
-        _ops.fast.empty_if_eager([3, 1.0], torch.float32, None)
+    # empty_if_eager takes empty(*size)'s sizes and declines what pinxfer.empty must check
+    for sizes in ((3, 4), ([3, 4],), (torch.Size([3, 4]),)):
+        assert _ops.fast.empty_if_eager(sizes, None, None).shape == (3, 4)
+    assert _ops.fast.empty_if_eager((2,), None, None).dtype == torch.get_default_dtype()
+    for sizes in ((3, 1.0), (True,), (-1,), (2**63,), ("3",), ([3], 4), 3):
+        assert _ops.fast.empty_if_eager(sizes, torch.float32, None) is None, sizes
+    assert _ops.fast.empty_if_eager((3,), "float32", None) is None
     with pytest.raises(TypeError, match=r"pin_memory_if_plain: expected 4 arguments, got 1"):
         _ops.fast.pin_memory_if_plain(x)
     with pytest.raises(TypeError, match=r"pin_memory_if_plain: numa_node must be an int, got str"):

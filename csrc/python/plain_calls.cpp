@@ -110,31 +110,46 @@ PyObject* pin_memory_if_plain(PyObject* /*module*/, PyObject* const* args, Py_ss
   END_HANDLE_TH_ERRORS
 }
 
-// empty_if_eager(sizes, dtype, numa_node): pool_empty's tensor, or None while a mode is
-// active (a mode must see the operator). sizes: a list or tuple of ints.
+// `sizes` as pinxfer.empty(*size) takes them (ints, or one list, tuple or torch.Size of
+// ints), into `out`, if every size is an exact int from 0 to 2^63 - 1; false for anything
+// else (pinxfer/memory.py's checks then say what is wrong), with no Python error set.
+bool plain_sizes(PyObject* sizes, c10::SmallVector<int64_t, 6>& out) {
+  if (!PyTuple_Check(sizes) && !PyList_Check(sizes)) return false;
+  if (PySequence_Fast_GET_SIZE(sizes) == 1) {
+    PyObject* only = PySequence_Fast_ITEMS(sizes)[0];
+    if (PyTuple_Check(only) || PyList_Check(only)) sizes = only;  // torch.Size is a tuple
+  }
+  const Py_ssize_t dims = PySequence_Fast_GET_SIZE(sizes);
+  PyObject** items = PySequence_Fast_ITEMS(sizes);
+  out.resize(static_cast<size_t>(dims));
+  for (Py_ssize_t i = 0; i < dims; ++i) {
+    if (!PyLong_CheckExact(items[i])) return false;  // bool and int subclasses: checked path
+    int overflow = 0;
+    const long long v = PyLong_AsLongLongAndOverflow(items[i], &overflow);
+    if (overflow != 0 || v < 0) return false;
+    out[static_cast<size_t>(i)] = v;
+  }
+  return true;
+}
+
+// empty_if_eager(sizes, dtype, numa_node): pool_empty's tensor, or None where the
+// operator must run (a mode is active) and where pinxfer.empty's Python checks must speak
+// (a size that is not an exact non-negative int, a dtype that is not a torch.dtype or
+// None, the default dtype).
 PyObject* empty_if_eager(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
   constexpr const char* fn = "empty_if_eager";
   if (!check_arity(fn, nargs, 3)) return nullptr;
-  if (!no_mode_active()) Py_RETURN_NONE;
-  PyObject* sizes = args[0];
-  if (!PyList_Check(sizes) && !PyTuple_Check(sizes)) {
-    PyErr_Format(PyExc_TypeError, "pinxfer._C.%s: sizes must be a list or tuple of ints, got %s",
-                 fn, Py_TYPE(sizes)->tp_name);
-    return nullptr;
+  c10::SmallVector<int64_t, 6> size;
+  if (!no_mode_active() || !plain_sizes(args[0], size)) Py_RETURN_NONE;
+  at::ScalarType dtype;
+  if (args[1] == Py_None) {
+    dtype = at::typeMetaToScalarType(at::get_default_dtype());
+  } else if (THPDtype_Check(args[1])) {
+    dtype = reinterpret_cast<THPDtype*>(args[1])->scalar_type;
+  } else {
+    Py_RETURN_NONE;
   }
-  const Py_ssize_t dims = PySequence_Fast_GET_SIZE(sizes);
-  PyObject** items = PySequence_Fast_ITEMS(sizes);
-  c10::SmallVector<int64_t, 6> size(static_cast<size_t>(dims));
-  for (Py_ssize_t i = 0; i < dims; ++i) {
-    if (!parse_int(fn, "each size", items[i], size[static_cast<size_t>(i)])) return nullptr;
-  }
-  if (!THPDtype_Check(args[1])) {
-    PyErr_Format(PyExc_TypeError, "pinxfer._C.%s: dtype must be a torch.dtype, got %s", fn,
-                 Py_TYPE(args[1])->tp_name);
-    return nullptr;
-  }
-  const at::ScalarType dtype = reinterpret_cast<THPDtype*>(args[1])->scalar_type;
   std::optional<int64_t> node;
   if (!parse_node(fn, args[2], node)) return nullptr;
   at::Tensor out;
@@ -190,7 +205,7 @@ PyMethodDef g_plain_calls[] = {
     {"empty_if_eager", reinterpret_cast<PyCFunction>(reinterpret_cast<void*>(&empty_if_eager)),
      METH_FASTCALL,
      "empty_if_eager(sizes, dtype, numa_node): a contiguous pool tensor; None if a mode is "
-     "active (then take the operator)"},
+     "active (then take the operator) or a size or the dtype is not plain (then check them)"},
 #if PINXFER_WITH_CUDA
     {"to_device_if_plain",
      reinterpret_cast<PyCFunction>(reinterpret_cast<void*>(&to_device_if_plain)), METH_FASTCALL,
