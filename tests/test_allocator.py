@@ -587,11 +587,13 @@ def test_a_sleeping_copy_worker_is_woken_for_each_job():
 def test_copy_workers_woken_ahead_take_the_job_that_follows():
     """ThreadPool::wake_ahead (a transfer wakes its helpers before its setup, so that they
     rise meanwhile): the woken workers, finding no job, spin for one, and post() counts
-    them as on their way until they rise. Each round's offer must be taken, whether it
-    comes while they spin (no setup) or after they have slept again (a setup of 3 ms,
-    longer than any spin): a worker counted as rising and never uncounted would leave
-    the offer unwoken and its items untaken (-1). Under TSan and ASan too."""
-    for ahead_us in (0, 3000):
+    them as on their way until they rise. The caller wakes one of them, which wakes the
+    others as it rises (the relay); an offer that comes first wakes them itself. Each
+    round's offer must be taken, whether it comes before the relay (no setup), while they
+    spin (50 us) or after they have slept again (a setup of 3 ms, longer than any spin): a
+    worker counted as rising and never woken, or never uncounted, would leave the offer
+    unwoken and its items untaken (-1). Under TSan and ASan too."""
+    for ahead_us in (0, 50, 3000):
         rounds = pinxfer._C._wake_probe(3, 2, 3000, 8, ahead_us)
         assert len(rounds) == 8
         for r in rounds:

@@ -120,6 +120,8 @@ void ThreadPool::stop_and_join() {
     std::lock_guard<std::mutex> lock(mutex_);
     stopping_ = true;
     sleeping.swap(asleep_);
+    sleeping.insert(sleeping.end(), relay_.begin(), relay_.end());  // taken off asleep_
+    relay_.clear();
   }
   for (const int w : sleeping) wake(w, kWokenForJob);
   for (auto& t : workers_) {
@@ -239,7 +241,18 @@ std::shared_ptr<ThreadPool::Job> ThreadPool::next_job(int me) {
     uint32_t why;
     while ((why = word.load(std::memory_order_acquire)) == kAsleep) futex_wait(word, kAsleep);
     woken_ahead = why == kWokenAhead;
+    if (woken_ahead) wake_relayed();
   }
+}
+
+void ThreadPool::wake_relayed() {
+  c10::SmallVector<int, 16> relayed;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    relayed.append(relay_.begin(), relay_.end());
+    relay_.clear();
+  }
+  for (const int w : relayed) wake(w, kWokenAhead);
 }
 
 void ThreadPool::wake(int worker, uint32_t why) {
@@ -284,13 +297,18 @@ constexpr int kWakeHedge = 2;
 
 void ThreadPool::post(const std::shared_ptr<Job>& job) {
   job->started = std::chrono::steady_clock::now();
-  c10::SmallVector<int, 16> to_wake;
+  c10::SmallVector<int, 16> to_wake, relayed;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     jobs_.push_back(job);
     queued_jobs_.store(jobs_.size(), std::memory_order_relaxed);
     take_sleepers(job->max_helpers, to_wake);
+    // Workers woken ahead whose relay has not come yet (wake_ahead): the job is here, so
+    // they are woken now, as woken ahead (they are counted in rising_).
+    relayed.append(relay_.begin(), relay_.end());
+    relay_.clear();
   }
+  for (const int w : relayed) wake(w, kWokenAhead);
   // Wake the sleeping workers the job may use (spinning ones need no wake-up: they see
   // queued_jobs_), the most recently active first (a LIFO stack of sleepers), and as many
   // again: the job takes the first to arrive, the others find it full and sleep again.
@@ -345,9 +363,14 @@ void ThreadPool::wake_ahead(int helpers) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     take_sleepers(helpers, to_wake);
+    if (to_wake.empty()) return;
     rising_ += static_cast<int>(to_wake.size());
+    // The caller wakes one; that one, as it rises, wakes the rest (wake_relayed): each
+    // wake-up is a system call of several microseconds on a core that has just been idle,
+    // and the caller's are on the transfer's path (thread_pool.h says what was measured).
+    relay_.append(to_wake.begin() + 1, to_wake.end());
   }
-  for (const int w : to_wake) wake(w, kWokenAhead);
+  wake(to_wake.front(), kWokenAhead);
 }
 
 void ThreadPool::retire(Job& job) {

@@ -93,7 +93,10 @@ class ThreadPool {
   // Back to back the setup is short, and waking workers early then only adds runnable
   // threads while the caller prepares; on the H200, with torch's OpenMP team spinning on
   // every core, the caller's setup took 28-377 us instead of 7-32 in four processes
-  // (benchmarks/diag_wake.py; csrc/README.md, "Woken ahead").
+  // (benchmarks/diag_wake.py; csrc/README.md, "Woken ahead"). The caller wakes one worker
+  // and that one, as it rises, wakes the others (relay_): the wake-ups are system calls of
+  // several microseconds each on the caller's idle core, and on the H100 a to_device's setup
+  // after a gap took 83-104 us with the caller waking them all against 65-73 without any.
   void wake_ahead(int helpers);
   // Whether wake_ahead() wakes workers now: wake-ahead is on (set_wake_ahead_enabled) and
   // the pool's last job ended more than twice its longest spin ago. A caller that must pay
@@ -127,6 +130,8 @@ class ThreadPool {
   // Takes up to kWakeHedge x (helpers less the workers spinning or rising) off asleep_,
   // most recent first, into `out`. Caller holds mutex_.
   void take_sleepers(int helpers, c10::SmallVectorImpl<int>& out);
+  // A worker risen from a wake-ahead wakes the workers relay_ holds.
+  void wake_relayed();
   // Wakes worker `worker`, which the caller has just taken off asleep_, with `why`
   // (kWokenForJob or kWokenAhead) in its word.
   void wake(int worker, uint32_t why);
@@ -156,6 +161,10 @@ class ThreadPool {
   // Workers woken ahead of a job (wake_ahead) that have not yet risen: post() counts them
   // as on their way. LOCK: mutex_
   int rising_ = 0;
+  // Of those, the ones not yet woken: wake_ahead wakes one worker and leaves the others
+  // here for it to wake as it rises (wake_relayed); post() wakes any still here, and
+  // stop_and_join too. LOCK: mutex_
+  c10::SmallVector<int, 16> relay_;
   // Written under mutex_ (so sleeping workers cannot miss it), also read
   // without it by spinning workers.
   std::atomic<bool> stopping_{false};
