@@ -439,6 +439,44 @@ def test_batch_of_cpu_tensors_small_and_large(non_blocking):
         _check(got, want)
 
 
+@pytest.mark.parametrize("large", [False, True], ids=["packed", "pipelined"])
+def test_flat_batches_keep_their_type_order_and_values(large):
+    """Exactly a dict, list or tuple of plain CPU tensors is sent without the batch walker
+    and rebuilt as the walker would (same type, keys in order); one holding anything else,
+    and subclasses (OrderedDict, a namedtuple), take the walker. Every byte checked."""
+    n = (1 * MiB // 4) if large else 1000
+
+    def leaves():
+        return [torch.randn(n), torch.arange(300), torch.rand(7, 5).t()]
+
+    a, b, c = leaves()
+    cases = [
+        {"z": a, "a": b, "m": c},  # keys not sorted: their order must be kept
+        [a, b, c],
+        (a, b, c),
+        {"x": a, "y": b, "tag": "text", "n": None},
+        [a, "text", b],
+        collections.OrderedDict(x=a, y=b),
+        Pair(a, "text"),
+        (a,),
+        {"only": a},
+    ]
+    for batch in cases:
+        out = pinxfer.to_device(batch)
+        assert type(out) is type(batch), batch
+        if isinstance(batch, dict):
+            assert list(out) == list(batch)
+            pairs = [(out[k], batch[k]) for k in batch]
+        else:
+            assert len(out) == len(batch)
+            pairs = list(zip(out, batch))
+        for got, want in pairs:
+            if isinstance(want, torch.Tensor):
+                _check(got, want)
+            else:
+                assert got == want
+
+
 def test_batch_packs_every_leaf_of_at_most_256_kib():
     """Leaves of up to 256 KiB, that size included, go in one packed copy: the results share
     one device allocation (bench_small_calls' batch of 64 tensors of 4-256 KiB sent its
