@@ -95,6 +95,12 @@ def _rebuilt_flat(batch: dict | list | tuple, values: list) -> dict | list | tup
     return values if type(batch) is list else tuple(values)
 
 
+def _largest_plain_leaf(leaves: list) -> int:
+    """The largest leaf's bytes if a batch's two or more leaves are all plain dense CPU
+    tensors (plain_dense_cpu of every leaf, in one C++ call), else -1: the fast road's test."""
+    return _ops.fast.plain_leaves_max_bytes(leaves) if len(leaves) > 1 else -1
+
+
 def profiler_range(name: str) -> contextlib.AbstractContextManager:
     """A torch.profiler range while a profiler runs, and an NVTX range under nsys.
 
@@ -260,11 +266,10 @@ def to_device(
             # walker takes the batch then.
             flat = type(obj) in _FLAT_BATCH_TYPES
             leaves = _flat_values(obj) if flat else tensors_in(obj)
-            # plain_dense_cpu of every leaf and the largest one's bytes, in one C++ call.
-            largest = _ops.fast.plain_leaves_max_bytes(leaves) if len(leaves) > 1 else -1
+            largest = _largest_plain_leaf(leaves)
             if largest < 0 and flat:
                 flat, leaves = False, tensors_in(obj)
-                largest = _ops.fast.plain_leaves_max_bytes(leaves) if len(leaves) > 1 else -1
+                largest = _largest_plain_leaf(leaves)
             if largest >= 0:
                 with profiler_range("pinxfer::to_device"):
                     if largest <= SMALL_TENSOR_BYTES:

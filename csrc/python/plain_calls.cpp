@@ -83,8 +83,6 @@ bool parse_node(const char* fn, PyObject* obj, std::optional<int64_t>& out) {
   return true;
 }
 
-PyObject* wrap(at::Tensor&& t) { return THPVariable_Wrap(std::move(t)); }
-
 // pin_memory_if_plain(tensor, numa_node, num_threads, ask_torch): pin_or_self's result, or
 // None where the operator must run (see the top of this file).
 PyObject* pin_memory_if_plain(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
@@ -106,7 +104,7 @@ PyObject* pin_memory_if_plain(PyObject* /*module*/, PyObject* const* args, Py_ss
   }
   // An already pinned tensor comes back as itself: THPVariable_Wrap returns the Python
   // object the tensor already has.
-  return wrap(std::move(out));
+  return THPVariable_Wrap(std::move(out));
   END_HANDLE_TH_ERRORS
 }
 
@@ -157,7 +155,7 @@ PyObject* empty_if_eager(PyObject* /*module*/, PyObject* const* args, Py_ssize_t
     pybind11::gil_scoped_release no_gil;
     out = ops::pool_empty(size, dtype, node);
   }
-  return wrap(std::move(out));
+  return THPVariable_Wrap(std::move(out));
   END_HANDLE_TH_ERRORS
 }
 
@@ -190,7 +188,7 @@ PyObject* to_device_if_plain(PyObject* /*module*/, PyObject* const* args, Py_ssi
     out =
         ops::send_to_device(*t, device, ops::staging_options(chunk_bytes, num_buffers, "auto", -1));
   }
-  return wrap(std::move(out));
+  return THPVariable_Wrap(std::move(out));
   END_HANDLE_TH_ERRORS
 }
 #endif
