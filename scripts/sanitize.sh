@@ -12,7 +12,8 @@
 #
 # Environment:
 #   PINXFER_STRESS_SECONDS   passed to tests/test_pool_stress.py (its default: 2)
-#   PINXFER_SANITIZE_DIR     where to build and keep logs (default: a new mktemp dir)
+#   PINXFER_SANITIZE_DIR     where to build and keep logs (default: a new mktemp dir, whose
+#                            scratch build is removed after a clean job; its logs stay)
 #   PINXFER_SANITIZE_TESTS   test files to run (default: the three named above)
 #   PINXFER_SANITIZE_MARKS   pytest -m expression (default "not build": the soak-marked
 #                            stress tests run here, unlike in the plain test command)
@@ -123,3 +124,9 @@ if [ "$import_rc" -ne 0 ] || [ "$pytest_rc" -ne 0 ] || [ "$reports" -ne 0 ]; the
   exit 1
 fi
 echo "== sanitizer job ($MODE) clean"
+# A clean job in a directory of its own making leaves only its logs: the scratch build is
+# hundreds of MB with debug info, and CI runs both modes on one disk.
+if [ -z "${PINXFER_SANITIZE_DIR:-}" ]; then
+  rm -rf "$WORK/src"
+  echo "== scratch build removed; logs kept in $WORK"
+fi
