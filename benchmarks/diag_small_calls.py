@@ -50,6 +50,42 @@ def kind_dir() -> str:
     )
 
 
+def fence_and_install_rows(calls: dict[str, Callable[[], Any]], x64k: torch.Tensor) -> dict:
+    """The free fence, each way, in this process: `empty` and `pin_memory` with the
+    idle-stream shortcut off (an event for every freed block) and on, while the current
+    stream is idle and while a GPU kernel keeps it busy (few calls: blocks freed behind
+    a busy stream wait for their events, so each call maps new memory); and torch's own
+    calls with pinxfer installed as its host allocator."""
+    fenced = ("pinxfer.empty(16384)", "pinxfer.pin_memory(64KiB)")
+    out: dict[str, dict[str, float]] = {"fence_idle_us": {}, "fence_busy_us": {}}
+    for skip in (False, True):
+        previous = pinxfer._C._set_skip_idle_streams(skip)
+        try:
+            way = "skip idle" if skip else "events"
+            for name in fenced:
+                out["fence_idle_us"][f"{name} {way}"] = us_per_call(calls[name])
+                torch.cuda.synchronize()
+                torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time: the stream stays busy
+                out["fence_busy_us"][f"{name} {way}"] = us_per_call(
+                    calls[name], calls=100, rounds=3
+                )
+                torch.cuda.synchronize()
+                pinxfer.empty_cache()
+        finally:
+            pinxfer._C._set_skip_idle_streams(previous)
+    pinxfer.install()
+    try:
+        out["installed_us"] = {
+            "torch.empty(16384, pin_memory=True)": us_per_call(
+                lambda: torch.empty(16384, pin_memory=True)
+            ),
+            "x.pin_memory() 64KiB": us_per_call(lambda: x64k.pin_memory()),
+        }
+    finally:
+        pinxfer.uninstall()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None)
@@ -103,13 +139,22 @@ def main() -> None:
         result["python_us_synced"] = {
             name: us_per_call(fn, calls=500, sync=True) for name, fn in synced.items()
         }
+    if cuda:
+        result.update(fence_and_install_rows(calls, x64k))
     out = args.json or os.path.join(
         os.path.dirname(os.path.abspath(__file__)), "results", kind_dir(), "small_breakdown.json"
     )
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:
         json.dump(result, f, indent=1)
-    for section in ("native_ns", "python_us", "python_us_synced"):
+    for section in (
+        "native_ns",
+        "python_us",
+        "python_us_synced",
+        "fence_idle_us",
+        "fence_busy_us",
+        "installed_us",
+    ):
         print(f"== {section}")
         for k, v in result.get(section, {}).items():
             print(f"  {k:40} {v:10.3f}")

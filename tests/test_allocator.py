@@ -3,6 +3,7 @@ cudaHostRegister with one) and real threads."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import itertools
 import os
@@ -108,6 +109,67 @@ def test_reuse_same_block_and_split(fresh_pool):
     del c, d
     e = pinxfer.empty(8 * MiB, dtype=torch.uint8)
     assert e.data_ptr() == ptr and stats()["num_segment_maps"] == 1
+
+
+@contextlib.contextmanager
+def frees_with_nothing_to_wait_for():
+    """While CUDA is in use, a free with no recorded stream use is fenced on the current
+    stream (an event) unless pinxfer is torch's host allocator; only a free with nothing
+    to wait for goes to the bins. Without a GPU no free waits for anything."""
+    if not HAS_CUDA:
+        yield
+        return
+    pinxfer.install()
+    try:
+        yield
+    finally:
+        pinxfer.uninstall()
+
+
+def test_a_freed_small_block_waits_in_a_bin_for_a_request_of_its_size(fresh_pool):
+    with frees_with_nothing_to_wait_for():
+        a = pinxfer.empty(64 * KiB, dtype=torch.uint8)
+        a_ptr = a.data_ptr()
+        neighbour = pinxfer.empty(32 * KiB, dtype=torch.uint8)  # a's block cannot merge onwards
+        del a
+        # Best fit from the free set would split a's block; binned, it is not there.
+        other = pinxfer.empty(32 * KiB, dtype=torch.uint8)
+        assert other.data_ptr() != a_ptr
+        again = pinxfer.empty(64 * KiB, dtype=torch.uint8)
+        assert again.data_ptr() == a_ptr
+        s = stats()
+        assert s["num_cache_hits"] == 3 and s["num_segment_maps"] == 1  # all but the first
+        assert s["allocated_bytes.current"] == 128 * KiB
+        again.fill_(3)
+        neighbour.fill_(4)
+        other.fill_(5)
+        assert bool((again == 3).all()) and bool((neighbour == 4).all())
+        del again, neighbour, other
+
+
+def test_binned_blocks_merge_before_a_request_is_called_a_miss(fresh_pool):
+    with frees_with_nothing_to_wait_for():
+        blocks = [pinxfer.empty(64 * KiB, dtype=torch.uint8) for _ in range(32)]  # one segment
+        base = blocks[0].data_ptr()
+        assert stats()["num_segment_maps"] == 1
+        blocks.clear()  # 32 binned 64 KiB blocks; no free block in the set
+        big = pinxfer.empty(MiB, dtype=torch.uint8)
+        s = stats()
+        assert s["num_segment_maps"] == 1 and s["num_cache_hits"] == 31 + 1, s
+        assert base <= big.data_ptr() < base + 2 * MiB
+        del big
+
+
+def test_empty_cache_releases_segments_whose_blocks_are_binned(fresh_pool):
+    with frees_with_nothing_to_wait_for():
+        a = pinxfer.empty(64 * KiB, dtype=torch.uint8)
+        ptr = a.data_ptr()
+        del a
+        assert stats()["segments.current"] == 1
+        pinxfer.empty_cache()
+        s = stats()
+        assert s["segments.current"] == 0 and s["reserved_bytes.current"] == 0, s
+        assert not mapped(ptr)
 
 
 def test_small_requests_share_a_segment(fresh_pool):

@@ -80,6 +80,51 @@ def test_free_without_record_is_fenced_on_the_current_stream():
     assert bool((dev == 9).all())
 
 
+@pytest.mark.parametrize("recorded", [True, False], ids=["recorded_use", "fenced"])
+def test_a_block_freed_while_its_stream_is_idle_waits_for_no_event(recorded):
+    # Every copy queued on the stream is done, so the free records no event and the block is
+    # free at once; with the shortcut off the same free leaves it pending behind an event.
+    stream = torch.cuda.Stream() if recorded else torch.cuda.current_stream()
+    dev = torch.empty(2 * MiB, dtype=torch.uint8, device="cuda")
+    for skip in (False, True):
+        previous = pinxfer._C._set_skip_idle_streams(skip)
+        try:
+            a = pinxfer.empty(2 * MiB, dtype=torch.uint8)
+            a.fill_(7)
+            with torch.cuda.stream(stream):
+                dev.copy_(a, non_blocking=True)
+                if recorded:
+                    pinxfer.record_stream(a, stream)
+            stream.synchronize()  # the copy has read the block: the stream is idle
+            before = pinxfer.memory_stats()
+            del a
+            after = pinxfer.memory_stats()
+            pending = after["pending_blocks.current"] - before["pending_blocks.current"]
+            assert pending == (0 if skip else 1), (skip, before, after)
+            assert after["num_fenced_frees"] - before["num_fenced_frees"] == (0 if recorded else 1)
+            assert bool((dev == 7).all())
+        finally:
+            pinxfer._C._set_skip_idle_streams(previous)
+            torch.cuda.synchronize()
+
+
+def test_a_busy_stream_still_gets_its_event_with_the_idle_shortcut_on():
+    a = pinxfer.empty(4 * MiB, dtype=torch.uint8)
+    a.fill_(5)
+    ptr = a.data_ptr()
+    dev = torch.empty(4 * MiB, dtype=torch.uint8, device="cuda")
+    torch.cuda._sleep(SLEEP_CYCLES)
+    dev.copy_(a, non_blocking=True)  # queued behind ~1 s of GPU time; fenced on free
+    before = pinxfer.memory_stats()["pending_blocks.current"]
+    del a
+    assert pinxfer.memory_stats()["pending_blocks.current"] == before + 1
+    b = pinxfer.empty(4 * MiB, dtype=torch.uint8)
+    assert b.data_ptr() != ptr
+    b.fill_(6)
+    torch.cuda.synchronize()
+    assert bool((dev == 5).all())
+
+
 def test_per_stream_queues_have_no_head_of_line_blocking():
     slow, fast = torch.cuda.Stream(), torch.cuda.Stream()
     x = pinxfer.empty(2 * MiB, dtype=torch.uint8)

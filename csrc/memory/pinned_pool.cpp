@@ -50,6 +50,11 @@ std::atomic<bool> g_warned_event_error{false};
 // On unless the host-allocator adaptor is installed (see the header).
 std::atomic<bool> g_fence_unrecorded_frees{true};
 
+// Whether free() skips the event of a stream that is idle. Off until it has run on a
+// GPU: the session that wrote it had no device time left (csrc/README.md, "The free
+// fence"); _C._set_skip_idle_streams turns it on for the tests and diag_small_calls.
+std::atomic<bool> g_skip_idle_streams{false};
+
 // Test-only: sleep between the critical sections of one allocate/free call so
 // thread storms interleave there (tests/test_allocator.py, the regression test
 // of the allocate/free race).
@@ -64,6 +69,8 @@ void debug_pause() {
 void set_debug_pause_us(int64_t us) { g_debug_pause_us.store(us < 0 ? 0 : us); }
 
 void PinnedPool::set_fence_unrecorded_frees(bool fence) { g_fence_unrecorded_frees.store(fence); }
+
+bool PinnedPool::set_skip_idle_streams(bool skip) { return g_skip_idle_streams.exchange(skip); }
 
 PinnedPool::PinnedPool(int numa_node, HostResource& upstream)
     : numa_node_(numa_node), generation_(fork_generation()), upstream_(upstream) {}
@@ -99,7 +106,13 @@ c10::DataPtr PinnedPool::take_cached(const Request& request) {
 }
 
 c10::DataPtr PinnedPool::take_cached_locked(const Request& request) {
-  Block* block = take_free_block_locked(request.rounded, request.small);
+  Block* block = request.small ? take_binned_locked(request.rounded) : nullptr;
+  if (block == nullptr) block = take_free_block_locked(request.rounded, request.small);
+  if (block == nullptr && binned_blocks_ > 0) {
+    // Binned blocks merged with their free neighbours may fit what no single one does.
+    flush_bins_locked();
+    block = take_free_block_locked(request.rounded, request.small);
+  }
   if (block == nullptr) return {};
   ++stats_.num_cache_hits;
   return hand_out_locked(block, request.size);
@@ -225,6 +238,45 @@ Block* PinnedPool::take_from_set_locked(FreeSet& free_set, size_t rounded) {
   return block;
 }
 
+Block* PinnedPool::take_binned_locked(size_t rounded) {
+  const size_t index = rounded / kSmallGranule;
+  if (index >= bins_.size() || bins_[index].empty()) return nullptr;
+  Block* block = bins_[index].back();
+  bins_[index].pop_back();
+  --binned_blocks_;
+  block->binned = false;  // in_use stayed true while binned
+  return block;
+}
+
+void PinnedPool::bin_locked(Block* block) {
+  const size_t index = block->size / kSmallGranule;
+  if (bins_.size() <= index) bins_.resize(kSmallMax / kSmallGranule + 1);
+  block->requested = 0;
+  block->binned = true;
+  bins_[index].push_back(block);
+  ++binned_blocks_;
+}
+
+void PinnedPool::cache_freed_locked(Block* block) {
+  if (block->segment->small && block->size <= kSmallMax) {
+    bin_locked(block);
+  } else {
+    return_to_free_locked(block);
+  }
+}
+
+void PinnedPool::flush_bins_locked() {
+  if (binned_blocks_ == 0) return;
+  for (auto& bin : bins_) {
+    for (Block* block : bin) {
+      block->binned = false;
+      return_to_free_locked(block);
+    }
+    bin.clear();
+  }
+  binned_blocks_ = 0;
+}
+
 void PinnedPool::return_to_free_locked(Block* block) {
   auto& free_set = free_set_locked(block->segment);
   block->in_use = false;
@@ -252,7 +304,7 @@ void PinnedPool::return_to_free_locked(Block* block) {
 #if PINXFER_DEBUG_INVARIANTS
 void PinnedPool::check_invariants_locked() {
   // Walks every segment's block list; O(blocks), so debug/sanitizer builds only.
-  size_t live_seen = 0, free_seen = 0, held_seen = 0;
+  size_t live_seen = 0, free_seen = 0, held_seen = 0, binned_seen = 0;
   for (Segment* seg : segments_) {
     TORCH_INTERNAL_ASSERT(seg->graph == graph_pools::kShared || graph_free_.count(seg->graph),
                           "a graph segment without its graph pool's free sets");
@@ -275,6 +327,11 @@ void PinnedPool::check_invariants_locked() {
       TORCH_INTERNAL_ASSERT(!held || (b->in_use && !live && b->pending_events == 0),
                             "a held block must be in use, not live, not pending");
       held_seen += held;
+      TORCH_INTERNAL_ASSERT(!b->binned || (b->in_use && !live && !held && b->pending_events == 0 &&
+                                           seg->graph == graph_pools::kShared && seg->small),
+                            "a binned block must be in use, not live, held or pending, of a "
+                            "shared small segment");
+      binned_seen += b->binned;
       TORCH_INTERNAL_ASSERT(!(prev && !prev->in_use && !b->in_use), "two free neighbours");
       live_seen += live;
       free_seen += in_free;
@@ -288,6 +345,16 @@ void PinnedPool::check_invariants_locked() {
   TORCH_INTERNAL_ASSERT(free_seen == free_small_.size() + free_large_.size() + graph_free,
                         "a free set holds a block of no segment");
   TORCH_INTERNAL_ASSERT(held_seen == held_.size(), "a held block outside every segment");
+  size_t in_bins = 0;
+  for (size_t index = 0; index < bins_.size(); ++index) {
+    for (const Block* b : bins_[index]) {
+      TORCH_INTERNAL_ASSERT(b->binned && b->size / kSmallGranule == index,
+                            "a block in the wrong bin");
+    }
+    in_bins += bins_[index].size();
+  }
+  TORCH_INTERNAL_ASSERT(binned_seen == in_bins && in_bins == binned_blocks_,
+                        "a binned block outside every segment, or a wrong count");
 }
 #endif
 
@@ -347,8 +414,17 @@ void PinnedPool::free(Block* block) {
       check_invariants_locked();
       return;
     }
-    uses.swap(block->stream_uses);
     kind = block->segment->region.kind;
+    // No stream to wait for (no recorded use, and no fence: streams_to_wait_for would
+    // answer none): free in this critical section, without a second. A small block goes
+    // to the bin of its size, where the next request of that size takes it.
+    if (block->stream_uses.empty() && (kind != LockKind::kCudaRegistered ||
+                                       !g_fence_unrecorded_frees.load(std::memory_order_relaxed))) {
+      cache_freed_locked(block);
+      check_invariants_locked();
+      return;
+    }
+    uses.swap(block->stream_uses);
   }
   debug_pause();
   bool fenced = false;
@@ -371,11 +447,20 @@ void PinnedPool::free(Block* block) {
     check_invariants_locked();
     return;
   }
+  // An idle stream needs no event: every copy queued on it before this free, the ones
+  // that may read the block included, is done. Checked for each stream (recorded or the
+  // fence's); a busy stream gets its event, as before. Not while any capture is open:
+  // cudaStreamQuery is one of the calls a global-mode capture forbids to every thread.
+  const bool skip_idle =
+      g_skip_idle_streams.load(std::memory_order_relaxed) && !graph_pools::any_capture_open();
+  std::vector<c10::Stream> waited;
   for (const auto& s : streams) {
     if (event_failed) break;
+    if (skip_idle && cuda::stream_idle(s)) continue;
     cuda::Event ev;
     if (cuda::try_record_event(s, &ev, &error)) {
       pending.push_back({ev, block});
+      waited.push_back(s);
     } else {
       event_failed = true;
     }
@@ -396,11 +481,11 @@ void PinnedPool::free(Block* block) {
     return;
   }
   if (pending.empty()) {
-    return_to_free_locked(block);
+    cache_freed_locked(block);
   } else {
     block->pending_events = static_cast<int>(pending.size());
     stats_.pending_blocks.add(1);
-    for (size_t i = 0; i < pending.size(); ++i) pending_[streams[i]].push_back(pending[i]);
+    for (size_t i = 0; i < pending.size(); ++i) pending_[waited[i]].push_back(pending[i]);
   }
   check_invariants_locked();
 }
@@ -491,6 +576,7 @@ void PinnedPool::synchronize_pending() {
 // ---- releasing memory, stats, queries ----
 
 std::vector<Segment*> PinnedPool::collect_free_segments_locked(std::optional<bool> small) {
+  flush_bins_locked();  // a binned block keeps its segment from looking free
   std::vector<Segment*> out;
   for (auto* set : {&free_small_, &free_large_}) {
     if (small.has_value() && (set == &free_small_) != *small) continue;
@@ -637,8 +723,8 @@ std::vector<PinnedPool::BlockInfo> PinnedPool::block_infos() {
   for (Segment* seg : segments_) {
     for (const Block* b = seg->head; b; b = b->next) {
       const bool live = live_.count(const_cast<Block*>(b)) != 0;
-      out.push_back(
-          {reinterpret_cast<uintptr_t>(b->ptr), b->size, live, b->in_use && !live, seg->graph});
+      out.push_back({reinterpret_cast<uintptr_t>(b->ptr), b->size, live,
+                     b->in_use && !live && !b->binned, seg->graph});
     }
   }
   return out;

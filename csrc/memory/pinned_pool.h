@@ -12,6 +12,10 @@
 //    wastes < 0.1% (large) and never rounds to a power of two.
 //  * Reuse: free blocks sit in a best-fit set per pool ordered by (size, ptr);
 //    a bigger free block is split, neighbours coalesce when both are free.
+//    A small block freed with nothing to wait for goes to a bin of its exact size
+//    instead, unmerged, and the next request of that size takes it back without
+//    touching the set (a cache hit then costs no split, merge or node allocation);
+//    bins are emptied into the set before any miss or release (flush_bins_locked).
 //    A large-pool miss merges every fully free large segment into the new one
 //    (unmap + one bigger map), so reserved grows only by what is missing.
 //  * Stream safety: a block records the CUDA streams that used it
@@ -25,6 +29,8 @@
 //    allocator, see host_allocator.cpp). While pinxfer is installed as that
 //    allocator torch reports every copy, so the adaptor turns the fence off
 //    (set_fence_unrecorded_frees(false)), as torch's own allocator does.
+//    A stream idle when the block is freed (cudaStreamQuery) would need no event:
+//    whatever was queued on it before the free is done (set_skip_idle_streams; off).
 //  * CUDA graphs: blocks allocated while a capture routes the current stream
 //    to a graph pool (memory/graph_pools.h) come from segments owned by that
 //    graph pool, with free sets of their own; they are never handed to anyone
@@ -49,6 +55,7 @@
 #include <c10/core/Allocator.h>
 #include <c10/core/Storage.h>
 #include <c10/core/Stream.h>
+#include <c10/util/flat_hash_map.h>
 
 #include <cstdint>
 #include <deque>
@@ -78,6 +85,8 @@ struct Segment;
 // States and invariants (asserted by check_invariants_locked() in builds with
 // PINXFER_DEBUG_INVARIANTS, i.e. the sanitizer builds):
 //   free     in its pool's free set;      in_use == false; not in live_
+//   binned   free, in bins_ at its size:  in_use == true (so no neighbour merges
+//            into it), binned == true; not live, pending or held
 //   live     handed to exactly one DataPtr; in_use == true; in live_
 //   freeing  between free()'s two critical sections; in_use == true; in no set
 //   pending  in_use == true; pending_events > 0 entries in the stream FIFOs
@@ -101,6 +110,7 @@ struct Block {
   int pending_events = 0;  // events still to complete before reuse, or kPoisoned. LOCK: pool mutex_
   std::vector<c10::Stream> stream_uses;  // streams that used it while live. LOCK: pool mutex_
   uint64_t held_seq = 0;  // when it became held (PinnedPool::hold_sequence()). LOCK: pool mutex_
+  bool binned = false;    // in its pool's bin of this size (state "binned"). LOCK: pool mutex_
 };
 constexpr int kPoisoned = -1;
 
@@ -175,6 +185,11 @@ class PinnedPool {
   // host-allocator adaptor turns it off while installed, because torch then
   // reports every copy through record_stream. Process-wide; lock-free.
   static void set_fence_unrecorded_frees(bool fence);
+  // Whether free() records no event on a stream that is idle when the block is freed
+  // (cudaStreamQuery: nothing queued before the free can still read it). Off by default
+  // until measured on a GPU (csrc/README.md, "The free fence"). Returns the previous
+  // setting.
+  static bool set_skip_idle_streams(bool skip);
 
   // ---- CUDA graph pools (memory/graph_pools.h; csrc/README.md "Graph pools") ----
   // Gives back what CUDA graphs held: the segments of the graph pools `ids`
@@ -248,6 +263,16 @@ class PinnedPool {
 
   Block* take_free_block_locked(size_t rounded, bool small);
   void return_to_free_locked(Block* block);
+  // Bins: small blocks of shared segments freed with nothing to wait for, by exact
+  // size, taken back by a request of that size (state "binned" at struct Block).
+  Block* take_binned_locked(size_t rounded);
+  void bin_locked(Block* block);
+  // A block of a shared segment freed with nothing to wait for: binned if small, else
+  // back to the free set.
+  void cache_freed_locked(Block* block);
+  // Every binned block back to the free sets (merged with its free neighbours):
+  // before a request is called a miss, and before free segments are collected.
+  void flush_bins_locked();
   void process_events_locked();
   void unmap_segments(std::vector<Segment*> segments);
   // Removes fully free segments (of one pool kind, or both) from the free sets
@@ -274,9 +299,14 @@ class PinnedPool {
   std::mutex mutex_;
   std::set<Block*, BlockOrder> free_small_;  // LOCK: mutex_
   std::set<Block*, BlockOrder> free_large_;  // LOCK: mutex_
-  std::unordered_set<Block*> live_;          // handed out, not yet freed. LOCK: mutex_
+  // Handed out, not yet freed: answers whether a foreign DataPtr context is a live block.
+  // Open addressing: an insert or erase allocates nothing (a node set did, twice a hit).
+  ska::flat_hash_set<Block*> live_;                                  // LOCK: mutex_
   std::unordered_map<c10::Stream, std::deque<PendingUse>> pending_;  // LOCK: mutex_
   std::unordered_set<Segment*> segments_;                            // LOCK: mutex_
+  // bins_[size / kSmallGranule]: binned blocks of that size, the latest freed last.
+  std::vector<std::vector<Block*>> bins_;  // LOCK: mutex_
+  size_t binned_blocks_ = 0;               // LOCK: mutex_
 
   // Kept storages whose event has completed, destroyed by release_finished()
   // outside the lock (a foreign deleter may do anything). LOCK: mutex_
