@@ -10,6 +10,7 @@ import pinxfer
 
 pytestmark = pytest.mark.gpu
 MiB = 1 << 20
+KiB = 1 << 10
 SLEEP_CYCLES = 2_000_000_000  # ~1 s of GPU time on an H100/H200 at ~1.9 GHz
 
 
@@ -114,6 +115,31 @@ def test_a_block_freed_while_its_stream_is_idle_waits_for_no_event(recorded):
         finally:
             pinxfer._C._set_skip_idle_streams(previous)
             torch.cuda.synchronize()
+
+
+def test_a_small_block_goes_to_the_bin_of_its_size_once_its_copy_is_done():
+    side = torch.cuda.Stream()
+    dev = torch.empty(64 * KiB, dtype=torch.uint8, device="cuda")
+    a = pinxfer.empty(64 * KiB, dtype=torch.uint8)
+    a.fill_(8)
+    ptr = a.data_ptr()
+    neighbour = pinxfer.empty(32 * KiB, dtype=torch.uint8)  # a's block cannot merge onwards
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(SLEEP_CYCLES // 8)
+        dev.copy_(a, non_blocking=True)
+        pinxfer.record_stream(a, side)
+    del a
+    meanwhile = pinxfer.empty(64 * KiB, dtype=torch.uint8)  # kept: one block in the bin below
+    assert meanwhile.data_ptr() != ptr  # a's block is still read
+    side.synchronize()
+    # The next allocation sees the event done and bins the block: best fit from the free
+    # set would have split it for this smaller request.
+    other = pinxfer.empty(32 * KiB, dtype=torch.uint8)
+    assert other.data_ptr() != ptr
+    again = pinxfer.empty(64 * KiB, dtype=torch.uint8)
+    assert again.data_ptr() == ptr
+    assert bool((dev == 8).all())
+    del neighbour, other, again, meanwhile
 
 
 def test_per_stream_queues_have_no_head_of_line_blocking():

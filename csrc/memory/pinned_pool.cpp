@@ -252,13 +252,16 @@ void PinnedPool::bin_locked(Block* block) {
   const size_t index = block->size / kSmallGranule;
   if (bins_.size() <= index) bins_.resize(kSmallMax / kSmallGranule + 1);
   block->requested = 0;
+  block->pending_events = 0;
+  block->stream_uses.clear();
   block->binned = true;
   bins_[index].push_back(block);
   ++binned_blocks_;
 }
 
 void PinnedPool::cache_freed_locked(Block* block) {
-  if (block->segment->small && block->size <= kSmallMax) {
+  if (block->segment->small && block->size <= kSmallMax &&
+      block->segment->graph == graph_pools::kShared) {
     bin_locked(block);
   } else {
     return_to_free_locked(block);
@@ -522,7 +525,7 @@ void PinnedPool::process_events_locked() {
       }
       if (block->pending_events > 0 && --block->pending_events == 0) {
         stats_.pending_blocks.add(-1);
-        return_to_free_locked(block);
+        cache_freed_locked(block);  // its copies are done: as a free with nothing to wait for
       }
     }
     it = queue.empty() ? pending_.erase(it) : std::next(it);

@@ -267,8 +267,8 @@ class PinnedPool {
   // size, taken back by a request of that size (state "binned" at struct Block).
   Block* take_binned_locked(size_t rounded);
   void bin_locked(Block* block);
-  // A block of a shared segment freed with nothing to wait for: binned if small, else
-  // back to the free set.
+  // A block freed with nothing (more) to wait for, at its free or when its last event
+  // completes: binned if small and of a shared segment, else back to the free set.
   void cache_freed_locked(Block* block);
   // Every binned block back to the free sets (merged with its free neighbours):
   // before a request is called a miss, and before free segments are collected.
