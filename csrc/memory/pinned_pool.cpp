@@ -50,6 +50,14 @@ std::atomic<bool> g_warned_event_error{false};
 // On unless the host-allocator adaptor is installed (see the header).
 std::atomic<bool> g_fence_unrecorded_frees{true};
 
+// Whether a block of this kind freed with no recorded use is fenced on the current stream:
+// only CUDA-registered memory can be read by torch's unreported copies, and only while the
+// fence is on.
+bool fenced_when_unrecorded(LockKind kind) {
+  return kind == LockKind::kCudaRegistered &&
+         g_fence_unrecorded_frees.load(std::memory_order_relaxed);
+}
+
 // Whether free() skips the event of a stream that is idle. Off until it has run on a
 // GPU: the session that wrote it had no device time left (csrc/README.md, "The free
 // fence"); _C._set_skip_idle_streams turns it on for the tests and diag_small_calls.
@@ -378,10 +386,7 @@ std::vector<c10::Stream> PinnedPool::streams_to_wait_for(std::vector<c10::Stream
   // a usable CUDA device (CPU build, no GPU, forked child) no CUDA work exists
   // in this process, and recording an event would be an error.
   if (kind != LockKind::kCudaRegistered && !cuda::cuda_usable()) return {};
-  if (!uses.empty() || kind != LockKind::kCudaRegistered ||
-      !g_fence_unrecorded_frees.load(std::memory_order_relaxed)) {
-    return uses;
-  }
+  if (!uses.empty() || !fenced_when_unrecorded(kind)) return uses;
   // No recorded use: torch's copy_(non_blocking=True) told only its own
   // allocator. Fence on the current stream, where such a copy most likely ran.
   c10::Stream current(c10::Stream::DEFAULT, c10::Device(c10::DeviceType::CPU));
@@ -421,8 +426,7 @@ void PinnedPool::free(Block* block) {
     // No stream to wait for (no recorded use, and no fence: streams_to_wait_for would
     // answer none): free in this critical section, without a second. A small block goes
     // to the bin of its size, where the next request of that size takes it.
-    if (block->stream_uses.empty() && (kind != LockKind::kCudaRegistered ||
-                                       !g_fence_unrecorded_frees.load(std::memory_order_relaxed))) {
+    if (block->stream_uses.empty() && !fenced_when_unrecorded(kind)) {
       cache_freed_locked(block);
       check_invariants_locked();
       return;
