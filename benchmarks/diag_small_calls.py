@@ -51,28 +51,20 @@ def kind_dir() -> str:
 
 
 def fence_and_install_rows(calls: dict[str, Callable[[], Any]], x64k: torch.Tensor) -> dict:
-    """The free fence, each way, in this process: `empty` and `pin_memory` with the
-    idle-stream shortcut off (an event for every freed block) and on, while the current
-    stream is idle and while a GPU kernel keeps it busy (few calls: blocks freed behind
-    a busy stream wait for their events, so each call maps new memory); and torch's own
-    calls with pinxfer installed as its host allocator."""
+    """The free fence in this process: `empty` and `pin_memory` (every free fenced: no
+    recorded use) while the current stream is idle and while a GPU kernel keeps it busy
+    (few calls: blocks freed behind a busy stream wait for their batch's event, so calls
+    map new memory), with the pool's events counted; and torch's own calls with pinxfer
+    installed as its host allocator (no fence: torch reports its copies)."""
     fenced = ("pinxfer.empty(16384)", "pinxfer.pin_memory(64KiB)")
     out: dict[str, dict[str, float]] = {"fence_idle_us": {}, "fence_busy_us": {}}
-    for skip in (False, True):
-        previous = pinxfer._C._set_skip_idle_streams(skip)
-        try:
-            way = "skip idle" if skip else "events"
-            for name in fenced:
-                out["fence_idle_us"][f"{name} {way}"] = us_per_call(calls[name])
-                torch.cuda.synchronize()
-                torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time: the stream stays busy
-                out["fence_busy_us"][f"{name} {way}"] = us_per_call(
-                    calls[name], calls=100, rounds=3
-                )
-                torch.cuda.synchronize()
-                pinxfer.empty_cache()
-        finally:
-            pinxfer._C._set_skip_idle_streams(previous)
+    for name in fenced:
+        out["fence_idle_us"][name] = us_per_call(calls[name])
+        torch.cuda.synchronize()
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time: the stream stays busy
+        out["fence_busy_us"][name] = us_per_call(calls[name], calls=100, rounds=3)
+        torch.cuda.synchronize()
+        pinxfer.empty_cache()
     pinxfer.install()
     try:
         out["installed_us"] = {

@@ -65,56 +65,123 @@ def test_block_not_reused_while_a_slow_copy_on_another_stream_reads_it():
     assert c.data_ptr() in (ptr,) or pinxfer.memory_stats()["pending_blocks.current"] == 0
 
 
-@pytest.mark.parametrize("skip_idle", [False, True], ids=["events", "idle_shortcut"])
-def test_free_without_record_is_fenced_on_the_current_stream(skip_idle):
-    # With the idle-stream shortcut on, a busy stream still gets its event.
-    previous = pinxfer._C._set_skip_idle_streams(skip_idle)
-    try:
-        a = pinxfer.empty(4 * MiB, dtype=torch.uint8)
-        a.fill_(9)
-        ptr = a.data_ptr()
-        dev = torch.empty(4 * MiB, dtype=torch.uint8, device="cuda")
-        torch.cuda._sleep(SLEEP_CYCLES)
-        dev.copy_(a, non_blocking=True)  # torch tells only its own allocator
-        pending = pinxfer.memory_stats()["pending_blocks.current"]
-        del a
-    finally:
-        pinxfer._C._set_skip_idle_streams(previous)
+@pytest.mark.parametrize("nbytes", [64 * KiB, 4 * MiB], ids=["fence_batch", "own_event"])
+def test_free_without_record_is_fenced_on_the_current_stream(nbytes):
+    # A small block waits in its stream's fence batch, a large one for an event of its own:
+    # either way it is not reused while the copy torch did not report is queued.
+    a = pinxfer.empty(nbytes, dtype=torch.uint8)
+    a.fill_(9)
+    ptr = a.data_ptr()
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    torch.cuda._sleep(SLEEP_CYCLES)
+    dev.copy_(a, non_blocking=True)  # torch tells only its own allocator
+    pending = pinxfer.memory_stats()["pending_blocks.current"]
+    del a
     assert pinxfer.memory_stats()["num_fenced_frees"] == 1
     assert pinxfer.memory_stats()["pending_blocks.current"] == pending + 1
-    b = pinxfer.empty(4 * MiB, dtype=torch.uint8)
+    b = pinxfer.empty(nbytes, dtype=torch.uint8)
     assert b.data_ptr() != ptr
     b.fill_(1)
     torch.cuda.synchronize()
     assert bool((dev == 9).all())
 
 
-@pytest.mark.parametrize("recorded", [True, False], ids=["recorded_use", "fenced"])
-def test_a_block_freed_while_its_stream_is_idle_waits_for_no_event(recorded):
-    # Every copy queued on the stream is done, so the free records no event and the block is
-    # free at once; with the shortcut off the same free leaves it pending behind an event.
-    stream = torch.cuda.Stream() if recorded else torch.cuda.current_stream()
-    dev = torch.empty(2 * MiB, dtype=torch.uint8, device="cuda")
-    for skip in (False, True):
-        previous = pinxfer._C._set_skip_idle_streams(skip)
-        try:
-            a = pinxfer.empty(2 * MiB, dtype=torch.uint8)
-            a.fill_(7)
-            with torch.cuda.stream(stream):
-                dev.copy_(a, non_blocking=True)
-                if recorded:
-                    pinxfer.record_stream(a, stream)
-            stream.synchronize()  # the copy has read the block: the stream is idle
-            before = pinxfer.memory_stats()
-            del a
-            after = pinxfer.memory_stats()
-            pending = after["pending_blocks.current"] - before["pending_blocks.current"]
-            assert pending == (0 if skip else 1), (skip, before, after)
-            assert after["num_fenced_frees"] - before["num_fenced_frees"] == (0 if recorded else 1)
-            assert bool((dev == 7).all())
-        finally:
-            pinxfer._C._set_skip_idle_streams(previous)
-            torch.cuda.synchronize()
+def test_fenced_small_frees_share_one_event_per_batch():
+    # Eight small blocks freed with no recorded use while their copies wait behind a kernel:
+    # the eighth free records one event for the eight. None is reused while the stream is
+    # busy (new allocations, scribbled on, leave the copies intact); all come back after.
+    n = 8
+    dev = torch.empty(n, 64 * KiB, dtype=torch.uint8, device="cuda")
+    blocks = [pinxfer.empty(64 * KiB, dtype=torch.uint8) for _ in range(n)]
+    old = {b.data_ptr() for b in blocks}
+    torch.cuda._sleep(SLEEP_CYCLES // 4)
+    for i, b in enumerate(blocks):
+        b.fill_(i + 1)
+        dev[i].copy_(b, non_blocking=True)
+    del b
+    before = pinxfer.memory_stats()
+    blocks.clear()
+    after = pinxfer.memory_stats()
+    assert after["num_fenced_frees"] - before["num_fenced_frees"] == n
+    assert after["num_fence_markers"] - before["num_fence_markers"] == 1
+    assert after["pending_blocks.current"] - before["pending_blocks.current"] == n
+    fresh = [pinxfer.empty(64 * KiB, dtype=torch.uint8) for _ in range(n)]
+    assert not old & {f.data_ptr() for f in fresh}, "a fenced block was reused while read"
+    for f in fresh:
+        f.fill_(0xEE)
+    torch.cuda.synchronize()
+    for i in range(n):
+        assert bool((dev[i] == i + 1).all()), i
+    reused = {f.data_ptr() for f in fresh}
+    del f
+    fresh.clear()  # a second batch, flushed at its eighth free
+    torch.cuda.synchronize()
+    again = pinxfer.empty(64 * KiB, dtype=torch.uint8)  # both markers are done: a bin hit
+    assert again.data_ptr() in old | reused
+    assert pinxfer.memory_stats()["pending_blocks.current"] == before["pending_blocks.current"]
+
+
+def test_empty_cache_flushes_a_fence_batch_short_of_its_size():
+    # One fenced free leaves a batch of one with no event; empty_cache records its marker,
+    # waits for it and gives the segment back.
+    dev = torch.empty(64 * KiB, dtype=torch.uint8, device="cuda")
+    before = pinxfer.memory_stats()
+    a = pinxfer.empty(64 * KiB, dtype=torch.uint8)
+    a.fill_(3)
+    dev.copy_(a, non_blocking=True)
+    del a
+    mid = pinxfer.memory_stats()
+    assert mid["pending_blocks.current"] == before["pending_blocks.current"] + 1
+    assert mid["num_fence_markers"] == before["num_fence_markers"]
+    pinxfer.empty_cache()
+    after = pinxfer.memory_stats()
+    assert after["num_fence_markers"] == before["num_fence_markers"] + 1
+    assert after["pending_blocks.current"] == before["pending_blocks.current"]
+    assert after["reserved_bytes.current"] == before["reserved_bytes.current"]
+    assert bool((dev == 3).all())
+
+
+def test_a_miss_flushes_the_fence_batches():
+    # A request no cached block fits gives the waiting batches their markers, so their
+    # blocks come back once their copies are done rather than after more frees.
+    dev = torch.empty(64 * KiB, dtype=torch.uint8, device="cuda")
+    a = pinxfer.empty(64 * KiB, dtype=torch.uint8)
+    dev.copy_(a, non_blocking=True)
+    ptr = a.data_ptr()
+    del a
+    markers = pinxfer.memory_stats()["num_fence_markers"]
+    big = pinxfer.empty(4 * MiB, dtype=torch.uint8)  # a large-pool miss
+    assert pinxfer.memory_stats()["num_fence_markers"] == markers + 1
+    torch.cuda.synchronize()
+    again = pinxfer.empty(64 * KiB, dtype=torch.uint8)
+    assert again.data_ptr() == ptr  # its marker is done: back through its bin
+    del big, again
+
+
+def test_a_fence_batch_flushed_while_its_stream_captures_is_held():
+    # Frees fenced on a stream that then begins a capture: an event recorded now would be a
+    # node of the graph, so the flush (here: a miss on another stream) holds the batch.
+    side = torch.cuda.Stream()
+    dev = torch.empty(64 * KiB, dtype=torch.uint8, device="cuda")
+    with torch.cuda.stream(side):
+        a = pinxfer.empty(64 * KiB, dtype=torch.uint8)
+        dev.copy_(a, non_blocking=True)
+        ptr = a.data_ptr()
+        del a
+    before = pinxfer.memory_stats()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=side, capture_error_mode="relaxed"):
+        dev.add_(1)
+        with torch.cuda.stream(torch.cuda.default_stream()):
+            big = pinxfer.empty(4 * MiB, dtype=torch.uint8)  # a miss: flushes the batches
+    after = pinxfer.memory_stats()
+    assert after["held_blocks.current"] == before["held_blocks.current"] + 1
+    assert after["pending_blocks.current"] == before["pending_blocks.current"] - 1
+    assert after["num_fence_markers"] == before["num_fence_markers"]
+    torch.cuda.synchronize()
+    again = pinxfer.empty(64 * KiB, dtype=torch.uint8)
+    assert again.data_ptr() != ptr  # held: not handed out
+    del big, again, g
 
 
 def test_a_small_block_goes_to_the_bin_of_its_size_once_its_copy_is_done():

@@ -58,10 +58,11 @@ bool fenced_when_unrecorded(LockKind kind) {
          g_fence_unrecorded_frees.load(std::memory_order_relaxed);
 }
 
-// Whether free() skips the event of a stream that is idle. Off until it has run on a
-// GPU: the session that wrote it had no device time left (csrc/README.md, "The free
-// fence"); _C._set_skip_idle_streams turns it on for the tests and diag_small_calls.
-std::atomic<bool> g_skip_idle_streams{false};
+// A stream's fence batch is flushed (one event for all its blocks) at this many blocks
+// or bytes, whichever comes first: the event's cost (~0.5 us) is shared by up to 8 frees,
+// and at most a small segment's worth of memory per stream waits for a marker.
+constexpr size_t kFenceBatchBlocks = 8;
+constexpr size_t kFenceBatchBytes = kSmallSegment;
 
 // Test-only: sleep between the critical sections of one allocate/free call so
 // thread storms interleave there (tests/test_allocator.py, the regression test
@@ -77,8 +78,6 @@ void debug_pause() {
 void set_debug_pause_us(int64_t us) { g_debug_pause_us.store(us < 0 ? 0 : us); }
 
 void PinnedPool::set_fence_unrecorded_frees(bool fence) { g_fence_unrecorded_frees.store(fence); }
-
-bool PinnedPool::set_skip_idle_streams(bool skip) { return g_skip_idle_streams.exchange(skip); }
 
 PinnedPool::PinnedPool(int numa_node, HostResource& upstream)
     : numa_node_(numa_node), generation_(fork_generation()), upstream_(upstream) {}
@@ -109,8 +108,19 @@ c10::DataPtr PinnedPool::allocate(size_t size) {
 
 c10::DataPtr PinnedPool::take_cached(const Request& request) {
   std::lock_guard<std::mutex> lock(mutex_);
+  // A bin hit first: no event is queried while the bin of this size has a block.
+  if (request.small) {
+    if (Block* block = take_binned_locked(request.rounded)) {
+      ++stats_.num_cache_hits;
+      return hand_out_locked(block, request.size);
+    }
+  }
   process_events_locked();
-  return take_cached_locked(request);
+  if (c10::DataPtr hit = take_cached_locked(request)) return hit;
+  // A miss: the fence batches get their markers now, so their blocks come back once
+  // their copies are done instead of waiting for more frees to fill the batches.
+  (void)flush_fences_locked();
+  return {};
 }
 
 c10::DataPtr PinnedPool::take_cached_locked(const Request& request) {
@@ -366,6 +376,30 @@ void PinnedPool::check_invariants_locked() {
   }
   TORCH_INTERNAL_ASSERT(binned_seen == in_bins && in_bins == binned_blocks_,
                         "a binned block outside every segment, or a wrong count");
+  // Each FIFO entry of a pending block stands for one of its pending events (a poisoned
+  // block's other entries stay until their events are processed); a fence batch counts
+  // the fenced entries behind its FIFO's last marker.
+  size_t pending_entries = 0;
+  for (const auto& [stream, fifo] : pending_) {
+    size_t batch = 0;
+    for (const PendingUse& u : fifo.uses) {
+      if (u.kind == PendingUse::Kind::kFenceMarker) batch = 0;
+      if (u.kind == PendingUse::Kind::kFencedBlock) ++batch;
+      if (u.block == nullptr) continue;
+      TORCH_INTERNAL_ASSERT(u.block->pending_events > 0 || u.block->pending_events == kPoisoned,
+                            "a FIFO entry for a block that waits on no event");
+      pending_entries += u.block->pending_events > 0;
+    }
+    TORCH_INTERNAL_ASSERT(batch == fifo.batch_blocks, "a fence batch miscounted");
+  }
+  size_t pending_events = 0;
+  for (Segment* seg : segments_) {
+    for (const Block* b = seg->head; b; b = b->next) {
+      if (b->pending_events > 0) pending_events += static_cast<size_t>(b->pending_events);
+    }
+  }
+  TORCH_INTERNAL_ASSERT(pending_entries == pending_events,
+                        "a pending block's events and its FIFO entries disagree");
 }
 #endif
 
@@ -454,19 +488,21 @@ void PinnedPool::free(Block* block) {
     check_invariants_locked();
     return;
   }
-  // An idle stream needs no event: every copy queued on it before this free, the ones
-  // that may read the block included, is done. Checked for each stream (recorded or the
-  // fence's); a busy stream gets its event, as before. Not while any capture is open:
-  // cudaStreamQuery is one of the calls a global-mode capture forbids to every thread.
-  const bool skip_idle =
-      g_skip_idle_streams.load(std::memory_order_relaxed) && !graph_pools::any_capture_open();
+  // The fence of a small block: no event of its own, a place in the stream's fence batch
+  // (one event for up to kFenceBatchBlocks frees). segment->small never changes.
+  if (fenced && !event_failed && block->segment->small) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    ++stats_.num_fenced_frees;
+    fence_in_batch_locked(block, streams.front());
+    check_invariants_locked();
+    return;
+  }
   std::vector<c10::Stream> waited;
   for (const auto& s : streams) {
     if (event_failed) break;
-    if (skip_idle && cuda::stream_idle(s)) continue;
     cuda::Event ev;
     if (cuda::try_record_event(s, &ev, &error)) {
-      pending.push_back({ev, block});
+      pending.push_back({PendingUse::Kind::kBlock, ev, block, {}});
       waited.push_back(s);
     } else {
       event_failed = true;
@@ -492,24 +528,44 @@ void PinnedPool::free(Block* block) {
   } else {
     block->pending_events = static_cast<int>(pending.size());
     stats_.pending_blocks.add(1);
-    for (size_t i = 0; i < pending.size(); ++i) pending_[waited[i]].push_back(pending[i]);
+    for (size_t i = 0; i < pending.size(); ++i) pending_[waited[i]].uses.push_back(pending[i]);
   }
   check_invariants_locked();
 }
 
 void PinnedPool::process_events_locked() {
   for (auto it = pending_.begin(); it != pending_.end();) {
-    auto& queue = it->second;
+    auto& queue = it->second.uses;
+    // The marker found done for the fenced blocks at the front (they precede it).
+    const void* done_marker = nullptr;
+    std::string marker_error;
     while (!queue.empty()) {
       std::string error;
       PendingUse& front = queue.front();
-      if (!cuda::event_done(front.event, &error)) break;
-      Block* block = front.block;
-      if (block == nullptr) {
-        // A kept storage: released once its copy is proven done. If the event
-        // reports an error we cannot prove it, so the reference is leaked on
-        // purpose (held forever, like a poisoned block), and the FIFO goes on.
-        cuda::release_event(front.event);
+      if (front.kind == PendingUse::Kind::kFencedBlock) {
+        // Covered by the first marker behind it; none yet: its batch is not flushed.
+        auto marker = std::find_if(queue.begin(), queue.end(), [](const PendingUse& u) {
+          return u.kind == PendingUse::Kind::kFenceMarker;
+        });
+        if (marker == queue.end()) break;
+        if (marker->event.handle != done_marker) {
+          marker_error.clear();
+          if (!cuda::event_done(marker->event, &marker_error)) break;
+          done_marker = marker->event.handle;
+        }
+        error = marker_error;
+      } else if (!cuda::event_done(front.event, &error)) {
+        break;
+      }
+      if (front.kind != PendingUse::Kind::kFencedBlock) cuda::release_event(front.event);
+      if (front.kind == PendingUse::Kind::kFenceMarker) {
+        queue.pop_front();  // the blocks it covered were ahead of it: all released
+        continue;
+      }
+      if (front.kind == PendingUse::Kind::kKept) {
+        // Released once its copy is proven done. If the event reports an error we
+        // cannot prove it, so the reference is leaked on purpose (held forever, like a
+        // poisoned block), and the FIFO goes on.
         if (error.empty()) {
           finished_storages_.push_back(std::move(front.kept));
         } else {
@@ -519,7 +575,7 @@ void PinnedPool::process_events_locked() {
         queue.pop_front();
         continue;
       }
-      cuda::release_event(front.event);
+      Block* block = front.block;
       queue.pop_front();
       if (!error.empty()) {
         ++stats_.num_event_errors;
@@ -536,13 +592,99 @@ void PinnedPool::process_events_locked() {
   }
 }
 
+void PinnedPool::fence_in_batch_locked(Block* block, const c10::Stream& stream) {
+  StreamFifo& fifo = pending_[stream];
+  PendingUse use;
+  use.kind = PendingUse::Kind::kFencedBlock;
+  use.block = block;
+  fifo.uses.push_back(std::move(use));
+  block->pending_events = 1;
+  stats_.pending_blocks.add(1);
+  ++fifo.batch_blocks;
+  fifo.batch_bytes += block->size;
+  if (fifo.batch_blocks >= kFenceBatchBlocks || fifo.batch_bytes >= kFenceBatchBytes) {
+    (void)flush_fence_locked(stream, fifo);
+  }
+}
+
+cuda::Event PinnedPool::flush_fence_locked(const c10::Stream& stream, StreamFifo& fifo) {
+  if (fifo.batch_blocks == 0) return {};
+  fifo.batch_blocks = 0;
+  fifo.batch_bytes = 0;
+  // Recorded under the lock: a marker covers exactly the fenced entries queued before
+  // it, each freed before this record.
+  std::string error;
+  const bool capturing = cuda::stream_is_capturing(stream, &error);
+  cuda::Event marker;
+  if (!capturing && error.empty() && cuda::try_record_event(stream, &marker, &error)) {
+    PendingUse use;
+    use.kind = PendingUse::Kind::kFenceMarker;
+    use.event = marker;
+    fifo.uses.push_back(std::move(use));
+    ++stats_.num_fence_markers;
+    return marker;
+  }
+  // No marker: the batch (the fenced entries behind the last marker) leaves the FIFO.
+  // A capture began on the stream since the frees: an event now would be a graph node,
+  // so the blocks are held, as a free under capture is. A CUDA error: poisoned.
+  auto last_marker = std::find_if(fifo.uses.rbegin(), fifo.uses.rend(), [](const PendingUse& u) {
+    return u.kind == PendingUse::Kind::kFenceMarker;
+  });
+  auto batch_start = last_marker.base();  // the first entry after the last marker
+  for (auto u = batch_start; u != fifo.uses.end();) {
+    if (u->kind != PendingUse::Kind::kFencedBlock) {
+      ++u;
+      continue;
+    }
+    Block* block = u->block;
+    u = fifo.uses.erase(u);
+    stats_.pending_blocks.add(-1);
+    if (capturing) {
+      block->pending_events = 0;
+      hold_locked(block);
+    } else {
+      ++stats_.num_event_errors;
+      block->pending_events = kPoisoned;
+    }
+  }
+  if (!capturing && !g_warned_event_error.exchange(true)) {
+    TORCH_WARN("pinxfer: could not record a CUDA event for freed pinned blocks (", error,
+               "); the blocks are kept out of the cache so no copy can read reused memory.");
+  }
+  return {};
+}
+
+std::vector<cuda::Event> PinnedPool::flush_fences_locked() {
+  std::vector<cuda::Event> markers;
+  for (auto& [stream, fifo] : pending_) {
+    if (cuda::Event marker = flush_fence_locked(stream, fifo); marker.handle) {
+      markers.push_back(marker);
+    }
+  }
+  return markers;
+}
+
+void PinnedPool::flush_fences_and_wait() {
+  std::vector<cuda::Event> markers;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    markers = flush_fences_locked();
+    stats_.num_event_waits += static_cast<int64_t>(markers.size());
+  }
+  if (graph_pools::any_capture_open()) return;
+  // A marker may be recycled meanwhile (its blocks released by another thread): waiting
+  // on it then is merely early or late; process_events decides from each event itself.
+  for (const auto& marker : markers) cuda::event_synchronize(marker);
+}
+
 void PinnedPool::keep_until_done(c10::Storage storage, const c10::Stream& stream) {
   const cuda::Event ev = cuda::record_event(stream);
   std::lock_guard<std::mutex> lock(mutex_);
   PendingUse use;
+  use.kind = PendingUse::Kind::kKept;
   use.event = ev;
   use.kept = std::move(storage);
-  pending_[stream].push_back(std::move(use));
+  pending_[stream].uses.push_back(std::move(use));
 }
 
 void PinnedPool::release_finished() {
@@ -568,8 +710,9 @@ void PinnedPool::synchronize_pending() {
   std::vector<cuda::Event> events;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    for (auto& [stream, queue] : pending_) {
-      if (!queue.empty()) events.push_back(queue.back().event);
+    (void)flush_fences_locked();  // after it no FIFO ends with an entry that has no event
+    for (auto& [stream, fifo] : pending_) {
+      if (!fifo.uses.empty()) events.push_back(fifo.uses.back().event);
     }
     stats_.num_event_waits += static_cast<int64_t>(events.size());
   }
@@ -620,6 +763,7 @@ void PinnedPool::unmap_segments(std::vector<Segment*> segments) {
 }
 
 size_t PinnedPool::release_cached() {
+  flush_fences_and_wait();
   std::vector<Segment*> segments;
   {
     std::lock_guard<std::mutex> lock(mutex_);

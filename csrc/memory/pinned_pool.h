@@ -29,8 +29,9 @@
 //    allocator, see host_allocator.cpp). While pinxfer is installed as that
 //    allocator torch reports every copy, so the adaptor turns the fence off
 //    (set_fence_unrecorded_frees(false)), as torch's own allocator does.
-//    A stream idle when the block is freed (cudaStreamQuery) would need no event:
-//    whatever was queued on it before the free is done (set_skip_idle_streams; off).
+//    A fenced *small* block records no event of its own: it joins its stream's
+//    fence batch, and one event (a marker) recorded after the batch's last free
+//    covers the whole batch (flush_fence_locked; csrc/README.md "The free fence").
 //  * CUDA graphs: blocks allocated while a capture routes the current stream
 //    to a graph pool (memory/graph_pools.h) come from segments owned by that
 //    graph pool, with free sets of their own; they are never handed to anyone
@@ -89,7 +90,8 @@ struct Segment;
 //            into it), binned == true; not live, pending or held
 //   live     handed to exactly one DataPtr; in_use == true; in live_
 //   freeing  between free()'s two critical sections; in_use == true; in no set
-//   pending  in_use == true; pending_events > 0 entries in the stream FIFOs
+//   pending  in_use == true; pending_events > 0 entries in the stream FIFOs (a
+//            fenced small block's one entry may wait for its batch's marker)
 //   poisoned an event could not be recorded/queried; in_use == true forever
 //   held     freed, but a CUDA graph may read it: in held_, in_use == true,
 //            pending_events == 0, until return_graph_memory()
@@ -146,7 +148,9 @@ class PinnedPool {
   bool record_stream(void* ctx, const c10::Stream& stream);
 
   // Gives fully free segments back to the OS (cudaHostUnregister + munmap).
-  // Blocks waiting on events and live blocks are kept. Returns bytes released.
+  // Blocks waiting on events and live blocks are kept; the fence batches are
+  // flushed and their markers waited for first (flush_fences_and_wait), so a
+  // fenced block whose stream is done is released. Returns bytes released.
   size_t release_cached();
 
   // Blocks until every pending event of this pool has completed, then moves
@@ -185,11 +189,6 @@ class PinnedPool {
   // host-allocator adaptor turns it off while installed, because torch then
   // reports every copy through record_stream. Process-wide; lock-free.
   static void set_fence_unrecorded_frees(bool fence);
-  // Whether free() records no event on a stream that is idle when the block is freed
-  // (cudaStreamQuery: nothing queued before the free can still read it). Off by default
-  // until measured on a GPU (csrc/README.md, "The free fence"). Returns the previous
-  // setting.
-  static bool set_skip_idle_streams(bool skip);
 
   // ---- CUDA graph pools (memory/graph_pools.h; csrc/README.md "Graph pools") ----
   // Gives back what CUDA graphs held: the segments of the graph pools `ids`
@@ -215,6 +214,7 @@ class PinnedPool {
 
  private:
   // Members named *_locked run with mutex_ held; the others take it themselves.
+  struct StreamFifo;  // a stream's FIFO of pending uses and its fence batch (below)
 
   // One allocate() request: the size asked for, rounded to its pool's
   // granule, and which pool (small: <= 1 MiB, carved from 2 MiB segments).
@@ -274,6 +274,19 @@ class PinnedPool {
   // before a request is called a miss, and before free segments are collected.
   void flush_bins_locked();
   void process_events_locked();
+  // The free fence of a small block: queued in `stream`'s fence batch, which is
+  // flushed once it holds kFenceBatchBlocks blocks or kFenceBatchBytes bytes.
+  void fence_in_batch_locked(Block* block, const c10::Stream& stream);
+  // Records the marker that covers `fifo`'s batch. If the stream is capturing now
+  // (the event would be a graph node) the batch's blocks are held instead; if the
+  // event cannot be recorded they are poisoned. Returns the marker (none: no batch,
+  // or not recorded).
+  cuda::Event flush_fence_locked(const c10::Stream& stream, StreamFifo& fifo);
+  std::vector<cuda::Event> flush_fences_locked();
+  // Flushes every fence batch and waits for the markers, so the batches' blocks
+  // are free once their streams' work queued before this call is done. Not while
+  // a capture is open (the wait would be illegal then): flushes only.
+  void flush_fences_and_wait();
   void unmap_segments(std::vector<Segment*> segments);
   // Removes fully free segments (of one pool kind, or both) from the free sets
   // and the stats; the caller unmaps them with unmap_segments().
@@ -288,12 +301,23 @@ class PinnedPool {
       return a->size != b->size ? a->size < b->size : a->ptr < b->ptr;
     }
   };
-  // One event in a stream's FIFO: it gates a freed block (block != nullptr), or
-  // keeps a foreign storage alive (keep_until_done, block == nullptr).
+  // One entry of a stream's FIFO. kBlock: a freed block gated by its own event.
+  // kFencedBlock: a fenced small block with no event; it is covered by the first
+  // kFenceMarker behind it, an event recorded after it was queued (under the lock),
+  // so after its free. kKept: a foreign storage kept alive (keep_until_done).
   struct PendingUse {
-    cuda::Event event;
+    enum class Kind : uint8_t { kBlock, kFencedBlock, kFenceMarker, kKept };
+    Kind kind = Kind::kBlock;
+    cuda::Event event;  // none for kFencedBlock
     Block* block = nullptr;
     c10::Storage kept;
+  };
+  // A stream's FIFO and its fence batch: the kFencedBlock entries queued since its
+  // last marker, which no event covers yet.
+  struct StreamFifo {
+    std::deque<PendingUse> uses;
+    size_t batch_blocks = 0;
+    size_t batch_bytes = 0;
   };
 
   std::mutex mutex_;
@@ -301,9 +325,9 @@ class PinnedPool {
   std::set<Block*, BlockOrder> free_large_;  // LOCK: mutex_
   // Handed out, not yet freed: answers whether a foreign DataPtr context is a live block.
   // Open addressing: an insert or erase allocates nothing (a node set did, twice a hit).
-  ska::flat_hash_set<Block*> live_;                                  // LOCK: mutex_
-  std::unordered_map<c10::Stream, std::deque<PendingUse>> pending_;  // LOCK: mutex_
-  std::unordered_set<Segment*> segments_;                            // LOCK: mutex_
+  ska::flat_hash_set<Block*> live_;                      // LOCK: mutex_
+  std::unordered_map<c10::Stream, StreamFifo> pending_;  // LOCK: mutex_
+  std::unordered_set<Segment*> segments_;                // LOCK: mutex_
   // bins_[size / kSmallGranule]: binned blocks of that size, the latest freed last.
   std::vector<std::vector<Block*>> bins_;  // LOCK: mutex_
   size_t binned_blocks_ = 0;               // LOCK: mutex_

@@ -11,12 +11,10 @@
 #include <torch/extension.h>
 
 #include <algorithm>
-#include <atomic>
 #include <chrono>
 #include <functional>
 #include <map>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "memory/graph_pools.h"
@@ -81,14 +79,6 @@ std::map<std::string, double> call_breakdown(int64_t iterations) {
       int d = -1;
       (void)cudaGetDevice(&d);
     });
-    // The pool's free fence both ways: an event on the current stream for every block,
-    // queried by a later allocation, or none while the stream is idle.
-    for (const bool skip : {false, true}) {
-      const bool skip_was = PinnedPool::set_skip_idle_streams(skip);
-      out[skip ? "pool_allocate_free_64KiB_skip_idle" : "pool_allocate_free_64KiB_with_events"] =
-          ns_per_call(iterations, [&] { (void)pool.allocate(size_t{64} << 10); });
-      PinnedPool::set_skip_idle_streams(skip_was);
-    }
     const auto device = static_cast<c10::DeviceIndex>(cuda::current_device());
     out["hasPrimaryContext"] = ns_per_call(iterations, [device] {
       (void)at::detail::getCUDAHooks().hasPrimaryContext(device);
@@ -103,22 +93,6 @@ std::map<std::string, double> call_breakdown(int64_t iterations) {
     out["current_stream_is_capturing"] =
         ns_per_call(iterations, [] { (void)cuda::current_stream_is_capturing(); });
     const c10::Stream stream = c10::cuda::getCurrentCUDAStream(device).unwrap();
-    out["stream_idle_when_idle"] =
-        ns_per_call(iterations, [&] { (void)cuda::stream_idle(stream); });
-    {
-      // A host function that waits for a flag holds the stream busy meanwhile.
-      std::atomic<bool> hold{true};
-      C10_CUDA_CHECK(cudaLaunchHostFunc(
-          raw,
-          [](void* flag) {
-            while (static_cast<std::atomic<bool>*>(flag)->load()) std::this_thread::yield();
-          },
-          &hold));
-      out["stream_idle_when_busy"] =
-          ns_per_call(iterations, [&] { (void)cuda::stream_idle(stream); });
-      hold.store(false);
-      C10_CUDA_CHECK(cudaStreamSynchronize(raw));
-    }
     out["event_record_release"] = ns_per_call(
         iterations, [&] { cuda::release_event(cuda::record_event(stream)); },
         [] { C10_CUDA_CHECK(cudaDeviceSynchronize()); });

@@ -92,11 +92,6 @@ void bind_memory(pybind11::module_& m) {
         "True while the pool is torch's CUDA host allocator");
   m.def("build_info", wrap_pybind_function_no_gil(&build_info),
         "(built with CUDA, toolkit version, CUDA usable now)");
-  m.def("_set_skip_idle_streams", wrap_pybind_function_no_gil([](bool skip) {
-          return PinnedPool::set_skip_idle_streams(skip);
-        }),
-        "DIAGNOSTIC: _set_skip_idle_streams(on): whether a freed pool block skips the event of "
-        "a stream that is idle (cudaStreamQuery); returns the previous setting");
   m.def("_set_debug_pause_us",
         wrap_pybind_function_no_gil([](int64_t us) { set_debug_pause_us(us); }),
         "TEST-ONLY: allocate/free sleep this many microseconds between their critical sections");

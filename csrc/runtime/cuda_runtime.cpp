@@ -278,19 +278,6 @@ bool try_record_event(const c10::Stream& stream, Event* out, std::string* error)
   return true;
 }
 
-bool stream_idle(const c10::Stream& stream) {
-  try {
-    c10::cuda::CUDAGuard guard(stream.device_index());
-    const c10::cuda::CUDAStream cuda_stream(c10::cuda::CUDAStream::UNCHECKED, stream);
-    const cudaError_t err = cudaStreamQuery(cuda_stream.stream());
-    if (err == cudaSuccess) return true;
-    (void)cudaGetLastError();  // cudaErrorNotReady is no error; anything else the event reports
-    return false;
-  } catch (const std::exception&) {
-    return false;
-  }
-}
-
 Event record_event(const c10::Stream& stream) {
   TORCH_CHECK(stream.device_type() == c10::DeviceType::CUDA,
               "pinxfer: expected a CUDA stream, got a stream of device type ",
@@ -473,7 +460,6 @@ bool try_record_event(const c10::Stream&, Event*, std::string* error) {
 Event record_event(const c10::Stream&) {
   TORCH_CHECK(false, "pinxfer was built without CUDA: stream events are unavailable");
 }
-bool stream_idle(const c10::Stream&) { return false; }
 bool event_done(const Event&, std::string*) { return true; }
 void event_synchronize(const Event&) {}
 void release_event(const Event&) {}

@@ -62,11 +62,6 @@ struct Event {
 Event record_event(const c10::Stream& stream);
 // Same, but never throws: returns false and fills *error instead.
 bool try_record_event(const c10::Stream& stream, Event* out, std::string* error);
-// cudaStreamQuery: true when every operation queued on `stream` so far has completed,
-// so nothing queued before this call can still read or write host memory. False when
-// work is pending, and on any CUDA error (the caller then records an event, whose
-// errors it handles). Never throws (callers are deleters).
-bool stream_idle(const c10::Stream& stream);
 // cudaEventQuery: true once complete. A CUDA error other than "not ready" is
 // reported as complete-with-error through *error (the caller decides).
 bool event_done(const Event& event, std::string* error);

@@ -24,6 +24,7 @@ POOL_KEYS = [
     "num_ooms",
     "num_event_waits",
     "num_fenced_frees",
+    "num_fence_markers",
     "num_event_errors",
 ]
 POOL_CURRENT = [
