@@ -45,7 +45,8 @@
 //
 // Thread safety: every public member may be called from any thread. One mutex
 // per pool guards blocks, free sets, event queues and stats; mmap, first touch,
-// cudaHostRegister/Unregister, munmap and event recording run outside it. The
+// cudaHostRegister/Unregister, munmap and event recording run outside it (but a
+// fence batch's marker, recorded inside it: see flush_fence_locked). The
 // block states and the rule that keeps them consistent are at `struct Block`.
 // Ownership: the pool owns segments; a Block is owned by its segment and lent to
 // exactly one DataPtr at a time. Pools are never destroyed (safe at exit). In a
