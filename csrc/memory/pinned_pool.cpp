@@ -559,7 +559,7 @@ void PinnedPool::process_events_locked() {
       }
       if (front.kind != PendingUse::Kind::kFencedBlock) cuda::release_event(front.event);
       if (front.kind == PendingUse::Kind::kFenceMarker) {
-        queue.pop_front();  // the blocks it covered were ahead of it: all released
+        queue.pop_front();      // the blocks it covered were ahead of it: all released
         done_marker = nullptr;  // its event is back in the free list
         continue;
       }
