@@ -87,12 +87,13 @@ def test_free_without_record_is_fenced_on_the_current_stream(nbytes):
 
 
 def test_fenced_small_frees_share_one_event_per_batch():
-    # Eight small blocks freed with no recorded use while their copies wait behind a kernel:
-    # the eighth free records one event for the eight. None is reused while the stream is
-    # busy (new allocations, scribbled on, leave the copies intact); all come back after.
+    # Eight 16 KiB blocks (a batch closes at 8 blocks or 256 KiB) freed with no recorded use
+    # while their copies wait behind a kernel: the eighth free records one event for the
+    # eight. None is reused while the stream is busy (new allocations, scribbled on, leave
+    # the copies intact); all come back after.
     n = 8
-    dev = torch.empty(n, 64 * KiB, dtype=torch.uint8, device="cuda")
-    blocks = [pinxfer.empty(64 * KiB, dtype=torch.uint8) for _ in range(n)]
+    dev = torch.empty(n, 16 * KiB, dtype=torch.uint8, device="cuda")
+    blocks = [pinxfer.empty(16 * KiB, dtype=torch.uint8) for _ in range(n)]
     old = {b.data_ptr() for b in blocks}
     torch.cuda._sleep(SLEEP_CYCLES // 4)
     for i, b in enumerate(blocks):
@@ -105,7 +106,7 @@ def test_fenced_small_frees_share_one_event_per_batch():
     assert after["num_fenced_frees"] - before["num_fenced_frees"] == n
     assert after["num_fence_markers"] - before["num_fence_markers"] == 1
     assert after["pending_blocks.current"] - before["pending_blocks.current"] == n
-    fresh = [pinxfer.empty(64 * KiB, dtype=torch.uint8) for _ in range(n)]
+    fresh = [pinxfer.empty(16 * KiB, dtype=torch.uint8) for _ in range(n)]
     assert not old & {f.data_ptr() for f in fresh}, "a fenced block was reused while read"
     for f in fresh:
         f.fill_(0xEE)
@@ -116,9 +117,20 @@ def test_fenced_small_frees_share_one_event_per_batch():
     del f
     fresh.clear()  # a second batch, flushed at its eighth free
     torch.cuda.synchronize()
-    again = pinxfer.empty(64 * KiB, dtype=torch.uint8)  # both markers are done: a bin hit
+    again = pinxfer.empty(16 * KiB, dtype=torch.uint8)  # both markers are done: a bin hit
     assert again.data_ptr() in old | reused
     assert pinxfer.memory_stats()["pending_blocks.current"] == before["pending_blocks.current"]
+
+
+def test_a_fence_batch_closes_at_256_KiB():
+    # Four 64 KiB frees fill a batch by bytes: the fourth records its event, the fifth starts
+    # the next batch.
+    blocks = [pinxfer.empty(64 * KiB, dtype=torch.uint8) for _ in range(5)]
+    markers = pinxfer.memory_stats()["num_fence_markers"]
+    for count in range(1, 6):
+        blocks.pop()
+        expected = markers + (1 if count >= 4 else 0)
+        assert pinxfer.memory_stats()["num_fence_markers"] == expected, count
 
 
 def test_empty_cache_flushes_a_fence_batch_short_of_its_size():
@@ -277,6 +289,18 @@ def test_install_routes_torch_pinned_allocations_and_events_to_the_pool():
     assert not pinxfer.is_installed()
     v = torch.empty(1000, pin_memory=True)
     assert not pinxfer.is_pool_tensor(v) and v.is_pinned()
+
+
+def test_a_pool_tensor_goes_to_the_pool_of_its_current_devices_node():
+    # The node of the current device, whichever it is (each device's node is read from
+    # sysfs; a host where all sit on one node answers without asking which is current).
+    for index in range(torch.cuda.device_count()):
+        node = pinxfer._ops.numa_node_for_device(index)
+        with torch.cuda.device(index):
+            before = pinxfer.memory_stats(numa_node=node)["num_allocs"]
+            t = pinxfer.empty(4096, dtype=torch.uint8)
+            assert pinxfer.memory_stats(numa_node=node)["num_allocs"] == before + 1, (index, node)
+            del t
 
 
 def test_memory_is_placed_on_the_gpu_numa_node():
