@@ -261,6 +261,10 @@ def _pool_workers(
         PINXFER_SYSFS_ROOT=root,
         PINXFER_NUM_THREADS=str(total_threads),
         PINXFER_DISABLE_CUDA="1",
+        # The copies must run on the node pools' workers under test: with torch's intra-op
+        # team still spinning from the clone below, 'auto' may copy on that team instead and
+        # start no worker (once on a loaded 16-core GPU host, 2026-11-27).
+        PINXFER_TORCH_TEAM="off",
     )
     env.pop("PINXFER_NUMA_NODE", None)
     preexec = None if affinity is None else (lambda: os.sched_setaffinity(0, affinity))
