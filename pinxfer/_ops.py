@@ -163,7 +163,10 @@ def reset_accumulated_memory_stats() -> None:
 
 def empty_cache() -> int:
     """Returns every fully free cached segment to the OS; returns the bytes released.
-    Blocks still in use, or waiting on CUDA events, are kept."""
+    Blocks still in use, or waiting on CUDA events, are kept. Small blocks freed with no
+    recorded use (without ``install()``) wait in their stream's fence batch: this call
+    records the batches' events and waits for them first, so it returns once the work
+    queued on those streams before it is done."""
     return int(fast.empty_cache())
 
 
