@@ -285,8 +285,8 @@ class PinnedPool {
   cuda::Event flush_fence_locked(const c10::Stream& stream, StreamFifo& fifo);
   std::vector<cuda::Event> flush_fences_locked();
   // Flushes every fence batch and waits for the markers, so the batches' blocks
-  // are free once their streams' work queued before this call is done. Not while
-  // a capture is open (the wait would be illegal then): flushes only.
+  // are free once their streams' work queued before this call is done. While a
+  // capture pinxfer knows of is open it only flushes (the wait could break it).
   void flush_fences_and_wait();
   void unmap_segments(std::vector<Segment*> segments);
   // Removes fully free segments (of one pool kind, or both) from the free sets
@@ -305,7 +305,8 @@ class PinnedPool {
   // One entry of a stream's FIFO. kBlock: a freed block gated by its own event.
   // kFencedBlock: a fenced small block with no event; it is covered by the first
   // kFenceMarker behind it, an event recorded after it was queued (under the lock),
-  // so after its free. kKept: a foreign storage kept alive (keep_until_done).
+  // so after its free. kFenceMarker: that event. kKept: a foreign storage kept alive
+  // (keep_until_done).
   struct PendingUse {
     enum class Kind : uint8_t { kBlock, kFencedBlock, kFenceMarker, kKept };
     Kind kind = Kind::kBlock;
