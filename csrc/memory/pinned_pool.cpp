@@ -111,14 +111,8 @@ c10::DataPtr PinnedPool::allocate(size_t size) {
 
 c10::DataPtr PinnedPool::take_cached(const Request& request) {
   std::lock_guard<std::mutex> lock(mutex_);
-  // A bin hit first: no event is queried while the bin of this size has a block.
-  if (request.small) {
-    if (Block* block = take_binned_locked(request.rounded)) {
-      ++stats_.num_cache_hits;
-      return hand_out_locked(block, request.size);
-    }
-  }
-  process_events_locked();
+  // No event is queried while the bin of this size has a block: take_cached_locked pops it.
+  if (!request.small || !bin_holds_locked(request.rounded)) process_events_locked();
   if (c10::DataPtr hit = take_cached_locked(request)) return hit;
   // A miss: the fence batches get their markers now, so their blocks come back once
   // their copies are done instead of waiting for more frees to fill the batches.
@@ -259,9 +253,14 @@ Block* PinnedPool::take_from_set_locked(FreeSet& free_set, size_t rounded) {
   return block;
 }
 
-Block* PinnedPool::take_binned_locked(size_t rounded) {
+bool PinnedPool::bin_holds_locked(size_t rounded) const {
   const size_t index = rounded / kSmallGranule;
-  if (index >= bins_.size() || bins_[index].empty()) return nullptr;
+  return index < bins_.size() && !bins_[index].empty();
+}
+
+Block* PinnedPool::take_binned_locked(size_t rounded) {
+  if (!bin_holds_locked(rounded)) return nullptr;
+  const size_t index = rounded / kSmallGranule;
   Block* block = bins_[index].back();
   bins_[index].pop_back();
   --binned_blocks_;

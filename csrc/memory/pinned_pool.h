@@ -267,6 +267,7 @@ class PinnedPool {
   // Bins: small blocks of shared segments freed with nothing to wait for, by exact
   // size, taken back by a request of that size (state "binned" at struct Block).
   Block* take_binned_locked(size_t rounded);
+  bool bin_holds_locked(size_t rounded) const;  // a binned block of this size exists
   void bin_locked(Block* block);
   // A block freed with nothing (more) to wait for, at its free or when its last event
   // completes: binned if small and of a shared segment, else back to the free set.
