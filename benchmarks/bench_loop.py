@@ -794,7 +794,7 @@ class Bench:
 
         def prefetch_pass() -> tuple[float, list[float]]:
             t0 = time.perf_counter()
-            it = iter(self.px.prefetch(batches, device=self.dev))
+            it = iter(self.px.prefetch(batches, device=self.dev, producer=self.args.producer))
             start = time.perf_counter() - t0
             waits = consume(it)
             for _ in it:  # ends the pass (joins its thread)
@@ -1095,6 +1095,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--no-small", action="store_true", help="skip the small-call/CPU rows")
     ap.add_argument(
+        "--producer",
+        default="auto",
+        choices=("auto", "caller", "thread"),
+        help="pinxfer.prefetch's producer for the prefetch rows (default auto)",
+    )
+    ap.add_argument(
         "--self-test",
         action="store_true",
         help="check the statistics and table code on the CPU (no CUDA, no pinxfer)",
@@ -1146,6 +1152,7 @@ def main(argv: list[str] | None = None) -> int:
         "patterns": PATTERNS,
         "budget_s": args.budget,
         "quick": args.quick,
+        "prefetch_producer": args.producer,
         "gaps": bench.measured_gaps(),
         "ratios": "speed ratios: reference time / pinxfer time (> 1: pinxfer faster)",
     }

@@ -67,20 +67,23 @@ import os
 import queue
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch.utils.data import DataLoader
 
-from pinxfer import _check
+from pinxfer import _check, _ops
 from pinxfer._batch import tensors_in
 from pinxfer._check import DeviceLike
 from pinxfer._ops import cuda_unavailable_reason
 from pinxfer.transfer import (
     DEFAULT_CHUNK_BYTES,
     DEFAULT_NUM_BUFFERS,
+    plain_batch,
     profiler_range,
+    rebuilt_batch,
     to_device,
 )
 
@@ -88,6 +91,8 @@ if TYPE_CHECKING:
     from pinxfer.slots import SlotSource
 
 _ITEM, _END, _ERROR = "item", "end", "error"
+#: A batch the caller's road gave its sender (payload: a _Sent), taken at the next step.
+_SENT = "sent"
 _pass_ids = itertools.count()
 
 #: Longest a pass's stop (close(), leaving a loop or a ``with`` block, garbage
@@ -198,6 +203,17 @@ class _StagedPass:
 #   0.72-0.92x): right after a gap every CUDA call is slow (diag_idle_wake.py: an event
 #   query 42 us, a synchronize with nothing queued 62 us, after 20 ms of sleep), so the
 #   calls of a hand-over cost more than the round trip of a small copy they hide.
+#   What does hide it (2026-11-27): the batch sent ahead by a C++ thread, the pass's
+#   BatchSender (csrc/ops/cuda/batch_sender.h), when every tensor of it is a plain CPU
+#   tensor and the pass uses pinxfer's own transfer. next() hands the next batch to the
+#   sender (a queue and a wake-up) and takes the one sent at the previous step: the
+#   sender has sent it on a stream of its own while the consumer computed, without the
+#   GIL, and a host function queued after its copies marks it landed, so taking it after
+#   a compute step queues no CUDA call on the consumer's stream at all (only
+#   record_stream, host bookkeeping); a batch still in flight is waited for with one
+#   stream wait. The send no longer runs in next(), so next() after an idle gap no
+#   longer pays a small transfer's slow CUDA calls. Other batches (the caller's
+#   ``transfer``, a tensor that needs grad, a CPU pass) are still sent in next().
 # * The thread's road (_Pass): a producer thread sends up to ``depth`` batches ahead. It is
 #   the road for large batches, whose host-side staging takes long enough that the
 #   consumer should not wait for it, and for CPU passes and a caller's ``transfer``.
@@ -291,6 +307,19 @@ def _event_after(ids: tuple) -> torch.cuda.Event:
     return event
 
 
+#: The C++ sender of the caller's road; absent from a build without CUDA.
+_HAS_SENDER = hasattr(_ops.fast, "BatchSender")
+
+
+class _Sent(NamedTuple):
+    """A batch of plain CPU tensors its pass's BatchSender is sending (the caller's road)."""
+
+    batch: Any  # the source batch: referenced until taken, as the lease held it
+    flat: bool  # plain_batch's: how the results go back in their places
+    ticket: Any  # the sender's _SendTicket
+    step: int  # the batch's number in the pass
+
+
 def _next_of(p: _CallerPass | _Pass) -> Any:
     """The gate of every road's next(): a finished pass ends, a capture is refused, and one
     consumer at a time (non-blocking: a second consumer waiting for a batch could wait
@@ -324,6 +353,15 @@ class _CallerPass:
         self.ahead: tuple | None = None  # the item sent one step early
         self.step = 0  # batches fetched
         self.threaded: _Pass | None = None  # the thread that took the pass over, if one did
+        # Batches of plain CPU tensors go through the device's sender (the process's one,
+        # looked up at the first such batch); the caller's transfer, a CPU pass and other
+        # batches are sent in next() itself.
+        self.sends_plain = _HAS_SENDER and self.device is not None and to.transfer is None
+        self.sender: Any = None  # _ops.fast.BatchSender
+        self.returned_at = 0.0  # time.perf_counter() when next() last returned a batch
+        # What the sender's last batch cost the consumer in next(): its take (waiting for it
+        # included) and the next one's submit, in us.
+        self.take_us = self.submit_us = 0.0
         self._finished = False
         self.stopped = False
         self.consumer = threading.Lock()  # held by the thread inside next()
@@ -340,27 +378,36 @@ class _CallerPass:
     def _next_locked(self) -> Any:
         if self._finished:  # stopped by another thread meanwhile
             raise StopIteration
+        # The consumer's step since the last batch: what the next one can be sent during.
+        step_us = (time.perf_counter() - self.returned_at) * 1e6 if self.returned_at else None
         item, self.ahead = (self.ahead or self._send_next()), None
+        taken = item[0] == _SENT  # the sender's: safe on the current stream once taken
+        if taken:
+            t0 = time.perf_counter()
+            item = self._take(item[1])
+            self.take_us = (time.perf_counter() - t0) * 1e6
         if item[0] == _ITEM:
             first = self.step == 1
             if first and self.hand_off_large and _tensor_bytes(item[1]) > CALLER_SENDS_BYTES:
                 # Large batches: a producer thread sends the rest, this one first (with an
-                # event: the thread's road hands every batch over with one).
-                if self.device is not None:
+                # event: the thread's road hands every batch over with one; none for a
+                # batch taken from the sender, which is safe on the current stream).
+                if self.device is not None and not taken:
                     item = (item[0], item[1], self._copy_event(item))
                 self.threaded = _Pass(self.leases, self.to, self.depth, first=item)
                 self.leases = None
                 return self.threaded.next()
             out = item[1]
             now = None
-            if self.device is not None:
+            if self.device is not None and not taken:
                 now = self._current_stream()
                 if now != self.sent_on:
                     # The consumer changed streams since the batch was sent: the new one
                     # waits for the copies (an event recorded now on the stream they were
                     # queued on comes after them).
                     out = _hand_over(out, self._copy_event(item), self.device)
-            self.ahead = self._send_next(now)
+            self.ahead = self._send_next(now, step_us)
+            self.returned_at = time.perf_counter()
             return out
         self._finished = True
         self.shutdown()
@@ -378,15 +425,39 @@ class _CallerPass:
         # builds one, ~3 us of a step that sends a small batch in ~25).
         return torch._C._cuda_getCurrentStream(self.device.index)  # type: ignore[union-attr]
 
-    def _send_next(self, current: tuple | None = None) -> tuple:
+    def _send_next(self, current: tuple | None = None, step_us: float | None = None) -> tuple:
         """Fetches and sends the next batch; ``current``: the consumer's current stream if
-        the caller has just read it."""
+        the caller has just read it; ``step_us``: the consumer's last step (None: unknown).
+
+        A batch of plain CPU tensors goes to the sender when the consumer's last step was
+        longer than the sender's last send plus what its last hand-over cost the consumer
+        (take and submit, measured here): the send then lands within the step, and the
+        step pays only the hand-over. A shorter step (back to back), or none yet (a pass's
+        first two batches), sends it here: back to back the consumer would wait for the
+        sender, and a small batch costs less sent by the consumer itself (H100, bench_loop,
+        4 KiB batches back to back: 39-42 us a step when every batch went through the
+        sender, 30-33 for the plain loop; after a 20 ms step 1 MiB batches 1.3-1.7x the
+        plain loop through the sender, 0.9 sent here)."""
         lease = _fetch(self.leases, self.step)  # type: ignore[arg-type]
         if type(lease) is tuple:
             return lease
         self.step += 1
         if self.device is None:
             return _send(lease, self.to, None, self.step - 1)
+        if (
+            self.sends_plain
+            and type(lease) is StagedLease
+            and step_us is not None
+            and (
+                self.sender is None
+                or step_us > self.sender.last_send_us + self.take_us + self.submit_us
+            )
+        ):
+            t0 = time.perf_counter()
+            sent = self._submit(lease.batch, self.step - 1)
+            self.submit_us = (time.perf_counter() - t0) * 1e6
+            if sent is not None:
+                return (_SENT, sent, None)
         # On the consumer's current stream for the pass's device. An event after the copy
         # only for a lease whose done() waits for it (a slot goes back once the copy has
         # read it); a consumer that changes streams gets one when it takes the batch.
@@ -394,12 +465,49 @@ class _CallerPass:
         event_on = _stream_of(self.sent_on) if lease.wants_copy_event else None
         return _send(lease, self.to, event_on, self.step - 1)
 
+    def _submit(self, batch: Any, step: int) -> _Sent | None:
+        """Gives a batch of plain CPU tensors to the pass's sender; None for any other batch
+        (or in a mode, or traced: to_device's general path is for those)."""
+        if not _ops.eager():
+            return None
+        if type(batch) is torch.Tensor:
+            if not _ops.plain_dense_cpu(batch):
+                return None
+            leaves, flat = [batch], None
+        else:
+            plain = plain_batch(batch, min_leaves=1)
+            if plain is None:
+                return None
+            leaves, flat = plain[0], plain[1]
+        if self.sender is None:
+            self.sender = _ops.fast.batch_sender(self.device)
+        ticket = self.sender.submit(leaves, self.to.chunk_bytes, self.to.num_buffers)
+        return _Sent(batch, flat, ticket, step)
+
+    def _take(self, sent: _Sent) -> tuple:
+        """A batch from the sender, safe on the current stream: (_ITEM, batch on the device,
+        None), or (_ERROR, err, None) once no copy reads the batch any more."""
+        try:
+            with profiler_range("pinxfer::prefetch::wait"):
+                results = self.sender.take(sent.ticket)
+        except Exception as err:  # noqa: BLE001 - re-raised in the consumer at this step
+            torch.cuda.synchronize(self.device)  # no copy may still read the batch
+            _note(err, f"raised while pinxfer.prefetch transferred batch {sent.step}")
+            return (_ERROR, err, None)
+        if sent.flat is None:
+            return (_ITEM, results[0], None)
+        return (_ITEM, rebuilt_batch(sent.batch, sent.flat, results), None)
+
     def shutdown(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
         """Stops the pass: drops the batch sent ahead, closes the source's pass. Idempotent."""
         if self.threaded is not None:
             self.threaded.shutdown(timeout)
         self._finished = True
-        self.ahead = None  # its device memory returns to the allocator
+        ahead, self.ahead = self.ahead, None  # its device memory returns to the allocator
+        if ahead is not None and ahead[0] == _SENT:
+            # Not taken: the sender drops it if it has not started it, else this waits until
+            # its copies are queued (the source batch is referenced until then).
+            self.sender.settle(ahead[1].ticket)
         leases, self.leases = self.leases, None
         if leases is not None and not self.stopped:
             # Best effort, as on the thread's road: nobody is left to hear what it raises

@@ -95,10 +95,28 @@ def _rebuilt_flat(batch: dict | list | tuple, values: list) -> dict | list | tup
     return values if type(batch) is list else tuple(values)
 
 
-def _largest_plain_leaf(leaves: list) -> int:
-    """The largest leaf's bytes if a batch's two or more leaves are all plain dense CPU
-    tensors (plain_dense_cpu of every leaf, in one C++ call), else -1: the fast road's test."""
-    return _ops.fast.plain_leaves_max_bytes(leaves) if len(leaves) > 1 else -1
+def plain_batch(obj: Any, min_leaves: int = 2) -> tuple[list, bool, int] | None:
+    """A batch whose tensors are all plain dense CPU tensors (plain_dense_cpu of every leaf,
+    in one C++ call), at least ``min_leaves`` of them: (leaves, flat, the largest leaf's
+    bytes); None for any other batch. ``flat``: ``obj`` is exactly a dict, list or tuple
+    of tensors, its values its leaves (rebuilt without the batch walker, which costs a
+    two-tensor dict about 5 us on this project's 2-core machine); else the leaves are
+    ``tensors_in(obj)``. :func:`rebuilt_batch` puts results back in their places."""
+    flat = type(obj) in _FLAT_BATCH_TYPES
+    leaves = _flat_values(obj) if flat else tensors_in(obj)
+    largest = _ops.fast.plain_leaves_max_bytes(leaves) if len(leaves) >= min_leaves else -1
+    if largest < 0 and flat:  # a value that is not a tensor: the walker finds the tensors
+        flat, leaves = False, tensors_in(obj)
+        largest = _ops.fast.plain_leaves_max_bytes(leaves) if len(leaves) >= min_leaves else -1
+    return (leaves, flat, largest) if largest >= 0 else None
+
+
+def rebuilt_batch(obj: Any, flat: bool, results: list) -> Any:
+    """``obj`` with the leaves :func:`plain_batch` found replaced by ``results``, in order."""
+    if flat:
+        return _rebuilt_flat(obj, results)
+    sent = iter(results)
+    return map_tensors(obj, lambda _t: next(sent))
 
 
 def profiler_range(name: str) -> contextlib.AbstractContextManager:
@@ -259,18 +277,10 @@ def to_device(
             # one fast call packs and sends them and cuts the results. Some larger: those
             # one by one, the small ones packed (_send_leaves), still without the argument
             # checks of the general path below (which cost a batch microseconds).
-            # A flat batch (exactly a dict, list or tuple) is taken as holding only tensors,
-            # its values its leaves, and rebuilt without the batch walker, which costs a
-            # two-tensor dict about 5 us on this project's 2-core machine (tensors_in and
-            # map_tensors); plain_leaves_max_bytes says -1 for any other value, and the
-            # walker takes the batch then.
-            flat = type(obj) in _FLAT_BATCH_TYPES
-            leaves = _flat_values(obj) if flat else tensors_in(obj)
-            largest = _largest_plain_leaf(leaves)
-            if largest < 0 and flat:
-                flat, leaves = False, tensors_in(obj)
-                largest = _largest_plain_leaf(leaves)
-            if largest >= 0:
+            # (A flat batch is rebuilt without the batch walker: plain_batch.)
+            plain = plain_batch(obj)
+            if plain is not None:
+                leaves, flat, largest = plain
                 with profiler_range("pinxfer::to_device"):
                     if largest <= SMALL_TENSOR_BYTES:
                         results = _ops.fast.to_device_many(leaves, dev)
@@ -278,11 +288,7 @@ def to_device(
                         results = _send_leaves(
                             leaves, dev, non_blocking, chunk_bytes, num_buffers, all_plain=True
                         )
-                if flat:
-                    out = _rebuilt_flat(obj, results)
-                else:
-                    sent = iter(results)
-                    out = map_tensors(obj, lambda _t: next(sent))
+                out = rebuilt_batch(obj, flat, results)
                 if not non_blocking:
                     torch.cuda.current_stream(device).synchronize()
                 return out

@@ -610,8 +610,9 @@ def test_prefetch_exception_and_early_break_with_cuda(producer):
 
 
 def test_prefetch_auto_road_follows_the_first_batch():
-    """producer="auto": small batches are sent in the consumer's thread (no producer
-    thread), one batch ahead on the consumer's current stream, which stays current; a
+    """producer="auto": small batches stay on the caller's road (no Python producer
+    thread; the pass's C++ sender sends them one batch ahead), and the consumer's current
+    stream stays current; a
     consumer that changes streams between batches still gets each batch ready on its new
     stream; a first batch over CALLER_SENDS_BYTES moves the pass to a producer thread, the
     first batch included."""
@@ -629,9 +630,8 @@ def test_prefetch_auto_road_follows_the_first_batch():
             assert b["x"].is_cuda and b["x"].sum().item() == 1024 * i
             assert b["y"].tolist() == list(range(i, i + 8))
     # A consumer that takes each batch on another stream than the one current when that
-    # batch was sent (one step earlier): the batch is made ready on the new stream. Each
-    # batch is sent behind a sleep on its stream, so a read on the other stream that did
-    # not wait for the copy would see the memory before it.
+    # batch was sent (one step earlier): the batch is made ready on the new stream, which
+    # sleeps before each next(), so a read that did not wait would see the memory early.
     streams = [torch.cuda.Stream() for _ in range(2)]
     it = iter(pinxfer.prefetch([torch.full((64 * 1024,), float(i)) for i in range(6)]))
     oks = []
@@ -649,6 +649,174 @@ def test_prefetch_auto_road_follows_the_first_batch():
             assert len(threads()) == 1
         got.append(b[0].item())
     assert got == [0.0, 1.0, 2.0, 3.0]
+
+
+# ---- prefetch's sender road (csrc/ops/cuda/batch_sender.h) ----
+
+
+def _prefetch_threads() -> list:
+    return [t for t in threading.enumerate() if t.name.startswith("pinxfer-prefetch-")]
+
+
+def test_sender_road_every_byte_of_every_kind_of_batch():
+    """On the caller's road, after a consumer step longer than a send, batches of plain CPU
+    tensors go through the device's C++ sender: bare tensors, flat dicts / lists / tuples,
+    nested batches with non-tensor leaves, pinned and pageable sources, small ones packed
+    and larger ones pipelined. Every byte arrives, in order, with no Python producer
+    thread; a batch the sender cannot take (a tensor that needs grad) is sent in next()."""
+    batches = []
+    for i in range(10):
+        small = _random_bytes(4096 + i, seed=i)
+        mid = _random_bytes(300_000 + i, seed=100 + i)
+        batches += [
+            _random_bytes(64 * 1024 + i, seed=200 + i),
+            {"small": small, "mid": mid, "ints": torch.arange(i, i + 5)},
+            [small, pinxfer.pin_memory(mid)],
+            (mid,),
+            {"nested": {"a": [small, "text", i]}, "f": float(i)},
+        ]
+    batches.append(torch.ones(8, requires_grad=True))
+    sender = pinxfer._C.batch_sender(torch.device("cuda", torch.cuda.current_device()))
+    taken = sender.taken
+    got = []
+    for b in pinxfer.prefetch(batches, producer="caller"):
+        assert not _prefetch_threads()
+        got.append(b)
+        time.sleep(0.02)  # the consumer's step: longer than any of these sends
+    # All but the pass's first two (sent before a step was seen) and the tensor needing grad.
+    assert sender.taken - taken == len(batches) - 3
+    for x, y in zip(batches, got):
+        if isinstance(x, torch.Tensor):
+            assert y.device.type == "cuda"
+            if not x.requires_grad:
+                _check(y, x)
+        elif isinstance(x, dict) and "nested" in x:
+            _check(y["nested"]["a"][0], x["nested"]["a"][0])
+            assert y["nested"]["a"][1:] == ["text", x["nested"]["a"][2]] and y["f"] == x["f"]
+        elif isinstance(x, dict):
+            for k in x:
+                _check(y[k], x[k])
+        else:
+            assert type(y) is type(x) and len(y) == len(x)
+            for a, b2 in zip(x, y):
+                _check(b2, a)
+
+
+def test_sender_road_slow_consumer_sees_its_own_batch():
+    """The reuse race of the sender's outputs: each batch lands on the sender's stream, and
+    the consumer's stream sleeps before reading it while later batches are sent into
+    memory the allocator hands out (the host's steps, 5 ms, are shorter than the GPU's, so
+    the reads fall further and further behind). A result reused before the consumer's
+    stream passed its reads would show another batch's values."""
+    n = 24
+    src = [
+        {"a": torch.full((16 * 1024,), float(i)), "b": torch.full((1000,), i, dtype=torch.int32)}
+        for i in range(n)
+    ]
+    consumer = torch.cuda.Stream()
+    sender = pinxfer._C.batch_sender(torch.device("cuda", torch.cuda.current_device()))
+    taken = sender.taken
+    oks = []
+    with torch.cuda.stream(consumer):
+        for i, b in enumerate(pinxfer.prefetch(src, producer="caller")):
+            torch.cuda._sleep(SLEEP // 4)
+            oks.append(torch.all(b["a"] == float(i)) & torch.all(b["b"] == i))
+            del b
+            time.sleep(0.005)
+    consumer.synchronize()
+    assert torch.stack(oks).all().item(), [bool(o) for o in oks]
+    assert sender.taken - taken == n - 2  # all but the first two (no step seen yet)
+
+
+def test_sender_road_batch_lands_during_the_consumers_step():
+    """While the consumer computes, the next batch is sent and lands: taking it then queues
+    no wait on the consumer's stream (taken_landed). Here the 'step' is a 200 ms sleep and
+    a device synchronize, after which every copy the sender had queued is done."""
+    src = [{"x": torch.full((64 * 1024,), float(i)), "y": torch.arange(i, i + 4)} for i in range(5)]
+    sender = pinxfer._C.batch_sender(torch.device("cuda", torch.cuda.current_device()))
+    taken, landed = sender.taken, sender.taken_landed
+    for i, b in enumerate(pinxfer.prefetch(src)):
+        assert b["x"][0].item() == float(i) and b["y"].tolist() == list(range(i, i + 4))
+        time.sleep(0.2)
+        torch.cuda.synchronize()
+    assert sender.taken - taken == 3  # all but the first two (no step seen yet)
+    assert sender.taken_landed - landed == 3  # each had landed when taken
+
+
+def test_sender_road_pass_stopped_early_settles_its_batch_ahead():
+    """A pass left after one batch has the next one at its sender: stopping the pass
+    settles it (dropped, or waited for until its copies are queued), so the sender serves
+    the next pass at once and every batch of that pass is intact."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    sender = pinxfer._C.batch_sender(dev)
+    batches = [_random_bytes(200_000 + i, seed=i) for i in range(4)]
+    for _ in range(3):
+        submitted, taken = sender.submitted, sender.taken
+        it = iter(pinxfer.prefetch(batches))
+        _check(next(it), batches[0])
+        time.sleep(0.02)  # a step longer than a send: batch 2 goes to the sender
+        _check(next(it), batches[1])
+        del it  # the pass stops with batch 2 submitted, untaken
+        assert (sender.submitted, sender.taken) == (submitted + 1, taken)
+    taken = sender.taken
+    for b, x in zip(pinxfer.prefetch(batches), batches):
+        _check(b, x)
+        time.sleep(0.02)
+    assert sender.taken - taken == len(batches) - 2
+
+
+def test_sender_in_a_forked_child_is_the_childs_own():
+    """A forked child does not inherit the parent's sender (its thread is not there: a
+    batch submitted to it would wait forever). The child's sender fails the batch with
+    an error instead, since CUDA cannot be used in a forked child."""
+    import multiprocessing
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    for _ in pinxfer.prefetch([torch.ones(1024)] * 2):
+        pass  # the parent's sender exists and has worked
+
+    def child(q):
+        try:
+            s = pinxfer._C.batch_sender(dev)
+            s.take(s.submit([torch.ones(1024)], 16 << 20, 4))
+            q.put("sent")
+        except Exception as err:
+            q.put(f"raised {type(err).__name__}")
+
+    ctx = multiprocessing.get_context("fork")
+    q = ctx.Queue()
+    p = ctx.Process(target=child, args=(q,))
+    p.start()
+    p.join(60)
+    if p.is_alive():
+        p.kill()
+        pytest.fail("the forked child's batch never came back (the parent's sender was used)")
+    assert q.get(timeout=5).startswith("raised"), "a forked child sent a batch with CUDA"
+
+
+def test_sender_road_error_is_raised_at_its_step_and_ends_the_pass():
+    """A send that fails in the sender's thread (here: staging over the pinned-memory cap)
+    is raised by next() at that batch, with the step in a note; the pass ends."""
+    pinxfer.empty_cache()
+    small = torch.ones(64 * 1024)
+    batches = [small, small, torch.ones(32 * MiB), small]
+    pinxfer.set_max_pinned_bytes(4 * MiB)
+    sender = pinxfer._C.batch_sender(torch.device("cuda", torch.cuda.current_device()))
+    try:
+        it = iter(pinxfer.prefetch(batches, producer="caller"))
+        assert next(it).sum().item() == 64 * 1024
+        time.sleep(0.02)  # a long step: batch 2 goes to the sender
+        submitted, taken = sender.submitted, sender.taken
+        assert next(it).sum().item() == 64 * 1024
+        assert sender.submitted == submitted + 1
+        with pytest.raises(torch.OutOfMemoryError) as info:
+            next(it)
+        assert sender.taken == taken  # a failed batch is not counted as taken
+        assert any("batch 2" in note for note in getattr(info.value, "__notes__", []))
+        with pytest.raises(StopIteration):
+            next(it)
+    finally:
+        pinxfer.set_max_pinned_bytes(0)
 
 
 # ---- several GPUs in one process (skipped with fewer than 2) ----

@@ -9,6 +9,7 @@
 #include "python/bindings.h"
 #include "transfer/chunk_plan.h"
 #if PINXFER_WITH_CUDA
+#include "ops/cuda/batch_sender.h"
 #include "transfer/cuda/pipeline.h"
 #endif
 
@@ -36,6 +37,75 @@ std::tuple<std::vector<int64_t>, std::vector<int64_t>, int64_t, int64_t, int64_t
           static_cast<int64_t>(plan.threads)};
 }
 
+#if PINXFER_WITH_CUDA
+// A job of a BatchSender as Python holds it (the job's type is the sender's own).
+struct SendTicket {
+  std::shared_ptr<ops::BatchSender::Job> job;
+};
+
+// A sender dies with the GIL released: its close() joins the worker, which may need
+// the GIL to drop a source tensor's last reference (batch_sender.h).
+struct CloseWithoutGil {
+  void operator()(ops::BatchSender* sender) const {
+    pybind11::gil_scoped_release no_gil;
+    delete sender;
+  }
+};
+
+void bind_batch_sender(pybind11::module_& m) {
+  namespace py = pybind11;
+  py::class_<SendTicket>(m, "_SendTicket",
+                         "A batch submitted to a BatchSender; BatchSender.take(ticket) once");
+  py::class_<ops::BatchSender, std::unique_ptr<ops::BatchSender, CloseWithoutGil>>(
+      m, "BatchSender",
+      "BatchSender(device): plain CPU tensors sent to one GPU by a thread of its own "
+      "(pinxfer.prefetch's sender road; csrc/ops/cuda/batch_sender.h). Tests make their own; "
+      "prefetch uses batch_sender(device), the process's one per device")
+      .def(py::init(torch::wrap_pybind_function([](c10::Device device) {
+             return std::unique_ptr<ops::BatchSender, CloseWithoutGil>(
+                 new ops::BatchSender(device));
+           })),
+           py::arg("device"))
+      .def("submit",
+           torch::wrap_pybind_function([](ops::BatchSender& sender, std::vector<at::Tensor> leaves,
+                                          int64_t chunk_bytes, int64_t num_buffers) {
+             return SendTicket{sender.submit(std::move(leaves), chunk_bytes, num_buffers)};
+           }),
+           "submit(leaves: list[Tensor], chunk_bytes, num_buffers) -> ticket: queues plain "
+           "dense CPU tensors (the caller checked them) to be sent with to_device's staging "
+           "settings; returns at once")
+      .def("take",
+           torch::wrap_pybind_function_no_gil([](ops::BatchSender& sender, SendTicket& ticket) {
+             return sender.take(ticket.job);
+           }),
+           "take(ticket) -> list[Tensor]: the sent tensors, usable on the current stream "
+           "(waits for the send; raises what it raised)")
+      .def("settle",
+           torch::wrap_pybind_function_no_gil(
+               [](ops::BatchSender& sender, SendTicket& ticket) { sender.settle(ticket.job); }),
+           "settle(ticket): a batch that will not be taken: dropped if not started, else "
+           "waited for until its copies are queued")
+      .def("close",
+           torch::wrap_pybind_function_no_gil([](ops::BatchSender& sender) { sender.close(); }),
+           "close(): stops the sender's thread once its current batch is sent; idempotent")
+      .def_property_readonly("submitted", &ops::BatchSender::submitted, "batches submitted so far")
+      .def_property_readonly("taken", &ops::BatchSender::taken, "batches taken so far")
+      .def_property_readonly("last_send_us", &ops::BatchSender::last_send_us,
+                             "how long the last batch took to send, in microseconds (0: none yet)")
+      .def_property_readonly("taken_landed", &ops::BatchSender::taken_landed,
+                             "batches whose copies had landed when taken (no stream wait)");
+  m.def("batch_sender", torch::wrap_pybind_function([](c10::Device device) {
+          TORCH_CHECK_VALUE(device.is_cuda() && device.has_index(),
+                            "pinxfer: batch_sender needs a CUDA device with an index, got ",
+                            device);
+          return &ops::batch_sender_for(device.index());
+        }),
+        py::return_value_policy::reference,
+        "batch_sender(device) -> BatchSender: the process's sender for a CUDA device with an "
+        "index (made at the first call, never destroyed)");
+}
+#endif
+
 }  // namespace
 
 void bind_transfer(pybind11::module_& m) {
@@ -45,6 +115,7 @@ void bind_transfer(pybind11::module_& m) {
         "bounds, pieces as (chunk, begin, end) triples, ring slots (0: one block), slot bytes, "
         "threads): how to_device would cut a transfer");
 #if PINXFER_WITH_CUDA
+  bind_batch_sender(m);
   m.def("copy_stream", wrap_pybind_function_no_gil(&ops::copy_stream_of),
         "copy_stream(device) -> (stream_id, device_index, device_type): the stream pinxfer's "
         "H2D copies to the device run on");

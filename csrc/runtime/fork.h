@@ -31,6 +31,7 @@ enum class ForkChildStep : int {
   kThreadPools,      // runtime/thread_pool.cpp: per-node worker pools (threads are gone)
   kPinnedPools,      // memory/pool_registry.cpp: per-node pools and the cap's accounting
   kPinInplace,       // ops/cpu/pin_inplace_cpu.cpp: the pin_ registry's lock
+  kBatchSenders,     // ops/cuda/batch_sender.cpp: prefetch's per-device senders (threads gone)
   kCount,
 };
 

@@ -1,0 +1,165 @@
+"""Where a prefetch step's time goes on the caller's road with its C++ sender (issue 22):
+each step split into next() and the synchronize after it, against the plain loop's
+.to() and its synchronize, in one process, ways alternating pass by pass; and the
+sender's own calls alone (take of a batch that has landed, submit), each timed right
+after the gap. Patterns: back to back, after a 20 ms sleep, after a 20 ms GPU kernel the
+host waits on. Median / minimum microseconds.
+
+    python benchmarks/diag_sender.py [--sizes 4K,64K,1M] [--passes 6] [--json PATH]
+
+The batch is bench_loop.py's ({"x", "y", "meta"} of the given total size).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import pinxfer
+from pinxfer import _ops
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_loop import batch_layout, parse_sizes, size_label
+
+GAP_S = 0.02
+
+
+def make_batch(nbytes: int, i: int) -> dict:
+    lay = batch_layout(nbytes)
+    return {
+        "x": torch.full((lay["x"] // 4,), float(i)),
+        "y": torch.full((lay["y"] // 8,), i, dtype=torch.int64),
+        "meta": [torch.tensor(i), torch.tensor(nbytes)],
+    }
+
+
+def stats(xs: list[float]) -> dict:
+    us = [x * 1e6 for x in xs]
+    return {"median_us": statistics.median(us), "min_us": min(us), "n": len(us)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", default="4K,64K,256K,1M")
+    ap.add_argument("--passes", type=int, default=6)
+    ap.add_argument("--batches", type=int, default=16)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    torch.cuda.init()
+    sync = lambda: torch.cuda.current_stream(dev).synchronize()  # noqa: E731
+    torch.cuda._sleep(1000)
+    sync()
+    cycles = 1 << 20
+    while True:  # a kernel of about GAP_S
+        t0 = time.perf_counter()
+        torch.cuda._sleep(cycles)
+        sync()
+        if time.perf_counter() - t0 >= GAP_S / 2:
+            cycles = int(cycles * GAP_S / (time.perf_counter() - t0))
+            break
+        cycles *= 2
+    gaps = {
+        "b2b": None,
+        "sleep": lambda: time.sleep(GAP_S),
+        "gpu": lambda: (torch.cuda._sleep(cycles), sync()),
+    }
+    result: dict[str, Any] = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+    for nbytes in parse_sizes(args.sizes):
+        batches = [make_batch(nbytes, i) for i in range(args.batches)]
+        for pattern, gap in gaps.items():
+            split: dict[str, list[float]] = {
+                k: [] for k in ("prefetch_next", "prefetch_sync", "loop_to", "loop_sync")
+            }
+
+            def run_pass(way: str) -> None:
+                it = (
+                    iter(pinxfer.prefetch(batches, device=dev))
+                    if way == "prefetch"
+                    else (
+                        {
+                            k: [t.to(dev, non_blocking=True) for t in v]
+                            if isinstance(v, list)
+                            else v.to(dev, non_blocking=True)
+                            for k, v in b.items()
+                        }
+                        for b in batches
+                    )
+                )
+                first, second = (
+                    ("prefetch_next", "prefetch_sync")
+                    if way == "prefetch"
+                    else ("loop_to", "loop_sync")
+                )
+                for i in range(len(batches)):
+                    if i and gap is not None:
+                        gap()
+                    t0 = time.perf_counter()
+                    b = next(it)
+                    t1 = time.perf_counter()
+                    sync()
+                    t2 = time.perf_counter()
+                    if i:  # steady state: after the first batch
+                        split[first].append(t1 - t0)
+                        split[second].append(t2 - t1)
+                    assert float(b["x"][0]) == float(i)
+                    del b
+                for _ in it:
+                    pass
+
+            run_pass("prefetch")
+            run_pass("loop")
+            for p in range(args.passes):
+                for way in ("prefetch", "loop") if p % 2 == 0 else ("loop", "prefetch"):
+                    run_pass(way)
+            # The sender's calls alone, each right after the gap.
+            sender = _ops.fast.batch_sender(dev)
+            leaves = [batches[0]["x"], batches[0]["y"], *batches[0]["meta"]]
+            take_us, submit_us, noop_us = [], [], []
+            ticket = sender.submit(leaves, 16 << 20, 4)
+            for _ in range(args.passes * 4):
+                time.sleep(0.05)  # the batch lands
+                sync()
+                if gap is not None:
+                    gap()
+                t0 = time.perf_counter()
+                got = sender.take(ticket)  # freed outside the timing, as a batch would be
+                take_us.append(time.perf_counter() - t0)
+                del got
+                if gap is not None:
+                    gap()
+                t0 = time.perf_counter()
+                ticket = sender.submit(leaves, 16 << 20, 4)
+                submit_us.append(time.perf_counter() - t0)
+                if gap is not None:
+                    gap()
+                t0 = time.perf_counter()
+                _ops.eager()
+                noop_us.append(time.perf_counter() - t0)
+            sender.take(ticket)
+            row = {k: stats(v) for k, v in split.items()}
+            row["sender_take_landed"] = stats(take_us)
+            row["sender_submit"] = stats(submit_us)
+            row["python_call_eager"] = stats(noop_us)
+            result[f"{size_label(nbytes)} {pattern}"] = row
+            print(
+                f"{size_label(nbytes):>6} {pattern:<5} "
+                + "  ".join(f"{k} {v['median_us']:.0f}/{v['min_us']:.0f}" for k, v in row.items()),
+                flush=True,
+            )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,102 @@
+// BatchSender: batches of plain CPU tensors sent to one GPU by a thread of its own, so
+// that the thread asking for them never waits for their staging or their copies:
+// pinxfer.prefetch's sender road (pinxfer/prefetch.py; csrc/README.md, "The sender road").
+//
+// Why a C++ thread. prefetch's caller's road sent the next batch inside next(), after the
+// consumer's compute step: after an idle gap every CUDA call and every line of Python on
+// the consumer's cold core is slow (diag_idle_wake.py: an event query 42 µs, a 4 KiB
+// pinned copy + synchronize 240 µs), so next() paid a whole small transfer, and a plain
+// loop of .to() was as fast. A Python producer thread hands every batch over through the
+// GIL, which the consumer holds while it runs (75-96 µs a 4 KiB step on the H100, against
+// 27 for the plain loop). This thread takes no GIL: it sends on a stream of its own while
+// the consumer computes, and the batch is on the GPU before the consumer asks for it.
+//
+// Protocol (one consumer; submit and take from any one thread at a time):
+//   submit(leaves, chunk_bytes, num_buffers)
+//                   queues the leaves (each a plain dense CPU tensor: the caller checked,
+//                   pinxfer._C.plain_leaves_max_bytes) to be sent with to_device's staging
+//                   settings; returns at once.
+//   take(job)       waits until the job is sent (its copies queued), then makes the
+//                   results safe on the caller's current stream: if the copies have
+//                   already landed (a host function the worker queued after them has run)
+//                   nothing is queued at all; else the current stream waits on the job's
+//                   event. Either way each result is record_stream'ed on the current
+//                   stream. Rethrows what sending raised.
+//   settle(job)     a job that will not be taken (its pass stopped): dropped if not
+//                   started, else waited for until sent, so no copy of it is queued after.
+//   close()         stops the thread once its current job is sent; jobs not yet started
+//                   fail with "closed". Idempotent; the destructor calls it.
+// One sender serves every pass of a process on its device (batch_sender_for, made at the
+// first use and leaked, as the thread pools are; a forked child starts with none): jobs
+// are sent in the order submitted, so no pass pays for starting a thread.
+// Sources are referenced by the job until take() or the job's end: a pageable source is
+// staged before its send returns, a pinned one is kept by pinxfer's source use until the
+// copy has read it (transfer/cuda/source_use.h), as with to_device.
+//
+// Waits (take, close) may last a transfer: call them without the GIL (a source tensor's
+// last reference dropped by the worker may need it to free its Python object).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <thread>
+#include <vector>
+
+#include "transfer/cuda/pipeline.h"
+
+namespace pinxfer::ops {
+
+class BatchSender {
+ public:
+  struct Job;
+
+  // device: a CUDA device with an index.
+  explicit BatchSender(c10::Device device);
+  ~BatchSender();
+  BatchSender(const BatchSender&) = delete;
+  BatchSender& operator=(const BatchSender&) = delete;
+
+  std::shared_ptr<Job> submit(std::vector<at::Tensor> leaves, int64_t chunk_bytes,
+                              int64_t num_buffers);
+  std::vector<at::Tensor> take(const std::shared_ptr<Job>& job);
+  void settle(const std::shared_ptr<Job>& job);
+  void close();
+
+  // Jobs whose results were usable without any stream wait at take() (the copies had
+  // landed), all jobs taken, all submitted: what the tests and diagnostics read.
+  int64_t taken_landed() const;
+  int64_t taken() const;
+  int64_t submitted() const;
+  // How long the last job took to send (from its start to its copies queued), in
+  // microseconds; 0 before the first. prefetch compares the consumer's step with it.
+  int64_t last_send_us() const;
+
+ private:
+  void run();
+  // Sends one job on `stream` (made at the first job); returns its final state.
+  int send(Job& job, std::optional<c10::cuda::CUDAStream>& stream);
+
+  const c10::Device device_;
+  std::mutex mu_;
+  std::condition_variable work_;  // the worker: a job queued, or close()
+  std::condition_variable done_;  // take(): a job sent or failed
+  std::deque<std::shared_ptr<Job>> queue_;  // LOCK: mu_
+  bool closing_ = false;                    // LOCK: mu_
+  std::atomic<bool> queued_{false};         // queue_ not empty: what the idle worker spins on
+  std::atomic<int64_t> submitted_{0}, taken_{0}, taken_landed_{0}, last_send_us_{0};
+  std::mutex join_mu_;                      // one close() joins, the others wait for it
+  std::thread worker_;                      // started last, joined by close()
+};
+
+// The process's sender for CUDA device `index` (made at the first call; never destroyed).
+BatchSender& batch_sender_for(c10::DeviceIndex index);
+
+}  // namespace pinxfer::ops
