@@ -67,7 +67,6 @@ import os
 import queue
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -185,35 +184,34 @@ class _StagedPass:
 # same three functions below, so a batch is treated alike on either.
 #
 # * The caller's road (_CallerPass): the consumer's next() hands out the batch sent at the
-#   previous step and sends the one after it, in the consumer's thread, on the consumer's
-#   current stream, as a plain loop of .to(non_blocking=True) would. What the road saves is
-#   every hand-off: a producer thread that wakes per batch, a queue, the GIL passed back and
-#   forth while the consumer synchronizes, and the cross-stream event, wait and
-#   record_stream per tensor (H100: a 4 KiB batch took 75-96 us per step through the
-#   thread against 27 us for a plain loop of .to(), benchmarks/diag_batch.py; stream and
-#   event calls from Python cost 2-4 us each). The copy is queued after the work the
-#   consumer has already queued and before the work on the batch it is handed, so it does
-#   not overlap that work: for a small batch the copy is a few microseconds of the bus. It
-#   is the road for small batches, whose sending costs the consumer less than a hand-off.
-#   Tried and measured against (2026-11-26, H100, bench_loop, two interleaved rounds,
-#   results/h100/loop_2026-11-26_s3_caller_road_*): the batch sent ahead on the pass's own
-#   stream with an event, handed over with a wait and record_stream, so its copy lands
-#   during the consumer's step. Back to back a 4 KiB step went from 31-32 to 54-74 us, and
-#   after a 20 ms gap it was no better against the plain loop (0.52-0.67x against
-#   0.72-0.92x): right after a gap every CUDA call is slow (diag_idle_wake.py: an event
-#   query 42 us, a synchronize with nothing queued 62 us, after 20 ms of sleep), so the
-#   calls of a hand-over cost more than the round trip of a small copy they hide.
-#   What does hide it (2026-11-27): the batch sent ahead by a C++ thread, the pass's
-#   BatchSender (csrc/ops/cuda/batch_sender.h), when every tensor of it is a plain CPU
-#   tensor and the pass uses pinxfer's own transfer. next() hands the next batch to the
-#   sender (a queue and a wake-up) and takes the one sent at the previous step: the
-#   sender has sent it on a stream of its own while the consumer computed, without the
-#   GIL, and a host function queued after its copies marks it landed, so taking it after
-#   a compute step queues no CUDA call on the consumer's stream at all (only
-#   record_stream, host bookkeeping); a batch still in flight is waited for with one
-#   stream wait. The send no longer runs in next(), so next() after an idle gap no
-#   longer pays a small transfer's slow CUDA calls. Other batches (the caller's
-#   ``transfer``, a tensor that needs grad, a CPU pass) are still sent in next().
+#   previous step and starts sending the one after it, without a Python producer thread: a
+#   producer thread wakes per batch, hands it over through a queue and passes the GIL back
+#   and forth while the consumer synchronizes (H100: a 4 KiB batch took 75-96 us per step
+#   through the thread against 27 us for a plain loop of .to(), benchmarks/diag_batch.py).
+#   A batch whose tensors are all plain CPU tensors (with pinxfer's own transfer) goes to
+#   the device's BatchSender (csrc/ops/cuda/batch_sender.h): a C++ thread, one per device
+#   for the whole process, that sends it on a stream of its own while the consumer
+#   computes, holding no GIL; a host function queued after its copies marks it landed.
+#   next() submits the next batch (a queue and a wake-up) and takes the one sent at the
+#   previous step: after a compute step it has landed, so taking it queues no CUDA call on
+#   the consumer's stream (record_stream only, host bookkeeping); one still in flight is
+#   waited for with one stream wait. Any other batch (a tensor that needs grad, a mode
+#   active) is sent in next() itself, on the consumer's current stream, as a plain loop of
+#   .to(non_blocking=True) would.
+#   Why a thread of its own: sent in next(), after a compute step, a batch paid every slow
+#   CUDA call of a cold core (diag_idle_wake.py: an event query 42 us, a synchronize with
+#   nothing queued 62 us, after 20 ms of sleep), and a plain loop was as fast: 1 MiB
+#   batches after a 20 ms sleep 0.88-0.93x the plain loop (H100, 6 rounds), 0.93-0.96x
+#   (H200); through the sender 1.62-1.67x and 1.66-1.79x (bench_loop's prefetch rows,
+#   results/<kind>/loop_prefetch_2026-11-27_s9_*). Back to back a 4 KiB step costs more
+#   through the sender (0.77-0.78x the plain loop on the H100, against 1.01-1.15x sent in
+#   next()): the hand-over costs the consumer more than sending such a batch itself.
+#   Tried and dropped: choosing per step, the sender when the consumer's last step was
+#   longer than the sender's last send (with or without the hand-over's cost, or twice
+#   it): back to back 4 KiB steps were no better (0.79-0.92x), and steps at 256 KiB - 1 MiB
+#   lost what the sender gained there. Also tried before (2026-11-26): the batch sent
+#   ahead from Python on the pass's own stream with an event, wait and record_stream:
+#   back to back a 4 KiB step went from 31 to 54-74 us and after a gap it was no better.
 # * The thread's road (_Pass): a producer thread sends up to ``depth`` batches ahead. It is
 #   the road for large batches, whose host-side staging takes long enough that the
 #   consumer should not wait for it, and for CPU passes and a caller's ``transfer``.
@@ -358,10 +356,6 @@ class _CallerPass:
         # batches are sent in next() itself.
         self.sends_plain = _HAS_SENDER and self.device is not None and to.transfer is None
         self.sender: Any = None  # _ops.fast.BatchSender
-        self.returned_at = 0.0  # time.perf_counter() when next() last returned a batch
-        # What the sender's last batch cost the consumer in next(): its take (waiting for it
-        # included) and the next one's submit, in us.
-        self.take_us = self.submit_us = 0.0
         self._finished = False
         self.stopped = False
         self.consumer = threading.Lock()  # held by the thread inside next()
@@ -378,14 +372,10 @@ class _CallerPass:
     def _next_locked(self) -> Any:
         if self._finished:  # stopped by another thread meanwhile
             raise StopIteration
-        # The consumer's step since the last batch: what the next one can be sent during.
-        step_us = (time.perf_counter() - self.returned_at) * 1e6 if self.returned_at else None
         item, self.ahead = (self.ahead or self._send_next()), None
         taken = item[0] == _SENT  # the sender's: safe on the current stream once taken
         if taken:
-            t0 = time.perf_counter()
             item = self._take(item[1])
-            self.take_us = (time.perf_counter() - t0) * 1e6
         if item[0] == _ITEM:
             first = self.step == 1
             if first and self.hand_off_large and _tensor_bytes(item[1]) > CALLER_SENDS_BYTES:
@@ -406,8 +396,7 @@ class _CallerPass:
                     # waits for the copies (an event recorded now on the stream they were
                     # queued on comes after them).
                     out = _hand_over(out, self._copy_event(item), self.device)
-            self.ahead = self._send_next(now, step_us)
-            self.returned_at = time.perf_counter()
+            self.ahead = self._send_next(now)
             return out
         self._finished = True
         self.shutdown()
@@ -425,37 +414,18 @@ class _CallerPass:
         # builds one, ~3 us of a step that sends a small batch in ~25).
         return torch._C._cuda_getCurrentStream(self.device.index)  # type: ignore[union-attr]
 
-    def _send_next(self, current: tuple | None = None, step_us: float | None = None) -> tuple:
-        """Fetches and sends the next batch; ``current``: the consumer's current stream if
-        the caller has just read it; ``step_us``: the consumer's last step (None: unknown).
-
-        A batch of plain CPU tensors goes to the sender when the consumer's last step was
-        longer than the sender's last send plus what its last hand-over cost the consumer
-        (take and submit, measured here): the send then lands within the step, and the
-        step pays only the hand-over. A shorter step (back to back), or none yet (a pass's
-        first two batches), sends it here: back to back the consumer would wait for the
-        sender, and a small batch costs less sent by the consumer itself (H100, bench_loop,
-        4 KiB batches back to back: 39-42 us a step when every batch went through the
-        sender, 30-33 for the plain loop; after a 20 ms step 1 MiB batches 1.3-1.7x the
-        plain loop through the sender, 0.9 sent here)."""
+    def _send_next(self, current: tuple | None = None) -> tuple:
+        """Fetches and sends the next batch: a batch of plain CPU tensors to the device's
+        sender, any other here; ``current``: the consumer's current stream if the caller
+        has just read it."""
         lease = _fetch(self.leases, self.step)  # type: ignore[arg-type]
         if type(lease) is tuple:
             return lease
         self.step += 1
         if self.device is None:
             return _send(lease, self.to, None, self.step - 1)
-        if (
-            self.sends_plain
-            and type(lease) is StagedLease
-            and step_us is not None
-            and (
-                self.sender is None
-                or step_us > self.sender.last_send_us + self.take_us + self.submit_us
-            )
-        ):
-            t0 = time.perf_counter()
+        if self.sends_plain and type(lease) is StagedLease:
             sent = self._submit(lease.batch, self.step - 1)
-            self.submit_us = (time.perf_counter() - t0) * 1e6
             if sent is not None:
                 return (_SENT, sent, None)
         # On the consumer's current stream for the pass's device. An event after the copy
@@ -850,11 +820,12 @@ def prefetch(
 ) -> Prefetcher:
     """Wraps an iterable so that its batches reach the GPU ahead of use.
 
-    Batches are pulled from ``iterable`` and sent to ``device`` with
-    :func:`pinxfer.to_device` on the pass's own CUDA stream, ahead of use: small ones
-    in the consumer's own thread, one step ahead (each ``next()`` hands out the batch
-    sent at the previous step and sends the next), large ones by a background thread
-    that keeps at most ``depth`` batches fetched ahead (``producer``). Each yielded batch is ready
+    Batches are pulled from ``iterable`` and sent to ``device`` as
+    :func:`pinxfer.to_device` sends them, ahead of use: small ones one step ahead (each
+    ``next()`` hands out the batch sent at the previous step and starts the next, which
+    pinxfer's per-device C++ sender thread sends during the consumer's step when its
+    tensors are plain CPU tensors), large ones by a background thread that keeps at
+    most ``depth`` batches fetched ahead (``producer``). Each yielded batch is ready
     on the consumer's current stream and its device memory is not reused before
     that stream is done with it -- no ``record_stream`` or sync needed by the
     caller. Already-pinned tensors (``DataLoader(pin_memory=True)``) are sent
@@ -890,13 +861,14 @@ def prefetch(
         num_slots: slots in the ring; None: ``num_workers * prefetch_factor``
             (twice that with persistent workers) ``+ depth + 2``.
         producer: who sends the batches. ``"auto"`` (default): for a GPU with the
-            default transfer, the consumer's thread while batches are small (the
-            first batch holds at most :data:`CALLER_SENDS_BYTES` of tensors: a
-            thread hand-off per batch would cost more than sending it), else a
+            default transfer, one batch ahead from the consumer's ``next()`` while
+            batches are small (the first batch holds at most :data:`CALLER_SENDS_BYTES`
+            of tensors: a Python thread's hand-off per batch would cost more), else a
             background thread; a CPU pass or a custom ``transfer``: the thread.
-            ``"caller"``: always the consumer's thread, one batch ahead (the source's
-            ``__next__`` then runs in that thread too). ``"thread"``: always the
-            background thread, ``depth`` batches ahead.
+            ``"caller"``: always one batch ahead from ``next()`` (the source's
+            ``__next__`` then runs in the consumer's thread; batches of plain CPU
+            tensors are sent by the C++ sender, others in ``next()``). ``"thread"``:
+            always the background thread, ``depth`` batches ahead.
 
     Returns:
         A :class:`Prefetcher`: iterate over it (each ``for`` loop is one pass),

@@ -90,8 +90,6 @@ void bind_batch_sender(pybind11::module_& m) {
            "close(): stops the sender's thread once its current batch is sent; idempotent")
       .def_property_readonly("submitted", &ops::BatchSender::submitted, "batches submitted so far")
       .def_property_readonly("taken", &ops::BatchSender::taken, "batches taken so far")
-      .def_property_readonly("last_send_us", &ops::BatchSender::last_send_us,
-                             "how long the last batch took to send, in microseconds (0: none yet)")
       .def_property_readonly("taken_landed", &ops::BatchSender::taken_landed,
                              "batches whose copies had landed when taken (no stream wait)");
   m.def("batch_sender", torch::wrap_pybind_function([](c10::Device device) {

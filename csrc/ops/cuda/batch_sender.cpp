@@ -78,12 +78,12 @@ int64_t micros_since(std::chrono::steady_clock::time_point t0) {
 struct BatchSender::Job {
   std::vector<at::Tensor> leaves;  // the sources, until take() (see the header)
   transfer::StagingOptions options;
-  std::vector<at::Tensor> outs;    // written by the worker before state becomes kSent
-  cuda::Event event;               // after the copies, on the sender's stream
+  std::vector<at::Tensor> outs;  // written by the worker before state becomes kSent
+  cuda::Event event;             // after the copies, on the sender's stream
   LandedFlag landed = std::make_shared<std::atomic<bool>>(false);
-  std::exception_ptr error;                 // set before state becomes kFailed
-  std::atomic<int> state{kQueued};          // kQueued -> kSending -> kSent | kFailed
-  bool taken = false;                       // only the consumer's thread reads or sets it
+  std::exception_ptr error;         // set before state becomes kFailed
+  std::atomic<int> state{kQueued};  // kQueued -> kSending -> kSent | kFailed
+  bool taken = false;               // only the consumer's thread reads or sets it
   ~Job() {
     if (event.handle != nullptr) cuda::release_event(event);
   }
@@ -193,7 +193,6 @@ void BatchSender::close() {
 int64_t BatchSender::submitted() const { return submitted_.load(std::memory_order_relaxed); }
 int64_t BatchSender::taken() const { return taken_.load(std::memory_order_relaxed); }
 int64_t BatchSender::taken_landed() const { return taken_landed_.load(std::memory_order_relaxed); }
-int64_t BatchSender::last_send_us() const { return last_send_us_.load(std::memory_order_relaxed); }
 
 void BatchSender::run() {
   // The sender's own stream, from torch's pool (made at the first job, where an error is
@@ -217,9 +216,7 @@ void BatchSender::run() {
       queued_.store(!queue_.empty(), std::memory_order_release);
       job->state.store(kSending, std::memory_order_relaxed);
     }
-    const auto started = std::chrono::steady_clock::now();
     const int outcome = send(*job, stream);
-    last_send_us_.store(micros_since(started), std::memory_order_relaxed);
     {
       // Under the lock: a take() between its check and its wait would miss the notify.
       std::lock_guard<std::mutex> lock(mu_);
@@ -256,7 +253,8 @@ namespace {
 std::mutex g_senders_mutex;
 // Leaked on purpose, as the thread pools: a worker must not be joined during static
 // destruction at interpreter exit. LOCK: g_senders_mutex
-std::map<c10::DeviceIndex, BatchSender*>* g_senders = new std::map<c10::DeviceIndex, BatchSender*>();
+std::map<c10::DeviceIndex, BatchSender*>* g_senders =
+    new std::map<c10::DeviceIndex, BatchSender*>();
 
 void child_after_fork() {
   // The child has no sender threads, and the parent's mutex may have been held: forget

@@ -75,9 +75,6 @@ class BatchSender {
   int64_t taken_landed() const;
   int64_t taken() const;
   int64_t submitted() const;
-  // How long the last job took to send (from its start to its copies queued), in
-  // microseconds; 0 before the first. prefetch compares the consumer's step with it.
-  int64_t last_send_us() const;
 
  private:
   void run();
@@ -86,14 +83,14 @@ class BatchSender {
 
   const c10::Device device_;
   std::mutex mu_;
-  std::condition_variable work_;  // the worker: a job queued, or close()
-  std::condition_variable done_;  // take(): a job sent or failed
+  std::condition_variable work_;            // the worker: a job queued, or close()
+  std::condition_variable done_;            // take(): a job sent or failed
   std::deque<std::shared_ptr<Job>> queue_;  // LOCK: mu_
   bool closing_ = false;                    // LOCK: mu_
   std::atomic<bool> queued_{false};         // queue_ not empty: what the idle worker spins on
-  std::atomic<int64_t> submitted_{0}, taken_{0}, taken_landed_{0}, last_send_us_{0};
-  std::mutex join_mu_;                      // one close() joins, the others wait for it
-  std::thread worker_;                      // started last, joined by close()
+  std::atomic<int64_t> submitted_{0}, taken_{0}, taken_landed_{0};
+  std::mutex join_mu_;  // one close() joins, the others wait for it
+  std::thread worker_;  // started last, joined by close()
 };
 
 // The process's sender for CUDA device `index` (made at the first call; never destroyed).
