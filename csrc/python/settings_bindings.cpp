@@ -10,6 +10,7 @@
 #include "python/bindings.h"
 #include "runtime/cpu_resources.h"
 #include "runtime/cuda_runtime.h"
+#include "runtime/serial_jobs.h"
 #include "runtime/settings.h"
 #include "runtime/share_split.h"
 #include "runtime/thread_budget.h"
@@ -113,6 +114,11 @@ void bind_settings(pybind11::module_& m) {
         "DIAGNOSTIC: _set_wake_ahead(on): whether to_device wakes its copy helpers as it "
         "starts, after an idle gap (on, the default), or only when it offers them work (off; "
         "for A/B runs in one process)");
+  m.def("_serial_jobs_self_test", wrap_pybind_function_no_gil(&serial_jobs_self_test),
+        "TEST-ONLY: _serial_jobs_self_test(seed, jobs, consumers) -> jobs run: `consumers` "
+        "threads push `jobs` byte-copying jobs each through one SerialJobs queue (the protocol "
+        "of prefetch's batch sender, runtime/serial_jobs.h), waiting, settling and leaving "
+        "some to close(); raises on any job run twice, lost, or done without its bytes");
   m.def("_share_split_self_test", wrap_pybind_function_no_gil(&share_split_self_test),
         "TEST-ONLY: _share_split_self_test(units, share, members, rounds) -> pieces members "
         "took from shares not their own: `members` threads (some late) split [0, units) as "

@@ -11,7 +11,8 @@
 // 27 for the plain loop). This thread takes no GIL: it sends on a stream of its own while
 // the consumer computes, and the batch is on the GPU before the consumer asks for it.
 //
-// Protocol (one consumer; submit and take from any one thread at a time):
+// Protocol (the queue, its worker and its waits are runtime/serial_jobs.h's, tested under
+// TSan and ASan; this class adds the CUDA send and the hand-over):
 //   submit(leaves, chunk_bytes, num_buffers)
 //                   queues the leaves (each a plain dense CPU tensor: the caller checked,
 //                   pinxfer._C.plain_leaves_max_bytes) to be sent with to_device's staging
@@ -21,11 +22,11 @@
 //                   already landed (a host function the worker queued after them has run)
 //                   nothing is queued at all; else the current stream waits on the job's
 //                   event. Either way each result is record_stream'ed on the current
-//                   stream. Rethrows what sending raised.
+//                   stream. Rethrows what sending raised. Once per job.
 //   settle(job)     a job that will not be taken (its pass stopped): dropped if not
 //                   started, else waited for until sent, so no copy of it is queued after.
 //   close()         stops the thread once its current job is sent; jobs not yet started
-//                   fail with "closed". Idempotent; the destructor calls it.
+//                   fail. Idempotent; the destructor calls it.
 // One sender serves every pass of a process on its device (batch_sender_for, made at the
 // first use and leaked, as the thread pools are; a forked child starts with none): jobs
 // are sent in the order submitted, so no pass pays for starting a thread.
@@ -33,8 +34,8 @@
 // staged before its send returns, a pinned one is kept by pinxfer's source use until the
 // copy has read it (transfer/cuda/source_use.h), as with to_device.
 //
-// Waits (take, close) may last a transfer: call them without the GIL (a source tensor's
-// last reference dropped by the worker may need it to free its Python object).
+// Waits (take, settle, close) may last a transfer: call them without the GIL (a source
+// tensor's last reference dropped by the worker may need it to free its Python object).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -42,14 +43,11 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include <atomic>
-#include <condition_variable>
-#include <deque>
 #include <memory>
-#include <mutex>
 #include <optional>
-#include <thread>
 #include <vector>
 
+#include "runtime/serial_jobs.h"
 #include "transfer/cuda/pipeline.h"
 
 namespace pinxfer::ops {
@@ -60,7 +58,6 @@ class BatchSender {
 
   // device: a CUDA device with an index.
   explicit BatchSender(c10::Device device);
-  ~BatchSender();
   BatchSender(const BatchSender&) = delete;
   BatchSender& operator=(const BatchSender&) = delete;
 
@@ -70,27 +67,20 @@ class BatchSender {
   void settle(const std::shared_ptr<Job>& job);
   void close();
 
-  // Jobs whose results were usable without any stream wait at take() (the copies had
-  // landed), all jobs taken, all submitted: what the tests and diagnostics read.
-  int64_t taken_landed() const;
-  int64_t taken() const;
+  // Jobs submitted, taken, and taken with their copies landed (no stream wait): what the
+  // tests and diagnostics read.
   int64_t submitted() const;
+  int64_t taken() const;
+  int64_t taken_landed() const;
 
  private:
-  void run();
-  // Sends one job on `stream` (made at the first job); returns its final state.
-  int send(Job& job, std::optional<c10::cuda::CUDAStream>& stream);
+  // One job's send, on the worker thread (Job::run).
+  void send(Job& job);
 
   const c10::Device device_;
-  std::mutex mu_;
-  std::condition_variable work_;            // the worker: a job queued, or close()
-  std::condition_variable done_;            // take(): a job sent or failed
-  std::deque<std::shared_ptr<Job>> queue_;  // LOCK: mu_
-  bool closing_ = false;                    // LOCK: mu_
-  std::atomic<bool> queued_{false};         // queue_ not empty: what the idle worker spins on
-  std::atomic<int64_t> submitted_{0}, taken_{0}, taken_landed_{0};
-  std::mutex join_mu_;  // one close() joins, the others wait for it
-  std::thread worker_;  // started last, joined by close()
+  std::optional<c10::cuda::CUDAStream> stream_;  // the worker's own; made at its first job
+  std::atomic<int64_t> taken_{0}, taken_landed_{0};
+  SerialJobs jobs_;  // last: destroyed first, so its worker is joined before the rest goes
 };
 
 // The process's sender for CUDA device `index` (made at the first call; never destroyed).

@@ -1,0 +1,89 @@
+// SerialJobs: jobs run one at a time, in the order submitted, by one worker thread of the
+// queue's own; whoever submitted a job waits for it, or settles a job it will no longer
+// wait for. prefetch's BatchSender (ops/cuda/batch_sender.h) is this queue with a CUDA send
+// as its jobs' run(); no CUDA here, so the protocol is tested with plain threads under TSan
+// and ASan (serial_jobs_self_test, tests/test_serial_jobs.py).
+//
+// A job's state: queued -> running -> done | failed (run() threw: its exception is kept),
+// or queued -> failed (dropped: settled before it started, or the queue closed). Every
+// change happens under the queue's lock; a job's run() is called at most once, on the
+// worker, with no lock held. The worker spins for spin_us after a job (back-to-back
+// submissions find it awake), then sleeps until the next submit or close: an idle queue
+// uses no CPU. Waits spin for spin_us, then sleep.
+//
+// Thread safety: submit, wait, settle and close may be called from any thread. A job's
+// fields written by run() are visible to whoever returns from wait() for it.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+
+namespace pinxfer {
+
+class SerialJobs {
+ public:
+  class Job {
+   public:
+    virtual ~Job() = default;
+    // Runs on the worker thread, once; an exception fails the job.
+    virtual void run() = 0;
+    // After wait(): whether the job failed (run() threw, or it was dropped), and its error.
+    bool failed() const;
+    [[noreturn]] void rethrow() const;
+
+   private:
+    friend class SerialJobs;
+    std::atomic<int> state_{0};  // State; written under the queue's lock
+    std::exception_ptr error_;   // set before state_ becomes failed
+  };
+
+  // name: what errors call the queue (a job dropped before it ran, a submit after close).
+  SerialJobs(int64_t spin_us, std::string name);
+  ~SerialJobs();  // close()
+  SerialJobs(const SerialJobs&) = delete;
+  SerialJobs& operator=(const SerialJobs&) = delete;
+
+  // Queues a job (not submitted before). Throws c10::Error once the queue is closed.
+  void submit(std::shared_ptr<Job> job);
+  // Returns once the job has run or failed.
+  void wait(const std::shared_ptr<Job>& job);
+  // A job nobody will wait for: dropped if it has not started, else waited for.
+  void settle(const std::shared_ptr<Job>& job);
+  // Drops the jobs not started, waits for the running one and ends the worker. Idempotent.
+  void close();
+
+  int64_t submitted() const { return submitted_.load(std::memory_order_relaxed); }
+
+ private:
+  enum State : int { kQueued = 0, kRunning, kDone, kFailed };
+  void work();
+  void drop_locked(Job& job);
+
+  const int64_t spin_us_;
+  const std::string name_;
+  std::mutex mu_;
+  std::condition_variable work_;            // the worker: a job queued, or close()
+  std::condition_variable done_;            // waiters: a job done or failed
+  std::deque<std::shared_ptr<Job>> queue_;  // LOCK: mu_
+  bool closing_ = false;                    // LOCK: mu_
+  std::atomic<bool> queued_{false};         // queue_ not empty: what the idle worker spins on
+  std::atomic<int64_t> submitted_{0};
+  std::mutex join_mu_;  // one close() joins, the others wait for it
+  std::thread worker_;  // started last, joined by close()
+};
+
+// TEST-ONLY: `consumers` threads each submit `jobs` jobs that copy random bytes (some
+// sleeping, about one in ten throwing) through one queue, keep 1-3 in flight, wait for most
+// and settle some, and leave some for close(). Checks: no job runs twice, a settled or
+// closed-out job either ran whole or never ran, a waited job is done with its bytes or
+// failed with its own error, submit after close throws. Returns the jobs that ran.
+int64_t serial_jobs_self_test(int64_t seed, int64_t jobs, int64_t consumers);
+
+}  // namespace pinxfer
