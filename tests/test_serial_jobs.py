@@ -23,5 +23,5 @@ def test_serial_jobs_every_job_once_whole_or_dropped(consumers):
 
 
 def test_serial_jobs_self_test_arguments_are_checked():
-    with pytest.raises(ValueError, match="1..16 consumers"):
+    with pytest.raises(ValueError, match=r"1\.\.16 consumers"):
         pinxfer._C._serial_jobs_self_test(0, 10, 17)
