@@ -54,9 +54,9 @@ void SerialJobs::wait(const std::shared_ptr<Job>& job) {
 }
 
 void SerialJobs::drop_locked(Job& job) {
-  job.error_ = std::make_exception_ptr(c10::Error(
-      {__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
-      name_ + ": the job was dropped before it ran (settled, or the queue was closed)"));
+  job.error_ = std::make_exception_ptr(
+      c10::Error({__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
+                 name_ + ": the job was dropped before it ran (settled, or the queue was closed)"));
   job.state_.store(kFailed, std::memory_order_release);
 }
 
@@ -216,8 +216,9 @@ int64_t serial_jobs_self_test(int64_t seed, int64_t jobs, int64_t consumers) {
     }
     for (auto& t : threads) t.join();
     if (error) std::rethrow_exception(error);
-    TORCH_CHECK(queue.submitted() == jobs * consumers, "pinxfer._serial_jobs_self_test: ",
-                queue.submitted(), " submitted, expected ", jobs * consumers);
+    TORCH_CHECK(queue.submitted() == jobs * consumers,
+                "pinxfer._serial_jobs_self_test: ", queue.submitted(), " submitted, expected ",
+                jobs * consumers);
     queue.close();
     bool refused = false;
     try {
