@@ -339,7 +339,8 @@ def _tensor_bytes(batch: Any) -> int:
 
 class _CallerPass:
     """One pass on the caller's road: each next() hands out the batch sent at the previous
-    step and sends the next one, in the consumer's thread, on its current stream."""
+    step and starts the next one: the device's sender sends a batch of plain CPU tensors,
+    any other is sent here, in the consumer's thread, on its current stream."""
 
     def __init__(self, leases: Iterator[Any], to: Delivery, depth: int, hand_off_large: bool):
         self.leases: Iterator[Any] | None = leases
