@@ -313,7 +313,7 @@ class _Sent(NamedTuple):
     """A batch of plain CPU tensors its pass's BatchSender is sending (the caller's road)."""
 
     batch: Any  # the source batch: referenced until taken, as the lease held it
-    flat: bool  # plain_batch's: how the results go back in their places
+    flat: bool | None  # plain_batch's: how the results go back; None: a bare tensor
     ticket: Any  # the sender's _SendTicket
     step: int  # the batch's number in the pass
 

@@ -43,29 +43,16 @@ struct SendTicket {
   std::shared_ptr<ops::BatchSender::Job> job;
 };
 
-// A sender dies with the GIL released: its close() joins the worker, which may need
-// the GIL to drop a source tensor's last reference (batch_sender.h).
-struct CloseWithoutGil {
-  void operator()(ops::BatchSender* sender) const {
-    pybind11::gil_scoped_release no_gil;
-    delete sender;
-  }
-};
-
 void bind_batch_sender(pybind11::module_& m) {
   namespace py = pybind11;
   py::class_<SendTicket>(m, "_SendTicket",
                          "A batch submitted to a BatchSender; BatchSender.take(ticket) once");
-  py::class_<ops::BatchSender, std::unique_ptr<ops::BatchSender, CloseWithoutGil>>(
+  // Only the process's senders reach Python (batch_sender below), and they are never
+  // destroyed: Python holds them without owning them.
+  py::class_<ops::BatchSender, std::unique_ptr<ops::BatchSender, py::nodelete>>(
       m, "BatchSender",
-      "BatchSender(device): plain CPU tensors sent to one GPU by a thread of its own "
-      "(pinxfer.prefetch's sender road; csrc/ops/cuda/batch_sender.h). Tests make their own; "
-      "prefetch uses batch_sender(device), the process's one per device")
-      .def(py::init(torch::wrap_pybind_function([](c10::Device device) {
-             return std::unique_ptr<ops::BatchSender, CloseWithoutGil>(
-                 new ops::BatchSender(device));
-           })),
-           py::arg("device"))
+      "The process's sender of plain CPU tensors to one GPU, by a thread of its own "
+      "(pinxfer.prefetch's sender road; csrc/ops/cuda/batch_sender.h): batch_sender(device)")
       .def("submit",
            torch::wrap_pybind_function([](ops::BatchSender& sender, std::vector<at::Tensor> leaves,
                                           int64_t chunk_bytes, int64_t num_buffers) {
@@ -85,9 +72,6 @@ void bind_batch_sender(pybind11::module_& m) {
                [](ops::BatchSender& sender, SendTicket& ticket) { sender.settle(ticket.job); }),
            "settle(ticket): a batch that will not be taken: dropped if not started, else "
            "waited for until its copies are queued")
-      .def("close",
-           torch::wrap_pybind_function_no_gil([](ops::BatchSender& sender) { sender.close(); }),
-           "close(): stops the sender's thread once its current batch is sent; idempotent")
       .def_property_readonly("submitted", &ops::BatchSender::submitted, "batches submitted so far")
       .def_property_readonly("taken", &ops::BatchSender::taken, "batches taken so far")
       .def_property_readonly("taken_landed", &ops::BatchSender::taken_landed,

@@ -129,8 +129,6 @@ void BatchSender::settle(const std::shared_ptr<Job>& job) {
   jobs_.settle(job);
 }
 
-void BatchSender::close() { jobs_.close(); }
-
 int64_t BatchSender::submitted() const { return jobs_.submitted(); }
 int64_t BatchSender::taken() const { return taken_.load(std::memory_order_relaxed); }
 int64_t BatchSender::taken_landed() const { return taken_landed_.load(std::memory_order_relaxed); }

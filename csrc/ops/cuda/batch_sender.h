@@ -25,8 +25,8 @@
 //                   stream. Rethrows what sending raised. Once per job.
 //   settle(job)     a job that will not be taken (its pass stopped): dropped if not
 //                   started, else waited for until sent, so no copy of it is queued after.
-//   close()         stops the thread once its current job is sent; jobs not yet started
-//                   fail. Idempotent; the destructor calls it.
+// The destructor ends the thread once its current job is sent (jobs not started fail);
+// the process's senders are never destroyed.
 // One sender serves every pass of a process on its device (batch_sender_for, made at the
 // first use and leaked, as the thread pools are; a forked child starts with none): jobs
 // are sent in the order submitted, so no pass pays for starting a thread.
@@ -34,7 +34,7 @@
 // staged before its send returns, a pinned one is kept by pinxfer's source use until the
 // copy has read it (transfer/cuda/source_use.h), as with to_device.
 //
-// Waits (take, settle, close) may last a transfer: call them without the GIL (a source
+// Waits (take, settle) may last a transfer: call them without the GIL (a source
 // tensor's last reference dropped by the worker may need it to free its Python object).
 #pragma once
 
@@ -65,7 +65,6 @@ class BatchSender {
                               int64_t num_buffers);
   std::vector<at::Tensor> take(const std::shared_ptr<Job>& job);
   void settle(const std::shared_ptr<Job>& job);
-  void close();
 
   // Jobs submitted, taken, and taken with their copies landed (no stream wait): what the
   // tests and diagnostics read.
