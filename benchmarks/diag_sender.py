@@ -5,7 +5,10 @@ sender's own calls alone (take of a batch that has landed, submit), each timed r
 after the gap. Patterns: back to back, after a 20 ms sleep, after a 20 ms GPU kernel the
 host waits on. Median / minimum microseconds.
 
-    python benchmarks/diag_sender.py [--sizes 4K,64K,1M] [--passes 6] [--json PATH]
+    python benchmarks/diag_sender.py [--sizes 4K,64K,1M] [--passes 6] [--json PATH] [--no-calls]
+
+Each row also has the whole step (next() and the synchronize: prefetch_step, loop_step) and
+step_ratio_median (the plain loop's median step over prefetch's; > 1: prefetch faster).
 
 The batch is bench_loop.py's ({"x", "y", "meta"} of the given total size).
 """
@@ -52,6 +55,7 @@ def main() -> int:
     ap.add_argument("--passes", type=int, default=6)
     ap.add_argument("--batches", type=int, default=16)
     ap.add_argument("--json")
+    ap.add_argument("--no-calls", action="store_true", help="skip the sender's calls alone")
     args = ap.parse_args()
     dev = torch.device("cuda", torch.cuda.current_device())
     torch.cuda.init()
@@ -77,7 +81,15 @@ def main() -> int:
         batches = [make_batch(nbytes, i) for i in range(args.batches)]
         for pattern, gap in gaps.items():
             split: dict[str, list[float]] = {
-                k: [] for k in ("prefetch_next", "prefetch_sync", "loop_to", "loop_sync")
+                k: []
+                for k in (
+                    "prefetch_step",
+                    "loop_step",
+                    "prefetch_next",
+                    "prefetch_sync",
+                    "loop_to",
+                    "loop_sync",
+                )
             }
 
             def run_pass(way: str) -> None:
@@ -99,6 +111,7 @@ def main() -> int:
                     if way == "prefetch"
                     else ("loop_to", "loop_sync")
                 )
+                whole = f"{way}_step"
                 for i in range(len(batches)):
                     if i and gap is not None:
                         gap()
@@ -110,6 +123,7 @@ def main() -> int:
                     if i:  # steady state: after the first batch
                         split[first].append(t1 - t0)
                         split[second].append(t2 - t1)
+                        split[whole].append(t2 - t0)
                     assert float(b["x"][0]) == float(i)
                     del b
                 for _ in it:
@@ -120,6 +134,23 @@ def main() -> int:
             for p in range(args.passes):
                 for way in ("prefetch", "loop") if p % 2 == 0 else ("loop", "prefetch"):
                     run_pass(way)
+            row = {k: stats(v) for k, v in split.items()}
+            row["step_ratio_median"] = (
+                row["loop_step"]["median_us"] / row["prefetch_step"]["median_us"]
+            )
+            result[f"{size_label(nbytes)} {pattern}"] = row
+            if args.no_calls:
+                print(
+                    f"{size_label(nbytes):>6} {pattern:<5} "
+                    f"step loop/prefetch x{row['step_ratio_median']:.2f}  "
+                    + "  ".join(
+                        f"{k} {v['median_us']:.0f}/{v['min_us']:.0f}"
+                        for k, v in row.items()
+                        if isinstance(v, dict)
+                    ),
+                    flush=True,
+                )
+                continue
             # The sender's calls alone, each right after the gap.
             sender = _ops.fast.batch_sender(dev)
             leaves = [batches[0]["x"], batches[0]["y"], *batches[0]["meta"]]
@@ -145,14 +176,16 @@ def main() -> int:
                 _ops.eager()
                 noop_us.append(time.perf_counter() - t0)
             sender.take(ticket)
-            row = {k: stats(v) for k, v in split.items()}
             row["sender_take_landed"] = stats(take_us)
             row["sender_submit"] = stats(submit_us)
             row["python_call_eager"] = stats(noop_us)
-            result[f"{size_label(nbytes)} {pattern}"] = row
             print(
                 f"{size_label(nbytes):>6} {pattern:<5} "
-                + "  ".join(f"{k} {v['median_us']:.0f}/{v['min_us']:.0f}" for k, v in row.items()),
+                + "  ".join(
+                    f"{k} {v['median_us']:.0f}/{v['min_us']:.0f}"
+                    for k, v in row.items()
+                    if isinstance(v, dict)
+                ),
                 flush=True,
             )
     if args.json:

@@ -192,20 +192,23 @@ class _StagedPass:
 #   the device's BatchSender (csrc/ops/cuda/batch_sender.h): a C++ thread, one per device
 #   for the whole process, that sends it on a stream of its own while the consumer
 #   computes, holding no GIL; a host function queued after its copies marks it landed.
-#   next() submits the next batch (a queue and a wake-up) and takes the one sent at the
-#   previous step: after a compute step it has landed, so taking it queues no CUDA call on
-#   the consumer's stream (record_stream only, host bookkeeping); one still in flight is
-#   waited for with one stream wait. Any other batch (a tensor that needs grad, a mode
-#   active) is sent in next() itself, on the consumer's current stream, as a plain loop of
-#   .to(non_blocking=True) would.
+#   next() submits the next batch (a queue and a wake-up), then takes the one submitted
+#   at the previous step (submitted first, the next batch is sent while the consumer
+#   takes this one and synchronizes: 1 MiB back to back on the H100 1.18 -> 1.39x the
+#   plain loop, medians of 6 processes). After a compute step the batch taken has landed,
+#   so taking it queues no CUDA call on the consumer's stream (record_stream only, host
+#   bookkeeping); one still in flight is waited for with one stream wait. Any other
+#   batch (a tensor that needs grad, a mode active) is sent in next() itself, on the
+#   consumer's current stream, as a plain loop of .to(non_blocking=True) would.
 #   Why a thread of its own: sent in next(), after a compute step, a batch paid every slow
 #   CUDA call of a cold core (diag_idle_wake.py: an event query 42 us, a synchronize with
 #   nothing queued 62 us, after 20 ms of sleep), and a plain loop was as fast: 1 MiB
 #   batches after a 20 ms sleep 0.88-0.93x the plain loop (H100, 6 rounds), 0.93-0.96x
 #   (H200); through the sender 1.62-1.67x and 1.66-1.79x (bench_loop's prefetch rows,
 #   results/<kind>/loop_prefetch_2026-11-27_s9_*). Back to back a 4 KiB step costs more
-#   through the sender (0.77-0.78x the plain loop on the H100, against 1.01-1.15x sent in
-#   next()): the hand-over costs the consumer more than sending such a batch itself.
+#   through the sender (0.69-0.99x the plain loop on the H100, 6 processes): the hand-over
+#   costs the consumer about what sending such a batch itself does, and it is not
+#   cheaper sent in next() today either (0.83-0.92x, diag_sender.py, csrc/README.md).
 #   Tried and dropped: choosing per step, the sender when the consumer's last step was
 #   longer than the sender's last send (with or without the hand-over's cost, or twice
 #   it): back to back 4 KiB steps were no better (0.79-0.92x), and steps at 256 KiB - 1 MiB
@@ -376,6 +379,15 @@ class _CallerPass:
         item, self.ahead = (self.ahead or self._send_next()), None
         taken = item[0] == _SENT  # the sender's: safe on the current stream once taken
         if taken:
+            if not (self.hand_off_large and self.step == 1):  # the road is chosen
+                # The next batch goes to the sender before this one is taken: the sender
+                # sends it while the consumer takes this one and synchronizes (the comment
+                # block above the roads has the figures).
+                try:
+                    self.ahead = self._send_next()
+                except BaseException:  # KeyboardInterrupt in the source: this one is lost
+                    self.sender.settle(item[1].ticket)
+                    raise
             item = self._take(item[1])
         if item[0] == _ITEM:
             first = self.step == 1
@@ -397,7 +409,8 @@ class _CallerPass:
                     # waits for the copies (an event recorded now on the stream they were
                     # queued on comes after them).
                     out = _hand_over(out, self._copy_event(item), self.device)
-            self.ahead = self._send_next(now)
+            if self.ahead is None:
+                self.ahead = self._send_next(now)
             return out
         self._finished = True
         self.shutdown()
@@ -449,7 +462,7 @@ class _CallerPass:
             plain = plain_batch(batch, min_leaves=1)
             if plain is None:
                 return None
-            leaves, flat = plain[0], plain[1]
+            leaves, flat = plain
         if self.sender is None:
             self.sender = _ops.fast.batch_sender(self.device)
         ticket = self.sender.submit(leaves, self.to.chunk_bytes, self.to.num_buffers)

@@ -34,9 +34,10 @@ _CURRENT_CUDA = torch.device("cuda")
 
 #: Tensors of at most this many bytes in a batch are packed together (to_device_many): the
 #: size up to which the kernel stages a tensor with the calling thread alone (kSerialBytes,
-#: csrc/transfer/chunk_plan.h). A larger leaf gets the pipeline's threads: packed, it was
-#: copied by one thread (H100: a 1 MiB batch 97 us packed, its 1 MiB leaf alone 58 us).
-SMALL_TENSOR_BYTES = 256 << 10
+#: csrc/transfer/chunk_plan.h, the one place it is written). A larger leaf gets the
+#: pipeline's threads: packed, it was copied by one thread (H100: a 1 MiB batch 97 us
+#: packed, its 1 MiB leaf alone 58 us).
+SMALL_TENSOR_BYTES = int(_ops.fast.small_leaf_bytes)
 #: The kernel's fast call; absent from a build without CUDA (the op then says why).
 _FAST_TO_DEVICE = hasattr(_ops.fast, "to_device")
 
@@ -95,20 +96,24 @@ def _rebuilt_flat(batch: dict | list | tuple, values: list) -> dict | list | tup
     return values if type(batch) is list else tuple(values)
 
 
-def plain_batch(obj: Any, min_leaves: int = 2) -> tuple[list, bool, int] | None:
+def plain_batch(obj: Any, min_leaves: int = 2) -> tuple[list, bool] | None:
     """A batch whose tensors are all plain dense CPU tensors (plain_dense_cpu of every leaf,
-    in one C++ call), at least ``min_leaves`` of them: (leaves, flat, the largest leaf's
-    bytes); None for any other batch. ``flat``: ``obj`` is exactly a dict, list or tuple
-    of tensors, its values its leaves (rebuilt without the batch walker, which costs a
-    two-tensor dict about 5 us on this project's 2-core machine); else the leaves are
-    ``tensors_in(obj)``. :func:`rebuilt_batch` puts results back in their places."""
-    flat = type(obj) in _FLAT_BATCH_TYPES
-    leaves = _flat_values(obj) if flat else tensors_in(obj)
-    largest = _ops.fast.plain_leaves_max_bytes(leaves) if len(leaves) >= min_leaves else -1
-    if largest < 0 and flat:  # a value that is not a tensor: the walker finds the tensors
-        flat, leaves = False, tensors_in(obj)
-        largest = _ops.fast.plain_leaves_max_bytes(leaves) if len(leaves) >= min_leaves else -1
-    return (leaves, flat, largest) if largest >= 0 else None
+    in one C++ call), at least ``min_leaves`` of them: (leaves, flat); None for any other
+    batch. ``flat``: ``obj`` is exactly a dict, list or tuple of tensors, its values its
+    leaves (rebuilt without the batch walker, which costs a two-tensor dict about 5 us on
+    this project's 2-core machine); else the leaves are ``tensors_in(obj)``.
+    :func:`rebuilt_batch` puts results back in their places."""
+
+    def all_plain(leaves: list) -> bool:
+        return len(leaves) >= min_leaves and _ops.fast.plain_leaves_max_bytes(leaves) >= 0
+
+    if type(obj) in _FLAT_BATCH_TYPES:
+        leaves = _flat_values(obj)
+        if all_plain(leaves):
+            return leaves, True
+    # Nested, or a flat batch with a value that is not a tensor: the walker finds them.
+    leaves = tensors_in(obj)
+    return (leaves, False) if all_plain(leaves) else None
 
 
 def rebuilt_batch(obj: Any, flat: bool, results: list) -> Any:
@@ -156,19 +161,17 @@ def _send_leaves(
     chunk_bytes: int,
     num_buffers: int,
     staging: str = "auto",
-    *,
-    all_plain: bool = False,
 ) -> list[torch.Tensor]:
     """Each leaf to ``device``: plain CPU ones of at most SMALL_TENSOR_BYTES packed into one
-    copy, larger ones by to_device one by one, the rest by ``Tensor.to``. ``all_plain``: the
-    caller has already checked that every leaf is a plain dense CPU tensor
-    (``_C.plain_leaves_max_bytes``), so they are not checked again."""
+    copy, larger ones by to_device one by one, the rest by ``Tensor.to``. Through the
+    operators, so traced code sees them; a batch of plain CPU tensors in eager mode takes
+    the same rule in one C++ call instead (``_C.send_batch_leaves``)."""
     out: list[torch.Tensor | None] = [None] * len(tensors)
     small: list[int] = []
     for i, t in enumerate(tensors):
-        if not all_plain and t.device == device:
+        if t.device == device:
             out[i] = t
-        elif all_plain or plain_dense_cpu(t):
+        elif plain_dense_cpu(t):
             if t.nbytes <= SMALL_TENSOR_BYTES:
                 small.append(i)
             else:
@@ -273,21 +276,18 @@ def to_device(
                     torch.cuda.current_stream(out.device).synchronize()
                 return out
         elif _ops.eager():
-            # A batch of plain CPU tensors (a collated batch, per-step inputs). All small:
-            # one fast call packs and sends them and cuts the results. Some larger: those
-            # one by one, the small ones packed (_send_leaves), still without the argument
+            # A batch of plain CPU tensors (a collated batch, per-step inputs): one fast
+            # call sends them (the small ones packed into one copy, the others one by one;
+            # prefetch's sender sends a batch with the same call) without the argument
             # checks of the general path below (which cost a batch microseconds).
             # (A flat batch is rebuilt without the batch walker: plain_batch.)
             plain = plain_batch(obj)
             if plain is not None:
-                leaves, flat, largest = plain
+                leaves, flat = plain
                 with profiler_range("pinxfer::to_device"):
-                    if largest <= SMALL_TENSOR_BYTES:
-                        results = _ops.fast.to_device_many(leaves, dev)
-                    else:
-                        results = _send_leaves(
-                            leaves, dev, non_blocking, chunk_bytes, num_buffers, all_plain=True
-                        )
+                    results = _ops.fast.send_batch_leaves(
+                        leaves, dev, chunk_bytes, num_buffers, staging
+                    )
                 out = rebuilt_batch(obj, flat, results)
                 if not non_blocking:
                     torch.cuda.current_stream(device).synchronize()

@@ -477,21 +477,31 @@ def test_flat_batches_keep_their_type_order_and_values(large):
                 assert got == want
 
 
-def test_batch_packs_every_leaf_of_at_most_256_kib():
+@pytest.mark.parametrize("path", ["fast", "general"])
+def test_batch_packs_every_leaf_of_at_most_256_kib(path):
     """Leaves of up to 256 KiB, that size included, go in one packed copy: the results share
     one device allocation (bench_small_calls' batch of 64 tensors of 4-256 KiB sent its
     256 KiB leaves one by one when the rule read "under": 517 against 155 us, H100,
-    diag_many_small.py). A larger leaf is sent on its own."""
+    diag_many_small.py). A larger leaf is sent on its own. The rule is written twice, in
+    C++ for eager batches of plain tensors (the fast path, and prefetch's sender) and over
+    the operators for the general path (other settings, traced code): both keep it."""
+    # Settings equal to the defaults but not the same objects leave the fast path.
+    kw = {} if path == "fast" else {"chunk_bytes": int(str(16 << 20))}
     leaves = [torch.randint(0, 255, (n,), dtype=torch.uint8) for n in (4096, 256 * 1024, 1000)]
-    out = pinxfer.to_device(leaves)
+    out = pinxfer.to_device(leaves, **kw)
     assert len({t.untyped_storage().data_ptr() for t in out}) == 1
     for got, want in zip(out, leaves):
         _check(got, want)
     leaves.append(torch.randint(0, 255, (256 * 1024 + 1,), dtype=torch.uint8))
-    out = pinxfer.to_device({"a": leaves})["a"]
+    out = pinxfer.to_device({"a": leaves}, **kw)["a"]
     assert len({t.untyped_storage().data_ptr() for t in out[:3]}) == 1
     assert out[3].untyped_storage().data_ptr() != out[0].untyped_storage().data_ptr()
     for got, want in zip(out, leaves):
+        _check(got, want)
+    # One small leaf beside a large one is sent alone (a packed 1000 bytes would be 1024).
+    out = pinxfer.to_device([leaves[2], leaves[3]], **kw)
+    assert out[0].untyped_storage().nbytes() == leaves[2].nbytes
+    for got, want in zip(out, [leaves[2], leaves[3]]):
         _check(got, want)
 
 
@@ -757,6 +767,33 @@ def test_sender_road_pass_stopped_early_settles_its_batch_ahead():
     for b, x in zip(pinxfer.prefetch(batches), batches):
         _check(b, x)
     assert sender.taken - taken == len(batches)
+
+
+def test_sender_road_interrupt_in_the_source_settles_the_batch_being_taken():
+    """next() submits the next batch before it takes the current one: a KeyboardInterrupt
+    raised by the source while fetching that next batch leaves the current one untaken, so
+    it is settled before the interrupt propagates (the sender must not keep a job nobody
+    will take); the pass then ends, and the sender serves the next pass intact."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    sender = pinxfer._C.batch_sender(dev)
+    batches = [_random_bytes(70_000 + i, seed=i) for i in range(3)]
+
+    def source():
+        yield from batches
+        raise KeyboardInterrupt
+
+    submitted, taken = sender.submitted, sender.taken
+    it = iter(pinxfer.prefetch(source(), producer="caller"))
+    _check(next(it), batches[0])
+    _check(next(it), batches[1])
+    with pytest.raises(KeyboardInterrupt):
+        next(it)  # batch 2 was submitted, never taken
+    assert (sender.submitted, sender.taken) == (submitted + 3, taken + 2)
+    with pytest.raises(StopIteration):
+        next(it)
+    for b, x in zip(pinxfer.prefetch(batches), batches):
+        _check(b, x)
+    assert sender.taken - taken == 2 + len(batches)
 
 
 def test_sender_in_a_forked_child_is_the_childs_own():

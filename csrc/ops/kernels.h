@@ -71,6 +71,14 @@ PackedOnDevice pack_to_device(at::TensorList tensors, c10::Device device, bool w
 // csrc/ops/cuda/to_device_cuda.cpp
 at::Tensor send_to_device(const at::Tensor& self, c10::Device device,
                           const transfer::StagingOptions& options);
+// The leaves of a batch, each a plain dense CPU tensor, to `device` as pinxfer.to_device
+// sends a batch: those of at most transfer::kCurrentStreamBytes packed into one copy
+// (pack_to_device, views) when there are two or more, every other one alone
+// (send_to_device). Eager only: to_device's fast path and prefetch's BatchSender; traced
+// code gets the same rule from pinxfer/transfer.py's _send_leaves over the operators.
+// csrc/ops/cuda/to_device_cuda.cpp
+std::vector<at::Tensor> send_batch_leaves(const std::vector<at::Tensor>& leaves, c10::Device device,
+                                          const transfer::StagingOptions& options);
 // The op's staging arguments, checked (ranges, the staging mode's name).
 transfer::StagingOptions staging_options(int64_t chunk_bytes, int64_t num_buffers,
                                          c10::string_view staging, int64_t cached_tail);

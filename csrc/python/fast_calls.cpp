@@ -27,6 +27,7 @@
 #include "ops/kernels.h"
 #include "python/bindings.h"
 #include "python/call_breakdown.h"
+#include "transfer/chunk_plan.h"
 
 // What this library was built against, from setup.py's defines (a build that did not
 // define them is not one setup.py made: it says "unknown" rather than fail).
@@ -67,6 +68,12 @@ at::Tensor to_device_fast(const at::Tensor& tensor, c10::Device device, int64_t 
   return send_to_device(tensor, device, staging_options(chunk_bytes, num_buffers, staging, -1));
 }
 
+std::vector<at::Tensor> send_batch_leaves_fast(const std::vector<at::Tensor>& leaves,
+                                               c10::Device device, int64_t chunk_bytes,
+                                               int64_t num_buffers, const std::string& staging) {
+  return send_batch_leaves(leaves, device, staging_options(chunk_bytes, num_buffers, staging, -1));
+}
+
 std::vector<at::Tensor> to_device_many_fast(const std::vector<at::Tensor>& tensors,
                                             c10::Device device) {
   return pack_to_device(tensors, device, /*want_views=*/true).views;
@@ -102,6 +109,9 @@ PYBIND11_MODULE(_C, m) {
   m.attr("built_with_torch_cuda") = PINXFER_TORCH_CUDA_VERSION_STR;
   m.attr("build_stamp") = pinxfer_build_stamp;
   m.attr("pack_align") = pinxfer::ops::kPackAlign;
+  // A batch's leaves of at most this many bytes are packed into one copy
+  // (ops::send_batch_leaves; pinxfer/transfer.py's SMALL_TENSOR_BYTES).
+  m.attr("small_leaf_bytes") = pinxfer::transfer::kSerialBytes;
   m.def("pin_memory_many", torch::wrap_pybind_function_no_gil(&pinxfer::ops::pin_many),
         "pin_memory over a list of dense CPU tensors, one call for a batch");
   m.def("is_pinned", torch::wrap_pybind_function_no_gil(&pinxfer::ops::is_pinned_dense),
@@ -113,6 +123,11 @@ PYBIND11_MODULE(_C, m) {
   m.def("to_device", torch::wrap_pybind_function_no_gil(&pinxfer::ops::to_device_fast),
         "to_device(tensor, device, chunk_bytes, num_buffers, staging): the op's kernel, "
         "without the dispatcher (a 4 KiB transfer costs a few µs; dispatch is 3 of them)");
+  // Not an operator either: the small leaves' results are views of one buffer.
+  m.def("send_batch_leaves",
+        torch::wrap_pybind_function_no_gil(&pinxfer::ops::send_batch_leaves_fast),
+        "send_batch_leaves(leaves, device, chunk_bytes, num_buffers, staging): a batch's "
+        "leaves (plain dense CPU tensors, checked by the caller) as to_device sends a batch");
   // Not an operator: its outputs are views of one buffer, which torch >= 2.12 forbids
   // for operators (torch.ops.pinxfer.to_device_packed returns the buffer instead).
   m.def("to_device_many", torch::wrap_pybind_function_no_gil(&pinxfer::ops::to_device_many_fast),

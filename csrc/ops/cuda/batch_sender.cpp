@@ -36,33 +36,6 @@ void CUDART_CB mark_landed(void* flag) {
   delete landed;
 }
 
-// The leaves of one batch sent as pinxfer.to_device sends a batch of plain CPU tensors
-// (pinxfer/transfer.py, _send_leaves): those of at most kCurrentStreamBytes packed into
-// one copy when there are two or more, every other one alone. The current stream is the
-// sender's: small copies are queued on it, larger ones handed over to it.
-std::vector<at::Tensor> send_leaves(const std::vector<at::Tensor>& leaves, c10::Device device,
-                                    const transfer::StagingOptions& options) {
-  std::vector<at::Tensor> out(leaves.size());
-  std::vector<size_t> small;
-  for (size_t i = 0; i < leaves.size(); ++i) {
-    if (leaves[i].nbytes() <= transfer::kCurrentStreamBytes) {
-      small.push_back(i);
-    } else {
-      out[i] = send_to_device(leaves[i], device, options);
-    }
-  }
-  if (small.size() == 1) {
-    out[small[0]] = send_to_device(leaves[small[0]], device, options);
-  } else if (!small.empty()) {
-    std::vector<at::Tensor> packed_leaves;
-    packed_leaves.reserve(small.size());
-    for (size_t i : small) packed_leaves.push_back(leaves[i]);
-    PackedOnDevice packed = pack_to_device(packed_leaves, device, /*want_views=*/true);
-    for (size_t k = 0; k < small.size(); ++k) out[small[k]] = std::move(packed.views[k]);
-  }
-  return out;
-}
-
 }  // namespace
 
 struct BatchSender::Job : SerialJobs::Job {
@@ -140,7 +113,7 @@ void BatchSender::send(Job& job) {
   if (!stream_) stream_ = c10::cuda::getStreamFromPool(false, device_.index());
   c10::cuda::CUDAStreamGuard on_stream(*stream_);
   try {
-    job.outs = send_leaves(job.leaves, device_, job.options);
+    job.outs = send_batch_leaves(job.leaves, device_, job.options);
     job.event = cuda::record_event(stream_->unwrap());
     auto* flag = new LandedFlag(job.landed);
     const cudaError_t err = cudaLaunchHostFunc(stream_->stream(), &mark_landed, flag);

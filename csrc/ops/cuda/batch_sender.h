@@ -15,8 +15,9 @@
 // TSan and ASan; this class adds the CUDA send and the hand-over):
 //   submit(leaves, chunk_bytes, num_buffers)
 //                   queues the leaves (each a plain dense CPU tensor: the caller checked,
-//                   pinxfer._C.plain_leaves_max_bytes) to be sent with to_device's staging
-//                   settings; returns at once.
+//                   pinxfer._C.plain_leaves_max_bytes) to be sent as to_device sends a
+//                   batch (send_batch_leaves, ops/kernels.h) with those staging settings;
+//                   returns at once.
 //   take(job)       waits until the job is sent (its copies queued), then makes the
 //                   results safe on the caller's current stream: if the copies have
 //                   already landed (a host function the worker queued after them has run)

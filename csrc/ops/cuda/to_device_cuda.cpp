@@ -211,6 +211,30 @@ PackedOnDevice pack_to_device(at::TensorList tensors, c10::Device device, bool w
   return result;
 }
 
+std::vector<at::Tensor> send_batch_leaves(const std::vector<at::Tensor>& leaves, c10::Device device,
+                                          const transfer::StagingOptions& options) {
+  // The small leaves packed: one copy, one device allocation, instead of one each.
+  std::vector<at::Tensor> out(leaves.size());
+  std::vector<size_t> small;
+  for (size_t i = 0; i < leaves.size(); ++i) {
+    if (leaves[i].nbytes() <= transfer::kCurrentStreamBytes) {
+      small.push_back(i);
+    } else {
+      out[i] = send_to_device(leaves[i], device, options);
+    }
+  }
+  if (small.size() == 1) {
+    out[small[0]] = send_to_device(leaves[small[0]], device, options);
+  } else if (!small.empty()) {
+    std::vector<at::Tensor> packed_leaves;
+    packed_leaves.reserve(small.size());
+    for (size_t i : small) packed_leaves.push_back(leaves[i]);
+    PackedOnDevice packed = pack_to_device(packed_leaves, device, /*want_views=*/true);
+    for (size_t k = 0; k < small.size(); ++k) out[small[k]] = std::move(packed.views[k]);
+  }
+  return out;
+}
+
 // Both transfer ops take CPU tensors, so they dispatch on the CPU key; the
 // kernels exist only in CUDA builds (pinxfer/transfer.py says so in CPU-only builds).
 TORCH_LIBRARY_IMPL(pinxfer, CPU, m) {
