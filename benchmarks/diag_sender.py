@@ -49,6 +49,40 @@ def stats(xs: list[float]) -> dict:
     return {"median_us": statistics.median(us), "min_us": min(us), "n": len(us)}
 
 
+def sender_calls(dev: torch.device, batch: dict, gap: Any, sync: Any, passes: int) -> dict:
+    """The sender's calls alone, each right after the gap: take of a batch that has landed,
+    submit, and a trivial Python call for scale."""
+    sender = _ops.fast.batch_sender(dev)
+    leaves = [batch["x"], batch["y"], *batch["meta"]]
+    take_us, submit_us, noop_us = [], [], []
+    ticket = sender.submit(leaves, 16 << 20, 4)
+    for _ in range(passes * 4):
+        time.sleep(0.05)  # the batch lands
+        sync()
+        if gap is not None:
+            gap()
+        t0 = time.perf_counter()
+        got = sender.take(ticket)  # freed outside the timing, as a batch would be
+        take_us.append(time.perf_counter() - t0)
+        del got
+        if gap is not None:
+            gap()
+        t0 = time.perf_counter()
+        ticket = sender.submit(leaves, 16 << 20, 4)
+        submit_us.append(time.perf_counter() - t0)
+        if gap is not None:
+            gap()
+        t0 = time.perf_counter()
+        _ops.eager()
+        noop_us.append(time.perf_counter() - t0)
+    sender.take(ticket)
+    return {
+        "sender_take_landed": stats(take_us),
+        "sender_submit": stats(submit_us),
+        "python_call_eager": stats(noop_us),
+    }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="4K,64K,256K,1M")
@@ -139,48 +173,11 @@ def main() -> int:
                 row["loop_step"]["median_us"] / row["prefetch_step"]["median_us"]
             )
             result[f"{size_label(nbytes)} {pattern}"] = row
-            if args.no_calls:
-                print(
-                    f"{size_label(nbytes):>6} {pattern:<5} "
-                    f"step loop/prefetch x{row['step_ratio_median']:.2f}  "
-                    + "  ".join(
-                        f"{k} {v['median_us']:.0f}/{v['min_us']:.0f}"
-                        for k, v in row.items()
-                        if isinstance(v, dict)
-                    ),
-                    flush=True,
-                )
-                continue
-            # The sender's calls alone, each right after the gap.
-            sender = _ops.fast.batch_sender(dev)
-            leaves = [batches[0]["x"], batches[0]["y"], *batches[0]["meta"]]
-            take_us, submit_us, noop_us = [], [], []
-            ticket = sender.submit(leaves, 16 << 20, 4)
-            for _ in range(args.passes * 4):
-                time.sleep(0.05)  # the batch lands
-                sync()
-                if gap is not None:
-                    gap()
-                t0 = time.perf_counter()
-                got = sender.take(ticket)  # freed outside the timing, as a batch would be
-                take_us.append(time.perf_counter() - t0)
-                del got
-                if gap is not None:
-                    gap()
-                t0 = time.perf_counter()
-                ticket = sender.submit(leaves, 16 << 20, 4)
-                submit_us.append(time.perf_counter() - t0)
-                if gap is not None:
-                    gap()
-                t0 = time.perf_counter()
-                _ops.eager()
-                noop_us.append(time.perf_counter() - t0)
-            sender.take(ticket)
-            row["sender_take_landed"] = stats(take_us)
-            row["sender_submit"] = stats(submit_us)
-            row["python_call_eager"] = stats(noop_us)
+            if not args.no_calls:
+                row.update(sender_calls(dev, batches[0], gap, sync, args.passes))
             print(
                 f"{size_label(nbytes):>6} {pattern:<5} "
+                f"step loop/prefetch x{row['step_ratio_median']:.2f}  "
                 + "  ".join(
                     f"{k} {v['median_us']:.0f}/{v['min_us']:.0f}"
                     for k, v in row.items()
