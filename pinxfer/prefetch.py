@@ -80,6 +80,7 @@ from pinxfer._ops import cuda_unavailable_reason
 from pinxfer.transfer import (
     DEFAULT_CHUNK_BYTES,
     DEFAULT_NUM_BUFFERS,
+    Layout,
     plain_batch,
     profiler_range,
     rebuilt_batch,
@@ -316,7 +317,7 @@ class _Sent(NamedTuple):
     """A batch of plain CPU tensors its pass's BatchSender is sending (the caller's road)."""
 
     batch: Any  # the source batch: referenced until taken, as the lease held it
-    flat: bool | None  # plain_batch's: how the results go back; None: a bare tensor
+    layout: Layout | None  # plain_batch's: how the results go back; None: a bare tensor
     ticket: Any  # the sender's _SendTicket
     step: int  # the batch's number in the pass
 
@@ -457,16 +458,16 @@ class _CallerPass:
         if type(batch) is torch.Tensor:
             if not _ops.plain_dense_cpu(batch):
                 return None
-            leaves, flat = [batch], None
+            leaves, layout = [batch], None
         else:
             plain = plain_batch(batch, min_leaves=1)
             if plain is None:
                 return None
-            leaves, flat = plain
+            leaves, layout = plain
         if self.sender is None:
             self.sender = _ops.fast.batch_sender(self.device)
         ticket = self.sender.submit(leaves, self.to.chunk_bytes, self.to.num_buffers)
-        return _Sent(batch, flat, ticket, step)
+        return _Sent(batch, layout, ticket, step)
 
     def _take(self, sent: _Sent) -> tuple:
         """A batch from the sender, safe on the current stream: (_ITEM, batch on the device,
@@ -478,9 +479,9 @@ class _CallerPass:
             torch.cuda.synchronize(self.device)  # no copy may still read the batch
             _note(err, f"raised while pinxfer.prefetch transferred batch {sent.step}")
             return (_ERROR, err, None)
-        if sent.flat is None:
+        if sent.layout is None:
             return (_ITEM, results[0], None)
-        return (_ITEM, rebuilt_batch(sent.batch, sent.flat, results), None)
+        return (_ITEM, rebuilt_batch(sent.batch, sent.layout, results), None)
 
     def shutdown(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
         """Stops the pass: drops the batch sent ahead, closes the source's pass. Idempotent."""

@@ -1,0 +1,88 @@
+"""plain_batch / rebuilt_batch (pinxfer/transfer.py): the fast way to_device's eager batch
+path and prefetch's sender find a batch's tensors and put results back. Whatever way it
+takes (flat, one level deep, the walker), it must find exactly ``tensors_in(obj)`` and
+rebuild exactly what ``map_tensors`` builds. CPU only: the functions touch no device."""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+import pytest
+import torch
+
+from pinxfer._batch import map_tensors, tensors_in
+from pinxfer.transfer import plain_batch, rebuilt_batch
+
+Pair = collections.namedtuple("Pair", ["a", "b"])
+
+
+def t(n: int = 4) -> torch.Tensor:
+    return torch.arange(n, dtype=torch.float32)
+
+
+def assert_same_structure(got: Any, want: Any) -> None:
+    """Same container types, keys and order; the same tensor objects; equal other leaves."""
+    assert type(got) is type(want)
+    if isinstance(want, torch.Tensor):
+        assert got is want
+    elif isinstance(want, dict):
+        assert list(got) == list(want)
+        for k in want:
+            assert_same_structure(got[k], want[k])
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want)
+        for a, b in zip(got, want):
+            assert_same_structure(a, b)
+    else:
+        assert got == want
+
+
+def check_against_walker(batch: Any, min_leaves: int = 1) -> Any:
+    """plain_batch's leaves are tensors_in's, and rebuilt_batch builds map_tensors' batch
+    (results: fresh tensors, so a result in a wrong place shows). Returns the layout."""
+    plain = plain_batch(batch, min_leaves=min_leaves)
+    walked = tensors_in(batch)
+    if plain is None:
+        return None
+    leaves, layout = plain
+    assert len(leaves) == len(walked) and all(a is b for a, b in zip(leaves, walked))
+    results = [x.clone() for x in leaves]
+    it = iter(results)
+    assert_same_structure(
+        rebuilt_batch(batch, layout, results), map_tensors(batch, lambda _x: next(it))
+    )
+    return layout
+
+
+@pytest.mark.parametrize(
+    ("batch", "layout"),
+    [
+        ({"x": t(), "y": t(2)}, True),
+        ([t(), t()], True),
+        ((t(), t(3)), True),
+        ({"x": t(), "meta": [t(1), t(1)]}, (-1, 2)),  # bench_loop's batch
+        ({"x": t(), "pair": (t(1), t(2))}, (-1, 2)),
+        ([t(), [t(), t()], (t(),)], (-1, 2, 1)),
+        ({"x": t(), "none": []}, (-1, 0)),
+        ({"x": t(), "empty": ()}, (-1, 0)),
+        ({"x": t(), "name": "a"}, False),  # a value that is not a tensor
+        ({"x": t(), "ids": [t(), 3]}, False),  # a list with a non-tensor item
+        ({"x": t(), "deep": [[t()]]}, False),  # two levels down
+        ({"x": t(), "pair": Pair(t(), t())}, False),  # a namedtuple value
+        (collections.OrderedDict(x=t(), y=[t()]), False),  # not exactly a dict
+        (Pair(t(), [t()]), False),
+        ({"nested": {"a": t(), "b": t()}}, False),
+    ],
+)
+def test_layout_and_results_agree_with_the_walker(batch, layout):
+    assert check_against_walker(batch) == layout
+
+
+def test_batches_that_are_not_plain_are_refused_whatever_the_layout():
+    grad = t().requires_grad_()
+    for batch in ({"x": t(), "meta": [grad]}, {"x": grad, "y": t()}, [t(), [t(), grad]]):
+        assert plain_batch(batch, min_leaves=1) is None
+    # Fewer tensors than asked for.
+    assert plain_batch({"x": t(), "meta": []}, min_leaves=2) is None
+    assert plain_batch({"x": t(), "meta": [t()]}, min_leaves=2) is not None
