@@ -3,7 +3,14 @@ per-batch hand-over, peeled layer by layer, with torch's plain loop in the same 
 Microseconds per call (median of 7 rounds of N calls, each call followed by a synchronize
 where the row says "synced"), back to back.
 
-    python benchmarks/diag_batch.py [--json PATH] [--sizes 4K,1M]
+With ``--gaps sleep,gpu``, also each way called once right after a 20 ms gap (a sleep, or
+a GPU kernel the host waits on), the ways rotating so none always runs first, and the
+call and its synchronize timed (``after_gap_us``, median and minimum). Among them the
+batch's two sends taken apart and in both orders (its larger leaf alone, its small
+leaves packed, then one after the other), which says whether a batch's extra cost after
+a gap is the packed send itself or where it comes.
+
+    python benchmarks/diag_batch.py [--json PATH] [--sizes 4K,1M] [--gaps sleep,gpu]
 
 The batch is bench_loop.py's: {"x": float32 (~size*63/64), "y": int64 (size/64),
 "meta": [two int64 scalars]}. Writes benchmarks/results/<kind>/diag_batch.json by default.
@@ -55,10 +62,48 @@ def prefetch_us(batches: list, **kw: Any) -> float:
     return round(statistics.median(best), 2)
 
 
+GAP_S = 0.02
+
+
+def gpu_sleep_cycles(dev: torch.device) -> int:
+    """Cycles of torch.cuda._sleep that take about GAP_S here."""
+    sync = torch.cuda.current_stream(dev).synchronize
+    cycles = 1 << 20
+    while True:
+        t0 = time.perf_counter()
+        torch.cuda._sleep(cycles)
+        sync()
+        took = time.perf_counter() - t0
+        if took >= GAP_S / 4:
+            return int(cycles * GAP_S / took)
+        cycles *= 4
+
+
+def after_gap_us(ways: dict[str, Callable[[], Any]], gap: Callable[[], None], rounds: int) -> dict:
+    """Each way called right after a gap and synchronized, rotating the order each round."""
+    sync = torch.cuda.synchronize
+    names = list(ways)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            gap()
+            t0 = time.perf_counter()
+            out = ways[name]()
+            sync()
+            times[name].append((time.perf_counter() - t0) * 1e6)
+            del out
+    return {
+        n: {"median_us": round(statistics.median(v), 1), "min_us": round(min(v), 1)}
+        for n, v in times.items()
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None)
     ap.add_argument("--sizes", default="4K,64K,1M")
+    ap.add_argument("--gaps", default="", help="comma list of sleep,gpu (default: none)")
+    ap.add_argument("--gap-rounds", type=int, default=24)
     args = ap.parse_args()
     torch.cuda.init()
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -87,7 +132,7 @@ def main() -> None:
     for nbytes in parse_sizes(args.sizes):
         b = make_batch(nbytes)
         leaves = tensors_in(b)
-        small = [t for t in leaves if t.nbytes < transfer.SMALL_TENSOR_BYTES]
+        small = [t for t in leaves if t.nbytes <= transfer.SMALL_TENSOR_BYTES]
         fast_many = _ops._fast_to_device_many
         pinned_x = b["x"].pin_memory()
         calls = max(200, min(5000, (64 << 20) // max(nbytes, 1)))
@@ -140,6 +185,36 @@ def main() -> None:
         sz["prefetch_per_batch_us"]["plain loop"] = round(
             statistics.median(loop_pass() for _ in range(5)), 2
         )
+        if args.gaps:
+            cycles = gpu_sleep_cycles(dev)
+            gaps = {
+                "sleep": lambda: time.sleep(GAP_S),
+                "gpu": lambda: (torch.cuda._sleep(cycles), torch.cuda.synchronize()),
+            }
+            large = [t for t in leaves if t.nbytes > transfer.SMALL_TENSOR_BYTES]
+            gap_ways: dict[str, Callable[[], Any]] = {
+                "pinxfer.to_device(batch)": lambda b=b: pinxfer.to_device(b, dev),
+                "torch loop (4 x .to(nb))": loop,
+            }
+            if large and len(small) > 1:
+                gap_ways.update(
+                    {
+                        "large leaf alone": lambda: pinxfer.to_device(large[0], dev),
+                        "small leaves packed": lambda: fast_many(small, dev),
+                        "large, then small": lambda: (
+                            pinxfer.to_device(large[0], dev),
+                            fast_many(small, dev),
+                        ),
+                        "small, then large": lambda: (
+                            fast_many(small, dev),
+                            pinxfer.to_device(large[0], dev),
+                        ),
+                    }
+                )
+            sz["after_gap_us"] = {
+                name: after_gap_us(gap_ways, gaps[name], args.gap_rounds)
+                for name in args.gaps.split(",")
+            }
         result["sizes"][str(nbytes)] = sz
     out = args.json or os.path.join(
         os.path.dirname(os.path.abspath(__file__)), "results", "local", "diag_batch.json"
