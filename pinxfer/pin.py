@@ -25,6 +25,7 @@ from pinxfer._ops import (
     inplace_lock_kind,
     plain_dense_cpu,
 )
+from pinxfer._plain import plain_batch, rebuilt_batch
 
 __all__ = ["inplace_lock_kind", "is_pinned", "pin_", "pin_memory", "unpin_"]
 
@@ -179,6 +180,19 @@ def _pin_batch(obj: Any, node: int | None, threads: int) -> Any:
     """Pins every tensor of a batch. The plain dense CPU tensors go to C++ in one
     call (fast path); the rest one by one through :func:`_pin_tensor`."""
     if eager():
+        # A flat or one-level batch of plain CPU tensors (most collated batches): found
+        # and rebuilt without the walker (pinxfer/_plain.py). Not a batch the walker
+        # must take: an object with its own pin_memory() would be looked into there.
+        plain = plain_batch(obj, min_leaves=1)
+        if plain is not None and plain[1] is not False:
+            if not _ops.torch_cuda_ready:
+                _ops.ensure_torch_cuda()
+            try:
+                pinned = fast.pin_memory_many(plain[0], node, threads, not in_bad_fork())
+            except Exception:  # noqa: BLE001 - pinned again below, for a path-named error
+                pinned = None
+            if pinned is not None:
+                return rebuilt_batch(obj, plain[1], pinned)
         leaves = _batch.tensors_in(obj, other=_has_own_pin)
         is_dense = [plain_dense_cpu(t) for t in leaves]  # map_tensors visits the same order
         dense = [t for t, d in zip(leaves, is_dense) if d]

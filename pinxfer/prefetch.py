@@ -77,13 +77,11 @@ from pinxfer import _check, _ops
 from pinxfer._batch import tensors_in
 from pinxfer._check import DeviceLike
 from pinxfer._ops import cuda_unavailable_reason
+from pinxfer._plain import Layout, plain_batch, rebuilt_batch
 from pinxfer.transfer import (
     DEFAULT_CHUNK_BYTES,
     DEFAULT_NUM_BUFFERS,
-    Layout,
-    plain_batch,
     profiler_range,
-    rebuilt_batch,
     to_device,
 )
 

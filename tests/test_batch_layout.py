@@ -1,7 +1,8 @@
-"""plain_batch / rebuilt_batch (pinxfer/transfer.py): the fast way to_device's eager batch
-path and prefetch's sender find a batch's tensors and put results back. Whatever way it
-takes (flat, one level deep, the walker), it must find exactly ``tensors_in(obj)`` and
-rebuild exactly what ``map_tensors`` builds. CPU only: the functions touch no device."""
+"""plain_batch / rebuilt_batch (pinxfer/_plain.py): the fast way to_device's eager batch
+path, prefetch's sender and pin_memory of a batch find a batch's tensors and put results
+back. Whatever way it takes (flat, one level deep, the walker), it must find exactly
+``tensors_in(obj)`` and rebuild exactly what ``map_tensors`` builds. CPU only, except the
+pin_memory test's pinning (real page-locked memory, as the README tests pin)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from pinxfer._batch import map_tensors, tensors_in
-from pinxfer.transfer import plain_batch, rebuilt_batch
+from pinxfer._plain import plain_batch, rebuilt_batch
 
 Pair = collections.namedtuple("Pair", ["a", "b"])
 
@@ -86,3 +87,43 @@ def test_batches_that_are_not_plain_are_refused_whatever_the_layout():
     # Fewer tensors than asked for.
     assert plain_batch({"x": t(), "meta": []}, min_leaves=2) is None
     assert plain_batch({"x": t(), "meta": [t()]}, min_leaves=2) is not None
+
+
+@pytest.mark.parametrize(
+    "batch",
+    [
+        {"x": t(), "y": t(2)},
+        {"x": t(), "meta": [t(1), t(1)], "pair": (t(3),)},
+        [t(), [t(), t()]],
+        {"x": t(), "name": "a", "deep": [[t()]]},  # the walker's
+    ],
+)
+def test_pin_memory_of_a_batch_pins_every_tensor_in_its_place(batch):
+    """pin_memory of a flat or one-level batch takes plain_batch's way (no walker); every
+    tensor comes back pinned, equal, in map_tensors' structure, and an already pinned
+    tensor comes back as itself, as Tensor.pin_memory() does."""
+    import pinxfer
+
+    already = pinxfer.pin_memory(t(5))
+    if isinstance(batch, dict):
+        batch = {**batch, "pinned": already}
+    out = pinxfer.pin_memory(batch)
+    it = iter(tensors_in(out))
+    want_structure = map_tensors(batch, lambda _x: next(it))
+    assert_same_structure(out, want_structure)
+    for got, src in zip(tensors_in(out), tensors_in(batch)):
+        assert pinxfer.is_pinned(got) and torch.equal(got, src)
+        assert (got is src) == (src is already)
+
+
+def test_pin_memory_asks_an_object_with_its_own_pin_memory_inside_a_batch():
+    """A value with its own pin_memory() is not a tensor: the batch takes the walker,
+    which asks the object to pin itself, as before the plain_batch way existed."""
+    import pinxfer
+
+    class OwnPin:
+        def pin_memory(self):
+            return "pinned by itself"
+
+    out = pinxfer.pin_memory({"x": t(), "own": OwnPin(), "meta": [t()]})
+    assert out["own"] == "pinned by itself" and pinxfer.is_pinned(out["x"])

@@ -1176,7 +1176,7 @@ def test_plain_batch_finds_and_rebuilds_as_the_walker_does(batch):
     """to_device's eager batch path and prefetch's sender find a batch's tensors and put
     the results back without the walker where they can (flat, one level deep): for any
     batch, the same tensors and the same rebuilt structure as tensors_in / map_tensors."""
-    from pinxfer.transfer import plain_batch, rebuilt_batch
+    from pinxfer._plain import plain_batch, rebuilt_batch
 
     plain = plain_batch(batch, min_leaves=1)
     walked = pinxfer._batch.tensors_in(batch)
