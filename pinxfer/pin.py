@@ -194,8 +194,14 @@ def _pin_batch(obj: Any, node: int | None, threads: int) -> Any:
             if pinned is not None:
                 return rebuilt_batch(obj, plain[1], pinned)
         leaves = _batch.tensors_in(obj, other=_has_own_pin)
-        is_dense = [plain_dense_cpu(t) for t in leaves]  # map_tensors visits the same order
-        dense = [t for t, d in zip(leaves, is_dense) if d]
+        # Per leaf, in the order map_tensors visits them: one C++ call when all are plain
+        # (the Python predicate costs about 0.6 us a leaf), else leaf by leaf.
+        if fast.plain_leaves_max_bytes(leaves) >= 0:
+            is_dense = [True] * len(leaves)
+            dense = leaves
+        else:
+            is_dense = [plain_dense_cpu(t) for t in leaves]
+            dense = [t for t, d in zip(leaves, is_dense) if d]
         if dense:
             if not _ops.torch_cuda_ready:
                 _ops.ensure_torch_cuda()
