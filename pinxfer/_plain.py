@@ -63,15 +63,16 @@ def _one_level_leaves(values: list) -> tuple[list, tuple[int, ...]] | None:
     return leaves, tuple(counts)
 
 
-def plain_batch(obj: Any, min_leaves: int = 2) -> tuple[list, Layout] | None:
+def plain_batch(obj: Any, min_leaves: int = 2, walk: bool = True) -> tuple[list, Layout] | None:
     """A batch whose tensors are all plain dense CPU tensors (plain_dense_cpu of every leaf,
     in one C++ call), at least ``min_leaves`` of them: (leaves, layout); None for any other
-    batch. The leaves are ``tensors_in(obj)``, found without the batch walker when ``obj`` is
-    exactly a dict, list or tuple whose values are tensors (layout True) or tensors and
-    exact lists / tuples of tensors (layout: their counts); the walker costs a two-tensor
-    dict about 5 us on this project's 2-core machine, and a collated batch with a list of
-    two tensors 4 us to walk and 5 to rebuild, against 1 and 1 this way.
-    :func:`rebuilt_batch` puts results back in their places."""
+    batch, and (``walk`` False) for one only the walker can take. The leaves are
+    ``tensors_in(obj)``, found without the batch walker when ``obj`` is exactly a dict, list
+    or tuple whose values are tensors (layout True) or tensors and exact lists / tuples of
+    tensors (layout: their counts); the walker costs a two-tensor dict about 5 us on this
+    project's 2-core machine, and a collated batch with a list of two tensors 4 us to walk
+    and 5 to rebuild, against 1 and 1 this way. :func:`rebuilt_batch` puts results back in
+    their places."""
 
     def all_plain(leaves: list) -> bool:
         return len(leaves) >= min_leaves and _ops.fast.plain_leaves_max_bytes(leaves) >= 0
@@ -84,6 +85,8 @@ def plain_batch(obj: Any, min_leaves: int = 2) -> tuple[list, Layout] | None:
         if one_level is not None:
             return one_level if all_plain(one_level[0]) else None
     # Deeper, or a value that is not a tensor or a list of them: the walker finds them.
+    if not walk:
+        return None
     leaves = tensors_in(obj)
     return (leaves, False) if all_plain(leaves) else None
 

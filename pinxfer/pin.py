@@ -182,9 +182,10 @@ def _pin_batch(obj: Any, node: int | None, threads: int) -> Any:
     if eager():
         # A flat or one-level batch of plain CPU tensors (most collated batches): found
         # and rebuilt without the walker (pinxfer/_plain.py). Not a batch the walker
-        # must take: an object with its own pin_memory() would be looked into there.
-        plain = plain_batch(obj, min_leaves=1)
-        if plain is not None and plain[1] is not False:
+        # must take (walk=False): pinning asks an object with its own pin_memory() to pin
+        # itself, where plain_batch's walk would look into it.
+        plain = plain_batch(obj, min_leaves=1, walk=False)
+        if plain is not None:
             if not _ops.torch_cuda_ready:
                 _ops.ensure_torch_cuda()
             try:

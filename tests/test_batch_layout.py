@@ -127,3 +127,11 @@ def test_pin_memory_asks_an_object_with_its_own_pin_memory_inside_a_batch():
 
     out = pinxfer.pin_memory({"x": t(), "own": OwnPin(), "meta": [t()]})
     assert out["own"] == "pinned by itself" and pinxfer.is_pinned(out["x"])
+
+
+def test_without_walk_only_flat_and_one_level_batches_are_taken():
+    for batch in ({"x": t(), "y": t()}, {"x": t(), "meta": [t()]}):
+        assert plain_batch(batch, min_leaves=1, walk=False) is not None
+    for batch in ({"x": t(), "deep": [[t()]]}, Pair(t(), t()), {"x": t(), "name": "a"}):
+        assert plain_batch(batch, min_leaves=1, walk=False) is None
+        assert plain_batch(batch, min_leaves=1) is not None
