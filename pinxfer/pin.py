@@ -176,6 +176,17 @@ def _pin_by_itself(obj: Any) -> Any:
     return obj.pin_memory() if _has_own_pin(obj) else _batch.PASS
 
 
+def _pin_many(dense: list, node: int | None, threads: int) -> list | None:
+    """Plain dense CPU tensors pinned in one C++ call; None if that raised (the caller then
+    pins them one by one, for an error that names the tensor's place in the batch)."""
+    if not _ops.torch_cuda_ready:
+        _ops.ensure_torch_cuda()
+    try:
+        return fast.pin_memory_many(dense, node, threads, not in_bad_fork())
+    except Exception:  # noqa: BLE001 - pinned one by one by the caller
+        return None
+
+
 def _pin_batch(obj: Any, node: int | None, threads: int) -> Any:
     """Pins every tensor of a batch. The plain dense CPU tensors go to C++ in one
     call (fast path); the rest one by one through :func:`_pin_tensor`."""
@@ -186,12 +197,7 @@ def _pin_batch(obj: Any, node: int | None, threads: int) -> Any:
         # itself, where plain_batch's walk would look into it.
         plain = plain_batch(obj, min_leaves=1, walk=False)
         if plain is not None:
-            if not _ops.torch_cuda_ready:
-                _ops.ensure_torch_cuda()
-            try:
-                pinned = fast.pin_memory_many(plain[0], node, threads, not in_bad_fork())
-            except Exception:  # noqa: BLE001 - pinned again below, for a path-named error
-                pinned = None
+            pinned = _pin_many(plain[0], node, threads)
             if pinned is not None:
                 return rebuilt_batch(obj, plain[1], pinned)
         leaves = _batch.tensors_in(obj, other=_has_own_pin)
@@ -203,20 +209,15 @@ def _pin_batch(obj: Any, node: int | None, threads: int) -> Any:
         else:
             is_dense = [plain_dense_cpu(t) for t in leaves]
             dense = [t for t, d in zip(leaves, is_dense) if d]
-        if dense:
-            if not _ops.torch_cuda_ready:
-                _ops.ensure_torch_cuda()
-            try:
-                pinned = iter(fast.pin_memory_many(dense, node, threads, not in_bad_fork()))
-            except Exception:  # noqa: BLE001 - pinned one by one below, for a path-named error
-                pinned = None
-            if pinned is not None:
-                dense_flags = iter(is_dense)
+        pinned = _pin_many(dense, node, threads) if dense else None
+        if pinned is not None:
+            pinned_in_order = iter(pinned)
+            dense_flags = iter(is_dense)
 
-                def take(t: torch.Tensor) -> torch.Tensor:
-                    return next(pinned) if next(dense_flags) else _pin_tensor(t, node, threads)
+            def take(t: torch.Tensor) -> torch.Tensor:
+                return next(pinned_in_order) if next(dense_flags) else _pin_tensor(t, node, threads)
 
-                return _batch.map_tensors(obj, take, other=_pin_by_itself, describe=_with_path)
+            return _batch.map_tensors(obj, take, other=_pin_by_itself, describe=_with_path)
     return _batch.map_tensors(
         obj, lambda t: _pin_tensor(t, node, threads), other=_pin_by_itself, describe=_with_path
     )

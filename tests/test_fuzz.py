@@ -1173,36 +1173,11 @@ def test_storm_of_bad_calls_leaves_the_pool_consistent(seed):
 
 @given(batch=batches(st.integers(0, 6).map(lambda n: torch.arange(n, dtype=torch.float32))))
 def test_plain_batch_finds_and_rebuilds_as_the_walker_does(batch):
-    """to_device's eager batch path and prefetch's sender find a batch's tensors and put
-    the results back without the walker where they can (flat, one level deep): for any
-    batch, the same tensors and the same rebuilt structure as tensors_in / map_tensors."""
-    from pinxfer._plain import plain_batch, rebuilt_batch
+    """to_device's eager batch path, prefetch's sender and pin_memory find a batch's tensors
+    and put the results back without the walker where they can (flat, one level deep): for
+    any batch, the same tensors and the same rebuilt structure as tensors_in / map_tensors
+    (every tensor here is a plain CPU tensor, so only a batch without one is refused)."""
+    from .test_batch_layout import check_against_walker
 
-    plain = plain_batch(batch, min_leaves=1)
-    walked = pinxfer._batch.tensors_in(batch)
-    assert (plain is None) == (not walked)  # every tensor here is a plain CPU tensor
-    if plain is None:
-        return
-    leaves, layout = plain
-    assert len(leaves) == len(walked) and all(a is b for a, b in zip(leaves, walked))
-    results = [x + 1 for x in leaves]
-    it = iter(results)
-    want = pinxfer._batch.map_tensors(batch, lambda _x: next(it))
-    got = rebuilt_batch(batch, layout, results)
-
-    def same(a, b):
-        assert type(a) is type(b)
-        if isinstance(b, torch.Tensor):
-            assert a is b
-        elif isinstance(b, dict):
-            assert list(a) == list(b)
-            for k in b:
-                same(a[k], b[k])
-        elif isinstance(b, (list, tuple)):
-            assert len(a) == len(b)
-            for x, y in zip(a, b):
-                same(x, y)
-        else:
-            assert a == b
-
-    same(got, want)
+    layout = check_against_walker(batch)
+    assert (layout is None) == (not pinxfer._batch.tensors_in(batch))
