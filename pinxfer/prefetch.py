@@ -215,18 +215,25 @@ class _StagedPass:
 #   ahead from Python on the pass's own stream with an event, wait and record_stream:
 #   back to back a 4 KiB step went from 31 to 54-74 us and after a gap it was no better.
 # * The thread's road (_Pass): a producer thread sends up to ``depth`` batches ahead. It is
-#   the road for large batches, whose host-side staging takes long enough that the
-#   consumer should not wait for it, and for CPU passes and a caller's ``transfer``.
+#   the road for large batches the sender does not take (sent in next(), their host-side
+#   staging would make the consumer wait), and for CPU passes and a caller's ``transfer``.
 #
 # producer="auto" (the default) starts on the caller's road, sends the first batch there
-# and moves the rest of the pass to a thread when that batch holds more than
-# CALLER_SENDS_BYTES of tensors; producer="caller" / "thread" choose one road.
+# and moves the rest of the pass to a thread when that batch was sent in next() (not by
+# the sender) and holds more than CALLER_SENDS_BYTES of tensors; producer="caller" /
+# "thread" choose one road. Large batches of plain CPU tensors stay with the sender, which
+# hides their staging as the thread does, without a GIL hand-off per batch: 8 and 64 MiB
+# batches through the sender against the thread (H200, bench_loop --producer caller / auto,
+# 2 processes each, results/h200/loop_producer_2026-11-27_s10_*): after a GPU kernel 64 MiB
+# 123-155 against 171-187 us per step, 8 MiB 1.41-1.76x the pinned copy against
+# 1.44-1.48x; back to back 64 MiB 0.89-0.91x the pinned copy against 0.85-0.89x.
 
-#: The largest first batch (bytes of its tensors) for which producer="auto" keeps a pass on
-#: the caller's road. Up to 1 MiB sending a batch costs the consumer less than the thread's
-#: hand-off (H100, bench_loop / diag_batch: 1 MiB batches 184 us per step on the caller's
-#: road, 205 through the thread); at 4 MiB and more the thread's road wins (the staging
-#: is long enough to be worth hiding from the consumer).
+#: The largest first batch (bytes of its tensors) sent in next() (not by the sender) for
+#: which producer="auto" keeps a pass on the caller's road. Up to 1 MiB sending a batch
+#: costs the consumer less than the thread's hand-off (H100, bench_loop / diag_batch:
+#: 1 MiB batches 184 us per step on the caller's road, 205 through the thread); at 4 MiB
+#: and more the thread's road wins (the staging is long enough to be worth hiding from the
+#: consumer).
 CALLER_SENDS_BYTES = 1 << 20
 
 PRODUCERS = ("auto", "caller", "thread")
@@ -378,23 +385,27 @@ class _CallerPass:
         item, self.ahead = (self.ahead or self._send_next()), None
         taken = item[0] == _SENT  # the sender's: safe on the current stream once taken
         if taken:
-            if not (self.hand_off_large and self.step == 1):  # the road is chosen
-                # The next batch goes to the sender before this one is taken: the sender
-                # sends it while the consumer takes this one and synchronizes (the comment
-                # block above the roads has the figures).
-                try:
-                    self.ahead = self._send_next()
-                except BaseException:  # KeyboardInterrupt in the source: this one is lost
-                    self.sender.settle(item[1].ticket)
-                    raise
+            # The next batch goes to the sender before this one is taken: the sender sends
+            # it while the consumer takes this one and synchronizes (the comment block
+            # above the roads has the figures).
+            try:
+                self.ahead = self._send_next()
+            except BaseException:  # KeyboardInterrupt in the source: this one is lost
+                self.sender.settle(item[1].ticket)
+                raise
             item = self._take(item[1])
         if item[0] == _ITEM:
             first = self.step == 1
-            if first and self.hand_off_large and _tensor_bytes(item[1]) > CALLER_SENDS_BYTES:
-                # Large batches: a producer thread sends the rest, this one first (with an
-                # event: the thread's road hands every batch over with one; none for a
-                # batch taken from the sender, which is safe on the current stream).
-                if self.device is not None and not taken:
+            if (
+                first
+                and self.hand_off_large
+                and not taken
+                and _tensor_bytes(item[1]) > CALLER_SENDS_BYTES
+            ):
+                # Large batches the sender does not take: a producer thread sends the
+                # rest, this one first (with an event: the thread's road hands every batch
+                # over with one).
+                if self.device is not None:
                     item = (item[0], item[1], self._copy_event(item))
                 self.threaded = _Pass(self.leases, self.to, self.depth, first=item)
                 self.leases = None
@@ -834,14 +845,14 @@ def prefetch(
     """Wraps an iterable so that its batches reach the GPU ahead of use.
 
     Batches are pulled from ``iterable`` and sent to ``device`` as
-    :func:`pinxfer.to_device` sends them, ahead of use: small ones one step ahead (each
-    ``next()`` hands out the batch sent at the previous step and starts the next, which
-    pinxfer's per-device C++ sender thread sends during the consumer's step when its
-    tensors are plain CPU tensors), large ones by a background thread that keeps at
-    most ``depth`` batches fetched ahead (``producer``). Each yielded batch is ready
-    on the consumer's current stream and its device memory is not reused before
-    that stream is done with it -- no ``record_stream`` or sync needed by the
-    caller. Already-pinned tensors (``DataLoader(pin_memory=True)``) are sent
+    :func:`pinxfer.to_device` sends them, ahead of use: batches of plain CPU tensors one
+    step ahead (each ``next()`` hands out the batch sent at the previous step and starts
+    the next, which pinxfer's per-device C++ sender thread sends during the consumer's
+    step), other small ones one step ahead from ``next()`` itself, other large ones by a
+    background thread that keeps at most ``depth`` batches fetched ahead (``producer``).
+    Each yielded batch is ready on the consumer's current stream and its device memory
+    is not reused before that stream is done with it -- no ``record_stream`` or sync
+    needed by the caller. Already-pinned tensors (``DataLoader(pin_memory=True)``) are sent
     directly, without staging. Nested structures (dict, list, tuple, namedtuple,
     dataclass) and non-tensor fields pass through. An exception raised by the
     source is raised by the consumer's ``next()`` at the same step, after the
@@ -874,10 +885,12 @@ def prefetch(
         num_slots: slots in the ring; None: ``num_workers * prefetch_factor``
             (twice that with persistent workers) ``+ depth + 2``.
         producer: who sends the batches. ``"auto"`` (default): for a GPU with the
-            default transfer, one batch ahead from the consumer's ``next()`` while
-            batches are small (the first batch holds at most :data:`CALLER_SENDS_BYTES`
-            of tensors: a Python thread's hand-off per batch would cost more), else a
-            background thread; a CPU pass or a custom ``transfer``: the thread.
+            default transfer, one batch ahead from the consumer's ``next()`` (batches
+            of plain CPU tensors by the C++ sender, of any size) while the batches that
+            ``next()`` sends itself are small (the first holds at most
+            :data:`CALLER_SENDS_BYTES` of tensors: a Python thread's hand-off per batch
+            would cost more), else a background thread, ``depth`` batches ahead; a CPU
+            pass or a custom ``transfer``: the thread.
             ``"caller"``: always one batch ahead from ``next()`` (the source's
             ``__next__`` then runs in the consumer's thread; batches of plain CPU
             tensors are sent by the C++ sender, others in ``next()``). ``"thread"``:

@@ -624,8 +624,8 @@ def test_prefetch_auto_road_follows_the_first_batch():
     thread; the pass's C++ sender sends them one batch ahead), and the consumer's current
     stream stays current; a
     consumer that changes streams between batches still gets each batch ready on its new
-    stream; a first batch over CALLER_SENDS_BYTES moves the pass to a producer thread, the
-    first batch included."""
+    stream; a first batch over CALLER_SENDS_BYTES that the sender does not take moves the
+    pass to a producer thread, the first batch included."""
     from pinxfer.prefetch import CALLER_SENDS_BYTES
 
     def threads():
@@ -652,11 +652,19 @@ def test_prefetch_auto_road_follows_the_first_batch():
             oks.append(torch.all(b == float(i)))
     torch.cuda.synchronize()
     assert torch.stack(oks).all().item()
+    # Large batches of plain tensors stay with the sender; large ones it does not take
+    # (here: tensors that need grad) move to a producer thread.
     large = [torch.full((CALLER_SENDS_BYTES // 4 + 1024,), float(i)) for i in range(4)]
     got = []
-    for i, b in enumerate(pinxfer.prefetch(large, depth=2)):
+    for b in pinxfer.prefetch(large, depth=2):
+        assert not threads()
+        got.append(b[0].item())
+    assert got == [0.0, 1.0, 2.0, 3.0]
+    got = []
+    for i, b in enumerate(pinxfer.prefetch([t.requires_grad_() for t in large], depth=2)):
         if i == 0:  # the producer thread is at most depth batches ahead: still running
             assert len(threads()) == 1
+        assert b.requires_grad and b.is_cuda
         got.append(b[0].item())
     assert got == [0.0, 1.0, 2.0, 3.0]
 
