@@ -34,7 +34,8 @@ def _check(y: torch.Tensor, x: torch.Tensor) -> None:
     assert y.device.type == "cuda"
     assert y.dtype == x.dtype and y.shape == x.shape
     assert y.is_contiguous()
-    ref = x.resolve_conj().contiguous()
+    assert not y.is_conj() and not y.is_neg()
+    ref = x.resolve_conj().resolve_neg().contiguous()
     got = y.cpu()
     # bitwise: views as bytes (also compares NaN payloads, -0.0, bool bytes)
     assert torch.equal(got.reshape(-1).view(torch.uint8), ref.reshape(-1).view(torch.uint8))
@@ -142,7 +143,21 @@ def test_non_contiguous_inputs():
         assert not x.is_contiguous() or x.is_conj()
         y = pinxfer.to_device(x, chunk_bytes=MiB)
         _check(y, x)
-        assert not y.is_conj()
+
+
+def test_conjugate_and_negative_views_are_resolved():
+    # Their bits are resolved on the host (dense_source), one tensor alone or in a batch
+    # (whose small leaves are packed): the device gets the values, not the raw bytes.
+    for n in (64, 1 << 20):  # the caller's small path and the pipeline
+        conj = torch.randn(n, dtype=torch.complex64).conj()
+        neg = torch._neg_view(torch.randn(n))  # contiguous, with the negative bit
+        imag = torch.randn(n, dtype=torch.complex64).conj().imag  # negative bit, strided
+        assert conj.is_conj() and neg.is_neg() and imag.is_neg()
+        for x in (conj, neg, imag):
+            _check(pinxfer.to_device(x), x)
+        out = pinxfer.to_device({"conj": conj, "neg": neg, "imag": imag, "plain": torch.ones(n)})
+        for key, x in (("conj", conj), ("neg", neg), ("imag", imag)):
+            _check(out[key], x)
 
 
 def test_pinned_inputs_pool_and_torch():

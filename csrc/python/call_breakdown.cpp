@@ -24,6 +24,11 @@
 #include "ops/kernels.h"
 #include "python/call_breakdown.h"
 #include "runtime/cuda_runtime.h"
+#if PINXFER_WITH_CUDA
+#include "transfer/cuda/copy_streams.h"
+#include "transfer/cuda/pipeline.h"
+#include "transfer/cuda/source_use.h"
+#endif
 
 #if PINXFER_WITH_CUDA
 #include <ATen/detail/CUDAHooksInterface.h>
@@ -99,6 +104,8 @@ std::map<std::string, double> call_breakdown(int64_t iterations) {
     const c10::Device cuda_device(c10::DeviceType::CUDA, device);
     const auto opts = at::TensorOptions().device(cuda_device).dtype(at::kByte);
     out["cuda_empty_4KiB"] = ns_per_call(iterations, [&] { (void)at::empty({4096}, opts); });
+    out["device_empty_4KiB"] =
+        ns_per_call(iterations, [&] { (void)transfer::device_empty({4096}, opts); });
     at::Tensor dst = at::empty({4096}, opts);
     at::Tensor pinned = ops::pool_empty({4096}, at::kByte, std::nullopt);
     out["cudaMemcpyAsync_pinned_4KiB"] = ns_per_call(
@@ -109,6 +116,15 @@ std::map<std::string, double> call_breakdown(int64_t iterations) {
         },
         [] { C10_CUDA_CHECK(cudaDeviceSynchronize()); });
     const at::Tensor pageable = at::zeros({4096}, at::kByte);
+    // The pieces of send_to_device's small pageable path that are not timed above.
+    out["is_dma_pinned_pageable"] =
+        ns_per_call(iterations, [&] { (void)transfer::is_dma_pinned(pageable); });
+    out["release_finished_sources"] =
+        ns_per_call(iterations, [device] { transfer::release_finished_sources(device); });
+    const c10::cuda::CUDAStream cur = c10::cuda::getCurrentCUDAStream(device);
+    out["caller_staged_copy_4KiB"] = ns_per_call(
+        iterations, [&] { transfer::caller_staged_copy(pageable, dst, device, cur); },
+        [] { C10_CUDA_CHECK(cudaDeviceSynchronize()); });
     const auto staging = ops::staging_options(int64_t{16} << 20, 4, "auto", -1);
     out["send_to_device_4KiB"] = ns_per_call(
         iterations, [&] { (void)ops::send_to_device(pageable, cuda_device, staging); },

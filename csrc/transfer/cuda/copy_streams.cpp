@@ -1,5 +1,6 @@
 #include "transfer/cuda/copy_streams.h"
 
+#include <ATen/cuda/EmptyTensor.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -50,10 +51,14 @@ bool stream_busy(const c10::cuda::CUDAStream& stream) {
   return false;
 }
 
-at::Tensor empty_on_stream(at::IntArrayRef sizes, at::TensorOptions options,
+at::Tensor device_empty(at::IntArrayRef sizes, const at::TensorOptions& options) {
+  return at::detail::empty_cuda(sizes, options);
+}
+
+at::Tensor empty_on_stream(at::IntArrayRef sizes, const at::TensorOptions& options,
                            const c10::cuda::CUDAStream& stream) {
   c10::cuda::CUDAStreamGuard guard(stream);
-  return at::empty(sizes, options);
+  return device_empty(sizes, options);
 }
 
 void hand_over(const at::Tensor& out, const c10::cuda::CUDAStream& copy,

@@ -38,8 +38,13 @@ void stream_wait(const c10::cuda::CUDAStream& waiter, const c10::cuda::CUDAStrea
 // True while work queued on `stream` has not finished.
 bool stream_busy(const c10::cuda::CUDAStream& stream);
 
+// An uninitialised contiguous tensor on options' CUDA device from the caching allocator, for
+// the current stream: at::empty without the dispatcher (about 1 µs of a 4 KiB transfer's 10 on
+// the H100 host) and without the deterministic-mode fill (a transfer writes every byte).
+at::Tensor device_empty(at::IntArrayRef sizes, const at::TensorOptions& options);
+
 // The output of a transfer, allocated on the copy stream (see 1. above).
-at::Tensor empty_on_stream(at::IntArrayRef sizes, at::TensorOptions options,
+at::Tensor empty_on_stream(at::IntArrayRef sizes, const at::TensorOptions& options,
                            const c10::cuda::CUDAStream& stream);
 
 // Makes `cur` wait for the copies and keeps `out`'s memory from the next copy
