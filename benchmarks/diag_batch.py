@@ -8,7 +8,8 @@ a GPU kernel the host waits on), the ways rotating so none always runs first, an
 call and its synchronize timed (``after_gap_us``, median and minimum). Among them the
 batch's two sends taken apart and in both orders (its larger leaf alone, its small
 leaves packed, then one after the other), which says whether a batch's extra cost after
-a gap is the packed send itself or where it comes.
+a gap is the packed send itself or where it comes; and every leaf packed into one copy
+(one staging block, one DMA, one device allocation), a batch with fewer CUDA calls.
 
     python benchmarks/diag_batch.py [--json PATH] [--sizes 4K,1M] [--gaps sleep,gpu]
 
@@ -152,6 +153,9 @@ def main() -> None:
             "_C.to_device_many(small leaves)": lambda s=small: (
                 fast_many(s, dev) if len(s) > 1 else None
             ),
+            # Every leaf in one staging block and one DMA (the large one too): how a batch
+            # with fewer CUDA calls would do, against the batch rule's two sends.
+            "_C.to_device_many(all leaves)": lambda ls=leaves: fast_many(ls, dev),
             "pinxfer.to_device(x)": lambda b=b: pinxfer.to_device(b["x"], dev),
             "torch loop (4 x .to(nb))": loop,
             "pinned x.to(nb)": lambda p=pinned_x: p.to(dev, non_blocking=True),
@@ -209,6 +213,7 @@ def main() -> None:
                             fast_many(small, dev),
                             pinxfer.to_device(large[0], dev),
                         ),
+                        "all leaves packed": lambda: fast_many(leaves, dev),
                     }
                 )
             sz["after_gap_us"] = {
