@@ -195,29 +195,34 @@ def _pin_batch(obj: Any, node: int | None, threads: int) -> Any:
         # and rebuilt without the walker (pinxfer/_plain.py). Not a batch the walker
         # must take (walk=False): pinning asks an object with its own pin_memory() to pin
         # itself, where plain_batch's walk would look into it.
+        # If that one call raises, the tensors are pinned one by one below (not offered to
+        # the walker's call, which would raise again).
         plain = plain_batch(obj, min_leaves=1, walk=False)
         if plain is not None:
             pinned = _pin_many(plain[0], node, threads)
             if pinned is not None:
                 return rebuilt_batch(obj, plain[1], pinned)
-        leaves = _batch.tensors_in(obj, other=_has_own_pin)
-        # Per leaf, in the order map_tensors visits them: one C++ call when all are plain
-        # (the Python predicate costs about 0.6 us a leaf), else leaf by leaf.
-        if fast.plain_leaves_max_bytes(leaves) >= 0:
-            is_dense = [True] * len(leaves)
-            dense = leaves
         else:
-            is_dense = [plain_dense_cpu(t) for t in leaves]
-            dense = [t for t, d in zip(leaves, is_dense) if d]
-        pinned = _pin_many(dense, node, threads) if dense else None
-        if pinned is not None:
-            pinned_in_order = iter(pinned)
-            dense_flags = iter(is_dense)
+            leaves = _batch.tensors_in(obj, other=_has_own_pin)
+            # Per leaf, in the order map_tensors visits them: one C++ call when all are
+            # plain (the Python predicate costs about 0.6 us a leaf), else leaf by leaf.
+            if fast.plain_leaves_max_bytes(leaves) >= 0:
+                is_dense = [True] * len(leaves)
+                dense = leaves
+            else:
+                is_dense = [plain_dense_cpu(t) for t in leaves]
+                dense = [t for t, d in zip(leaves, is_dense) if d]
+            pinned = _pin_many(dense, node, threads) if dense else None
+            if pinned is not None:
+                pinned_in_order = iter(pinned)
+                dense_flags = iter(is_dense)
 
-            def take(t: torch.Tensor) -> torch.Tensor:
-                return next(pinned_in_order) if next(dense_flags) else _pin_tensor(t, node, threads)
+                def take(t: torch.Tensor) -> torch.Tensor:
+                    if next(dense_flags):
+                        return next(pinned_in_order)
+                    return _pin_tensor(t, node, threads)
 
-            return _batch.map_tensors(obj, take, other=_pin_by_itself, describe=_with_path)
+                return _batch.map_tensors(obj, take, other=_pin_by_itself, describe=_with_path)
     return _batch.map_tensors(
         obj, lambda t: _pin_tensor(t, node, threads), other=_pin_by_itself, describe=_with_path
     )

@@ -135,3 +135,17 @@ def test_without_walk_only_flat_and_one_level_batches_are_taken():
     for batch in ({"x": t(), "deep": [[t()]]}, Pair(t(), t()), {"x": t(), "name": "a"}):
         assert plain_batch(batch, min_leaves=1, walk=False) is None
         assert plain_batch(batch, min_leaves=1) is not None
+
+
+def test_pin_memory_of_a_plain_batch_that_fails_names_the_tensor(fresh_pool):
+    """When the one C++ call for a plain batch raises (here: the pinned cap), the tensors
+    are pinned one by one for an error that names the failing one's place; the batch's
+    one call is not repeated on the way (one OOM there, one for the tensor)."""
+    import pinxfer
+
+    MiB = 1 << 20
+    pinxfer.set_max_pinned_bytes(4 * MiB)
+    batch = {"x": t(), "meta": [t(), torch.empty(8 * MiB, dtype=torch.uint8)]}
+    with pytest.raises(torch.OutOfMemoryError, match=r"cannot pin batch\['meta'\]\[1\]"):
+        pinxfer.pin_memory(batch)
+    assert pinxfer.memory_stats()["num_ooms"] == 2

@@ -24,11 +24,6 @@
 #include "ops/kernels.h"
 #include "python/call_breakdown.h"
 #include "runtime/cuda_runtime.h"
-#if PINXFER_WITH_CUDA
-#include "transfer/cuda/copy_streams.h"
-#include "transfer/cuda/pipeline.h"
-#include "transfer/cuda/source_use.h"
-#endif
 
 #if PINXFER_WITH_CUDA
 #include <ATen/detail/CUDAHooksInterface.h>
@@ -36,6 +31,10 @@
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
+
+#include "transfer/cuda/copy_streams.h"
+#include "transfer/cuda/pipeline.h"
+#include "transfer/cuda/source_use.h"
 #endif
 
 namespace pinxfer::diag {
