@@ -111,6 +111,22 @@ def _profiled_range(name: str) -> Iterator[None]:
                 torch.cuda.nvtx.range_pop()
 
 
+def _leaf_sent_apart(sizes: list[int]) -> int:
+    """Which of a batch's small leaves (their bytes, in order) is sent alone, or -1: the
+    largest, where the others then pack into at most SMALL_TENSOR_BYTES and all of them
+    together do not, so both sends stay on the current stream (the one rule, with its
+    reasons: csrc/transfer/chunk_plan.h's leaf_sent_apart, which the fast path runs)."""
+    if len(sizes) < 2:
+        return -1
+    align = _ops._PACK_ALIGN
+    rounded = [(n + align - 1) // align * align for n in sizes]
+    largest = max(range(len(sizes)), key=lambda i: (sizes[i], -i))
+    total = sum(rounded)
+    if total <= SMALL_TENSOR_BYTES or total - rounded[largest] > SMALL_TENSOR_BYTES:
+        return -1
+    return largest
+
+
 def _send_leaves(
     tensors: list[torch.Tensor],
     device: torch.device,
@@ -120,9 +136,10 @@ def _send_leaves(
     staging: str = "auto",
 ) -> list[torch.Tensor]:
     """Each leaf to ``device``: plain CPU ones of at most SMALL_TENSOR_BYTES packed into one
-    copy, larger ones by to_device one by one, the rest by ``Tensor.to``. Through the
-    operators, so traced code sees them; a batch of plain CPU tensors in eager mode takes
-    the same rule in one C++ call instead (``_C.send_batch_leaves``)."""
+    copy (the largest alone where _leaf_sent_apart says), larger ones by to_device one by
+    one, the rest by ``Tensor.to``. Through the operators, so traced code sees them; a
+    batch of plain CPU tensors in eager mode takes the same rule in one C++ call instead
+    (``_C.send_batch_leaves``)."""
     out: list[torch.Tensor | None] = [None] * len(tensors)
     small: list[int] = []
     for i, t in enumerate(tensors):
@@ -135,6 +152,10 @@ def _send_leaves(
                 out[i] = _ops.to_device(t, device, chunk_bytes, num_buffers, staging)
         else:
             out[i] = t.to(device, non_blocking=non_blocking)
+    apart = _leaf_sent_apart([tensors[i].nbytes for i in small])
+    if apart >= 0:
+        i = small.pop(apart)
+        out[i] = _ops.to_device(tensors[i], device, chunk_bytes, num_buffers, staging)
     if len(small) == 1:
         out[small[0]] = _ops.to_device(tensors[small[0]], device, chunk_bytes, num_buffers, staging)
     elif small:
@@ -165,7 +186,9 @@ def to_device(
     ``num_buffers`` chunks, so it is never pinned whole. Pinned CPU tensors
     (pinxfer's pool or torch's) go with one DMA. In a batch, the CPU tensors of at most
     256 KiB are packed into one staging buffer and sent with one copy; they come back
-    as slices of one device allocation. Non-contiguous CPU tensors are made contiguous
+    as slices of one device allocation (where they pack into more than 256 KiB and
+    would fit without the largest, that one is sent alone, so that both copies stay
+    small). Non-contiguous CPU tensors are made contiguous
     on the host first, and results are contiguous. Tensors already on ``device``
     are returned as they are; tensors on another GPU, sparse, nested, quantized,
     subclassed or ``requires_grad`` tensors use ``tensor.to(device)``. Other leaves

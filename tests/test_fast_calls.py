@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import random
 
 import pytest
 import torch
@@ -254,6 +255,46 @@ def test_pack_offsets_align_every_tensor_to_256_bytes():
     assert offsets == [0, 256, 256, 512, 768]
     assert total == 1024
     assert _ops.pack_offsets([]) == ([], 0)
+
+
+def test_leaf_sent_apart_is_one_rule_in_both_paths():
+    """Which small leaf a batch sends apart from its pack: the C++ rule (the fast path,
+    prefetch's sender) and its Python copy (the operators' path) agree on every case,
+    and the cases are the ones the rule names."""
+    from pinxfer.transfer import SMALL_TENSOR_BYTES as small
+    from pinxfer.transfer import _leaf_sent_apart
+
+    named = {
+        # bench_loop's 256 KiB batch: 252 KiB of inputs, 4 KiB labels, two scalars.
+        (258048, 4096, 8, 8): 0,
+        (4096, small, 1000): 1,  # the largest need not come first
+        (4096, 200 << 10, 1000): -1,  # fits in one current-stream pack
+        (200 << 10, 100 << 10, small): -1,  # too large without it: one pack, helpers
+        (small, small): 0,  # a tie: the first
+        (small,): -1,
+        (): -1,
+        (small - 256, 200): -1,  # 256 KiB exactly, each leaf rounded up to 256 bytes
+        (small - 256, 257): 0,
+    }
+    rng = random.Random(7)
+    cases = list(named)
+    for _ in range(2000):
+        n = rng.randint(0, 6)
+        cases.append(
+            tuple(
+                rng.choice((0, 1, 8, 255, 4096, small // 3, small - 1, small))
+                if rng.random() < 0.3
+                else rng.randint(0, small)
+                for _ in range(n)
+            )
+        )
+    for sizes in cases:
+        want = _leaf_sent_apart(list(sizes))
+        assert _ops.fast._leaf_sent_apart(list(sizes)) == want, sizes
+        if sizes in named:
+            assert want == named[sizes], sizes
+    with pytest.raises(ValueError, match=r"expected sizes from 0 to 262144 \(a small leaf\)"):
+        _ops.fast._leaf_sent_apart([small + 1])
 
 
 def test_to_device_packed_fake_has_the_packed_length():

@@ -492,32 +492,67 @@ def test_flat_batches_keep_their_type_order_and_values(large):
                 assert got == want
 
 
+def _storages(out: list[torch.Tensor]) -> list[int]:
+    """Each result's device allocation, numbered in order of first appearance."""
+    seen: dict[int, int] = {}
+    return [seen.setdefault(t.untyped_storage().data_ptr(), len(seen)) for t in out]
+
+
 @pytest.mark.parametrize("path", ["fast", "general"])
 def test_batch_packs_every_leaf_of_at_most_256_kib(path):
     """Leaves of up to 256 KiB, that size included, go in one packed copy: the results share
     one device allocation (bench_small_calls' batch of 64 tensors of 4-256 KiB sent its
     256 KiB leaves one by one when the rule read "under": 517 against 155 us, H100,
-    diag_many_small.py). A larger leaf is sent on its own. The rule is written twice, in
-    C++ for eager batches of plain tensors (the fast path, and prefetch's sender) and over
-    the operators for the general path (other settings, traced code): both keep it."""
+    diag_many_small.py). A larger leaf is sent on its own, and so is the largest small one
+    where the pack crosses 256 KiB only with it (test_batch_just_over_256_kib_...). The rule
+    is written twice, in C++ for eager batches of plain tensors (the fast path, and
+    prefetch's sender) and over the operators for the general path (other settings, traced
+    code): both keep it."""
     # Settings equal to the defaults but not the same objects leave the fast path.
     kw = {} if path == "fast" else {"chunk_bytes": int(str(16 << 20))}
-    leaves = [torch.randint(0, 255, (n,), dtype=torch.uint8) for n in (4096, 256 * 1024, 1000)]
+    sizes = (4096, 200 * 1024, 256 * 1024, 100 * 1024, 1000)
+    leaves = [torch.randint(0, 255, (n,), dtype=torch.uint8) for n in sizes]
     out = pinxfer.to_device(leaves, **kw)
-    assert len({t.untyped_storage().data_ptr() for t in out}) == 1
+    assert _storages(out) == [0] * len(sizes)
     for got, want in zip(out, leaves):
         _check(got, want)
     leaves.append(torch.randint(0, 255, (256 * 1024 + 1,), dtype=torch.uint8))
     out = pinxfer.to_device({"a": leaves}, **kw)["a"]
-    assert len({t.untyped_storage().data_ptr() for t in out[:3]}) == 1
-    assert out[3].untyped_storage().data_ptr() != out[0].untyped_storage().data_ptr()
+    assert _storages(out) == [0] * len(sizes) + [1]
     for got, want in zip(out, leaves):
         _check(got, want)
     # One small leaf beside a large one is sent alone (a packed 1000 bytes would be 1024).
-    out = pinxfer.to_device([leaves[2], leaves[3]], **kw)
-    assert out[0].untyped_storage().nbytes() == leaves[2].nbytes
-    for got, want in zip(out, [leaves[2], leaves[3]]):
+    out = pinxfer.to_device([leaves[4], leaves[5]], **kw)
+    assert out[0].untyped_storage().nbytes() == leaves[4].nbytes
+    for got, want in zip(out, [leaves[4], leaves[5]]):
         _check(got, want)
+
+
+@pytest.mark.parametrize("path", ["fast", "general"])
+def test_batch_just_over_256_kib_sends_its_largest_small_leaf_alone(path):
+    """The usual collated batch (inputs of almost 256 KiB, labels, two scalars) packs into
+    just over 256 KiB, which would move its one copy to the copy stream with helpers: the
+    inputs go alone and the rest packed, both on the current stream by the caller. The
+    results are right, on the caller's stream at once, in both paths."""
+    kw = {} if path == "fast" else {"chunk_bytes": int(str(16 << 20))}
+    batch = {
+        "x": torch.randn(63 * 1024),  # 252 KiB
+        "y": torch.randint(0, 1 << 30, (512,), dtype=torch.int64),  # 4 KiB
+        "meta": [torch.tensor(1), torch.tensor(262144)],
+    }
+    leaves = [batch["x"], batch["y"], *batch["meta"]]
+    assert pinxfer.transfer._leaf_sent_apart([t.nbytes for t in leaves]) == 0
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(SLEEP)  # the copies queue behind this on the caller's stream
+        out = pinxfer.to_device(batch, **kw)
+        got = [out["x"], out["y"], *out["meta"]]
+        assert _storages(got) == [0, 1, 1, 1]
+        sums = [t.double().sum() for t in got]  # on `side`, after the copies
+    torch.cuda.synchronize()
+    for t, want, total in zip(got, leaves, sums):
+        _check(t, want)
+        assert total.item() == want.double().sum().item()
 
 
 def test_requires_grad_keeps_autograd():

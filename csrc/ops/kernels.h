@@ -73,7 +73,8 @@ at::Tensor send_to_device(const at::Tensor& self, c10::Device device,
                           const transfer::StagingOptions& options);
 // The leaves of a batch, each a plain dense CPU tensor, to `device` as pinxfer.to_device
 // sends a batch: those of at most transfer::kCurrentStreamBytes packed into one copy
-// (pack_to_device, views) when there are two or more, every other one alone
+// (pack_to_device, views) when there are two or more (the largest alone where the pack fits
+// kCurrentStreamBytes without it: transfer::leaf_sent_apart), every other one alone
 // (send_to_device). Eager only: to_device's fast path and prefetch's BatchSender; traced
 // code gets the same rule from pinxfer/transfer.py's _send_leaves over the operators.
 // csrc/ops/cuda/to_device_cuda.cpp

@@ -96,6 +96,20 @@ void bind_transfer(pybind11::module_& m) {
         "TEST-ONLY: _chunk_plan(nbytes, chunk_bytes, num_buffers, num_threads) -> (chunk "
         "bounds, pieces as (chunk, begin, end) triples, ring slots (0: one block), slot bytes, "
         "threads): how to_device would cut a transfer");
+  m.def(
+      "_leaf_sent_apart",
+      [](const std::vector<int64_t>& sizes) {
+        std::vector<size_t> bytes;
+        for (int64_t n : sizes) {
+          TORCH_CHECK_VALUE(n >= 0 && static_cast<size_t>(n) <= transfer::kSerialBytes,
+                            "pinxfer._leaf_sent_apart: expected sizes from 0 to ",
+                            transfer::kSerialBytes, " (a small leaf), got ", n);
+          bytes.push_back(static_cast<size_t>(n));
+        }
+        return static_cast<int64_t>(transfer::leaf_sent_apart(bytes, ops::kPackAlign));
+      },
+      "TEST-ONLY: _leaf_sent_apart(sizes) -> int: which of a batch's small leaves (bytes, in "
+      "order) to_device sends apart from the others' pack (-1: none)");
 #if PINXFER_WITH_CUDA
   bind_batch_sender(m);
   m.def("copy_stream", wrap_pybind_function_no_gil(&ops::copy_stream_of),

@@ -57,4 +57,19 @@ ChunkPlan plan_chunks(size_t nbytes, size_t chunk_bytes, size_t num_buffers, siz
   return plan;
 }
 
+std::ptrdiff_t leaf_sent_apart(const std::vector<size_t>& sizes, size_t align) {
+  // Sizes are at most kSerialBytes each, so these sums of rounded sizes cannot overflow.
+  size_t total = 0;
+  std::ptrdiff_t largest = -1;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    total += round_up(sizes[i], align);
+    if (largest < 0 || sizes[i] > sizes[static_cast<size_t>(largest)]) {
+      largest = static_cast<std::ptrdiff_t>(i);
+    }
+  }
+  if (sizes.size() < 2 || total <= kSerialBytes) return -1;
+  const size_t rest = total - round_up(sizes[static_cast<size_t>(largest)], align);
+  return rest <= kSerialBytes ? largest : -1;
+}
+
 }  // namespace pinxfer::transfer

@@ -58,4 +58,16 @@ std::vector<size_t> chunk_bounds(size_t nbytes, size_t steady, size_t first);
 // next to its launch gap; a multiple of 4 KiB.
 size_t steady_chunk(size_t nbytes, size_t chunk_bytes);
 
+// A batch's small leaves (sizes in order, each at most kSerialBytes) are packed into one
+// copy, each leaf at an offset rounded up to `align`. Packed into at most kSerialBytes, that
+// copy is a current-stream send by the caller; packed into more, it goes through the copy
+// stream with helpers (their wake-up, an event hand-over), although no leaf is larger than a
+// current-stream send and the helpers can only share the work leaf by leaf. The usual
+// collated batch crosses that bound by a few bytes: one leaf of almost kSerialBytes (the
+// inputs) and small ones (labels, scalars). When the pack fits without its largest leaf,
+// two current-stream sends cost less (issue 22, results/<kind>/diag_batch*): that leaf
+// alone, the others packed. Returns the index of the leaf sent alone, or -1 (one pack).
+// pinxfer/transfer.py's _leaf_sent_apart is the same rule for the operators' path.
+std::ptrdiff_t leaf_sent_apart(const std::vector<size_t>& sizes, size_t align);
+
 }  // namespace pinxfer::transfer

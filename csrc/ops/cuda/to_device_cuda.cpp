@@ -14,6 +14,7 @@
 #include "ops/kernels.h"
 #include "runtime/checked_size.h"
 #include "runtime/cuda_runtime.h"
+#include "transfer/chunk_plan.h"
 #include "transfer/cuda/copy_streams.h"
 #include "transfer/cuda/pipeline.h"
 #include "transfer/cuda/source_use.h"
@@ -219,7 +220,8 @@ PackedOnDevice pack_to_device(at::TensorList tensors, c10::Device device, bool w
 
 std::vector<at::Tensor> send_batch_leaves(const std::vector<at::Tensor>& leaves, c10::Device device,
                                           const transfer::StagingOptions& options) {
-  // The small leaves packed: one copy, one device allocation, instead of one each.
+  // The small leaves packed: one copy, one device allocation, instead of one each (but the
+  // largest alone where that keeps both sends on the current stream: leaf_sent_apart).
   std::vector<at::Tensor> out(leaves.size());
   std::vector<size_t> small;
   for (size_t i = 0; i < leaves.size(); ++i) {
@@ -227,6 +229,16 @@ std::vector<at::Tensor> send_batch_leaves(const std::vector<at::Tensor>& leaves,
       small.push_back(i);
     } else {
       out[i] = send_to_device(leaves[i], device, options);
+    }
+  }
+  if (small.size() >= 2) {
+    std::vector<size_t> sizes;
+    sizes.reserve(small.size());
+    for (size_t i : small) sizes.push_back(leaves[i].nbytes());
+    if (const std::ptrdiff_t apart = transfer::leaf_sent_apart(sizes, kPackAlign); apart >= 0) {
+      const size_t i = small[static_cast<size_t>(apart)];
+      out[i] = send_to_device(leaves[i], device, options);
+      small.erase(small.begin() + apart);
     }
   }
   if (small.size() == 1) {
