@@ -1,4 +1,4 @@
-"""Where pinxfer.pin_memory's time goes at 256 KiB - 8 MiB back to back (issue 22): its pool
+"""Where pinxfer.pin_memory's time goes at 64 KiB - 8 MiB back to back (issue 22): its pool
 allocation, its copy, and torch's, in one process.
 
 Each way is timed as bench_loop times a back-to-back cell: every timed call right after an
@@ -16,7 +16,8 @@ untimed call of the same way. Besides pinxfer.pin_memory and t.pin_memory():
                                     inside (_C._last_team_region_trace): when its members
                                     arrived and finished
 
-    python benchmarks/diag_pin_copy.py OUT.json      (PINXFER_TORCH_TEAM=off: the pool's road)
+    python benchmarks/diag_pin_copy.py OUT.json [--sync]   (PINXFER_TORCH_TEAM=off: the pool's
+                                                           road; --sync: see SYNC)
 """
 
 from __future__ import annotations
@@ -35,17 +36,26 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import pinxfer as px
 from pinxfer import _C
 
+#: With --sync: a torch.cuda.synchronize() after every call, inside the timed span, as
+#: bench_loop times a back-to-back cell (its pin_memory rows miss there, 0.73-0.96x of
+#: x.pin_memory() at 64 KiB-4 MiB, and pass in diag_small_calls, which does not sync).
+SYNC: Callable[[], None] | None = None
+
 
 def bench(fn: Callable[[], Any], n: int) -> tuple[float, float]:
-    """(median, min) µs of n timed calls, each right after an untimed one."""
+    """(median, min) µs of n timed calls, each right after an untimed one (each followed by
+    SYNC, timed, where it is set)."""
+    sync = SYNC or (lambda: None)
     fn()
     fn()
     ts = []
     for _ in range(n):
         out = fn()
+        sync()
         del out
         t = time.perf_counter()
         out = fn()
+        sync()
         ts.append(time.perf_counter() - t)
         del out
     return round(statistics.median(ts) * 1e6, 1), round(min(ts) * 1e6, 1)
@@ -89,12 +99,18 @@ def region_trace(fn: Callable[[], Any], n: int = 100) -> dict[str, Any]:
 
 
 def main() -> None:
+    global SYNC
+    if "--sync" in sys.argv[2:]:
+        SYNC = torch.cuda.synchronize
     res: dict[str, Any] = {
         "team_setting": os.environ.get("PINXFER_TORCH_TEAM", "auto"),
         "torch_threads": torch.get_num_threads(),
+        "synced": SYNC is not None,
         "rows": [],
     }
-    for nbytes in [256 << 10, 1 << 20, 4 << 20, 8 << 20]:
+    if SYNC is not None:
+        res["synchronize_alone"] = bench(lambda: None, 300)
+    for nbytes in [64 << 10, 256 << 10, 1 << 20, 4 << 20, 8 << 20]:
         numel = nbytes // 4
         t = torch.randn(numel)
         small = torch.randn(64 << 10)  # 256 KiB: a torch op that wakes the team
