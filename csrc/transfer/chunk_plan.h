@@ -65,7 +65,7 @@ size_t steady_chunk(size_t nbytes, size_t chunk_bytes);
 // current-stream send and the helpers can only share the work leaf by leaf. The usual
 // collated batch crosses that bound by a few bytes: one leaf of almost kSerialBytes (the
 // inputs) and small ones (labels, scalars). When the pack fits without its largest leaf,
-// two current-stream sends cost less (issue 22, results/<kind>/diag_batch*): that leaf
+// two current-stream sends cost less (issue 22, results/<kind>/loop_batch_apart*): that leaf
 // alone, the others packed. Returns the index of the leaf sent alone, or -1 (one pack).
 // pinxfer/transfer.py's _leaf_sent_apart is the same rule for the operators' path.
 std::ptrdiff_t leaf_sent_apart(const std::vector<size_t>& sizes, size_t align);
