@@ -272,6 +272,42 @@ def test_pool_source_freed_before_its_copy_ran():
     del others
 
 
+def test_foreign_pinned_source_released_behind_an_open_fence_batch():
+    """A foreign pinned source of a small transfer is kept on the caller's stream, where a
+    fence batch may be waiting for its marker (a pool block freed with no recorded use).
+    Once its copy is done, release_finished_sources drops it all the same: the slot ring
+    relies on that before it unmaps (H200, seed 29 of the shuffled suite: a ring's memfd
+    stayed open, held by a kept slot view queued behind such a batch)."""
+    import numpy as np
+
+    from pinxfer import _ops
+
+    cudart = torch.cuda.cudart()
+    arr = np.random.default_rng(5).integers(0, 256, 64 << 10, dtype=np.uint8)
+    assert int(cudart.cudaHostRegister(arr.ctypes.data, arr.nbytes, 0)) == 0
+    try:
+        x = torch.from_numpy(arr)
+        ref = x.untyped_storage()._weak_ref()
+        try:
+            pinxfer.empty_cache()  # no fence batch open: the one below is the only one
+            markers = pinxfer.memory_stats()["num_fence_markers"]
+            pending = pinxfer.memory_stats()["pending_blocks.current"]
+            block = pinxfer.empty(16 << 10, dtype=torch.uint8)
+            del block  # a fenced free (no recorded use): a batch of one, no marker
+            assert pinxfer.memory_stats()["pending_blocks.current"] == pending + 1
+            y = pinxfer.to_device(x)  # <= 256 KiB: one DMA on the current stream
+            del x
+            torch.cuda.synchronize()
+            _ops.release_finished_sources(y.device)
+            assert torch.UntypedStorage._expired(ref), "storage kept after its copy finished"
+            assert pinxfer.memory_stats()["num_fence_markers"] == markers  # batch still open
+        finally:
+            torch.UntypedStorage._free_weak_ref(ref)
+        assert torch.equal(y.cpu(), torch.from_numpy(arr))
+    finally:
+        assert int(cudart.cudaHostUnregister(arr.ctypes.data)) == 0
+
+
 def test_foreign_pinned_source_kept_until_its_copy_ran():
     """Memory registered by hand (here a numpy buffer, cudaHostRegister'ed): neither
     pinxfer's pool nor torch's host allocator knows a copy reads it, so to_device

@@ -504,7 +504,7 @@ void PinnedPool::free(Block* block) {
     if (event_failed) break;
     cuda::Event ev;
     if (cuda::try_record_event(s, &ev, &error)) {
-      pending.push_back({PendingUse::Kind::kBlock, ev, block, {}});
+      pending.push_back({PendingUse::Kind::kBlock, ev, block});
       waited.push_back(s);
     } else {
       event_failed = true;
@@ -565,19 +565,6 @@ void PinnedPool::process_events_locked() {
         done_marker = nullptr;  // its event is back in the free list
         continue;
       }
-      if (front.kind == PendingUse::Kind::kKept) {
-        // Released once its copy is proven done. If the event reports an error we
-        // cannot prove it, so the reference is leaked on purpose (held forever, like a
-        // poisoned block), and the FIFO goes on.
-        if (error.empty()) {
-          finished_storages_.push_back(std::move(front.kept));
-        } else {
-          ++stats_.num_event_errors;
-          new c10::Storage(std::move(front.kept));  // never destroyed
-        }
-        queue.pop_front();
-        continue;
-      }
       Block* block = front.block;
       queue.pop_front();
       if (!error.empty()) {
@@ -592,6 +579,26 @@ void PinnedPool::process_events_locked() {
       }
     }
     it = queue.empty() ? pending_.erase(it) : std::next(it);
+  }
+  for (auto it = kept_.begin(); it != kept_.end();) {
+    auto& queue = it->second;
+    while (!queue.empty()) {
+      std::string error;
+      KeptStorage& front = queue.front();
+      if (!cuda::event_done(front.event, &error)) break;
+      cuda::release_event(front.event);
+      // Released once its copy is proven done. If the event reports an error we cannot
+      // prove it, so the reference is leaked on purpose (held forever, like a poisoned
+      // block), and the FIFO goes on.
+      if (error.empty()) {
+        finished_storages_.push_back(std::move(front.storage));
+      } else {
+        ++stats_.num_event_errors;
+        new c10::Storage(std::move(front.storage));  // never destroyed
+      }
+      queue.pop_front();
+    }
+    it = queue.empty() ? kept_.erase(it) : std::next(it);
   }
 }
 
@@ -683,17 +690,13 @@ void PinnedPool::flush_fences_and_wait() {
 void PinnedPool::keep_until_done(c10::Storage storage, const c10::Stream& stream) {
   const cuda::Event ev = cuda::record_event(stream);
   std::lock_guard<std::mutex> lock(mutex_);
-  PendingUse use;
-  use.kind = PendingUse::Kind::kKept;
-  use.event = ev;
-  use.kept = std::move(storage);
-  pending_[stream].uses.push_back(std::move(use));
+  kept_[stream].push_back({ev, std::move(storage)});
 }
 
 void PinnedPool::release_finished() {
   std::vector<c10::Storage> drop;  // destroyed after the lock is released
   std::lock_guard<std::mutex> lock(mutex_);
-  if (pending_.empty() && finished_storages_.empty()) return;
+  if (pending_.empty() && kept_.empty() && finished_storages_.empty()) return;
   process_events_locked();
   drop.swap(finished_storages_);
 }

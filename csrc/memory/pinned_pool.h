@@ -160,9 +160,11 @@ class PinnedPool {
 
   // Holds a reference to `storage` until the work queued on `stream` so far has
   // completed: for a pinned source whose owner nobody can tell that a copy reads
-  // it (memory registered by hand). The same per-stream event FIFO that gates
-  // freed blocks gates it, so it is released exactly when a block freed at the
-  // same moment would be. Throws c10::Error if the event cannot be recorded.
+  // it (memory registered by hand, a slot ring's mapping). An event of its own, in a
+  // per-stream FIFO of kept storages apart from the blocks' (kept_): a fence batch still
+  // waiting for its marker there would hold it past its copy, and an owner that frees
+  // the memory itself (the slot ring) relies on release_finished() dropping every kept
+  // storage whose copy is done. Throws c10::Error if the event cannot be recorded.
   void keep_until_done(c10::Storage storage, const c10::Stream& stream);
   // Processes completed events now and drops the kept storages they released
   // (outside the lock). Called before each transfer.
@@ -306,14 +308,17 @@ class PinnedPool {
   // One entry of a stream's FIFO. kBlock: a freed block gated by its own event.
   // kFencedBlock: a fenced small block with no event; it is covered by the first
   // kFenceMarker behind it, an event recorded after it was queued (under the lock),
-  // so after its free. kFenceMarker: that event. kKept: a foreign storage kept alive
-  // (keep_until_done).
+  // so after its free. kFenceMarker: that event.
   struct PendingUse {
-    enum class Kind : uint8_t { kBlock, kFencedBlock, kFenceMarker, kKept };
+    enum class Kind : uint8_t { kBlock, kFencedBlock, kFenceMarker };
     Kind kind = Kind::kBlock;
     cuda::Event event;  // none for kFencedBlock
     Block* block = nullptr;
-    c10::Storage kept;
+  };
+  // A foreign storage kept alive until its copy is done (keep_until_done).
+  struct KeptStorage {
+    cuda::Event event;
+    c10::Storage storage;
   };
   // A stream's FIFO and its fence batch: the kFencedBlock entries queued since its
   // last marker, which no event covers yet.
@@ -330,7 +335,9 @@ class PinnedPool {
   // Open addressing: an insert or erase allocates nothing (a node set did, twice a hit).
   ska::flat_hash_set<Block*> live_;                      // LOCK: mutex_
   std::unordered_map<c10::Stream, StreamFifo> pending_;  // LOCK: mutex_
-  std::unordered_set<Segment*> segments_;                // LOCK: mutex_
+  // Kept storages per stream, in the order of their events (keep_until_done).
+  std::unordered_map<c10::Stream, std::deque<KeptStorage>> kept_;  // LOCK: mutex_
+  std::unordered_set<Segment*> segments_;                          // LOCK: mutex_
   // bins_[size / kSmallGranule]: binned blocks of that size, the latest freed last.
   std::vector<std::vector<Block*>> bins_;  // LOCK: mutex_
   size_t binned_blocks_ = 0;               // LOCK: mutex_
