@@ -10,6 +10,7 @@ compared in one row run interleaved, round by round, so that the host's drift
 
 Rows:
   to_device_<size>      pageable tensor -> GPU; ``t.to()`` of the same tensor beside it
+  shared_link           two threads each sending their own 256 MiB to the same GPU at once
   prefetch_<size>       ``pinxfer.prefetch`` over an in-memory list of pageable batches, and
                         ``to_device`` of the same batches one after another; the pass
                         as a whole, and after its first batch is on the GPU ("steady")
@@ -51,6 +52,15 @@ import pinxfer
 
 MiB = 1 << 20
 GiB = 1 << 30
+SECTIONS = (
+    "to_device",
+    "shared_link",
+    "prefetch",
+    "compute_bound",
+    "idle_cpu",
+    "timeline",
+    "multi_gpu",
+)
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -183,9 +193,77 @@ def section_to_device(sizes: list[int], runs: int, dist: Dist, dev: torch.device
                 "torch_to": torch_to,
                 "pinxfer_vs_ceiling": ratio(ours, ceiling),
                 "pinxfer_vs_torch_to": ratio(ours, torch_to),
+                # issue 22's target: at most 1.5
+                "cpu_s_per_gb_vs_torch_to": ours["cpu_s_per_gb"] / torch_to["cpu_s_per_gb"],
             }
         )
     return rows
+
+
+def section_shared_link(nbytes: int, senders: int, runs: int, dev: torch.device) -> dict:
+    """`senders` threads each send their own pageable tensor to the same GPU at once, so each
+    transfer gets part of the link and its copy threads could outrun its DMAs (issue 22's CPU
+    seconds per GB). Per way, interleaved round by round: the group's wall time (GB/s of all
+    the bytes) and the CPU seconds per GB."""
+    srcs = [torch.randn(nbytes // 4) for _ in range(senders)]
+    pinned = [s.pin_memory() for s in srcs]
+
+    def together(fn: Callable[[int], Any]) -> tuple[float, float]:
+        barrier = threading.Barrier(senders + 1)
+        errors: list[BaseException] = []
+
+        def body(i: int) -> None:
+            try:
+                torch.cuda.set_device(dev)
+                barrier.wait()
+                fn(i)
+                torch.cuda.synchronize(dev)
+            except BaseException as err:  # noqa: BLE001 - re-raised below
+                errors.append(err)
+
+        threads = [threading.Thread(target=body, args=(i,)) for i in range(senders)]
+        for th in threads:
+            th.start()
+        c0 = cpu_seconds()
+        barrier.wait()
+        t0 = time.perf_counter()
+        for th in threads:
+            th.join()
+        wall, cpu = time.perf_counter() - t0, cpu_seconds() - c0
+        if errors:
+            raise errors[0]
+        return wall, cpu
+
+    ways: dict[str, Callable[[int], Any]] = {
+        "ceiling": lambda i: pinned[i].to(dev, non_blocking=True),
+        "pinxfer": lambda i: pinxfer.to_device(srcs[i], dev),
+        "torch_to": lambda i: srcs[i].to(dev),
+    }
+    walls: dict[str, list[float]] = {n: [] for n in ways}
+    cpus = dict.fromkeys(ways, 0.0)
+    names = list(ways)
+    for r in range(runs):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            together(ways[name])  # untimed: the state this way leaves
+            wall, cpu = together(ways[name])
+            walls[name].append(wall)
+            cpus[name] += cpu
+    moved = senders * nbytes
+    stats = {n: _stats(walls[n], cpus[n], moved, runs) for n in names}
+    for i in range(senders):
+        assert torch.equal(pinxfer.to_device(srcs[i], dev).cpu(), srcs[i])
+    return {
+        "row": "shared_link",
+        "senders": senders,
+        "bytes_per_sender": nbytes,
+        "ceiling_pinned": stats["ceiling"],
+        "pinxfer": stats["pinxfer"],
+        "torch_to": stats["torch_to"],
+        "pinxfer_vs_ceiling": ratio(stats["pinxfer"], stats["ceiling"]),
+        "pinxfer_vs_torch_to": ratio(stats["pinxfer"], stats["torch_to"]),
+        "cpu_s_per_gb_vs_torch_to": stats["pinxfer"]["cpu_s_per_gb"]
+        / stats["torch_to"]["cpu_s_per_gb"],
+    }
 
 
 def section_prefetch(
@@ -456,6 +534,16 @@ def print_summary(report: dict) -> None:
                 f"(best {r['pinxfer_vs_ceiling']['best']:.2f})"
                 f"  t.to {r['torch_to']['gbps_median']:5.1f}  cpu s/GB pinxfer "
                 f"{r['pinxfer']['cpu_s_per_gb']:.3f} t.to {r['torch_to']['cpu_s_per_gb']:.3f}"
+                f" ({r['cpu_s_per_gb_vs_torch_to']:.2f}x)"
+            )
+        elif name == "shared_link":
+            print(
+                f"{name:18s} {r['senders']} senders of {r['bytes_per_sender'] // MiB} MiB at once: "
+                f"pinxfer {r['pinxfer']['gbps_median']:6.1f} GB/s  ceiling "
+                f"{r['ceiling_pinned']['gbps_median']:6.1f}  t.to "
+                f"{r['torch_to']['gbps_median']:5.1f}  cpu s/GB pinxfer "
+                f"{r['pinxfer']['cpu_s_per_gb']:.3f} t.to "
+                f"{r['torch_to']['cpu_s_per_gb']:.3f} ({r['cpu_s_per_gb_vs_torch_to']:.2f}x)"
             )
         elif name.startswith("prefetch_"):
             print(
@@ -511,7 +599,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="JSON path (default: benchmarks/results/<kind>/bus[_rankN].json)")
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="small sizes, 3 runs (a smoke test)")
+    ap.add_argument(
+        "--sizes", help="to_device sizes instead of the default ones, e.g. 256M,1G (binary units)"
+    )
+    ap.add_argument(
+        "--sections",
+        default=",".join(SECTIONS),
+        help=f"which rows to run, comma-separated, from {','.join(SECTIONS)} (default: all)",
+    )
     args = ap.parse_args(argv)
+    sections = set(args.sections.split(","))
+    if not sections <= set(SECTIONS):
+        ap.error(f"--sections: expected names from {','.join(SECTIONS)}, got {args.sections}")
     reason = pinxfer.cuda_unavailable_reason()
     if reason is not None:
         print(f"bench_bus: needs a CUDA device ({reason})", file=sys.stderr)
@@ -521,6 +620,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.cuda.set_device(dev)
     runs = 3 if args.quick else args.runs
     sizes = [8 * MiB, 16 * MiB] if args.quick else [8 * MiB, 64 * MiB, GiB]
+    if args.sizes:
+        sizes = [pinxfer._ops.parse_byte_size(text) for text in args.sizes.split(",")]
     batch_sizes = [16 * MiB] if args.quick else [16 * MiB, 64 * MiB]
     total = 128 * MiB if args.quick else GiB
 
@@ -544,12 +645,20 @@ def main(argv: list[str] | None = None) -> int:
         "rows": [],
     }
     rows = report["rows"]
-    rows += section_to_device(sizes, runs, dist, dev)
-    rows += section_prefetch(batch_sizes, total, runs, dist, dev)
-    rows.append(section_compute_bound(batch_sizes[-1], 8 if args.quick else 24, runs, dist, dev))
-    rows.append(section_idle_cpu(dev))
-    rows.append(section_timeline(batch_sizes[-1], 8 if args.quick else 16, dev))
-    if dist.world == 1:
+    if "to_device" in sections:
+        rows += section_to_device(sizes, runs, dist, dev)
+    if "shared_link" in sections:
+        rows.append(section_shared_link(16 * MiB if args.quick else 256 * MiB, 2, runs, dev))
+    if "prefetch" in sections:
+        rows += section_prefetch(batch_sizes, total, runs, dist, dev)
+    if "compute_bound" in sections:
+        steps = 8 if args.quick else 24
+        rows.append(section_compute_bound(batch_sizes[-1], steps, runs, dist, dev))
+    if "idle_cpu" in sections:
+        rows.append(section_idle_cpu(dev))
+    if "timeline" in sections:
+        rows.append(section_timeline(batch_sizes[-1], 8 if args.quick else 16, dev))
+    if dist.world == 1 and "multi_gpu" in sections:
         multi = section_multi_gpu(256 * MiB if not args.quick else 16 * MiB, runs)
         if multi is not None:
             rows.append(multi)
