@@ -14,7 +14,9 @@ untimed call of the same way. Besides pinxfer.pin_memory and t.pin_memory():
                                     on the team, threads each region asks for)
   team_region                       pinxfer.pin_memory's region on the team, traced from
                                     inside (_C._last_team_region_trace): when its members
-                                    arrived and finished
+                                    arrived and finished; and its steps in C++
+                                    (_C._last_pin_call_trace: pinned check, checks, setup,
+                                    allocation, copy with probe and region)
 
     python benchmarks/diag_pin_copy.py OUT.json [--sync]   (PINXFER_TORCH_TEAM=off: the pool's
                                                            road; --sync: see SYNC)
@@ -67,6 +69,7 @@ def region_trace(fn: Callable[[], Any], n: int = 100) -> dict[str, Any]:
     when the first and the last finished; and one call's chunks per member."""
     _C._trace_team_regions(True)
     calls, regions, last_in, first_out, last_out = [], [], [], [], []
+    steps: dict[str, list[float]] = {}
     sample: dict[str, Any] = {}
     for _ in range(n):
         out = fn()
@@ -75,6 +78,8 @@ def region_trace(fn: Callable[[], Any], n: int = 100) -> dict[str, Any]:
         out = fn()
         calls.append((time.perf_counter() - t0) * 1e6)
         del out
+        for step, value in _C._last_pin_call_trace().items():
+            steps.setdefault(step, []).append(float(value))
         tr = _C._last_team_region_trace()
         if not tr["arrive_us"]:
             continue
@@ -95,6 +100,11 @@ def region_trace(fn: Callable[[], Any], n: int = 100) -> dict[str, Any]:
         "first_member_done_us": med(first_out),
         "last_member_done_us": med(last_out),
         "one_region": sample,
+        # _C._last_pin_call_trace(): the call's steps in C++ (on_team: the share of calls)
+        "pin_call_steps": {
+            step: round(statistics.fmean(values), 2) if step == "on_team" else med(values)
+            for step, values in steps.items()
+        },
     }
 
 

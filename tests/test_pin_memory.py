@@ -827,3 +827,24 @@ def get_mempolicy(address: int) -> tuple[int, int]:
     assert rc == 0, os.strerror(ctypes.get_errno())
     # The mode may carry flags (MPOL_F_STATIC_NODES...) in its high bits.
     return mode.value & 0xFF, mask[0]
+
+
+def test_pin_call_trace_is_recorded_only_while_tracing():
+    """_C._last_pin_call_trace (benchmarks/diag_pin_copy.py): the steps of this thread's last
+    pin_memory copy, recorded while _trace_team_regions(True), left alone after."""
+    native = pinxfer._C
+    x = torch.randn(1 << 18)  # 1 MiB
+    native._trace_team_regions(True)
+    try:
+        y = pinxfer.pin_memory(x)
+        trace = native._last_pin_call_trace()
+    finally:
+        native._trace_team_regions(False)
+    assert torch.equal(y, x)
+    steps = ("checks_us", "setup_us", "alloc_us", "copy_us")
+    assert all(trace[s] >= 0 for s in (*steps, "pinned_check_us")), trace
+    assert trace["copy_us"] > 0
+    assert sum(trace[s] for s in steps) <= trace["total_us"] * 1.001 + 0.01, trace
+    assert isinstance(trace["on_team"], bool)
+    pinxfer.pin_memory(torch.randn(1 << 18))
+    assert native._last_pin_call_trace() == trace

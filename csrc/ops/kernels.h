@@ -54,6 +54,19 @@ bool is_pinned_dense(const at::Tensor& self, bool ask_torch);
 at::Tensor pin_or_self(const at::Tensor& self, std::optional<int64_t> numa_node,
                        int64_t num_threads, bool ask_torch);
 
+// DIAGNOSTIC (pinxfer._C._last_pin_call_trace): where the calling thread's last pin_or_self
+// spent its time, in microseconds, recorded only while _trace_team_regions(True) is on
+// (benchmarks/diag_pin_copy.py): the pinned check (is_pinned_dense), the input checks and
+// layout, the helpers' wake-up and count, the pool allocation, the copy (with the team probe
+// and the region where it ran on torch's team), pin_memory_copy's whole (all but the pinned
+// check); and whether the copy ran on
+// torch's team. csrc/ops/cpu/pin_memory_cpu.cpp
+struct PinCallTrace {
+  double pinned_check_us = 0, checks_us = 0, setup_us = 0, alloc_us = 0, copy_us = 0, total_us = 0;
+  bool on_team = false;
+};
+PinCallTrace last_pin_call_trace();
+
 #if PINXFER_WITH_CUDA
 // to_device_packed: CPU tensors packed into one pinned staging block and sent with
 // one DMA; the device bytes (uint8), tensor i at a 256-byte aligned offset, padding

@@ -7,6 +7,7 @@
 #include <tuple>
 #include <vector>
 
+#include "ops/kernels.h"
 #include "python/bindings.h"
 #include "runtime/cpu_resources.h"
 #include "runtime/cuda_runtime.h"
@@ -151,6 +152,23 @@ void bind_settings(pybind11::module_& m) {
       "torch's team (csrc/runtime/torch_team.h): microseconds from the region's start until "
       "each member (by place in the team) arrived and finished, the pieces each copied, the "
       "pieces (chunks), the whole region; recorded only while _trace_team_regions(True)");
+  m.def(
+      "_last_pin_call_trace",
+      [] {
+        const ops::PinCallTrace t = ops::last_pin_call_trace();
+        pybind11::dict d;
+        d["pinned_check_us"] = t.pinned_check_us;
+        d["checks_us"] = t.checks_us;
+        d["setup_us"] = t.setup_us;
+        d["alloc_us"] = t.alloc_us;
+        d["copy_us"] = t.copy_us;
+        d["total_us"] = t.total_us;
+        d["on_team"] = t.on_team;
+        return d;
+      },
+      "DIAGNOSTIC: _last_pin_call_trace() -> dict: where this thread's last pinxfer.pin_memory "
+      "copy spent its time, in microseconds (csrc/ops/kernels.h, PinCallTrace); recorded only "
+      "while _trace_team_regions(True)");
   m.def("_trace_team_regions", &set_team_region_tracing, pybind11::arg("on"),
         "DIAGNOSTIC: _trace_team_regions(on) -> None: record _last_team_region_trace() from "
         "now on (off by default: it costs each region clock reads and a copy-out)");

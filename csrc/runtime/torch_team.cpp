@@ -338,6 +338,10 @@ TeamRegionTrace last_team_region_trace() { return t_region_trace; }
 
 void set_team_region_tracing(bool on) { g_trace_regions.store(on, std::memory_order_relaxed); }
 
+bool team_region_tracing() { return g_trace_regions.load(std::memory_order_relaxed); }
+
+int64_t torch_team_copies() { return g_team_copies.load(std::memory_order_relaxed); }
+
 TorchTeamState torch_team_state() {
   TorchTeamState s;
   s.awake = torch_team_awake();

@@ -101,5 +101,9 @@ struct TeamRegionTrace {
 };
 TeamRegionTrace last_team_region_trace();
 void set_team_region_tracing(bool on);
+// Whether that tracing is on (pinxfer.pin_memory's call trace is recorded under it too), and
+// how many copies ran on a team so far (torch_team_state().copies, without its probe).
+bool team_region_tracing();
+int64_t torch_team_copies();
 
 }  // namespace pinxfer

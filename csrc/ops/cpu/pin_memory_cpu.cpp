@@ -26,6 +26,7 @@
 #include <c10/util/ParallelGuard.h>
 #include <torch/library.h>
 
+#include <chrono>
 #include <cstring>
 
 #include "memory/graph_pools.h"
@@ -144,10 +145,23 @@ void wake_copy_helpers_ahead(ThreadPool& pool, size_t nbytes, int max_threads) {
   if (helpers > 0 && !torch_team_awake()) pool.wake_ahead(helpers);
 }
 
+thread_local PinCallTrace t_pin_trace;  // last_pin_call_trace()
+
+using TraceClock = std::chrono::steady_clock;
+
+double us_between(TraceClock::time_point from, TraceClock::time_point to) {
+  return std::chrono::duration<double, std::micro>(to - from).count();
+}
+
 }  // namespace
+
+PinCallTrace last_pin_call_trace() { return t_pin_trace; }
 
 at::Tensor pin_memory_copy(const at::Tensor& self, std::optional<int64_t> numa_node,
                            int64_t num_threads) {
+  const bool tracing = team_region_tracing();
+  const auto started = tracing ? TraceClock::now() : TraceClock::time_point{};
+  const int64_t team_copies = tracing ? torch_team_copies() : 0;
   check_input(self);
   check_threads(num_threads);
   const int node = resolve_numa_node(numa_node, "pinxfer.pin_memory");
@@ -166,6 +180,7 @@ at::Tensor pin_memory_copy(const at::Tensor& self, std::optional<int64_t> numa_n
                        self.scalar_type());
   };
   if (nbytes == 0 || self.numel() == 0) return allocate_out();
+  const auto checked = tracing ? TraceClock::now() : TraceClock::time_point{};
   const bool plain_copy = !overlapping && !self.is_conj() && !self.is_neg();
   ThreadPool& pool = thread_pool_for_node(node);
   // num_threads 0: as many as this copy is worth (ThreadPool::threads_for_copy).
@@ -173,13 +188,25 @@ at::Tensor pin_memory_copy(const at::Tensor& self, std::optional<int64_t> numa_n
       num_threads > 0 ? static_cast<int>(num_threads) : pool.threads_for_copy(nbytes);
   if (plain_copy) wake_copy_helpers_ahead(pool, nbytes, max_threads);
 
+  const auto set_up = tracing ? TraceClock::now() : TraceClock::time_point{};
   at::Tensor out = allocate_out();
+  const auto allocated = tracing ? TraceClock::now() : TraceClock::time_point{};
   if (plain_copy) {
     parallel_memcpy(static_cast<char*>(out.data_ptr()),
                     static_cast<const char*>(self.const_data_ptr()), nbytes,
                     self.dtype().itemsize(), pool, max_threads);
   } else {
     parallel_elementwise_copy(out, self, pool, max_threads);
+  }
+  if (tracing) {
+    const auto copied = TraceClock::now();
+    PinCallTrace& t = t_pin_trace;
+    t.checks_us = us_between(started, checked);
+    t.setup_us = us_between(checked, set_up);
+    t.alloc_us = us_between(set_up, allocated);
+    t.copy_us = us_between(allocated, copied);
+    t.total_us = us_between(started, copied);
+    t.on_team = torch_team_copies() != team_copies;
   }
   return out;
 }
@@ -195,8 +222,13 @@ bool is_pinned_dense(const at::Tensor& self, bool ask_torch) {
 
 at::Tensor pin_or_self(const at::Tensor& self, std::optional<int64_t> numa_node,
                        int64_t num_threads, bool ask_torch) {
+  const bool tracing = team_region_tracing();
+  const auto started = tracing ? TraceClock::now() : TraceClock::time_point{};
   if (is_pinned_dense(self, ask_torch)) return self;
-  return pin_memory_copy(self, numa_node, num_threads);
+  const double pinned_check_us = tracing ? us_between(started, TraceClock::now()) : 0;
+  at::Tensor out = pin_memory_copy(self, numa_node, num_threads);
+  if (tracing) t_pin_trace.pinned_check_us = pinned_check_us;
+  return out;
 }
 
 // CompositeExplicitAutograd rather than CPU: CUDA, sparse and other inputs then
