@@ -59,8 +59,7 @@ at::Tensor pin_or_self(const at::Tensor& self, std::optional<int64_t> numa_node,
 // (benchmarks/diag_pin_copy.py): the pinned check (is_pinned_dense), the input checks and
 // layout, the helpers' wake-up and count, the pool allocation, the copy (with the team probe
 // and the region where it ran on torch's team), pin_memory_copy's whole (all but the pinned
-// check); and whether the copy ran on
-// torch's team. csrc/ops/cpu/pin_memory_cpu.cpp
+// check); and whether the copy ran on torch's team. csrc/ops/cpu/pin_memory_cpu.cpp
 struct PinCallTrace {
   double pinned_check_us = 0, checks_us = 0, setup_us = 0, alloc_us = 0, copy_us = 0, total_us = 0;
   bool on_team = false;
