@@ -113,6 +113,40 @@ def test_the_road_can_be_turned_off():
 
 
 @needs_cpus
+def test_pin_memory_of_at_most_256_kib_is_the_callers_alone():
+    """Up to 256 KiB the caller copies, with no probe, even right after a torch op: the
+    team's road costs more there than the half of the copy it would take (pin_memory_cpu.cpp,
+    parallel_memcpy). A larger copy right after a torch op does take the team."""
+    got = _run(
+        """
+        small_copies, large_copies, small_ok = [], [], True
+        for n in (256 << 10, (256 << 10) - 4, 200 << 10):
+            for attempt in range(20):
+                if not awake_after_op():
+                    continue
+                x = random_bytes(n, attempt)
+                before = state()[2]
+                y = pinxfer.pin_memory(x)
+                small_copies.append(state()[2] - before)
+                small_ok = small_ok and torch.equal(y, x)
+                break
+        for attempt in range(20):
+            if not awake_after_op():
+                continue
+            before = state()[2]
+            pinxfer.pin_memory(torch.ones(1 << 20))  # 4 MiB of float32
+            large_copies.append(state()[2] - before)
+            if large_copies[-1]:
+                break
+        print(json.dumps(dict(small=small_copies, large=large_copies, ok=small_ok)))
+        """
+    )
+    assert got["small"] == [0, 0, 0], got
+    assert got["ok"]
+    assert got["large"] and got["large"][-1] == 1, got
+
+
+@needs_cpus
 def test_pin_memory_on_the_team_keeps_every_byte():
     """pin_memory right after a torch parallel op (its copy then runs on the team), over
     sizes and layouts, each result checked byte for byte against the source, and the
