@@ -147,6 +147,31 @@ def test_pin_memory_of_at_most_256_kib_is_the_callers_alone():
 
 
 @needs_cpus
+def test_pin_memory_on_the_team_copies_contiguous_strided_and_grad_tensors():
+    """Right after a torch op, a contiguous tensor is copied by torch's copy_ on the team and a
+    strided view by the byte-span copy (pin_memory_cpu.cpp, copy_plain): values, sizes and
+    strides as the source's, a tensor that requires grad included."""
+    got = _run(
+        """
+        x = torch.randn(1024, 1024)  # 4 MiB
+        w = torch.randn(1024, 1024, requires_grad=True)
+        v = torch.randn(2048, 1024)[::2]  # every other row: a strided view
+        ok, copies = [], 0
+        for src in (x, w, v):
+            before = state()[2]
+            awake_after_op()
+            out = pinxfer.pin_memory(src)
+            copies += state()[2] - before
+            ok.append(torch.equal(out, src.detach()) and out.stride() == src.stride()
+                      and pinxfer.is_pinned(out))
+        print(json.dumps(dict(ok=ok, copies=copies)))
+        """
+    )
+    assert got["ok"] == [True, True, True], got
+    assert got["copies"] >= 2, got  # most of them on the team (a slow CI core may miss one)
+
+
+@needs_cpus
 def test_pin_memory_on_the_team_keeps_every_byte():
     """pin_memory right after a torch parallel op (its copy then runs on the team), over
     sizes and layouts, each result checked byte for byte against the source, and the

@@ -327,6 +327,11 @@ void run_on_torch_team(size_t n, size_t grain, const std::function<void(size_t, 
   run_region(n, share, static_cast<unsigned>(team), fn);
 }
 
+void run_torch_op_on_team(const std::function<void()>& op) {
+  g_team_copies.fetch_add(1, std::memory_order_relaxed);
+  op();
+}
+
 void run_on_each_team_member(const std::function<void(size_t, size_t)>& fn) {
   g_team_copies.fetch_add(1, std::memory_order_relaxed);
   const auto members = static_cast<size_t>(t_probe.region_threads);

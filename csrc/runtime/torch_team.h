@@ -62,6 +62,11 @@ bool torch_team_awake();
 // however few ThreadPool::threads_for_copy would wake.
 void run_on_torch_team(size_t n, size_t grain, const std::function<void(size_t, size_t)>& fn);
 
+// op(), one of torch's own parallel CPU ops called from here (its at::parallel_for is a region
+// on the calling thread's team), counted in torch_team_state().copies. For a caller that has
+// just seen torch_team_awake(): torch's op would otherwise start or wake the team.
+void run_torch_op_on_team(const std::function<void()>& op);
+
 // fn(member, members) once on every member of torch's intra-op team: member is its place
 // in the team (the caller 0), members the team's size. For a body that shares out its own
 // work (the single-block transfer's); as run_on_torch_team.
