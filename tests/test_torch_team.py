@@ -171,6 +171,55 @@ def test_pin_memory_on_the_team_copies_contiguous_strided_and_grad_tensors():
     assert got["copies"] >= 2, got  # most of them on the team (a slow CI core may miss one)
 
 
+@pytest.mark.parametrize(
+    ("policy", "spincount", "threads", "cpus", "window"),
+    [
+        ("", "", 16, 16, 100),  # libgomp's default: 300000 spins after a region
+        ("active", "", 16, 16, 100),
+        ("passive", "", 16, 16, 0),  # the team sleeps at once
+        ("", "1000", 16, 16, 0),  # set: not second-guessed
+        ("", "infinite", 16, 16, 0),
+        ("", "", 17, 16, 0),  # more threads than CPUs: libgomp spins 1000 times only
+    ],
+)
+def test_team_spin_window_follows_libgomps_spin(policy, spincount, threads, cpus, window):
+    import pinxfer
+
+    assert pinxfer._C._team_spin_window_us(policy, spincount, threads, cpus) == window
+
+
+_BACK_TO_BACK_READS = """
+        x = torch.randn(1 << 20)  # 4 MiB: a copy on the team
+        for attempt in range(20):
+            awake_after_op()
+            before_copies = state()[2]
+            pinxfer.pin_memory(x)
+            if state()[2] > before_copies:
+                break
+        reads, copies = state()[4], state()[2]
+        for _ in range(5):
+            pinxfer.pin_memory(x)  # right after the last one's region
+        print(json.dumps(dict(reads=state()[4] - reads, copies=state()[2] - copies)))
+        """
+
+
+@needs_cpus
+def test_back_to_back_copies_on_the_team_skip_the_proc_read():
+    """Right after a region of its own the team spins (libgomp's default): pin_memory calls
+    back to back run on it without reading a member's state from /proc."""
+    got = _run(_BACK_TO_BACK_READS)
+    assert got["copies"] >= 4, got  # (a slow CI core may let one region end late)
+    assert got["reads"] <= 1, got
+
+
+@needs_cpus
+def test_a_passive_team_is_read_at_every_copy():
+    """OMP_WAIT_POLICY=passive: the team sleeps after each region, so nothing is taken for
+    spinning without a /proc read (and a sleeping team is never used)."""
+    got = _run(_BACK_TO_BACK_READS, OMP_WAIT_POLICY="passive")
+    assert got["reads"] >= 5 or got["copies"] == 0, got
+
+
 @needs_cpus
 def test_pin_memory_on_the_team_keeps_every_byte():
     """pin_memory right after a torch parallel op (its copy then runs on the team), over
