@@ -274,8 +274,9 @@ struct TeamProbe {
 };
 
 thread_local TeamProbe t_probe;
-std::atomic<int64_t> g_team_copies{0};  // torch_team_state().copies
-std::atomic<int64_t> g_state_reads{0};  // torch_team_state().state_reads
+std::atomic<int64_t> g_team_copies{0};     // torch_team_state().copies
+std::atomic<int64_t> g_state_reads{0};     // torch_team_state().state_reads
+std::atomic<int64_t> g_window_answers{0};  // torch_team_state().window_answers
 
 // Whether a region of this thread's team ended so recently that its members are surely still
 // spinning (team_spin_window_us, for the team as the process's settings and CPUs make it).
@@ -318,7 +319,10 @@ bool torch_team_awake() {
   }
   // Right after a region of our own the team spins: no /proc read needed (a back-to-back
   // copy saves the 1-5 us it costs).
-  if (t_probe.threads == n && within_spin_window(n)) return true;
+  if (t_probe.threads == n && within_spin_window(n)) {
+    g_window_answers.fetch_add(1, std::memory_order_relaxed);
+    return true;
+  }
   g_state_reads.fetch_add(1, std::memory_order_relaxed);
   return t_probe.awake();
 }
@@ -387,6 +391,7 @@ TorchTeamState torch_team_state() {
   s.region_threads = t_probe.threads > 0 ? t_probe.region_threads : 0;
   s.copies = g_team_copies.load(std::memory_order_relaxed);
   s.state_reads = g_state_reads.load(std::memory_order_relaxed);
+  s.window_answers = g_window_answers.load(std::memory_order_relaxed);
   return s;
 }
 

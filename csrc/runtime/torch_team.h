@@ -94,7 +94,8 @@ struct TorchTeamState {
   int region_threads = 0;  // threads each region asks for (0: not learned)
   bool awake = false;
   int64_t copies = 0;
-  int64_t state_reads = 0;  // /proc reads of a member's state so far (process total)
+  int64_t state_reads = 0;     // /proc reads of a member's state so far (process total)
+  int64_t window_answers = 0;  // probes answered by the spin window, no read (process total)
 };
 
 // How long after a region on torch's team ends its members are surely still spinning, so
