@@ -11,7 +11,8 @@ untimed call of the same way. Besides pinxfer.pin_memory and t.pin_memory():
   probe_call / plain_call           _C._torch_team_state() (one /proc read) against a
                                     pybind call without it
   team_state                        _C._torch_team_state(): (threads learned, awake, copies
-                                    on the team, threads each region asks for)
+                                    on the team, threads each region asks for, /proc reads,
+                                    probes the spin window answered)
   team_region                       pinxfer.pin_memory's region on the team, traced from
                                     inside (_C._last_team_region_trace): when its members
                                     arrived and finished; and its steps in C++

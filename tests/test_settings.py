@@ -35,6 +35,8 @@ PINXFER_VARS = [
     "PINXFER_CACHED_TAIL",
     "PINXFER_TORCH_TEAM",
     "LOCAL_WORLD_SIZE",  # torchrun's, read by the same table
+    "OMP_WAIT_POLICY",  # libgomp's, read (never set) by the same table
+    "GOMP_SPINCOUNT",
 ]
 
 

@@ -113,6 +113,127 @@ def test_the_road_can_be_turned_off():
 
 
 @needs_cpus
+def test_pin_memory_of_at_most_256_kib_is_the_callers_alone():
+    """Up to 256 KiB the caller copies, with no probe, even right after a torch op: the
+    team's road costs more there than the half of the copy it would take (pin_memory_cpu.cpp,
+    parallel_memcpy). A larger copy right after a torch op does take the team."""
+    got = _run(
+        """
+        small_copies, large_copies, small_ok = [], [], True
+        for n in (256 << 10, (256 << 10) - 4, 200 << 10):
+            for attempt in range(20):
+                if not awake_after_op():
+                    continue
+                x = random_bytes(n, attempt)
+                before = state()[2]
+                y = pinxfer.pin_memory(x)
+                small_copies.append(state()[2] - before)
+                small_ok = small_ok and torch.equal(y, x)
+                break
+        for attempt in range(20):
+            if not awake_after_op():
+                continue
+            before = state()[2]
+            pinxfer.pin_memory(torch.ones(1 << 20))  # 4 MiB of float32
+            large_copies.append(state()[2] - before)
+            if large_copies[-1]:
+                break
+        print(json.dumps(dict(small=small_copies, large=large_copies, ok=small_ok)))
+        """
+    )
+    assert got["small"] == [0, 0, 0], got
+    assert got["ok"]
+    assert got["large"] and got["large"][-1] == 1, got
+
+
+@needs_cpus
+def test_pin_memory_on_the_team_copies_contiguous_strided_and_grad_tensors():
+    """Right after a torch op, a contiguous tensor is copied by torch's copy_ on the team and a
+    strided view by the byte-span copy (pin_memory_cpu.cpp, copy_plain): values, sizes and
+    strides as the source's, a tensor that requires grad included."""
+    got = _run(
+        """
+        x = torch.randn(1024, 1024)  # 4 MiB
+        w = torch.randn(1024, 1024, requires_grad=True)
+        v = torch.randn(2048, 1024)[::2]  # every other row: a strided view
+        ok, on_team = [], []
+        for src in (x, w, v):
+            # Retried: a busy host can put the team to sleep between the op and the copy.
+            for attempt in range(20):
+                awake_after_op()
+                before = state()[2]
+                out = pinxfer.pin_memory(src)
+                went = state()[2] - before
+                ok.append(torch.equal(out, src.detach()) and out.stride() == src.stride()
+                          and pinxfer.is_pinned(out))
+                if went:
+                    break
+            on_team.append(went)
+        print(json.dumps(dict(ok=all(ok), on_team=on_team)))
+        """
+    )
+    assert got["ok"], got
+    assert got["on_team"] == [1, 1, 1], got
+
+
+@pytest.mark.parametrize(
+    ("policy", "spincount", "threads", "cpus", "window"),
+    [
+        ("", "", 16, 16, 100),  # libgomp's default: 300000 spins after a region
+        ("active", "", 16, 16, 100),
+        ("passive", "", 16, 16, 0),  # the team sleeps at once
+        ("", "1000", 16, 16, 0),  # set: not second-guessed
+        ("", "infinite", 16, 16, 0),
+        ("", "", 17, 16, 0),  # more threads than CPUs: libgomp spins 1000 times only
+    ],
+)
+def test_team_spin_window_follows_libgomps_spin(policy, spincount, threads, cpus, window):
+    import pinxfer
+
+    assert pinxfer._C._team_spin_window_us(policy, spincount, threads, cpus) == window
+
+
+_BACK_TO_BACK = """
+        x = torch.randn(1 << 20)  # 4 MiB: a copy on the team
+        for attempt in range(20):
+            awake_after_op()
+            before_copies = state()[2]
+            pinxfer.pin_memory(x)
+            if state()[2] > before_copies:
+                break
+        _, _, copies, _, reads, window = state()
+        for _ in range(50):
+            pinxfer.pin_memory(x)  # right after the last one's region
+        after = state()
+        print(json.dumps(dict(copies=after[2] - copies, reads=after[4] - reads,
+                              window=after[5] - window)))
+        """
+
+
+@needs_cpus
+def test_back_to_back_copies_on_the_team_skip_the_proc_read():
+    """Right after a region of its own the team spins (libgomp's default): pin_memory calls
+    back to back run on it, their probes answered by the spin window without reading a
+    member's state from /proc. On a quiet host every one of them is; on a loaded one (the
+    suite's other workers) this thread can be descheduled past the window between two calls,
+    and that call reads /proc, as it should: so at least one of 50, not all."""
+    got = _run(_BACK_TO_BACK)
+    assert got["copies"] >= 1, got
+    assert got["window"] >= 1, got
+
+
+@needs_cpus
+@pytest.mark.parametrize("env", [{"OMP_WAIT_POLICY": "passive"}, {"GOMP_SPINCOUNT": "1000"}])
+def test_a_team_that_may_sleep_at_once_is_read_at_every_probe(env):
+    """OMP_WAIT_POLICY=passive (the team sleeps after each region) or a GOMP_SPINCOUNT set:
+    no probe is answered by the spin window, every one reads /proc (and a sleeping team is
+    never used)."""
+    got = _run(_BACK_TO_BACK, **env)
+    assert got["window"] == 0, got
+    assert got["reads"] >= 50 or got["copies"] == 0, got
+
+
+@needs_cpus
 def test_pin_memory_on_the_team_keeps_every_byte():
     """pin_memory right after a torch parallel op (its copy then runs on the team), over
     sizes and layouts, each result checked byte for byte against the source, and the

@@ -129,13 +129,21 @@ void bind_settings(pybind11::module_& m) {
       [] {
         const TorchTeamState s = torch_team_state();
         return std::make_tuple(static_cast<int64_t>(s.threads), s.awake, s.copies,
-                               static_cast<int64_t>(s.region_threads));
+                               static_cast<int64_t>(s.region_threads), s.state_reads,
+                               s.window_answers);
       },
       "TEST-ONLY: _torch_team_state() -> (threads of torch's intra-op team learned on this "
       "thread, 0: none; whether it is awake now; copies run on a team so far; threads each "
-      "region asks for, the members seen spinning and the caller): the check that "
+      "region asks for, the members seen spinning and the caller; /proc reads of a member's "
+      "state so far, process total; probes answered by the spin window without a read, "
+      "process total): the check that "
       "makes pinxfer's host copies "
       "run on that team (csrc/runtime/torch_team.h)");
+  m.def("_team_spin_window_us", &team_spin_window_us, pybind11::arg("wait_policy"),
+        pybind11::arg("spincount"), pybind11::arg("team_threads"), pybind11::arg("cpus"),
+        "TEST-ONLY: _team_spin_window_us(wait_policy, spincount, team_threads, cpus) -> int: "
+        "how long after a region the team is taken as spinning without a /proc read "
+        "(lower-cased OMP_WAIT_POLICY and GOMP_SPINCOUNT, '' unset; csrc/runtime/torch_team.h)");
   m.def(
       "_last_team_region_trace",
       [] {

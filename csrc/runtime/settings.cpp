@@ -3,6 +3,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cstdlib>
 #include <iterator>
 #include <string>
@@ -46,6 +47,12 @@ int64_t env_bytes(const char* name, const std::string& value, const char* exampl
 // doctor shows; `unset` fills in what applies without it and returns the same.
 // Rows run in table order, so a row may use what an earlier row set (the sysfs
 // root, LOCAL_WORLD_SIZE in the CPU resources).
+std::string lower_case(std::string text) {
+  std::transform(text.begin(), text.end(), text.begin(),
+                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  return text;
+}
+
 struct Row {
   const char* name;
   const char* doc;
@@ -153,6 +160,25 @@ const Row kRows[] = {
        return text;
      },
      [](Settings&) { return std::string("auto"); }, "default"},
+
+    // libgomp's, read and never set: after a region torch's team spins (libgomp: 300000 spins
+    // by default) unless these say otherwise; pinxfer then asks /proc at every copy.
+    {"OMP_WAIT_POLICY",
+     "libgomp's: 'passive' stops torch's team spinning after a region (then the torch-team "
+     "probe reads /proc at every copy)",
+     [](const char*, const std::string& text, Settings& s) {
+       return s.omp_wait_policy = lower_case(text);
+     },
+     [](Settings&) { return std::string("(unset: torch's team spins after each region)"); },
+     "default"},
+
+    {"GOMP_SPINCOUNT",
+     "libgomp's: how long torch's team spins after a region; where set, the torch-team probe "
+     "reads /proc at every copy",
+     [](const char*, const std::string& text, Settings& s) {
+       return s.gomp_spincount = lower_case(text);
+     },
+     [](Settings&) { return std::string("(unset: libgomp's 300000 spins)"); }, "default"},
 };
 
 Settings read_settings() {

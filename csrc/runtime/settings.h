@@ -1,6 +1,7 @@
 // Process-wide settings: the one place pinxfer reads its environment.
 //
-// Every variable pinxfer reads (PINXFER_*, and torchrun's LOCAL_WORLD_SIZE) is
+// Every variable pinxfer reads (PINXFER_*, torchrun's LOCAL_WORLD_SIZE, libgomp's
+// OMP_WAIT_POLICY and GOMP_SPINCOUNT) is
 // one row of the table in settings.cpp: its name, its parser, what applies when
 // it is unset, and one line of documentation. The rows are read once, at the
 // first call of settings(), into an immutable Settings object; nothing else in
@@ -48,7 +49,11 @@ struct Settings {
   std::string stage_copy = "auto";  // PINXFER_STAGE_COPY, one of kStagingModeNames
   int64_t cached_tail = -1;         // PINXFER_CACHED_TAIL; -1: not set (16 MiB)
   bool torch_team = true;           // PINXFER_TORCH_TEAM: copies may run on torch's awake team
-  CpuResources cpus;                // what copy_threads was derived from (with LOCAL_WORLD_SIZE)
+  // libgomp's own variables, read (never set) to know whether torch's team keeps spinning
+  // after a region (runtime/torch_team.h, team_spin_window_us): lower-cased, "" if unset.
+  std::string omp_wait_policy;  // OMP_WAIT_POLICY
+  std::string gomp_spincount;   // GOMP_SPINCOUNT
+  CpuResources cpus;            // what copy_threads was derived from (with LOCAL_WORLD_SIZE)
 
   // One per table row, in the table's order, for doctor: the value in force, its source
   // ("env", "derived" or "default") and the row's documentation.

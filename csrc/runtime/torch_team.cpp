@@ -94,10 +94,17 @@ struct Region {
   }
 };
 
+int64_t now_ns();
+
+// When the calling thread's last region on its team (ours, or torch's op run by
+// run_torch_op_on_team) ended: its members spin from then on (team_spin_window_us).
+thread_local int64_t t_region_end_ns = 0;
+
 void run_on_each_member(unsigned threads, const std::function<void()>& member) {
   Region r;
   r.member = &member;
   gomp().parallel(&Region::body, &r, threads, 0);
+  t_region_end_ns = now_ns();
   if (r.error) std::rethrow_exception(r.error);
 }
 
@@ -267,7 +274,19 @@ struct TeamProbe {
 };
 
 thread_local TeamProbe t_probe;
-std::atomic<int64_t> g_team_copies{0};  // torch_team_state().copies
+std::atomic<int64_t> g_team_copies{0};     // torch_team_state().copies
+std::atomic<int64_t> g_state_reads{0};     // torch_team_state().state_reads
+std::atomic<int64_t> g_window_answers{0};  // torch_team_state().window_answers
+
+// Whether a region of this thread's team ended so recently that its members are surely still
+// spinning (team_spin_window_us, for the team as the process's settings and CPUs make it).
+bool within_spin_window(int team_threads) {
+  if (t_region_end_ns == 0) return false;
+  const Settings& s = settings();
+  const int64_t window_us =
+      team_spin_window_us(s.omp_wait_policy, s.gomp_spincount, team_threads, s.cpus.affinity_cpus);
+  return window_us > 0 && now_ns() - t_region_end_ns < window_us * 1000;
+}
 
 // The interpreter's main thread is the process's first thread (tid == pid). Only its team
 // is probed: on another thread the first probe would create a team (libgomp starts one
@@ -298,6 +317,13 @@ bool torch_team_awake() {
     const int members = TeamProbe::others_running(n);
     if (members + 1 > t_probe.region_threads) t_probe.learn(n, members + 1);
   }
+  // Right after a region of our own the team spins: no /proc read needed (a back-to-back
+  // copy saves the 1-5 us it costs).
+  if (t_probe.threads == n && within_spin_window(n)) {
+    g_window_answers.fetch_add(1, std::memory_order_relaxed);
+    return true;
+  }
+  g_state_reads.fetch_add(1, std::memory_order_relaxed);
   return t_probe.awake();
 }
 
@@ -327,6 +353,22 @@ void run_on_torch_team(size_t n, size_t grain, const std::function<void(size_t, 
   run_region(n, share, static_cast<unsigned>(team), fn);
 }
 
+void run_torch_op_on_team(const std::function<void()>& op) {
+  g_team_copies.fetch_add(1, std::memory_order_relaxed);
+  op();
+  t_region_end_ns = now_ns();
+}
+
+int team_spin_window_us(const std::string& wait_policy, const std::string& spincount,
+                        int team_threads, int cpus) {
+  // libgomp (env.c): unset, the team spins 300000 times after a region (about a millisecond
+  // or more on current x86: each spin is a `pause`), 'passive' makes that 0, and with more
+  // of its threads than CPUs it spins only 1000 times. A GOMP_SPINCOUNT of any value is not
+  // second-guessed: the probe then reads /proc at every copy, as it always did.
+  if (wait_policy == "passive" || !spincount.empty() || team_threads > cpus) return 0;
+  return kTeamSpinWindowUs;
+}
+
 void run_on_each_team_member(const std::function<void(size_t, size_t)>& fn) {
   g_team_copies.fetch_add(1, std::memory_order_relaxed);
   const auto members = static_cast<size_t>(t_probe.region_threads);
@@ -348,6 +390,8 @@ TorchTeamState torch_team_state() {
   s.threads = t_probe.threads;
   s.region_threads = t_probe.threads > 0 ? t_probe.region_threads : 0;
   s.copies = g_team_copies.load(std::memory_order_relaxed);
+  s.state_reads = g_state_reads.load(std::memory_order_relaxed);
+  s.window_answers = g_window_answers.load(std::memory_order_relaxed);
   return s;
 }
 

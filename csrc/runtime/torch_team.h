@@ -25,7 +25,11 @@
 // caller (never more: a larger region makes libgomp start threads) that records its team
 // members' thread ids; each later question reads the scheduler state of one of them from
 // /proc/self/task/<tid>/stat (running: spinning; sleeping: asleep), a microsecond or two,
-// and only where pinxfer would otherwise wake copy threads. A team that changed
+// and only where pinxfer would otherwise wake copy threads. Within kTeamSpinWindowUs of a
+// region on the team from this thread (ours, or torch's op run by run_torch_op_on_team) the
+// answer is "awake" without that read: libgomp's members spin for 300000 spins after every
+// region unless OMP_WAIT_POLICY, GOMP_SPINCOUNT or too few CPUs say otherwise
+// (team_spin_window_us), so back-to-back copies skip the read. A team that changed
 // (torch.set_num_threads, a fork) is learned again. pinxfer never runs a region before it has seen
 // the team spin: one of its own would start a team where torch has not, and libgomp ends the
 // process when it cannot start threads.
@@ -41,6 +45,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <string>
 #include <vector>
 
 namespace pinxfer {
@@ -61,6 +66,11 @@ bool torch_team_awake();
 // counted in torch_team_state().copies. The team's threads are awake: all may take part,
 // however few ThreadPool::threads_for_copy would wake.
 void run_on_torch_team(size_t n, size_t grain, const std::function<void(size_t, size_t)>& fn);
+
+// op(), one of torch's own parallel CPU ops called from here (its at::parallel_for is a region
+// on the calling thread's team), counted in torch_team_state().copies. For a caller that has
+// just seen torch_team_awake(): torch's op would otherwise start or wake the team.
+void run_torch_op_on_team(const std::function<void()>& op);
 
 // fn(member, members) once on every member of torch's intra-op team: member is its place
 // in the team (the caller 0), members the team's size. For a body that shares out its own
@@ -84,7 +94,17 @@ struct TorchTeamState {
   int region_threads = 0;  // threads each region asks for (0: not learned)
   bool awake = false;
   int64_t copies = 0;
+  int64_t state_reads = 0;     // /proc reads of a member's state so far (process total)
+  int64_t window_answers = 0;  // probes answered by the spin window, no read (process total)
 };
+
+// How long after a region on torch's team ends its members are surely still spinning, so
+// that torch_team_awake() answers without reading /proc: kTeamSpinWindowUs, or 0 where
+// libgomp does not spin that long (OMP_WAIT_POLICY=passive, GOMP_SPINCOUNT set, or a team of
+// more threads than the CPUs the process may use). Lower-cased environment values, "" unset.
+constexpr int kTeamSpinWindowUs = 100;
+int team_spin_window_us(const std::string& wait_policy, const std::string& spincount,
+                        int team_threads, int cpus);
 TorchTeamState torch_team_state();
 
 // DIAGNOSTIC (pinxfer._C._last_team_region_trace), recorded only while tracing is on

@@ -16,9 +16,10 @@
 //    refers to a single memory location"); we return a contiguous copy, which
 //    a DMA engine can read in one piece and which is safe to write to.
 //
-// The copy never touches Python and never uses torch's intra-op pool, so it
-// runs at full speed from a DataLoader pin thread that set
-// torch.set_num_threads(1). torch.ops releases the GIL around the call.
+// The copy never touches Python and uses torch's intra-op team only where that team is
+// awake on the interpreter's main thread (runtime/torch_team.h; copy_plain), so it runs at
+// full speed from a DataLoader pin thread that set torch.set_num_threads(1). torch.ops
+// releases the GIL around the call.
 #include <ATen/ATen.h>
 #include <ATen/EmptyTensor.h>
 #include <ATen/MemoryOverlap.h>
@@ -38,6 +39,7 @@
 #include "runtime/thread_budget.h"
 #include "runtime/thread_pool.h"
 #include "runtime/torch_team.h"
+#include "transfer/chunk_plan.h"
 
 namespace pinxfer::ops {
 
@@ -58,7 +60,8 @@ constexpr size_t kUnitsPerChunk = 16;
 // made the tensor (or read in torch's last pin of it) and finds them in its core's cache;
 // 64 KiB shares gave a 256 KiB pin_memory to four members, two of them reading bytes
 // cached on other cores (H100, diag_pin_copy: their pieces took 8-11 us against 3).
-// Below that many units the copy is one thread's (no team, no probe), as torch's is.
+// Below that many units the copy is one thread's (no team, no probe), as torch's is; and
+// up to kSerialBytes too, where torch would still take two members (parallel_memcpy says why).
 size_t torch_share_units(size_t item_bytes) {
   return std::max<size_t>(1,
                           static_cast<size_t>(at::internal::GRAIN_SIZE) * item_bytes / kCopyUnit);
@@ -92,17 +95,60 @@ void check_threads(int64_t num_threads) {
                     " (max(16, the CPUs this process may use)), got ", num_threads);
 }
 
+// A copy of the byte span in 64 KiB units: on torch's awake team if host_parallel_for finds
+// it awake (ask_team), else on the pool.
 void parallel_memcpy(char* dst, const char* src, size_t nbytes, size_t item_bytes, ThreadPool& pool,
-                     int max_threads) {
+                     int max_threads, bool ask_team) {
   const size_t units = (nbytes + kCopyUnit - 1) / kCopyUnit;
-  host_parallel_for(
-      pool, units, kUnitsPerChunk, torch_share_units(item_bytes),
-      [&](size_t begin, size_t end) {
-        const size_t lo = begin * kCopyUnit;
-        const size_t hi = std::min(nbytes, end * kCopyUnit);
-        std::memcpy(dst + lo, src + lo, hi - lo);
-      },
-      max_threads);
+  const auto copy_units = [&](size_t begin, size_t end) {
+    const size_t lo = begin * kCopyUnit;
+    const size_t hi = std::min(nbytes, end * kCopyUnit);
+    std::memcpy(dst + lo, src + lo, hi - lo);
+  };
+  if (ask_team) {
+    host_parallel_for(pool, units, kUnitsPerChunk, torch_share_units(item_bytes), copy_units,
+                      max_threads);
+  } else {
+    pool.parallel_for(units, kUnitsPerChunk, copy_units, max_threads);
+  }
+}
+
+// A plain copy (no conj or neg bit, no internal overlap) of self's nbytes-byte span into out,
+// which has self's sizes and strides.
+void copy_plain(at::Tensor& out, const at::Tensor& self, size_t nbytes, ThreadPool& pool,
+                int max_threads) {
+  auto* dst = static_cast<char*>(out.data_ptr());
+  const auto* src = static_cast<const char*>(self.const_data_ptr());
+  // Up to kSerialBytes (the bound below which a transfer's caller also stages alone) the
+  // caller copies alone and torch's team is not asked about: the pool's road would not wake a
+  // helper for it either (kUnitsPerChunk), and the team's road costs more than the half of
+  // the copy it takes off the caller: its probe (a /proc read, 2-4 us) and its region. A
+  // 256 KiB float32 pin_memory back to back, synchronized after each call (H200,
+  // diag_pin_copy --sync): 25.7 us on the team, 21.4 alone, 22.3 for t.pin_memory().
+  if (nbytes <= transfer::kSerialBytes) {
+    std::memcpy(dst, src, nbytes);
+    return;
+  }
+  // A contiguous tensor on torch's awake team is copied by torch's own copy_, which runs its
+  // parallel_for on that same team, as t.pin_memory() copies it. Our region there (shares cut
+  // as torch's, runtime/torch_team.h) cost 3-11 us more than torch's copy_ at 1-8 MiB back to
+  // back with a synchronize after each call, besides the probe: pinxfer.empty(n).copy_(t)
+  // ran at 0.94-1.12x the speed of t.pin_memory() where pinxfer.pin_memory(t) ran at
+  // 0.74-0.84x (H100 and H200, diag_pin_copy --sync,
+  // results/<kind>/diag_pin_copy_2026-11-27_s13_sync_team_auto.json). Strided views keep the
+  // byte-span copy (one memcpy a unit, gaps included) on the team or the pool.
+  if (!self.is_contiguous()) {
+    parallel_memcpy(dst, src, nbytes, self.dtype().itemsize(), pool, max_threads, true);
+    return;
+  }
+  if (torch_team_awake()) {
+    run_torch_op_on_team([&] {
+      at::AutoDispatchBelowADInplaceOrView below_autograd;  // a copy of values, as torch's pin
+      out.copy_(self);
+    });
+    return;
+  }
+  parallel_memcpy(dst, src, nbytes, self.dtype().itemsize(), pool, max_threads, false);
 }
 
 // Element-wise copy split along dim 0. Each chunk runs torch's copy kernel
@@ -192,9 +238,7 @@ at::Tensor pin_memory_copy(const at::Tensor& self, std::optional<int64_t> numa_n
   at::Tensor out = allocate_out();
   const auto allocated = tracing ? TraceClock::now() : TraceClock::time_point{};
   if (plain_copy) {
-    parallel_memcpy(static_cast<char*>(out.data_ptr()),
-                    static_cast<const char*>(self.const_data_ptr()), nbytes,
-                    self.dtype().itemsize(), pool, max_threads);
+    copy_plain(out, self, nbytes, pool, max_threads);
   } else {
     parallel_elementwise_copy(out, self, pool, max_threads);
   }
