@@ -118,6 +118,36 @@ def test_every_dtype_bit_exact(dtype, shape):
     assert not is_pinned(t)  # the source stays pageable
 
 
+# dtypes torch's own copy_ has no kernel for (sub-byte placeholders) or that came late
+# (shell dtypes): pinxfer copies their bytes (pin_memory_cpu.cpp, torch_copy_covers).
+BYTE_ONLY_DTYPES = [
+    getattr(torch, name)
+    for name in (
+        "uint1",
+        "uint4",
+        "uint7",
+        "int1",
+        "int4",
+        "int7",
+        "bits8",
+        "bits16",
+        "float4_e2m1fn_x2",
+    )
+    if hasattr(torch, name)
+]
+
+
+@pytest.mark.parametrize("dtype", BYTE_ONLY_DTYPES, ids=str)
+@pytest.mark.parametrize("nbytes", [36, 3 << 18], ids=["small", "multi_chunk"])
+def test_dtypes_without_a_torch_copy_kernel_are_copied_bit_exact(dtype, nbytes):
+    raw = random_tensor((nbytes,), torch.uint8, seed=4)
+    src = raw.view(dtype)
+    out = pinxfer.pin_memory(src, numa_node=0)
+    assert out.dtype == dtype and out.shape == src.shape and out.stride() == src.stride()
+    assert torch.equal(out.view(torch.uint8), raw)
+    assert pinxfer.is_pool_tensor(out)
+
+
 @pytest.mark.parametrize(
     "dtype",
     [torch.float32, torch.bfloat16, torch.complex64, torch.uint64, torch.bool, torch.float8_e5m2],

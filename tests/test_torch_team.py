@@ -176,6 +176,43 @@ def test_pin_memory_on_the_team_copies_contiguous_strided_and_grad_tensors():
     assert got["on_team"] == [1, 1, 1], got
 
 
+@needs_cpus
+def test_pin_memory_on_the_team_of_dtypes_torchs_copy_does_not_copy():
+    """Sub-byte placeholder dtypes (torch.uint4, torch.int3, ...) and shell dtypes have no
+    case in torch's copy kernel ("copy_kernel not implemented"): on an awake team they take
+    the byte-span copy, on the team, and come back bit for bit (torch_copy_covers)."""
+    got = _run(
+        """
+        names = ["uint1", "uint4", "uint7", "int1", "int3", "int7", "bits8", "bits16",
+                 "float4_e2m1fn_x2", "float8_e8m0fnu", "float32"]
+        results = {}
+        for name in names:
+            dtype = getattr(torch, name, None)
+            if dtype is None:
+                continue
+            raw = random_bytes(1 << 20, 3)  # 1 MiB: over the caller-alone bound
+            src = raw.view(dtype)
+            for attempt in range(20):
+                awake_after_op()
+                before = state()[2]
+                try:
+                    out = pinxfer.pin_memory(src)
+                except RuntimeError as e:
+                    results[name] = str(e)[:200]
+                    break
+                went = state()[2] - before
+                same = out.dtype == dtype and torch.equal(out.view(torch.uint8), raw)
+                results[name] = dict(on_team=went, same=same)
+                if went:
+                    break
+        print(json.dumps(results))
+        """
+    )
+    assert got["float32"] == {"on_team": 1, "same": True}, got
+    for name, result in got.items():
+        assert result == {"on_team": 1, "same": True}, (name, got)
+
+
 @pytest.mark.parametrize(
     ("policy", "spincount", "threads", "cpus", "window"),
     [

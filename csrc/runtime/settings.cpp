@@ -43,16 +43,17 @@ int64_t env_bytes(const char* name, const std::string& value, const char* exampl
   }
 }
 
-// One variable. `parse` reads its text into the settings and returns the value
-// doctor shows; `unset` fills in what applies without it and returns the same.
-// Rows run in table order, so a row may use what an earlier row set (the sysfs
-// root, LOCAL_WORLD_SIZE in the CPU resources).
+// libgomp reads its variables case-insensitively: so do the rows that read them.
 std::string lower_case(std::string text) {
   std::transform(text.begin(), text.end(), text.begin(),
                  [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
   return text;
 }
 
+// One variable. `parse` reads its text into the settings and returns the value
+// doctor shows; `unset` fills in what applies without it and returns the same.
+// Rows run in table order, so a row may use what an earlier row set (the sysfs
+// root, LOCAL_WORLD_SIZE in the CPU resources).
 struct Row {
   const char* name;
   const char* doc;

@@ -113,6 +113,39 @@ void parallel_memcpy(char* dst, const char* src, size_t nbytes, size_t item_byte
   }
 }
 
+// Whether torch's copy_ copies this dtype on every torch pinxfer builds against (2.1 on):
+// its copy kernel has no case for the sub-byte placeholders (torch.uint1-7, torch.int1-7:
+// "copy_kernel not implemented"), and newer shell dtypes (bits, float4, float8_e8m0fnu,
+// bcomplex32) came later or not at all. The rest take the byte-span copy, which is exact
+// for any dtype.
+bool torch_copy_covers(c10::ScalarType dtype) {
+  switch (dtype) {
+    case c10::ScalarType::Bool:
+    case c10::ScalarType::Byte:
+    case c10::ScalarType::Char:
+    case c10::ScalarType::Short:
+    case c10::ScalarType::Int:
+    case c10::ScalarType::Long:
+    case c10::ScalarType::UInt16:
+    case c10::ScalarType::UInt32:
+    case c10::ScalarType::UInt64:
+    case c10::ScalarType::Half:
+    case c10::ScalarType::BFloat16:
+    case c10::ScalarType::Float:
+    case c10::ScalarType::Double:
+    case c10::ScalarType::ComplexHalf:
+    case c10::ScalarType::ComplexFloat:
+    case c10::ScalarType::ComplexDouble:
+    case c10::ScalarType::Float8_e5m2:
+    case c10::ScalarType::Float8_e4m3fn:
+    case c10::ScalarType::Float8_e5m2fnuz:
+    case c10::ScalarType::Float8_e4m3fnuz:
+      return true;
+    default:
+      return false;
+  }
+}
+
 // A plain copy (no conj or neg bit, no internal overlap) of self's nbytes-byte span into out,
 // which has self's sizes and strides.
 void copy_plain(at::Tensor& out, const at::Tensor& self, size_t nbytes, ThreadPool& pool,
@@ -136,8 +169,9 @@ void copy_plain(at::Tensor& out, const at::Tensor& self, size_t nbytes, ThreadPo
   // ran at 0.94-1.12x the speed of t.pin_memory() where pinxfer.pin_memory(t) ran at
   // 0.74-0.84x (H100 and H200, diag_pin_copy --sync,
   // results/<kind>/diag_pin_copy_2026-11-27_s13_sync_team_auto.json). Strided views keep the
-  // byte-span copy (one memcpy a unit, gaps included) on the team or the pool.
-  if (!self.is_contiguous()) {
+  // byte-span copy (one memcpy a unit, gaps included) on the team or the pool, as do dtypes
+  // torch's copy_ does not copy (torch_copy_covers).
+  if (!self.is_contiguous() || !torch_copy_covers(self.scalar_type())) {
     parallel_memcpy(dst, src, nbytes, self.dtype().itemsize(), pool, max_threads, true);
     return;
   }
