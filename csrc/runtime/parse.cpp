@@ -121,4 +121,10 @@ std::vector<int> parse_cpulist(const std::string& text) {
   return cpus;
 }
 
+std::string lower_case(std::string text) {
+  std::transform(text.begin(), text.end(), text.begin(),
+                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  return text;
+}
+
 }  // namespace pinxfer

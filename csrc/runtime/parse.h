@@ -1,4 +1,5 @@
-// The two small text formats pinxfer reads, parsed in one place so that C++
+// The two small text formats pinxfer reads (and the lower-casing of names read
+// case-insensitively), parsed in one place so that C++
 // (the pinned cap from PINXFER_MAX_PINNED_BYTES, sysfs cpulist files) and
 // Python (through the ops parse_byte_size and parse_cpulist) accept exactly
 // the same text.
@@ -24,5 +25,9 @@ int64_t parse_byte_size(const std::string& text);
 // A kernel CPU list such as "0-3,8,10-11" (sysfs cpulist): sorted, without
 // duplicates. Blanks and a trailing newline are ignored; "" is no CPUs.
 std::vector<int> parse_cpulist(const std::string& text);
+
+// `text` with its ASCII letters lower-cased: for names read case-insensitively (a PCI bus id
+// against sysfs, libgomp's variables).
+std::string lower_case(std::string text);
 
 }  // namespace pinxfer

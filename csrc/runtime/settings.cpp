@@ -3,7 +3,6 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
-#include <cctype>
 #include <cstdlib>
 #include <iterator>
 #include <string>
@@ -41,13 +40,6 @@ int64_t env_bytes(const char* name, const std::string& value, const char* exampl
   } catch (const std::exception&) {
     bad_env(name, value, std::string("a byte size such as ") + examples);
   }
-}
-
-// libgomp reads its variables case-insensitively: so do the rows that read them.
-std::string lower_case(std::string text) {
-  std::transform(text.begin(), text.end(), text.begin(),
-                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
-  return text;
 }
 
 // One variable. `parse` reads its text into the settings and returns the value

@@ -75,8 +75,7 @@ std::vector<int> online_nodes(const std::string& root) {
 }
 
 int pci_numa_node(const std::string& pci_bus_id, const std::string& root) {
-  std::string id = pci_bus_id;
-  std::transform(id.begin(), id.end(), id.begin(), ::tolower);
+  std::string id = lower_case(pci_bus_id);
   // CUDA reports "00000000:1B:00.0" (8-digit domain); sysfs uses 4 digits.
   const auto colon = id.find(':');
   if (colon != std::string::npos && colon > 4) id = id.substr(colon - 4);
