@@ -170,6 +170,23 @@ def test_to_device_if_plain_declines_under_the_profiler_and_modes():
         _ops.fast.to_device_if_plain(x, "cuda", 16 << 20, 4)
 
 
+@pytest.mark.gpu
+@requires_cuda
+def test_call_breakdown_times_every_piece_on_a_gpu():
+    """pinxfer._C._call_breakdown (diag_small_calls' native figures, each piece of a small
+    call timed alone) runs its CUDA pieces where a GPU is usable, pin_memory's pinned check
+    and torch's is_pinned among them, and gives each a time."""
+    got = pinxfer._C._call_breakdown(50)
+    for name in (
+        "pool_allocate_free_64KiB",
+        "is_dma_pinned_pageable",
+        "pin_memory_pinned_check_pageable",
+        "torch_is_pinned_pageable",
+        "send_to_device_4KiB",
+    ):
+        assert got.get(name, 0) > 0, (name, got)
+
+
 def test_modes_and_autograd_take_the_operator():
     seen = []
 

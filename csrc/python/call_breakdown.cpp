@@ -118,6 +118,12 @@ std::map<std::string, double> call_breakdown(int64_t iterations) {
     // The pieces of send_to_device's small pageable path that are not timed above.
     out["is_dma_pinned_pageable"] =
         ns_per_call(iterations, [&] { (void)transfer::is_dma_pinned(pageable); });
+    // pin_memory's first step (is_pinned_dense, which asks torch's is_pinned: the dispatcher,
+    // CUDAHooks' primary-context search and device guard, then the same driver query as
+    // is_dma_pinned), and torch's is_pinned alone: what the dispatcher and the guard add.
+    out["pin_memory_pinned_check_pageable"] =
+        ns_per_call(iterations, [&] { (void)ops::is_pinned_dense(pageable, true); });
+    out["torch_is_pinned_pageable"] = ns_per_call(iterations, [&] { (void)pageable.is_pinned(); });
     out["release_finished_sources"] =
         ns_per_call(iterations, [device] { transfer::release_finished_sources(device); });
     const c10::cuda::CUDAStream cur = c10::cuda::getCurrentCUDAStream(device);
