@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import gc
+import itertools
 import threading
 import time
 
@@ -247,6 +248,32 @@ def test_parked_helpers_do_not_hold_the_transfer(nbytes):
         _check(pinxfer.to_device(z_src), z_src)
     time.sleep(0.1)  # every stalled helper has left; its block is back in the pool
     _check(pinxfer.to_device(want), want)
+
+
+def test_chunk_timeline_covers_every_chunk_in_order():
+    """The diagnostic chunk timeline (benchmarks/diag_chunk_timeline.py) of a single-block
+    to_device: one entry per chunk of the plan, covering the tensor's bytes in order, each
+    DMA queued after the call began and finished after the one before it; the copy is
+    still exact with the timing events in the stream."""
+    nbytes = 8 * MiB + 4096
+    x = _random_bytes(nbytes, seed=7)
+    pinxfer._C._set_chunk_timeline(True)
+    try:
+        y = pinxfer.to_device(x)
+        chunks = pinxfer._C._last_chunk_timeline()
+    finally:
+        pinxfer._C._set_chunk_timeline(False)
+    _check(y, x)
+    bounds = pinxfer._C._chunk_plan(
+        nbytes, pinxfer.transfer.DEFAULT_CHUNK_BYTES, pinxfer.transfer.DEFAULT_NUM_BUFFERS, 1
+    )[0]
+    assert [(c["begin"], c["end"]) for c in chunks] == list(itertools.pairwise(bounds))
+    assert all(c["queued_us"] > 0 for c in chunks)
+    done = [c["dma_done_us"] for c in chunks]
+    assert done == sorted(done) and done[0] > 0
+    assert pinxfer._C._last_chunk_timeline() == []  # read once; off now: nothing recorded
+    pinxfer.to_device(x)
+    assert pinxfer._C._last_chunk_timeline() == []
 
 
 def test_copy_does_not_wait_for_busy_current_stream():

@@ -144,6 +144,32 @@ void bind_transfer(pybind11::module_& m) {
       "DIAGNOSTIC: _last_single_block_trace() -> dict: what this thread's last single-block "
       "to_device did (pieces by the caller, by helpers, stolen; microseconds from its start, "
       "and setup_us from the op's muster of its copy threads to that start)");
+  m.def("_set_chunk_timeline", &transfer::set_chunk_timeline,
+        "DIAGNOSTIC: _set_chunk_timeline(on): this process's single-block to_device "
+        "transfers record a timing event per chunk (read by _last_chunk_timeline)");
+  m.def(
+      "_last_chunk_timeline",
+      [] {
+        std::vector<transfer::ChunkTimelineEntry> entries;
+        {
+          pybind11::gil_scoped_release no_gil;
+          entries = transfer::last_chunk_timeline();
+        }
+        pybind11::list out;
+        for (const auto& e : entries) {
+          pybind11::dict d;
+          d["begin"] = e.begin;
+          d["end"] = e.end;
+          d["queued_us"] = e.queued_us;
+          d["dma_done_us"] = e.dma_done_us;
+          out.append(d);
+        }
+        return out;
+      },
+      "DIAGNOSTIC: _last_chunk_timeline() -> list of dicts: this thread's last recorded "
+      "single-block to_device, per chunk: its bytes [begin, end), when the host queued its "
+      "DMA and when the GPU had finished it (microseconds from the call's start; waits for "
+      "the DMAs)");
   m.def("_set_helper_stall_us", &transfer::set_helper_stall_us,
         "TEST-ONLY: _set_helper_stall_us(us): each copy helper of to_device's single-block "
         "path sleeps us microseconds after claiming a piece, as a parked thread would (0: off)");

@@ -159,6 +159,45 @@ std::atomic<uint64_t> g_stolen_pieces{0};
 thread_local SingleBlockTrace t_last_trace;  // last_single_block_trace()
 std::atomic<int64_t> g_helper_stall_us{0};   // test hook (set_helper_stall_us)
 
+// The chunk timeline (set_chunk_timeline): timing events of the calling thread's last
+// single-block transfer, read and destroyed by last_chunk_timeline() or the next recording.
+std::atomic<bool> g_chunk_timeline{false};
+struct ChunkTimelineRecorder {
+  cudaEvent_t start = nullptr;
+  std::chrono::steady_clock::time_point started;
+  std::vector<cudaEvent_t> done;  // after each chunk's DMA, in chunk order
+  std::vector<ChunkTimelineEntry> entries;
+
+  void clear() {
+    // Best effort: a diagnostic's leftover events must not make a transfer fail.
+    if (start) (void)cudaEventDestroy(start);
+    for (cudaEvent_t ev : done) (void)cudaEventDestroy(ev);
+    start = nullptr;
+    done.clear();
+    entries.clear();
+  }
+  void begin(cudaStream_t stream) {
+    clear();
+    C10_CUDA_CHECK(cudaEventCreate(&start));
+    started = std::chrono::steady_clock::now();
+    C10_CUDA_CHECK(cudaEventRecord(start, stream));
+  }
+  void chunk_queued(cudaStream_t stream, size_t begin, size_t end) {
+    cudaEvent_t ev = nullptr;
+    C10_CUDA_CHECK(cudaEventCreate(&ev));
+    done.push_back(ev);
+    C10_CUDA_CHECK(cudaEventRecord(ev, stream));
+    ChunkTimelineEntry e;
+    e.begin = static_cast<int64_t>(begin);
+    e.end = static_cast<int64_t>(end);
+    e.queued_us =
+        std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - started)
+            .count();
+    entries.push_back(e);
+  }
+};
+thread_local ChunkTimelineRecorder t_chunk_timeline;
+
 struct SingleBlock {
   c10::Storage source;  // keeps the source's bytes mapped for a late helper
   const char* src = nullptr;
@@ -338,9 +377,16 @@ void single_block_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex 
   trace.helpers_offered = on_team || offer ? helpers : 0;
   std::vector<c10::DataPtr> spares(pieces.size());
   size_t queued = 0;  // chunks queued, in order
+  const bool timeline = g_chunk_timeline.load(std::memory_order_relaxed);
+  if (timeline) t_chunk_timeline.begin(stream.stream());
   auto queue_ready = [&] {
     while (queued < chunks && sb->left[queued].load(std::memory_order_acquire) == 0) {
-      queue_single_block_chunk(*sb, queued++, spares);
+      queue_single_block_chunk(*sb, queued, spares);
+      if (timeline) {
+        t_chunk_timeline.chunk_queued(stream.stream(), sb->plan.bounds[queued],
+                                      sb->plan.bounds[queued + 1]);
+      }
+      ++queued;
     }
   };
   // The caller's share, queueing chunks as they complete; returns the pieces it staged.
@@ -502,6 +548,22 @@ void pipelined_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex dev
 }
 
 SingleBlockTrace last_single_block_trace() { return t_last_trace; }
+
+void set_chunk_timeline(bool on) { g_chunk_timeline.store(on, std::memory_order_relaxed); }
+
+std::vector<ChunkTimelineEntry> last_chunk_timeline() {
+  ChunkTimelineRecorder& rec = t_chunk_timeline;
+  if (rec.start == nullptr) return {};
+  std::vector<ChunkTimelineEntry> out = rec.entries;
+  for (size_t c = 0; c < rec.done.size(); ++c) {
+    C10_CUDA_CHECK(cudaEventSynchronize(rec.done[c]));
+    float ms = 0;
+    C10_CUDA_CHECK(cudaEventElapsedTime(&ms, rec.start, rec.done[c]));
+    out[c].dma_done_us = static_cast<double>(ms) * 1e3;
+  }
+  rec.clear();
+  return out;
+}
 
 uint64_t stolen_pieces() { return g_stolen_pieces.load(std::memory_order_relaxed); }
 

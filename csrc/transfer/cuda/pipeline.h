@@ -103,6 +103,20 @@ struct SingleBlockTrace {
 };
 SingleBlockTrace last_single_block_trace();
 
+// DIAGNOSTIC (benchmarks/diag_chunk_timeline.py): when on, each single-block transfer of
+// the calling thread records a timing event on its stream before its first DMA and one after
+// each chunk's DMA, with the host time each chunk was queued, so a reader can tell a DMA
+// engine left waiting for staged bytes from one that reads staged bytes slowly. Off by
+// default: the events cost a few microseconds per chunk.
+struct ChunkTimelineEntry {
+  int64_t begin = 0, end = 0;  // the chunk's bytes
+  double queued_us = 0;        // host: when its last DMA call returned, from the call's start
+  double dma_done_us = 0;      // GPU: when its DMA had finished, from the start event
+};
+void set_chunk_timeline(bool on);
+// The calling thread's last recorded transfer (waits for its events; empty if none).
+std::vector<ChunkTimelineEntry> last_chunk_timeline();
+
 // Pieces the single-block path's caller staged again because their helper had not
 // finished them in time (a diagnostic: process total since start).
 uint64_t stolen_pieces();

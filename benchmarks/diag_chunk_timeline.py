@@ -1,0 +1,188 @@
+"""Where a mid-size to_device loses to the pinned copy (issue 22): the DMA engine's timeline,
+chunk by chunk.
+
+A single-block to_device of 8-64 MiB runs at 0.6-0.76x the pinned copy of the same size, yet
+pinxfer's threads stage 8 MiB at 80-100 GB/s (pin_memory, bench_loop) and the bus carries
+50-55. Either the DMA engine waits for staged bytes (the staging is late: wake-ups, the ramp,
+the caller noticing a finished chunk) or it reads staged bytes slower than a pinned source's
+(the staging's stores, the CPU's DRAM traffic beside the DMA). This script tells them apart.
+
+For each timed call, pinxfer._C._set_chunk_timeline(True) has the transfer record a timing
+event before its first DMA and after each chunk's, with the host time each chunk was queued:
+
+  wall_us        the call and a synchronize
+  first_dma_us   when the first chunk was queued (the call's setup and first staging)
+  dma_wait_us    the time the DMA engine had nothing queued: per chunk, how long after the
+                 previous chunk's DMA finished this one was queued (host and GPU clocks share
+                 the start event's origin, off by its launch latency, a few µs)
+  busy_gbps      the DMA's rate over the chunks queued before the previous one finished
+                 (the engine had work waiting): bytes over the spacing of their finishes
+  tail_us        from the last chunk's queueing to its DMA's end
+
+and the same for the pinned source: the same chunks, each queued with torch's copy_ (so
+its busy_gbps is the bus's rate chunk by chunk), and the whole pinned copy in one DMA.
+Staging modes ("auto", "nt", "movsb") rotate call by call in one process. Patterns: back
+to back (an untimed call first, as bench_loop) and after a 20 ms sleep.
+
+    python benchmarks/diag_chunk_timeline.py OUT.json [--sizes 8M,32M,64M] [--rounds 12]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_loop import parse_sizes, size_label
+
+MODES = ("auto", "nt", "movsb")
+PATTERNS = ("b2b", "sleep")
+
+
+def summarize(chunks: list[dict]) -> dict[str, float]:
+    """The DMA engine's figures of one call from its chunk timeline (see the docstring)."""
+    waited = 0.0
+    busy_bytes = 0
+    busy_us = 0.0
+    for c in range(1, len(chunks)):
+        prev, cur = chunks[c - 1], chunks[c]
+        waited += max(0.0, cur["queued_us"] - prev["dma_done_us"])
+        if cur["queued_us"] <= prev["dma_done_us"]:
+            busy_bytes += cur["end"] - cur["begin"]
+            busy_us += cur["dma_done_us"] - prev["dma_done_us"]
+    last = chunks[-1]
+    return {
+        "first_dma_us": chunks[0]["queued_us"],
+        "dma_wait_us": waited,
+        "busy_gbps": busy_bytes / busy_us / 1e3 if busy_us > 0 else float("nan"),
+        "busy_share": busy_bytes / last["end"],
+        "tail_us": last["dma_done_us"] - last["queued_us"],
+        "dma_span_us": last["dma_done_us"],
+    }
+
+
+def pinned_timeline(pinned: torch.Tensor, dst: torch.Tensor, bounds: list[int]) -> list[dict]:
+    """The pinned source sent in the same chunks, one torch copy_ each, timed like
+    pinxfer's (events on the current stream, host queue times from the start event's)."""
+    stream = torch.cuda.current_stream()
+    src8, dst8 = pinned.view(torch.uint8), dst.view(torch.uint8)
+    start = torch.cuda.Event(enable_timing=True)
+    t0 = time.perf_counter()
+    start.record(stream)
+    rows = []
+    events = []
+    for b, e in zip(bounds[:-1], bounds[1:]):
+        dst8[b:e].copy_(src8[b:e], non_blocking=True)
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(stream)
+        events.append(ev)
+        rows.append({"begin": b, "end": e, "queued_us": (time.perf_counter() - t0) * 1e6})
+    for row, ev in zip(rows, events):
+        ev.synchronize()
+        row["dma_done_us"] = start.elapsed_time(ev) * 1e3
+    return rows
+
+
+def measure(sizes: list[int], rounds: int) -> dict[str, Any]:
+    import pinxfer
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    sync = torch.cuda.synchronize
+    out: dict[str, Any] = {}
+    pinxfer._C._set_chunk_timeline(True)
+    try:
+        for nbytes in sizes:
+            t = torch.randn(nbytes // 4)
+            pinned = t.pin_memory()
+            dst = torch.empty_like(t, device=dev)
+            for mode in MODES:  # warm-up: pool blocks, code
+                pinxfer.to_device(t, dev, staging=mode)
+            sync()
+            bounds = [c["begin"] for c in pinxfer._C._last_chunk_timeline()]
+            bounds.append(nbytes)
+            ways = [*(f"px_{m}" for m in MODES), "pinned_chunks", "pinned_whole"]
+            cells: dict[str, dict[str, list]] = {
+                f"{p}/{w}": {"wall_us": [], "calls": []} for p in PATTERNS for w in ways
+            }
+
+            def call(way: str) -> list[dict] | None:
+                if way.startswith("px_"):
+                    pinxfer.to_device(t, dev, staging=way[3:])
+                    sync()
+                    return pinxfer._C._last_chunk_timeline()
+                if way == "pinned_chunks":
+                    rows = pinned_timeline(pinned, dst, bounds)
+                    sync()
+                    return rows
+                dst.copy_(pinned, non_blocking=True)
+                sync()
+                return None
+
+            for r in range(rounds):
+                for pattern in PATTERNS:
+                    k = r % len(ways)
+                    for way in ways[k:] + ways[:k]:
+                        if pattern == "b2b":
+                            call(way)
+                        else:
+                            time.sleep(0.02)
+                        t0 = time.perf_counter()
+                        rows = call(way)
+                        wall = (time.perf_counter() - t0) * 1e6
+                        cell = cells[f"{pattern}/{way}"]
+                        cell["wall_us"].append(round(wall, 1))
+                        if rows:
+                            cell["calls"].append(summarize(rows))
+                        if r == rounds - 1 and rows:
+                            cell["last_timeline"] = rows
+            summary = {}
+            for key, cell in cells.items():
+                s: dict[str, Any] = {"wall_us": statistics.median(cell["wall_us"])}
+                if cell["calls"]:
+                    for field in cell["calls"][0]:
+                        vals = [c[field] for c in cell["calls"] if c[field] == c[field]]
+                        s[field] = round(statistics.median(vals), 2) if vals else None
+                summary[key] = s
+            out[size_label(nbytes)] = {"bounds": bounds, "summary": summary, "cells": cells}
+    finally:
+        pinxfer._C._set_chunk_timeline(False)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("json_path")
+    ap.add_argument("--sizes", default="8M,32M,64M")
+    ap.add_argument("--rounds", type=int, default=12)
+    args = ap.parse_args()
+    result: dict[str, Any] = {
+        "benchmark": "diag_chunk_timeline",
+        "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name(),
+        "kind": os.environ.get("PINXFER_MACHINE_KIND", "unknown"),
+        "rounds": args.rounds,
+        "sizes": measure(parse_sizes(args.sizes), args.rounds),
+    }
+    cols = ("wall_us", "first_dma_us", "dma_wait_us", "busy_gbps", "busy_share", "tail_us")
+    print(f"{'size':>6} {'cell':22} " + " ".join(f"{c:>12}" for c in cols))
+    for size, block in result["sizes"].items():
+        print(f"{size:>6} chunks {len(block['bounds']) - 1}")
+        for key, s in block["summary"].items():
+            vals = " ".join(
+                f"{s[c]:12.2f}" if isinstance(s.get(c), float) else f"{'-':>12}" for c in cols
+            )
+            print(f"{'':6} {key:22} {vals}")
+    with open(args.json_path, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
