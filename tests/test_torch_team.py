@@ -271,6 +271,32 @@ def test_a_team_that_may_sleep_at_once_is_read_at_every_probe(env):
 
 
 @needs_cpus
+def test_pin_memory_after_a_gap_reads_the_teams_state_once():
+    """After a gap (the team asleep, the pool's helpers woken ahead) a pin_memory call asks
+    whether torch's team is awake once, before its allocation, and its copy takes that
+    answer: one /proc read a call, contiguous or strided. The copy used to ask again."""
+    got = _run(
+        """
+        learned = awake_after_op()
+        sources = {"contiguous": torch.randn(1 << 20),
+                   "strided": torch.randn(2048, 1024)[:, ::2]}
+        reads, exact = {}, True
+        for name, x in sources.items():
+            before = state()[4]  # state() reads once itself, before its counters
+            for _ in range(4):
+                time.sleep(0.05)  # libgomp's spin and the pool's wake-ahead gap are shorter
+                y = pinxfer.pin_memory(x)
+                exact = exact and torch.equal(y, x) and pinxfer.is_pinned(y)
+            reads[name] = state()[4] - before - 1  # less the second state()'s own read
+        print(json.dumps(dict(learned=learned, reads=reads, exact=exact)))
+        """
+    )
+    assert got["learned"], got  # a team not learned is never read, which would prove nothing
+    assert got["exact"], got
+    assert got["reads"] == {"contiguous": 4, "strided": 4}, got
+
+
+@needs_cpus
 def test_pin_memory_on_the_team_keeps_every_byte():
     """pin_memory right after a torch parallel op (its copy then runs on the team), over
     sizes and layouts, each result checked byte for byte against the source, and the

@@ -328,11 +328,15 @@ bool torch_team_awake() {
 }
 
 void host_parallel_for(ThreadPool& pool, size_t n, size_t grain, size_t awake_grain,
-                       const std::function<void(size_t, size_t)>& fn, int max_threads) {
+                       const std::function<void(size_t, size_t)>& fn, int max_threads,
+                       TeamAnswer team) {
   if (n == 0) return;
   awake_grain = std::max<size_t>(1, std::min(awake_grain, grain));
   // The probe costs a /proc read: asked only where two threads could share the copy.
-  if (n <= awake_grain || !torch_team_awake()) {
+  const auto awake = [team] {
+    return team == TeamAnswer::kAsk ? torch_team_awake() : team == TeamAnswer::kAwake;
+  };
+  if (n <= awake_grain || !awake()) {
     pool.parallel_for(n, grain, fn, max_threads);
     return;
   }

@@ -77,14 +77,20 @@ void run_torch_op_on_team(const std::function<void()>& op);
 // work (the single-block transfer's); as run_on_torch_team.
 void run_on_each_team_member(const std::function<void(size_t, size_t)>& fn);
 
+// What host_parallel_for knows of torch's team: nothing yet (kAsk: it asks
+// torch_team_awake() itself), or the answer its caller got from torch_team_awake() for this
+// same copy, so that one copy reads the team's state from /proc once, not twice.
+enum class TeamAnswer { kAsk, kAwake, kAsleep };
+
 // pool.parallel_for(n, grain, fn, max_threads), run on torch's intra-op team instead when
-// that team is awake (torch_team_awake), in chunks of at least awake_grain (<= grain: a
-// chunk on the pool must be worth waking a thread, one on the awake team need not), and
-// max_threads does not apply (see above). The team is asked about only when the copy could
-// use two threads. fn must be safe on any thread (no thread-local state of pinxfer's pool)
-// and may throw: the first exception is rethrown here, as parallel_for does.
+// that team is awake (torch_team_awake, or `team`), in chunks of at least awake_grain
+// (<= grain: a chunk on the pool must be worth waking a thread, one on the awake team need
+// not), and max_threads does not apply (see above). The team is asked about only when the
+// copy could use two threads. fn must be safe on any thread (no thread-local state of
+// pinxfer's pool) and may throw: the first exception is rethrown here, as parallel_for does.
 void host_parallel_for(ThreadPool& pool, size_t n, size_t grain, size_t awake_grain,
-                       const std::function<void(size_t, size_t)>& fn, int max_threads = 0);
+                       const std::function<void(size_t, size_t)>& fn, int max_threads = 0,
+                       TeamAnswer team = TeamAnswer::kAsk);
 
 // TEST-ONLY (pinxfer._C._torch_team_state): team threads learned on this thread, whether
 // the team is awake now, how many copies ran on a team (process total), and the threads

@@ -95,22 +95,18 @@ void check_threads(int64_t num_threads) {
                     " (max(16, the CPUs this process may use)), got ", num_threads);
 }
 
-// A copy of the byte span in 64 KiB units: on torch's awake team if host_parallel_for finds
-// it awake (ask_team), else on the pool.
+// A copy of the byte span in 64 KiB units: on torch's team if `team` says it is awake, else
+// on the pool.
 void parallel_memcpy(char* dst, const char* src, size_t nbytes, size_t item_bytes, ThreadPool& pool,
-                     int max_threads, bool ask_team) {
+                     int max_threads, TeamAnswer team) {
   const size_t units = (nbytes + kCopyUnit - 1) / kCopyUnit;
   const auto copy_units = [&](size_t begin, size_t end) {
     const size_t lo = begin * kCopyUnit;
     const size_t hi = std::min(nbytes, end * kCopyUnit);
     std::memcpy(dst + lo, src + lo, hi - lo);
   };
-  if (ask_team) {
-    host_parallel_for(pool, units, kUnitsPerChunk, torch_share_units(item_bytes), copy_units,
-                      max_threads);
-  } else {
-    pool.parallel_for(units, kUnitsPerChunk, copy_units, max_threads);
-  }
+  host_parallel_for(pool, units, kUnitsPerChunk, torch_share_units(item_bytes), copy_units,
+                    max_threads, team);
 }
 
 // Whether torch's copy_ copies this dtype on every torch pinxfer builds against (2.1 on):
@@ -147,9 +143,10 @@ bool torch_copy_covers(c10::ScalarType dtype) {
 }
 
 // A plain copy (no conj or neg bit, no internal overlap) of self's nbytes-byte span into out,
-// which has self's sizes and strides.
+// which has self's sizes and strides; team_awake: what torch_team_awake() answered for this
+// copy (pin_memory_copy asks it once, before the allocation).
 void copy_plain(at::Tensor& out, const at::Tensor& self, size_t nbytes, ThreadPool& pool,
-                int max_threads) {
+                int max_threads, bool team_awake) {
   auto* dst = static_cast<char*>(out.data_ptr());
   const auto* src = static_cast<const char*>(self.const_data_ptr());
   // Up to kSerialBytes (the bound below which a transfer's caller also stages alone) the
@@ -172,17 +169,19 @@ void copy_plain(at::Tensor& out, const at::Tensor& self, size_t nbytes, ThreadPo
   // byte-span copy (one memcpy a unit, gaps included) on the team or the pool, as do dtypes
   // torch's copy_ does not copy (torch_copy_covers).
   if (!self.is_contiguous() || !torch_copy_covers(self.scalar_type())) {
-    parallel_memcpy(dst, src, nbytes, self.dtype().itemsize(), pool, max_threads, true);
+    parallel_memcpy(dst, src, nbytes, self.dtype().itemsize(), pool, max_threads,
+                    team_awake ? TeamAnswer::kAwake : TeamAnswer::kAsleep);
     return;
   }
-  if (torch_team_awake()) {
+  if (team_awake) {
     run_torch_op_on_team([&] {
       at::AutoDispatchBelowADInplaceOrView below_autograd;  // a copy of values, as torch's pin
       out.copy_(self);
     });
     return;
   }
-  parallel_memcpy(dst, src, nbytes, self.dtype().itemsize(), pool, max_threads, false);
+  parallel_memcpy(dst, src, nbytes, self.dtype().itemsize(), pool, max_threads,
+                  TeamAnswer::kAsleep);
 }
 
 // Element-wise copy split along dim 0. Each chunk runs torch's copy kernel
@@ -212,17 +211,13 @@ void parallel_elementwise_copy(at::Tensor& dst, const at::Tensor& src, ThreadPoo
 
 // After an idle gap the setup below (the pool allocation: its lock, the event queries of
 // blocks freed behind copies; the output tensor) takes tens of microseconds, about what a
-// sleeping copy worker takes to rise: the helpers the copy will use are woken first, as
-// the pipeline's muster_copy_crew does for to_device (ThreadPool::wake_ahead; csrc/README.md,
-// "Woken ahead"). Not when torch's team is awake: host_parallel_for then copies on it and
-// no worker is offered anything. The team probe is a /proc read, so it is asked only after
-// a gap (wakes_ahead_now), where the wake-up it saves is worth far more.
+// sleeping copy worker takes to rise: the helpers a copy on the pool will use are woken
+// first, as the pipeline's muster_copy_crew does for to_device (ThreadPool::wake_ahead, which
+// wakes only after a gap; csrc/README.md, "Woken ahead").
 void wake_copy_helpers_ahead(ThreadPool& pool, size_t nbytes, int max_threads) {
-  if (!pool.wakes_ahead_now()) return;
   const size_t units = (nbytes + kCopyUnit - 1) / kCopyUnit;
   const size_t chunks = (units + kUnitsPerChunk - 1) / kUnitsPerChunk;
-  const int helpers = static_cast<int>(std::min<size_t>(max_threads, chunks)) - 1;
-  if (helpers > 0 && !torch_team_awake()) pool.wake_ahead(helpers);
+  pool.wake_ahead(static_cast<int>(std::min<size_t>(max_threads, chunks)) - 1);
 }
 
 thread_local PinCallTrace t_pin_trace;  // last_pin_call_trace()
@@ -266,13 +261,21 @@ at::Tensor pin_memory_copy(const at::Tensor& self, std::optional<int64_t> numa_n
   // num_threads 0: as many as this copy is worth (ThreadPool::threads_for_copy).
   const int max_threads =
       num_threads > 0 ? static_cast<int>(num_threads) : pool.threads_for_copy(nbytes);
-  if (plain_copy) wake_copy_helpers_ahead(pool, nbytes, max_threads);
+  // Who copies is decided once, before the allocation, as the pipeline's muster_copy_crew
+  // decides it for to_device: torch's team if it is awake (one probe, a /proc read outside
+  // the team's spin window; only a plain copy over kSerialBytes asks), else the pool, whose
+  // helpers are woken now after a gap. The copy used to ask again, so every copy after a gap
+  // read /proc twice, and cold: the first read alone took about 20-30 us there (H100 and
+  // H200, benchmarks/diag_idle_pin.py: the setup step, which holds it, 30-42 us after 20 ms
+  // of sleep with the team's road on, 11 with it off).
+  const bool team_awake = plain_copy && nbytes > transfer::kSerialBytes && torch_team_awake();
+  if (plain_copy && !team_awake) wake_copy_helpers_ahead(pool, nbytes, max_threads);
 
   const auto set_up = tracing ? TraceClock::now() : TraceClock::time_point{};
   at::Tensor out = allocate_out();
   const auto allocated = tracing ? TraceClock::now() : TraceClock::time_point{};
   if (plain_copy) {
-    copy_plain(out, self, nbytes, pool, max_threads);
+    copy_plain(out, self, nbytes, pool, max_threads, team_awake);
   } else {
     parallel_elementwise_copy(out, self, pool, max_threads);
   }
