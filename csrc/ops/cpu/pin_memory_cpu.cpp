@@ -168,12 +168,7 @@ void copy_plain(at::Tensor& out, const at::Tensor& self, size_t nbytes, ThreadPo
   // results/<kind>/diag_pin_copy_2026-11-27_s13_sync_team_auto.json). Strided views keep the
   // byte-span copy (one memcpy a unit, gaps included) on the team or the pool, as do dtypes
   // torch's copy_ does not copy (torch_copy_covers).
-  if (!self.is_contiguous() || !torch_copy_covers(self.scalar_type())) {
-    parallel_memcpy(dst, src, nbytes, self.dtype().itemsize(), pool, max_threads,
-                    team_awake ? TeamAnswer::kAwake : TeamAnswer::kAsleep);
-    return;
-  }
-  if (team_awake) {
+  if (team_awake && self.is_contiguous() && torch_copy_covers(self.scalar_type())) {
     run_torch_op_on_team([&] {
       at::AutoDispatchBelowADInplaceOrView below_autograd;  // a copy of values, as torch's pin
       out.copy_(self);
@@ -181,7 +176,7 @@ void copy_plain(at::Tensor& out, const at::Tensor& self, size_t nbytes, ThreadPo
     return;
   }
   parallel_memcpy(dst, src, nbytes, self.dtype().itemsize(), pool, max_threads,
-                  TeamAnswer::kAsleep);
+                  team_awake ? TeamAnswer::kAwake : TeamAnswer::kAsleep);
 }
 
 // Element-wise copy split along dim 0. Each chunk runs torch's copy kernel
