@@ -18,9 +18,13 @@ event before its first DMA and after each chunk's, with the host time each chunk
   busy_gbps      the DMA's rate over the chunks queued before the previous one finished
                  (the engine had work waiting): bytes over the spacing of their finishes
   tail_us        from the last chunk's queueing to its DMA's end
+  spans          the DMAs the chunks went in (consecutive staged chunks go together while
+                 the engine has work queued: pipeline.cpp's SpanGate)
 
 and the same for the pinned source: the same chunks, each queued with torch's copy_ (so
 its busy_gbps is the bus's rate chunk by chunk), and the whole pinned copy in one DMA.
+And the copy engine's own cost of a DMA: the pinned source sent whole and in the plan's
+chunks behind a GPU sleep, so the host never holds the engine up (engine_cost).
 Staging modes ("auto", "nt", "movsb") rotate call by call in one process. Patterns: back
 to back (an untimed call first, as bench_loop) and after a 20 ms sleep.
 
@@ -41,6 +45,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import itertools
+
 from bench_loop import parse_sizes, size_label
 
 MODES = ("auto", "nt", "movsb")
@@ -60,6 +66,7 @@ def summarize(chunks: list[dict]) -> dict[str, float]:
             busy_us += cur["dma_done_us"] - prev["dma_done_us"]
     last = chunks[-1]
     return {
+        "spans": len(chunks),
         "first_dma_us": chunks[0]["queued_us"],
         "dma_wait_us": waited,
         "busy_gbps": busy_bytes / busy_us / 1e3 if busy_us > 0 else float("nan"),
@@ -79,7 +86,7 @@ def pinned_timeline(pinned: torch.Tensor, dst: torch.Tensor, bounds: list[int]) 
     start.record(stream)
     rows = []
     events = []
-    for b, e in zip(bounds[:-1], bounds[1:]):
+    for b, e in itertools.pairwise(bounds):
         dst8[b:e].copy_(src8[b:e], non_blocking=True)
         ev = torch.cuda.Event(enable_timing=True)
         ev.record(stream)
@@ -89,6 +96,33 @@ def pinned_timeline(pinned: torch.Tensor, dst: torch.Tensor, bounds: list[int]) 
         ev.synchronize()
         row["dma_done_us"] = start.elapsed_time(ev) * 1e3
     return rows
+
+
+def engine_cost(pinned: torch.Tensor, dst: torch.Tensor, bounds: list[int]) -> dict[str, float]:
+    """The copy engine's own time for the pinned source sent whole and in the plan's chunks,
+    with no event between the chunks: every copy is queued behind a GPU sleep, so the engine
+    never waits for the host. Medians of 5; per_dma_us is what each extra DMA cost."""
+    stream = torch.cuda.current_stream()
+    src8, dst8 = pinned.view(torch.uint8), dst.view(torch.uint8)
+    times: dict[str, list[float]] = {"whole_us": [], "chunks_us": []}
+    for _ in range(5):
+        for way in times:
+            torch.cuda._sleep(20_000_000)  # ~10 ms: longer than queueing the chunks
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            if way == "whole_us":
+                dst8.copy_(src8, non_blocking=True)
+            else:
+                for b, e in itertools.pairwise(bounds):
+                    dst8[b:e].copy_(src8[b:e], non_blocking=True)
+            end.record(stream)
+            end.synchronize()
+            times[way].append(start.elapsed_time(end) * 1e3)
+    out = {k: statistics.median(v) for k, v in times.items()}
+    out["chunks"] = len(bounds) - 1
+    out["per_dma_us"] = (out["chunks_us"] - out["whole_us"]) / max(1, len(bounds) - 2)
+    out["whole_gbps"] = bounds[-1] / out["whole_us"] / 1e3
+    return out
 
 
 def measure(sizes: list[int], rounds: int) -> dict[str, Any]:
@@ -106,8 +140,13 @@ def measure(sizes: list[int], rounds: int) -> dict[str, Any]:
             for mode in MODES:  # warm-up: pool blocks, code
                 pinxfer.to_device(t, dev, staging=mode)
             sync()
-            bounds = [c["begin"] for c in pinxfer._C._last_chunk_timeline()]
-            bounds.append(nbytes)
+            pinxfer._C._last_chunk_timeline()
+            bounds = pinxfer._C._chunk_plan(
+                nbytes,
+                pinxfer.transfer.DEFAULT_CHUNK_BYTES,
+                pinxfer.transfer.DEFAULT_NUM_BUFFERS,
+                1,
+            )[0]
             ways = [*(f"px_{m}" for m in MODES), "pinned_chunks", "pinned_whole"]
             cells: dict[str, dict[str, list]] = {
                 f"{p}/{w}": {"wall_us": [], "calls": []} for p in PATTERNS for w in ways
@@ -151,7 +190,12 @@ def measure(sizes: list[int], rounds: int) -> dict[str, Any]:
                         vals = [c[field] for c in cell["calls"] if c[field] == c[field]]
                         s[field] = round(statistics.median(vals), 2) if vals else None
                 summary[key] = s
-            out[size_label(nbytes)] = {"bounds": bounds, "summary": summary, "cells": cells}
+            out[size_label(nbytes)] = {
+                "bounds": bounds,
+                "engine": engine_cost(pinned, dst, bounds),
+                "summary": summary,
+                "cells": cells,
+            }
     finally:
         pinxfer._C._set_chunk_timeline(False)
     return out
@@ -171,10 +215,15 @@ def main() -> None:
         "rounds": args.rounds,
         "sizes": measure(parse_sizes(args.sizes), args.rounds),
     }
-    cols = ("wall_us", "first_dma_us", "dma_wait_us", "busy_gbps", "busy_share", "tail_us")
+    cols = ("wall_us", "spans", "first_dma_us", "dma_wait_us", "busy_gbps", "busy_share", "tail_us")
     print(f"{'size':>6} {'cell':22} " + " ".join(f"{c:>12}" for c in cols))
     for size, block in result["sizes"].items():
-        print(f"{size:>6} chunks {len(block['bounds']) - 1}")
+        eng = block["engine"]
+        print(
+            f"{size:>6} chunks {eng['chunks']}: engine whole {eng['whole_us']:.1f} us "
+            f"({eng['whole_gbps']:.1f} GB/s), in chunks {eng['chunks_us']:.1f} us, "
+            f"{eng['per_dma_us']:.2f} us per extra DMA"
+        )
         for key, s in block["summary"].items():
             vals = " ".join(
                 f"{s[c]:12.2f}" if isinstance(s.get(c), float) else f"{'-':>12}" for c in cols

@@ -252,28 +252,36 @@ def test_parked_helpers_do_not_hold_the_transfer(nbytes):
 
 def test_chunk_timeline_covers_every_chunk_in_order():
     """The diagnostic chunk timeline (benchmarks/diag_chunk_timeline.py) of a single-block
-    to_device: one entry per chunk of the plan, covering the tensor's bytes in order, each
-    DMA queued after the call began and finished after the one before it; the copy is
-    still exact with the timing events in the stream."""
+    to_device: one entry per DMA span, the spans whole chunks of the plan that cover the
+    tensor's bytes in order, each queued after the call began and finished after the one
+    before it, as many as the call's trace counts; the copy is exact with the timing events
+    in the stream, and spans gathering chunks do not change the bytes."""
     nbytes = 8 * MiB + 4096
-    x = _random_bytes(nbytes, seed=7)
-    pinxfer._C._set_chunk_timeline(True)
-    try:
-        y = pinxfer.to_device(x)
-        chunks = pinxfer._C._last_chunk_timeline()
-    finally:
-        pinxfer._C._set_chunk_timeline(False)
-    _check(y, x)
     bounds = pinxfer._C._chunk_plan(
         nbytes, pinxfer.transfer.DEFAULT_CHUNK_BYTES, pinxfer.transfer.DEFAULT_NUM_BUFFERS, 1
     )[0]
-    assert [(c["begin"], c["end"]) for c in chunks] == list(itertools.pairwise(bounds))
-    assert all(c["queued_us"] > 0 for c in chunks)
-    done = [c["dma_done_us"] for c in chunks]
-    assert done == sorted(done) and done[0] > 0
-    assert pinxfer._C._last_chunk_timeline() == []  # read once; off now: nothing recorded
+    pinxfer._C._set_chunk_timeline(True)
+    try:
+        for seed in range(5):
+            x = _random_bytes(nbytes, seed=seed)
+            y = pinxfer.to_device(x)
+            spans = pinxfer._C._last_chunk_timeline()
+            trace = pinxfer._C._last_single_block_trace()
+            _check(y, x)
+            assert 1 <= len(spans) <= len(bounds) - 1
+            assert len(spans) == trace["dma_spans"]
+            assert spans[0]["begin"] == 0 and spans[-1]["end"] == nbytes
+            for a, b in itertools.pairwise(spans):
+                assert a["end"] == b["begin"]
+            assert all(s["begin"] in bounds and s["end"] in bounds for s in spans)
+            assert all(s["queued_us"] > 0 for s in spans)
+            done = [s["dma_done_us"] for s in spans]
+            assert done == sorted(done) and done[0] > 0
+            assert pinxfer._C._last_chunk_timeline() == []  # read once
+    finally:
+        pinxfer._C._set_chunk_timeline(False)
     pinxfer.to_device(x)
-    assert pinxfer._C._last_chunk_timeline() == []
+    assert pinxfer._C._last_chunk_timeline() == []  # off: nothing recorded
 
 
 def test_copy_does_not_wait_for_busy_current_stream():

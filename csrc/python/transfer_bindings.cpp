@@ -134,6 +134,7 @@ void bind_transfer(pybind11::module_& m) {
         d["own_pieces"] = t.own_pieces;
         d["helper_pieces"] = t.helper_pieces;
         d["stolen"] = t.stolen;
+        d["dma_spans"] = t.dma_spans;
         d["setup_us"] = t.setup_us;
         d["alloc_us"] = t.alloc_us;
         d["own_done_us"] = t.own_done_us;
@@ -146,7 +147,7 @@ void bind_transfer(pybind11::module_& m) {
       "and setup_us from the op's muster of its copy threads to that start)");
   m.def("_set_chunk_timeline", &transfer::set_chunk_timeline,
         "DIAGNOSTIC: _set_chunk_timeline(on): this process's single-block to_device "
-        "transfers record a timing event per chunk (read by _last_chunk_timeline)");
+        "transfers record a timing event per DMA span (read by _last_chunk_timeline)");
   m.def(
       "_last_chunk_timeline",
       [] {
@@ -167,8 +168,9 @@ void bind_transfer(pybind11::module_& m) {
         return out;
       },
       "DIAGNOSTIC: _last_chunk_timeline() -> list of dicts: this thread's last recorded "
-      "single-block to_device, per chunk: its bytes [begin, end), when the host queued its "
-      "DMA and when the GPU had finished it (microseconds from the call's start; waits for "
+      "single-block to_device, per DMA span (consecutive chunks sent together): its bytes "
+      "[begin, end), when the host queued its DMA and when the GPU had finished it (microseconds "
+      "from the call's start; waits for "
       "the DMAs)");
   m.def("_set_helper_stall_us", &transfer::set_helper_stall_us,
         "TEST-ONLY: _set_helper_stall_us(us): each copy helper of to_device's single-block "

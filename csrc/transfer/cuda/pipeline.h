@@ -97,7 +97,8 @@ struct SingleBlockTrace {
   int64_t nbytes = 0, pieces = 0;
   int64_t helpers_offered = 0;  // helpers the plan asked for (ThreadPool::offer caps them)
   int64_t own_pieces = 0, helper_pieces = 0, stolen = 0;
-  double setup_us = 0;  // from the crew's muster (helpers woken ahead) to the call's start
+  int64_t dma_spans = 0;  // DMA spans the chunks went in (pipeline.cpp's SpanGate)
+  double setup_us = 0;    // from the crew's muster (helpers woken ahead) to the call's start
   double alloc_us = 0, own_done_us = 0, total_us = 0;
   double first_helper_us = -1;  // when the first helper claimed a piece; -1: none had
 };
@@ -105,11 +106,12 @@ SingleBlockTrace last_single_block_trace();
 
 // DIAGNOSTIC (benchmarks/diag_chunk_timeline.py): when on, each single-block transfer of
 // the calling thread records a timing event on its stream before its first DMA and one after
-// each chunk's DMA, with the host time each chunk was queued, so a reader can tell a DMA
+// each span's DMA (consecutive staged chunks sent together), with the host time each span
+// was queued, so a reader can tell a DMA
 // engine left waiting for staged bytes from one that reads staged bytes slowly. Off by
-// default: the events cost a few microseconds per chunk.
+// default: the events cost a few microseconds per span.
 struct ChunkTimelineEntry {
-  int64_t begin = 0, end = 0;  // the chunk's bytes
+  int64_t begin = 0, end = 0;  // the span's bytes: whole chunks
   double queued_us = 0;        // host: when its last DMA call returned, from the call's start
   double dma_done_us = 0;      // GPU: when its DMA had finished, from the start event
 };
