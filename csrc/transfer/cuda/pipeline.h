@@ -7,7 +7,8 @@
 // The host threads of the node's ThreadPool claim pieces in order and copy
 // each into staging (transfer/stage_copy.h). Two layouts:
 // * one block (the tensor fits num_buffers chunks): helpers only stage; the
-//   caller queues each chunk's cudaMemcpyAsync once its pieces are final and,
+//   caller queues the chunks' cudaMemcpyAsync in order once their pieces are final
+//   (consecutive staged chunks as one DMA while the engine has enough queued) and,
 //   when a helper has not finished a claimed piece in time (parked by the
 //   scheduler), stages that piece again into a spare block and sends it from
 //   there. The block and the source stay alive (shared) until the last helper
