@@ -334,9 +334,9 @@ void queue_single_block_span(const SingleBlock& sb, size_t first, size_t last,
 }
 
 // When the caller sends staged chunks (issue 22, benchmarks/diag_chunk_timeline.py). Each DMA
-// costs the copy engine about 4 us beside its bytes (H200: a 1 MiB chunk took 23 us, 512 KiB
-// 14, so 8 MiB sent in its plan's 11 chunks kept the engine busy 229 us against 152 for one
-// DMA), and staging outruns the bus from 8 MiB up: the engine, not the staging, was the
+// costs the copy engine 2.5-3 us beside its bytes (H200: 8 MiB of pinned memory took 158 us
+// as one DMA and 189 in the plan's 11 chunks), and at 8 MiB staging outruns the bus: staged by
+// 90 us, its 11 DMAs kept the engine busy until 229. The engine, not the staging, was the
 // bound. So chunks that are staged while the engine still has a span running and another
 // queued behind it wait, and go together as one longer DMA when the running span ends: the
 // engine always has the next span queued, and the spans grow as far as staging is ahead.
