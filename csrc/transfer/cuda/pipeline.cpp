@@ -340,7 +340,8 @@ void queue_single_block_span(const SingleBlock& sb, size_t first, size_t last,
 // bound. So chunks that are staged while the engine still has a span running and another
 // queued behind it wait, and go together as one longer DMA when the running span ends: the
 // engine always has the next span queued, and the spans grow as far as staging is ahead.
-// The first chunks (the plan's ramp) still go one by one, as soon as they are staged.
+// Until the engine holds two spans (the plan's ramp, at the start), a chunk goes as soon as
+// it is staged.
 class SpanGate {
  public:
   explicit SpanGate(c10::Stream stream) : stream_(stream) {}
