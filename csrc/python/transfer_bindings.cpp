@@ -170,8 +170,7 @@ void bind_transfer(pybind11::module_& m) {
       "DIAGNOSTIC: _last_chunk_timeline() -> list of dicts: this thread's last recorded "
       "single-block to_device, per DMA span (consecutive chunks sent together): its bytes "
       "[begin, end), when the host queued its DMA and when the GPU had finished it (microseconds "
-      "from the call's start; waits for "
-      "the DMAs)");
+      "from the call's start; waits for the DMAs)");
   m.def("_set_helper_stall_us", &transfer::set_helper_stall_us,
         "TEST-ONLY: _set_helper_stall_us(us): each copy helper of to_device's single-block "
         "path sleeps us microseconds after claiming a piece, as a parked thread would (0: off)");

@@ -165,7 +165,7 @@ std::atomic<bool> g_chunk_timeline{false};
 struct ChunkTimelineRecorder {
   cudaEvent_t start = nullptr;
   std::chrono::steady_clock::time_point started;
-  std::vector<cudaEvent_t> done;  // after each chunk's DMA, in chunk order
+  std::vector<cudaEvent_t> done;  // after each span's DMA, in order
   std::vector<ChunkTimelineEntry> entries;
 
   void clear() {

@@ -108,9 +108,8 @@ SingleBlockTrace last_single_block_trace();
 // DIAGNOSTIC (benchmarks/diag_chunk_timeline.py): when on, each single-block transfer of
 // the calling thread records a timing event on its stream before its first DMA and one after
 // each span's DMA (consecutive staged chunks sent together), with the host time each span
-// was queued, so a reader can tell a DMA
-// engine left waiting for staged bytes from one that reads staged bytes slowly. Off by
-// default: the events cost a few microseconds per span.
+// was queued, so a reader can tell a DMA engine left waiting for staged bytes from one that
+// reads staged bytes slowly. Off by default: the events cost a few microseconds per span.
 struct ChunkTimelineEntry {
   int64_t begin = 0, end = 0;  // the span's bytes: whole chunks
   double queued_us = 0;        // host: when its last DMA call returned, from the call's start
