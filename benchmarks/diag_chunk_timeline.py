@@ -20,6 +20,10 @@ event before its first DMA and after each chunk's, with the host time each chunk
   tail_us        from the last chunk's queueing to its DMA's end
   spans          the DMAs the chunks went in (consecutive staged chunks go together while
                  the engine has work queued: pipeline.cpp's SpanGate)
+  at_*_us        pinxfer's host steps, from the Python call (host_steps): where the time
+                 before the first DMA and after the last one goes
+
+wall_us is the call and its synchronize alone: the timeline is read after it.
 
 and the same for the pinned source: the same chunks, each queued with torch's copy_ (so
 its busy_gbps is the bus's rate chunk by chunk), and the whole pinned copy in one DMA.
@@ -50,6 +54,18 @@ import itertools
 from bench_loop import parse_sizes, size_label
 
 MODES = ("auto", "nt", "movsb")
+STEP_FIELDS = (
+    "at_muster_us",
+    "at_start_us",
+    "at_alloc_us",
+    "at_offered_us",
+    "at_first_dma_us",
+    "at_last_dma_us",
+    "at_copy_done_us",
+    "at_return_us",
+    "at_dma_end_us",
+    "at_synced_us",
+)
 PATTERNS = ("b2b", "sleep")
 
 
@@ -73,6 +89,33 @@ def summarize(chunks: list[dict]) -> dict[str, float]:
         "busy_share": busy_bytes / last["end"],
         "tail_us": last["dma_done_us"] - last["queued_us"],
         "dma_span_us": last["dma_done_us"],
+    }
+
+
+def host_steps(
+    t0_ns: int, returned_ns: int, synced_ns: int, trace: dict, rows: list[dict]
+) -> dict[str, float]:
+    """One pinxfer call's host steps, µs from the Python call (time.perf_counter_ns and the
+    trace's steady clock are both CLOCK_MONOTONIC): the op's muster of its copy threads, the
+    single-block copy's start, its staging block allocated, its helpers' job posted, its first
+    and last DMA span queued, the copy's end, the call's return, the DMA's end (the timeline's
+    start event placed at its host time, off by that event's launch latency) and the
+    synchronize's return."""
+    muster = (trace["mustered_ns"] - t0_ns) / 1e3
+    start = muster + trace["setup_us"]
+    # The timeline's origin on the host: its first span's queue time, in both clocks.
+    timeline_origin = start + trace["first_queued_us"] - rows[0]["queued_us"]
+    return {
+        "at_muster_us": muster,
+        "at_start_us": start,
+        "at_alloc_us": start + trace["alloc_us"],
+        "at_offered_us": start + trace["offered_us"],
+        "at_first_dma_us": start + trace["first_queued_us"],
+        "at_last_dma_us": start + trace["last_queued_us"],
+        "at_copy_done_us": start + trace["total_us"],
+        "at_return_us": (returned_ns - t0_ns) / 1e3,
+        "at_dma_end_us": timeline_origin + rows[-1]["dma_done_us"],
+        "at_synced_us": (synced_ns - t0_ns) / 1e3,
     }
 
 
@@ -152,18 +195,25 @@ def measure(sizes: list[int], rounds: int) -> dict[str, Any]:
                 f"{p}/{w}": {"wall_us": [], "calls": []} for p in PATTERNS for w in ways
             }
 
-            def call(way: str) -> list[dict] | None:
+            def call(way: str) -> tuple[float, list[dict] | None, dict | None]:
+                """Runs one call of `way` and its synchronize: (wall µs, its chunk timeline,
+                pinxfer's host steps) - the timeline is read after the wall time is taken."""
+                t0 = time.perf_counter_ns()
                 if way.startswith("px_"):
                     pinxfer.to_device(t, dev, staging=way[3:])
+                    returned = time.perf_counter_ns()
                     sync()
-                    return pinxfer._C._last_chunk_timeline()
+                    synced = time.perf_counter_ns()
+                    rows = pinxfer._C._last_chunk_timeline()
+                    trace = pinxfer._C._last_single_block_trace()
+                    return (synced - t0) / 1e3, rows, host_steps(t0, returned, synced, trace, rows)
                 if way == "pinned_chunks":
                     rows = pinned_timeline(pinned, dst, bounds)
                     sync()
-                    return rows
+                    return (time.perf_counter_ns() - t0) / 1e3, rows, None
                 dst.copy_(pinned, non_blocking=True)
                 sync()
-                return None
+                return (time.perf_counter_ns() - t0) / 1e3, None, None
 
             for r in range(rounds):
                 for pattern in PATTERNS:
@@ -173,13 +223,11 @@ def measure(sizes: list[int], rounds: int) -> dict[str, Any]:
                             call(way)
                         else:
                             time.sleep(0.02)
-                        t0 = time.perf_counter()
-                        rows = call(way)
-                        wall = (time.perf_counter() - t0) * 1e6
+                        wall, rows, steps = call(way)
                         cell = cells[f"{pattern}/{way}"]
                         cell["wall_us"].append(round(wall, 1))
                         if rows:
-                            cell["calls"].append(summarize(rows))
+                            cell["calls"].append({**summarize(rows), **(steps or {})})
                         if r == rounds - 1 and rows:
                             cell["last_timeline"] = rows
             summary = {}
@@ -215,7 +263,16 @@ def main() -> None:
         "rounds": args.rounds,
         "sizes": measure(parse_sizes(args.sizes), args.rounds),
     }
-    cols = ("wall_us", "spans", "first_dma_us", "dma_wait_us", "busy_gbps", "busy_share", "tail_us")
+    cols = (
+        "wall_us",
+        "spans",
+        "first_dma_us",
+        "dma_wait_us",
+        "busy_gbps",
+        "busy_share",
+        "tail_us",
+        *STEP_FIELDS,
+    )
     print(f"{'size':>6} {'cell':22} " + " ".join(f"{c:>12}" for c in cols))
     for size, block in result["sizes"].items():
         eng = block["engine"]

@@ -255,7 +255,8 @@ def test_chunk_timeline_covers_every_chunk_in_order():
     to_device: one entry per DMA span, the spans whole chunks of the plan that cover the
     tensor's bytes in order, each queued after the call began and finished after the one
     before it, as many as the call's trace counts; the copy is exact with the timing events
-    in the stream, and spans gathering chunks do not change the bytes."""
+    in the stream, and spans gathering chunks do not change the bytes. The trace's host
+    steps are in order, on the clock of time.perf_counter_ns, within the call."""
     nbytes = 8 * MiB + 4096
     bounds = pinxfer._C._chunk_plan(
         nbytes, pinxfer.transfer.DEFAULT_CHUNK_BYTES, pinxfer.transfer.DEFAULT_NUM_BUFFERS, 1
@@ -264,10 +265,19 @@ def test_chunk_timeline_covers_every_chunk_in_order():
     try:
         for seed in range(5):
             x = _random_bytes(nbytes, seed=seed)
+            called = time.perf_counter_ns()
             y = pinxfer.to_device(x)
+            returned = time.perf_counter_ns()
             spans = pinxfer._C._last_chunk_timeline()
             trace = pinxfer._C._last_single_block_trace()
             _check(y, x)
+            assert called <= trace["mustered_ns"] <= returned
+            steps = [trace[k] for k in ("alloc_us", "offered_us", "first_queued_us")]
+            assert 0 <= steps[0] <= steps[1] <= steps[2] <= trace["last_queued_us"]
+            assert trace["last_queued_us"] <= trace["total_us"]
+            assert trace["mustered_ns"] + (trace["setup_us"] + trace["total_us"]) * 1e3 <= (
+                returned + 1000  # the two clocks' reads round to the microsecond
+            )
             assert 1 <= len(spans) <= len(bounds) - 1
             assert len(spans) == trace["dma_spans"]
             assert spans[0]["begin"] == 0 and spans[-1]["end"] == nbytes

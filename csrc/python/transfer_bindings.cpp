@@ -139,12 +139,17 @@ void bind_transfer(pybind11::module_& m) {
         d["alloc_us"] = t.alloc_us;
         d["own_done_us"] = t.own_done_us;
         d["total_us"] = t.total_us;
+        d["offered_us"] = t.offered_us;
+        d["first_queued_us"] = t.first_queued_us;
+        d["last_queued_us"] = t.last_queued_us;
         d["first_helper_us"] = t.first_helper_us;
+        d["mustered_ns"] = t.mustered_ns;
         return d;
       },
       "DIAGNOSTIC: _last_single_block_trace() -> dict: what this thread's last single-block "
       "to_device did (pieces by the caller, by helpers, stolen; microseconds from its start, "
-      "and setup_us from the op's muster of its copy threads to that start)");
+      "and setup_us from the op's muster of its copy threads to that start; mustered_ns: that "
+      "muster on the monotonic clock of time.perf_counter_ns)");
   m.def("_set_chunk_timeline", &transfer::set_chunk_timeline,
         "DIAGNOSTIC: _set_chunk_timeline(on): this process's single-block to_device "
         "transfers record a timing event per DMA span (read by _last_chunk_timeline)");

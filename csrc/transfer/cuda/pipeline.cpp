@@ -167,24 +167,45 @@ struct ChunkTimelineRecorder {
   std::chrono::steady_clock::time_point started;
   std::vector<cudaEvent_t> done;  // after each span's DMA, in order
   std::vector<ChunkTimelineEntry> entries;
+  // Events of earlier recordings, kept for the next ones: a cudaEventCreate in the middle of
+  // a transfer would be timed as part of it. Kept while the thread lives (a diagnostic's few).
+  std::vector<cudaEvent_t> spare;
+  int spare_device = -1;  // the device they were created on
 
+  cudaEvent_t take_event() {
+    int device = 0;
+    C10_CUDA_CHECK(cudaGetDevice(&device));
+    if (device != spare_device) {
+      // Events belong to their device. Best effort: a diagnostic's leftover events must not
+      // make a transfer fail.
+      for (cudaEvent_t ev : spare) (void)cudaEventDestroy(ev);
+      spare.clear();
+      spare_device = device;
+    }
+    if (!spare.empty()) {
+      cudaEvent_t ev = spare.back();
+      spare.pop_back();
+      return ev;
+    }
+    cudaEvent_t ev = nullptr;
+    C10_CUDA_CHECK(cudaEventCreate(&ev));
+    return ev;
+  }
   void clear() {
-    // Best effort: a diagnostic's leftover events must not make a transfer fail.
-    if (start) (void)cudaEventDestroy(start);
-    for (cudaEvent_t ev : done) (void)cudaEventDestroy(ev);
+    if (start) spare.push_back(start);
+    spare.insert(spare.end(), done.begin(), done.end());
     start = nullptr;
     done.clear();
     entries.clear();
   }
   void begin(cudaStream_t stream) {
     clear();
-    C10_CUDA_CHECK(cudaEventCreate(&start));
+    start = take_event();
     started = std::chrono::steady_clock::now();
     C10_CUDA_CHECK(cudaEventRecord(start, stream));
   }
   void span_queued(cudaStream_t stream, size_t begin, size_t end) {
-    cudaEvent_t ev = nullptr;
-    C10_CUDA_CHECK(cudaEventCreate(&ev));
+    cudaEvent_t ev = take_event();
     done.push_back(ev);
     C10_CUDA_CHECK(cudaEventRecord(ev, stream));
     ChunkTimelineEntry e;
@@ -387,6 +408,8 @@ void single_block_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex 
   };
   SingleBlockTrace trace;
   trace.setup_us = std::chrono::duration<double, std::micro>(sb->started - crew.mustered).count();
+  trace.mustered_ns =
+      std::chrono::duration_cast<std::chrono::nanoseconds>(crew.mustered.time_since_epoch()).count();
   sb->source = src.storage();
   sb->src = static_cast<const char*>(src.const_data_ptr());
   sb->dst = static_cast<char*>(out.data_ptr());
@@ -419,6 +442,7 @@ void single_block_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex 
   trace.pieces = static_cast<int64_t>(pieces.size());
   trace.on_torch_team = on_team;
   trace.helpers_offered = on_team || offer ? helpers : 0;
+  trace.offered_us = us_since_start(Clock::now());
   std::vector<c10::DataPtr> spares(pieces.size());
   size_t queued = 0;  // chunks queued, in order
   const bool timeline = g_chunk_timeline.load(std::memory_order_relaxed);
@@ -432,6 +456,8 @@ void single_block_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex 
     if (ready == queued || (ready < chunks && gate.engine_has_next())) return;
     queue_single_block_span(*sb, queued, ready, spares);
     gate.sent();
+    trace.last_queued_us = us_since_start(Clock::now());
+    if (queued == 0) trace.first_queued_us = trace.last_queued_us;
     if (timeline) {
       t_chunk_timeline.span_queued(stream.stream(), sb->plan.bounds[queued],
                                    sb->plan.bounds[ready]);
