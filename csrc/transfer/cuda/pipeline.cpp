@@ -409,7 +409,8 @@ void single_block_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex 
   SingleBlockTrace trace;
   trace.setup_us = std::chrono::duration<double, std::micro>(sb->started - crew.mustered).count();
   trace.mustered_ns =
-      std::chrono::duration_cast<std::chrono::nanoseconds>(crew.mustered.time_since_epoch()).count();
+      std::chrono::duration_cast<std::chrono::nanoseconds>(crew.mustered.time_since_epoch())
+          .count();
   sb->source = src.storage();
   sb->src = static_cast<const char*>(src.const_data_ptr());
   sb->dst = static_cast<char*>(out.data_ptr());

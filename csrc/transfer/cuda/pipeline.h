@@ -101,12 +101,12 @@ struct SingleBlockTrace {
   int64_t dma_spans = 0;  // DMA spans the chunks went in (pipeline.cpp's SpanGate)
   double setup_us = 0;    // from the crew's muster (helpers woken ahead) to the call's start
   double alloc_us = 0, own_done_us = 0, total_us = 0;
-  double offered_us = 0;          // when the helpers' job was posted (or the team was called)
-  double first_queued_us = -1;    // when the first DMA span was queued; -1: none
-  double last_queued_us = -1;     // when the last one was
-  double first_helper_us = -1;    // when the first helper claimed a piece; -1: none had
-  int64_t mustered_ns = 0;  // the muster on the steady clock (CLOCK_MONOTONIC: Python's
-                            // time.perf_counter_ns), so a reader can time the steps before it
+  double offered_us = 0;        // when the helpers' job was posted (or the team was called)
+  double first_queued_us = -1;  // when the first DMA span was queued; -1: none
+  double last_queued_us = -1;   // when the last one was
+  double first_helper_us = -1;  // when the first helper claimed a piece; -1: none had
+  int64_t mustered_ns = 0;      // the muster on the steady clock (CLOCK_MONOTONIC: Python's
+                                // time.perf_counter_ns), so a reader can time the steps before it
 };
 SingleBlockTrace last_single_block_trace();
 
