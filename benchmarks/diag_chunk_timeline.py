@@ -33,6 +33,7 @@ Staging modes ("auto", "nt", "movsb") rotate call by call in one process. Patter
 to back (an untimed call first, as bench_loop) and after a 20 ms sleep.
 
     python benchmarks/diag_chunk_timeline.py OUT.json [--sizes 8M,32M,64M] [--rounds 12]
+        [--modes auto,nt,movsb]
 """
 
 from __future__ import annotations
@@ -168,7 +169,7 @@ def engine_cost(pinned: torch.Tensor, dst: torch.Tensor, bounds: list[int]) -> d
     return out
 
 
-def measure(sizes: list[int], rounds: int) -> dict[str, Any]:
+def measure(sizes: list[int], rounds: int, modes: tuple[str, ...] = MODES) -> dict[str, Any]:
     import pinxfer
 
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -180,7 +181,7 @@ def measure(sizes: list[int], rounds: int) -> dict[str, Any]:
             t = torch.randn(nbytes // 4)
             pinned = t.pin_memory()
             dst = torch.empty_like(t, device=dev)
-            for mode in MODES:  # warm-up: pool blocks, code
+            for mode in modes:  # warm-up: pool blocks, code
                 pinxfer.to_device(t, dev, staging=mode)
             sync()
             pinxfer._C._last_chunk_timeline()
@@ -190,7 +191,7 @@ def measure(sizes: list[int], rounds: int) -> dict[str, Any]:
                 pinxfer.transfer.DEFAULT_NUM_BUFFERS,
                 1,
             )[0]
-            ways = [*(f"px_{m}" for m in MODES), "pinned_chunks", "pinned_whole"]
+            ways = [*(f"px_{m}" for m in modes), "pinned_chunks", "pinned_whole"]
             cells: dict[str, dict[str, list]] = {
                 f"{p}/{w}": {"wall_us": [], "calls": []} for p in PATTERNS for w in ways
             }
@@ -254,6 +255,7 @@ def main() -> None:
     ap.add_argument("json_path")
     ap.add_argument("--sizes", default="8M,32M,64M")
     ap.add_argument("--rounds", type=int, default=12)
+    ap.add_argument("--modes", default=",".join(MODES), help="staging modes, comma list")
     args = ap.parse_args()
     result: dict[str, Any] = {
         "benchmark": "diag_chunk_timeline",
@@ -261,7 +263,7 @@ def main() -> None:
         "gpu": torch.cuda.get_device_name(),
         "kind": os.environ.get("PINXFER_MACHINE_KIND", "unknown"),
         "rounds": args.rounds,
-        "sizes": measure(parse_sizes(args.sizes), args.rounds),
+        "sizes": measure(parse_sizes(args.sizes), args.rounds, tuple(args.modes.split(","))),
     }
     cols = (
         "wall_us",
