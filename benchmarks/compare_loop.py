@@ -1,17 +1,27 @@
-"""Two bench_loop.py results side by side: each row's ratios before -> after, as Markdown.
+"""bench_loop.py results side by side: each row's ratios before -> after, as Markdown.
 
 Ratios are same-process speed ratios (> 1: pinxfer faster): "xt" against torch's best way of
 the same size and gap, "xp" against the pinned copy; medians. Compare runs of one call (one
 machine): after an idle gap the platform's wake-up differs between machines by up to 2x, and
 the ratios carry it less than the microseconds do.
 
+One pair of runs, or several rounds of pairs (each round a before and an after process of one
+call, alternating): then each cell is the median over the rounds, before -> after, and in how
+many rounds the after run's ratio was the higher ("3/3"). The same build differs by 0.05-0.1
+from one process to the next at many rows, so a change that moves a row moves it in every
+round; one that moves it in some rounds only has not been shown to move it.
+
     python benchmarks/compare_loop.py BEFORE.json AFTER.json [--title TEXT]
+    python benchmarks/compare_loop.py B1.json A1.json B2.json A2.json ... [--title TEXT]
+    python benchmarks/compare_loop.py --session FILE --before NAME --after NAME
+        (FILE: {"runs": {variant: {round: bench_loop JSON}}}, as results/<kind>/loop_*_call*.json)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 
 WAYS = [  # (way in the JSON, column, with an xp column too)
     ("to_device", "to_device", True),
@@ -19,42 +29,97 @@ WAYS = [  # (way in the JSON, column, with an xp column too)
     ("prefetch_steady", "prefetch", True),
     ("pin_memory", "pin_memory", False),
 ]
+GAPS = {"b2b": 0, "sleep": 1, "gpu": 2}
 
 
-def _rows(path: str) -> dict:
+def _load(path: str) -> dict:
     with open(path) as f:
-        data = json.load(f)
-    return data, {(r["size"], r["pattern"], r["way"]): r for r in data["rows"]}
+        return json.load(f)
 
 
-def _ratio(row: dict | None, key: str) -> str:
+def _index(data: dict) -> dict:
+    return {(r["size"], r["pattern"], r["way"]): r for r in data["rows"]}
+
+
+def _median_ratio(row: dict | None, key: str) -> float | None:
     value = row and row.get(key)
-    return f"{value['median']:.2f}" if value else "-"
+    return value["median"] if value else None
 
 
-def table(before_path: str, after_path: str, title: str) -> str:
-    before, b = _rows(before_path)
-    after, a = _rows(after_path)
+def _header() -> list[str]:
     head = ["size", "gap"]
     for _, col, xp in WAYS:
         head += [f"{col} xt"] + ([f"{col} xp"] if xp else [])
-    out = [f"{title}: median ratios, before -> after", "", "| " + " | ".join(head) + " |"]
-    out.append("|" + "---|" * len(head))
-    gaps = {"b2b": 0, "sleep": 1, "gpu": 2}
-    order = sorted(
-        {(r["bytes"], gaps.get(r["pattern"], 3), r["size"], r["pattern"]) for r in after["rows"]}
-    )
-    for _, _, size, pattern in order:
+    return head
+
+
+def _row_order(data: dict) -> list[tuple[str, str]]:
+    keys = {(r["bytes"], GAPS.get(r["pattern"], 3), r["size"], r["pattern"]) for r in data["rows"]}
+    return [(size, pattern) for _, _, size, pattern in sorted(keys)]
+
+
+def _passed(data: dict) -> int:
+    return sum(r.get("verdict") == "PASS" for r in data["rows"])
+
+
+def table(before: dict, after: dict, title: str) -> str:
+    """One before run against one after run."""
+    return rounds_table([(before, after)], title)
+
+
+def rounds_table(pairs: list[tuple[dict, dict]], title: str) -> str:
+    """Rounds of (before, after) runs: per cell the medians over the rounds and, with more
+    than one round, in how many the after run's ratio was the higher."""
+    rounds = len(pairs)
+    indexed = [(_index(b), _index(a)) for b, a in pairs]
+    head = _header()
+    out = [
+        f"{title}: median ratios, before -> after"
+        + (
+            f" (medians of {rounds} rounds; k/n: rounds where after is higher)"
+            if rounds > 1
+            else ""
+        ),
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+    ]
+    higher_every = lower_every = cells_seen = 0
+    for size, pattern in _row_order(pairs[-1][1]):
         cells = [size, pattern]
         for way, _, xp in WAYS:
-            rb, ra = b.get((size, pattern, way)), a.get((size, pattern, way))
-            cells.append(f"{_ratio(rb, 'ratio_torch')}→{_ratio(ra, 'ratio_torch')}")
-            if xp:
-                cells.append(f"{_ratio(rb, 'ratio_pinned')}→{_ratio(ra, 'ratio_pinned')}")
+            for key in ("ratio_torch", "ratio_pinned") if xp else ("ratio_torch",):
+                got = [
+                    (
+                        _median_ratio(b.get((size, pattern, way)), key),
+                        _median_ratio(a.get((size, pattern, way)), key),
+                    )
+                    for b, a in indexed
+                ]
+                got = [(x, y) for x, y in got if x is not None and y is not None]
+                if not got:
+                    cells.append("-")
+                    continue
+                before = statistics.median(x for x, _ in got)
+                after = statistics.median(y for _, y in got)
+                cell = f"{before:.2f}→{after:.2f}"
+                if rounds > 1:
+                    higher = sum(y > x for x, y in got)
+                    cell += f" {higher}/{len(got)}"
+                    cells_seen += 1
+                    higher_every += higher == len(got)
+                    lower_every += higher == 0
+                cells.append(cell)
         out.append("| " + " | ".join(cells) + " |")
-    passed = [sum(r.get("verdict") == "PASS" for r in d["rows"]) for d in (before, after)]
-    judged = sum(r.get("verdict") is not None for r in after["rows"])  # torch's rows have none
-    out += ["", f"rows meeting every target: {passed[0]} -> {passed[1]} of {judged}"]
+    judged = sum(r.get("verdict") is not None for r in pairs[-1][1]["rows"])  # torch's: none
+    passed = ", ".join(f"{_passed(b)} -> {_passed(a)}" for b, a in pairs)
+    out += ["", f"rows meeting every target: {passed} of {judged}"]
+    if rounds > 1:
+        out.append(
+            f"cells higher after in every round: {higher_every}; lower in every round: "
+            f"{lower_every} (of {cells_seen})"
+        )
+    before, after = pairs[-1]
     for sb, sa in zip(before.get("small_rows", []), after.get("small_rows", [])):
         out.append(
             f"- {sa['name']} ({sa['target']}): {sb['ours_text']} (torch {sb['ref_text']}) -> "
@@ -63,13 +128,38 @@ def table(before_path: str, after_path: str, title: str) -> str:
     return "\n".join(out)
 
 
-def main() -> None:
+def session_pairs(session: dict, before: str, after: str) -> list[tuple[dict, dict]]:
+    """The rounds both variants of a combined results file ran, in round order."""
+    runs = session["runs"]
+    for name in (before, after):
+        if name not in runs:
+            raise SystemExit(
+                f"compare_loop: no variant {name!r} in the file; it has {sorted(runs)}"
+            )
+    common = sorted(set(runs[before]) & set(runs[after]), key=lambda r: int(r.lstrip("r")))
+    if not common:
+        raise SystemExit(f"compare_loop: variants {before!r} and {after!r} share no round")
+    return [(runs[before][r], runs[after][r]) for r in common]
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("before")
-    ap.add_argument("after")
+    ap.add_argument("files", nargs="*", help="BEFORE AFTER, or rounds of BEFORE AFTER pairs")
+    ap.add_argument("--session", help="a combined file of variants and rounds")
+    ap.add_argument("--before", help="with --session: the before variant")
+    ap.add_argument("--after", help="with --session: the after variant")
     ap.add_argument("--title", default="bench_loop")
-    args = ap.parse_args()
-    print(table(args.before, args.after, args.title))
+    args = ap.parse_args(argv)
+    if args.session:
+        if args.files or not (args.before and args.after):
+            ap.error("--session takes --before and --after, and no other files")
+        pairs = session_pairs(_load(args.session), args.before, args.after)
+    else:
+        if len(args.files) < 2 or len(args.files) % 2:
+            ap.error("give BEFORE AFTER, or pairs of them (an even number of files)")
+        loaded = [_load(p) for p in args.files]
+        pairs = list(zip(loaded[::2], loaded[1::2]))
+    print(rounds_table(pairs, args.title))
 
 
 if __name__ == "__main__":
