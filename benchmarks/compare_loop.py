@@ -62,11 +62,6 @@ def _passed(data: dict) -> int:
     return sum(r.get("verdict") == "PASS" for r in data["rows"])
 
 
-def table(before: dict, after: dict, title: str) -> str:
-    """One before run against one after run."""
-    return rounds_table([(before, after)], title)
-
-
 def rounds_table(pairs: list[tuple[dict, dict]], title: str) -> str:
     """Rounds of (before, after) runs: per cell the medians over the rounds and, with more
     than one round, in how many the after run's ratio was the higher."""
