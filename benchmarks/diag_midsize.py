@@ -15,6 +15,11 @@ runs that same rotation for a few sizes and, for every timed pinxfer.to_device c
                  the caller ran out of pieces to claim, whether it ran on torch's awake
                  intra-op team (csrc/runtime/torch_team.h)
 
+and for every timed pinxfer.pin_memory call (pin_memory_calls) its wall time and its steps in
+C++ (pinxfer._C._last_pin_call_trace(): pinned check, checks, setup with the team probe,
+allocation, copy, whether it ran on torch's team), beside t.pin_memory()'s time in the same
+rotation (its rows miss torch back to back in bench_loop at 1-32 MiB).
+
 Each variant runs in a child process with the environment it names:
 
   default        as bench_loop runs
@@ -22,6 +27,7 @@ Each variant runs in a child process with the environment it names:
   omp_passive    OMP_WAIT_POLICY=PASSIVE (the team sleeps at once after each op)
   pinxfer_only   default environment, but only pinxfer.to_device is called (no torch way)
   threads=N      PINXFER_NUM_THREADS=N (1: the caller alone, no helper)
+  team_off       PINXFER_TORCH_TEAM=off (pinxfer's copies never on torch's team)
 
     python benchmarks/diag_midsize.py [--json PATH] [--sizes 1M,8M,32M] [--rounds 15]
 """
@@ -52,6 +58,7 @@ VARIANTS: dict[str, dict[str, str]] = {
     "pinxfer_only": {},
     "threads=1": {"PINXFER_NUM_THREADS": "1"},
     "threads=4": {"PINXFER_NUM_THREADS": "4"},
+    "team_off": {"PINXFER_TORCH_TEAM": "off"},
 }
 
 
@@ -65,6 +72,7 @@ def measure(sizes: list[int], rounds: int, pinxfer_only: bool) -> dict:
     dev = torch.device("cuda", torch.cuda.current_device())
     sync = torch.cuda.synchronize
     out: dict[str, Any] = {}
+    pinxfer._C._trace_team_regions(True)  # _last_pin_call_trace() is recorded only then
     for nbytes in sizes:
         t = torch.randn(nbytes // 4)
         pinned = t.pin_memory()
@@ -75,23 +83,40 @@ def measure(sizes: list[int], rounds: int, pinxfer_only: bool) -> dict:
             fn()
             sync()
         times: dict[str, list[float]] = {w: [] for w in ways}
+        call_us: dict[str, list[float]] = {w: [] for w in ways}  # the call, without its sync
         traces: list[dict] = []
+        pin_traces: list[dict] = []
+        same_block: dict[str, list[bool]] = {"pin_memory": [], "torch_pin": []}
         names = list(ways)
         for r in range(rounds):
             k = r % len(names)
             for name in names[k:] + names[:k]:
                 fn = ways[name]
-                fn()  # the untimed call of the same way, as bench_loop's b2b
+                untimed = fn()  # the untimed call of the same way, as bench_loop's b2b
+                untimed_at = untimed.data_ptr() if name in ("pin_memory", "torch_pin") else 0
+                del untimed
                 sync()
                 misses0 = pinxfer.memory_stats()["num_cache_misses"]
                 sw0 = involuntary_switches()
                 t0 = time.perf_counter()
                 res = fn()
+                t_call = time.perf_counter()
                 sync()
                 wall = (time.perf_counter() - t0) * 1e6
+                call_us[name].append((t_call - t0) * 1e6)
                 sw1 = involuntary_switches()
+                if name in ("pin_memory", "torch_pin"):
+                    # Whether the timed call got the block the untimed one wrote just before
+                    # (still in the caches) or another one.
+                    same_block[name].append(res.data_ptr() == untimed_at)
                 del res
                 times[name].append(wall)
+                if name == "pin_memory":
+                    steps = pinxfer._C._last_pin_call_trace()
+                    pin_traces.append(
+                        {"wall_us": round(wall, 1), "preempted": sw1 - sw0}
+                        | {k2: round(float(v), 1) for k2, v in steps.items()}
+                    )
                 if name == "to_device":
                     trace = dict(pinxfer._C._last_single_block_trace())
                     traces.append(
@@ -106,11 +131,19 @@ def measure(sizes: list[int], rounds: int, pinxfer_only: bool) -> dict:
                         }
                     )
         cell = {
-            w: {"median_us": round(statistics.median(v), 1), "min_us": round(min(v), 1)}
+            w: {
+                "median_us": round(statistics.median(v), 1),
+                "min_us": round(min(v), 1),
+                "call_median_us": round(statistics.median(call_us[w]), 1),
+            }
             for w, v in times.items()
         }
         slow = [tr for tr in traces if tr["wall_us"] > 2 * cell["to_device"]["min_us"]]
         cell["to_device_calls"] = traces
+        cell["pin_memory_calls"] = pin_traces
+        cell["same_block_share"] = {
+            w: round(sum(v) / len(v), 2) if v else None for w, v in same_block.items()
+        }
         cell["slow_calls"] = len(slow)
         cell["slow_preempted"] = sum(1 for tr in slow if tr["preempted"])
         cell["slow_stolen"] = sum(1 for tr in slow if tr["trace"]["stolen"])
@@ -174,7 +207,7 @@ def main() -> None:
         result["variants"][variant] = cells
         for size, cell in cells.items():
             ways = "  ".join(
-                f"{w} {c['median_us']:.0f}/{c['min_us']:.0f}"
+                f"{w} {c['median_us']:.0f}/{c['min_us']:.0f} (call {c['call_median_us']:.0f})"
                 for w, c in cell.items()
                 if isinstance(c, dict)
             )
@@ -190,6 +223,17 @@ def main() -> None:
                 f"{sum(c['trace']['on_torch_team'] for c in calls)}",
                 flush=True,
             )
+            pins = cell["pin_memory_calls"]
+            if pins:
+                steps = [k2 for k2 in pins[0] if k2 not in ("preempted",)]
+                print(
+                    f"{'':21}pin_memory (t.pin_memory {cell['torch_pin']['median_us']:.0f} us), "
+                    f"timed call on the untimed call's block {cell['same_block_share']}, median "
+                    + ", ".join(
+                        f"{k2} {statistics.median(c[k2] for c in pins):.1f}" for k2 in steps
+                    ),
+                    flush=True,
+                )
             for c in [c for c in calls if c["wall_us"] > 2 * cell["to_device"]["min_us"]][:4]:
                 print(f"{'':21}slow call: {c}", flush=True)
     if args.json:

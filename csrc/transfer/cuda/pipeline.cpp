@@ -172,16 +172,19 @@ struct ChunkTimelineRecorder {
   std::vector<cudaEvent_t> spare;
   int spare_device = -1;  // the device they were created on
 
-  cudaEvent_t take_event() {
+  // Events belong to their device: the spares are dropped when a recording begins on another
+  // one. Asked once per recording, in begin(), so no span pays a cudaGetDevice inside the
+  // timed transfer (the transfer's device is current throughout it).
+  void use_device_of_this_recording() {
     int device = 0;
     C10_CUDA_CHECK(cudaGetDevice(&device));
-    if (device != spare_device) {
-      // Events belong to their device. Best effort: a diagnostic's leftover events must not
-      // make a transfer fail.
-      for (cudaEvent_t ev : spare) (void)cudaEventDestroy(ev);
-      spare.clear();
-      spare_device = device;
-    }
+    if (device == spare_device) return;
+    // Best effort: a diagnostic's leftover events must not make a transfer fail.
+    for (cudaEvent_t ev : spare) (void)cudaEventDestroy(ev);
+    spare.clear();
+    spare_device = device;
+  }
+  cudaEvent_t take_event() {
     if (!spare.empty()) {
       cudaEvent_t ev = spare.back();
       spare.pop_back();
@@ -200,6 +203,7 @@ struct ChunkTimelineRecorder {
   }
   void begin(cudaStream_t stream) {
     clear();
+    use_device_of_this_recording();
     start = take_event();
     started = std::chrono::steady_clock::now();
     C10_CUDA_CHECK(cudaEventRecord(start, stream));
