@@ -62,6 +62,24 @@ def _passed(data: dict) -> int:
     return sum(r.get("verdict") == "PASS" for r in data["rows"])
 
 
+def rounds_cell(
+    got: list[tuple[float | None, float | None]], fmt: str, rounds: int
+) -> tuple[str, int, int]:
+    """One cell from each round's (before, after) figure: "b→a", the medians over the rounds
+    that have both, and with more than one round "k/n" (n rounds, after higher in k).
+    Returns (text, k, n); "-" where no round has both."""
+    both = [(x, y) for x, y in got if x is not None and y is not None]
+    if not both:
+        return "-", 0, 0
+    before = statistics.median(x for x, _ in both)
+    after = statistics.median(y for _, y in both)
+    higher = sum(y > x for x, y in both)
+    text = f"{before:{fmt}}→{after:{fmt}}"
+    if rounds > 1:
+        text += f" {higher}/{len(both)}"
+    return text, higher, len(both)
+
+
 def rounds_table(pairs: list[tuple[dict, dict]], title: str) -> str:
     """Rounds of (before, after) runs: per cell the medians over the rounds and, with more
     than one round, in how many the after run's ratio was the higher."""
@@ -91,20 +109,12 @@ def rounds_table(pairs: list[tuple[dict, dict]], title: str) -> str:
                     )
                     for b, a in indexed
                 ]
-                got = [(x, y) for x, y in got if x is not None and y is not None]
-                if not got:
-                    cells.append("-")
-                    continue
-                before = statistics.median(x for x, _ in got)
-                after = statistics.median(y for _, y in got)
-                cell = f"{before:.2f}→{after:.2f}"
-                if rounds > 1:
-                    higher = sum(y > x for x, y in got)
-                    cell += f" {higher}/{len(got)}"
-                    cells_seen += 1
-                    higher_every += higher == len(got)
-                    lower_every += higher == 0
+                cell, higher, seen = rounds_cell(got, ".2f", rounds)
                 cells.append(cell)
+                if rounds > 1 and seen:
+                    cells_seen += 1
+                    higher_every += higher == seen
+                    lower_every += higher == 0
         out.append("| " + " | ".join(cells) + " |")
     judged = sum(r.get("verdict") is not None for r in pairs[-1][1]["rows"])  # torch's: none
     passed = ", ".join(f"{_passed(b)} -> {_passed(a)}" for b, a in pairs)
@@ -123,38 +133,54 @@ def rounds_table(pairs: list[tuple[dict, dict]], title: str) -> str:
     return "\n".join(out)
 
 
-def session_pairs(session: dict, before: str, after: str) -> list[tuple[dict, dict]]:
+def session_pairs(
+    session: dict, before: str, after: str, tool: str = "compare_loop"
+) -> list[tuple[dict, dict]]:
     """The rounds both variants of a combined results file ran, in round order."""
     runs = session["runs"]
     for name in (before, after):
         if name not in runs:
-            raise SystemExit(
-                f"compare_loop: no variant {name!r} in the file; it has {sorted(runs)}"
-            )
-    common = sorted(set(runs[before]) & set(runs[after]), key=lambda r: int(r.lstrip("r")))
+            raise SystemExit(f"{tool}: no variant {name!r} in the file; it has {sorted(runs)}")
+    common = sorted(set(runs[before]) & set(runs[after]), key=_round_key)
     if not common:
-        raise SystemExit(f"compare_loop: variants {before!r} and {after!r} share no round")
+        raise SystemExit(f"{tool}: variants {before!r} and {after!r} share no round")
     return [(runs[before][r], runs[after][r]) for r in common]
+
+
+def _round_key(name: str) -> tuple:
+    """Rounds in order: "r2" before "r10", "call6_r2" before "call7_r1"."""
+    head, _, number = name.rpartition("r")
+    return (head, int(number)) if number.isdigit() else (name, 0)
+
+
+def add_pair_arguments(ap: argparse.ArgumentParser, what: str) -> None:
+    """The ways to name the runs: files of before/after pairs, or a combined session file."""
+    ap.add_argument("files", nargs="*", help="BEFORE AFTER, or rounds of BEFORE AFTER pairs")
+    ap.add_argument("--session", help=f"a combined file of variants and rounds of {what}")
+    ap.add_argument("--before", help="with --session: the before variant")
+    ap.add_argument("--after", help="with --session: the after variant")
+
+
+def pairs_from_arguments(
+    ap: argparse.ArgumentParser, args: argparse.Namespace, tool: str
+) -> list[tuple[dict, dict]]:
+    """The (before, after) rounds the arguments of add_pair_arguments name."""
+    if args.session:
+        if args.files or not (args.before and args.after):
+            ap.error("--session takes --before and --after, and no other files")
+        return session_pairs(_load(args.session), args.before, args.after, tool)
+    if len(args.files) < 2 or len(args.files) % 2:
+        ap.error("give BEFORE AFTER, or pairs of them (an even number of files)")
+    loaded = [_load(p) for p in args.files]
+    return list(zip(loaded[::2], loaded[1::2]))
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("files", nargs="*", help="BEFORE AFTER, or rounds of BEFORE AFTER pairs")
-    ap.add_argument("--session", help="a combined file of variants and rounds")
-    ap.add_argument("--before", help="with --session: the before variant")
-    ap.add_argument("--after", help="with --session: the after variant")
+    add_pair_arguments(ap, "bench_loop runs")
     ap.add_argument("--title", default="bench_loop")
     args = ap.parse_args(argv)
-    if args.session:
-        if args.files or not (args.before and args.after):
-            ap.error("--session takes --before and --after, and no other files")
-        pairs = session_pairs(_load(args.session), args.before, args.after)
-    else:
-        if len(args.files) < 2 or len(args.files) % 2:
-            ap.error("give BEFORE AFTER, or pairs of them (an even number of files)")
-        loaded = [_load(p) for p in args.files]
-        pairs = list(zip(loaded[::2], loaded[1::2]))
-    print(rounds_table(pairs, args.title))
+    print(rounds_table(pairs_from_arguments(ap, args, "compare_loop"), args.title))
 
 
 if __name__ == "__main__":

@@ -209,7 +209,7 @@ def main() -> None:
             ways = "  ".join(
                 f"{w} {c['median_us']:.0f}/{c['min_us']:.0f} (call {c['call_median_us']:.0f})"
                 for w, c in cell.items()
-                if isinstance(c, dict)
+                if isinstance(c, dict) and "median_us" in c
             )
             calls = cell["to_device_calls"]
             med = lambda key: statistics.median(c["trace"][key] for c in calls)  # noqa: E731

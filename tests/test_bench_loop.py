@@ -86,3 +86,58 @@ def test_compare_loop_counts_the_rounds_a_change_moved_a_row(tmp_path):
         ["--session", str(tmp_path / "session.json"), "--before", "old", "--after", "x"]
     )
     assert missing.returncode != 0 and "no variant 'x'" in missing.stderr
+
+
+def _timeline_run(wall: float, offer_at: float) -> dict:
+    """A diag_chunk_timeline result of one size: pinxfer's auto-staged calls and the whole
+    pinned copy, back to back and after a sleep."""
+    px = {
+        "wall_us": wall,
+        "at_alloc_us": 20.0,
+        "at_offered_us": offer_at,
+        "at_first_dma_us": 60.0,
+        "dma_wait_us": 10.0,
+        "busy_gbps": 45.0,
+        "spans": 5.0,
+    }
+    summary = {
+        "b2b/px_auto": px,
+        "b2b/pinned_whole": {"wall_us": 170.0},
+        "sleep/px_auto": dict(px, wall_us=2 * wall),
+        "sleep/pinned_whole": {"wall_us": 300.0},
+    }
+    return {"sizes": {"8MiB": {"summary": summary}}}
+
+
+def test_compare_timeline_counts_the_rounds_a_change_moved_a_step(tmp_path):
+    """benchmarks/compare_timeline.py: per size and pattern the medians over rounds of the
+    pinned ratio and the host steps, with the rounds where after was higher; the session
+    file gives the same table, and an unknown variant is named."""
+    runs = {"old": {"r1": _timeline_run(340, 40), "r2": _timeline_run(300, 38)}}
+    runs["new"] = {"r1": _timeline_run(320, 22), "r2": _timeline_run(310, 21)}
+    session = tmp_path / "session.json"
+    session.write_text(json.dumps({"runs": runs}))
+    script = os.path.join(ROOT, "benchmarks", "compare_timeline.py")
+
+    def run(argv: list[str]) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, script, *argv], capture_output=True, text=True, timeout=60
+        )
+
+    proc = run(["--session", str(session), "--before", "old", "--after", "new"])
+    assert proc.returncode == 0, proc.stderr
+    row = next(line for line in proc.stdout.splitlines() if line.startswith("| 8MiB | b2b"))
+    # x pinned: 170/340 and 170/300 -> median 0.53; 170/320 and 170/310 -> 0.54, higher in r1.
+    # wall 320 -> 315, higher in r2 only; offer (offered - alloc) 19 -> 1.5, never higher.
+    assert row.startswith("| 8MiB | b2b | 0.53→0.54 1/2 | 320→315 1/2 | 19.0→1.5 0/2 | 60→60 0/2")
+    assert "| 8MiB | sleep | 0.47→0.48 1/2 | 640→630 1/2 |" in proc.stdout
+
+    files = []
+    for name, variant in (("b1", "old"), ("a1", "new"), ("b2", "old"), ("a2", "new")):
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(runs[variant]["r" + name[1]]))
+        files.append(str(path))
+    assert run(files).stdout == proc.stdout
+
+    missing = run(["--session", str(session), "--before", "old", "--after", "x"])
+    assert missing.returncode != 0 and "compare_timeline: no variant 'x'" in missing.stderr
