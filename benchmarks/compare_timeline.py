@@ -82,7 +82,11 @@ def rounds_table(pairs: list[tuple[dict, dict]], mode: str = "auto") -> str:
     head = ["size", "gap"] + [name for name, _, _ in cols]
     out = [
         f"diag_chunk_timeline ({mode} staging): before -> after"
-        + (f" (medians of {rounds} rounds; k/n: rounds where after is higher)" if rounds > 1 else ""),
+        + (
+            f" (medians of {rounds} rounds; k/n: rounds where after is higher)"
+            if rounds > 1
+            else ""
+        ),
         "",
         "| " + " | ".join(head) + " |",
         "|" + "---|" * len(head),

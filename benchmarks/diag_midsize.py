@@ -30,6 +30,7 @@ Each variant runs in a child process with the environment it names:
   team_off       PINXFER_TORCH_TEAM=off (pinxfer's copies never on torch's team)
 
     python benchmarks/diag_midsize.py [--json PATH] [--sizes 1M,8M,32M] [--rounds 15]
+        [--variants default,team_off] [--copy-probes]
 """
 
 from __future__ import annotations
@@ -66,7 +67,21 @@ def involuntary_switches() -> int:
     return resource.getrusage(resource.RUSAGE_THREAD).ru_nivcsw
 
 
-def measure(sizes: list[int], rounds: int, pinxfer_only: bool) -> dict:
+def copy_probe_ways(pinxfer, t: torch.Tensor) -> dict:
+    """--copy-probes: torch's copy_ of the same tensor into a pool block and into a torch
+    pinned block, each kept for the whole cell, and into a new pool block each call. In the
+    rotation pinxfer.pin_memory's copy (torch's copy_ on torch's team) takes longer than
+    t.pin_memory()'s whole call: these tell the block's memory from pinxfer's call path."""
+    pool_block = pinxfer.empty(t.numel(), dtype=t.dtype)
+    torch_block = torch.empty(t.numel(), dtype=t.dtype, pin_memory=True)
+    return {
+        "copy_into_pool_block": lambda: pool_block.copy_(t),
+        "copy_into_torch_block": lambda: torch_block.copy_(t),
+        "pool_empty_copy": lambda: pinxfer.empty(t.numel(), dtype=t.dtype).copy_(t),
+    }
+
+
+def measure(sizes: list[int], rounds: int, pinxfer_only: bool, copy_probes: bool) -> dict:
     import pinxfer
 
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -77,6 +92,8 @@ def measure(sizes: list[int], rounds: int, pinxfer_only: bool) -> dict:
         t = torch.randn(nbytes // 4)
         pinned = t.pin_memory()
         ways = call_ways(pinxfer, t, pinned, make_batch(nbytes), dev)
+        if copy_probes:
+            ways |= copy_probe_ways(pinxfer, t)
         if pinxfer_only:
             ways = {"to_device": ways["to_device"]}
         for fn in ways.values():  # warm-up
@@ -182,6 +199,12 @@ def main() -> None:
     ap.add_argument("--sizes", default="1M,8M,32M")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument(
+        "--copy-probes",
+        action="store_true",
+        help="add torch's copy_ into a kept pool block, a kept torch block and a new pool block "
+        "to the rotation",
+    )
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     sizes = parse_sizes(args.sizes)
@@ -189,7 +212,9 @@ def main() -> None:
         print(json.dumps(team_spin_ms()))
         return
     if args.child:
-        print(json.dumps(measure(sizes, args.rounds, args.child == "pinxfer_only")))
+        print(
+            json.dumps(measure(sizes, args.rounds, args.child == "pinxfer_only", args.copy_probes))
+        )
         return
     result: dict[str, Any] = {
         "torch": torch.__version__,
@@ -201,7 +226,8 @@ def main() -> None:
     for variant in args.variants.split(","):
         cells = run_child(
             __file__,
-            ["--child", variant, "--sizes", args.sizes, "--rounds", str(args.rounds)],
+            ["--child", variant, "--sizes", args.sizes, "--rounds", str(args.rounds)]
+            + (["--copy-probes"] if args.copy_probes else []),
             VARIANTS[variant],
         )
         result["variants"][variant] = cells
