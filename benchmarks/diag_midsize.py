@@ -193,6 +193,42 @@ def team_spin_ms(trials: int = 7) -> dict:
     }
 
 
+def report(variant: str, cells: dict[str, Any]) -> str:
+    """One variant's cells as text: each way's median / minimum µs (and the call without its
+    synchronize), the traced to_device calls, the traced pin_memory calls, the slow calls."""
+    lines = []
+    for size, cell in cells.items():
+        ways = "  ".join(
+            f"{w} {c['median_us']:.0f}/{c['min_us']:.0f} (call {c['call_median_us']:.0f})"
+            for w, c in cell.items()
+            if isinstance(c, dict) and "median_us" in c
+        )
+        lines.append(f"{variant:13} {size:>6}  {ways}")
+        calls = cell["to_device_calls"]
+        if calls:
+            med = lambda key: statistics.median(c["trace"][key] for c in calls)  # noqa: E731
+            lines.append(
+                f"{'':21}slow {cell['slow_calls']}/{len(calls)} "
+                f"(preempted {cell['slow_preempted']}, stolen {cell['slow_stolen']}, pool miss "
+                f"{cell['slow_missed']}); median own_done {med('own_done_us'):.0f} us, "
+                f"first helper {med('first_helper_us'):.0f} us, "
+                f"helper pieces {med('helper_pieces'):.0f} of {med('pieces'):.0f}, "
+                f"stolen {med('stolen'):.0f}, on torch's team "
+                f"{sum(c['trace']['on_torch_team'] for c in calls)}"
+            )
+        pins = cell["pin_memory_calls"]
+        if pins:
+            steps = [k for k in pins[0] if k != "preempted"]
+            lines.append(
+                f"{'':21}pin_memory (t.pin_memory {cell['torch_pin']['median_us']:.0f} us), "
+                f"timed call on the untimed call's block {cell['same_block_share']}, median "
+                + ", ".join(f"{k} {statistics.median(c[k] for c in pins):.1f}" for k in steps)
+            )
+        slow = [c for c in calls if c["wall_us"] > 2 * cell["to_device"]["min_us"]]
+        lines += [f"{'':21}slow call: {c}" for c in slow[:4]]
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None)
@@ -231,40 +267,10 @@ def main() -> None:
             VARIANTS[variant],
         )
         result["variants"][variant] = cells
-        for size, cell in cells.items():
-            ways = "  ".join(
-                f"{w} {c['median_us']:.0f}/{c['min_us']:.0f} (call {c['call_median_us']:.0f})"
-                for w, c in cell.items()
-                if isinstance(c, dict) and "median_us" in c
-            )
-            calls = cell["to_device_calls"]
-            med = lambda key: statistics.median(c["trace"][key] for c in calls)  # noqa: E731
-            print(
-                f"{variant:13} {size:>6}  {ways}\n{'':21}slow {cell['slow_calls']}/{len(calls)} "
-                f"(preempted {cell['slow_preempted']}, stolen {cell['slow_stolen']}, pool miss "
-                f"{cell['slow_missed']}); median own_done {med('own_done_us'):.0f} us, "
-                f"first helper {med('first_helper_us'):.0f} us, "
-                f"helper pieces {med('helper_pieces'):.0f} of {med('pieces'):.0f}, "
-                f"stolen {med('stolen'):.0f}, on torch's team "
-                f"{sum(c['trace']['on_torch_team'] for c in calls)}",
-                flush=True,
-            )
-            pins = cell["pin_memory_calls"]
-            if pins:
-                steps = [k2 for k2 in pins[0] if k2 not in ("preempted",)]
-                print(
-                    f"{'':21}pin_memory (t.pin_memory {cell['torch_pin']['median_us']:.0f} us), "
-                    f"timed call on the untimed call's block {cell['same_block_share']}, median "
-                    + ", ".join(
-                        f"{k2} {statistics.median(c[k2] for c in pins):.1f}" for k2 in steps
-                    ),
-                    flush=True,
-                )
-            for c in [c for c in calls if c["wall_us"] > 2 * cell["to_device"]["min_us"]][:4]:
-                print(f"{'':21}slow call: {c}", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+        if args.json:  # after each variant: a later one that fails keeps the earlier ones
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
+        print(report(variant, cells), flush=True)
 
 
 if __name__ == "__main__":

@@ -141,3 +141,48 @@ def test_compare_timeline_counts_the_rounds_a_change_moved_a_step(tmp_path):
 
     missing = run(["--session", str(session), "--before", "old", "--after", "x"])
     assert missing.returncode != 0 and "compare_timeline: no variant 'x'" in missing.stderr
+
+
+def test_diag_midsize_report_reads_every_field_its_measure_writes():
+    """benchmarks/diag_midsize.py's report runs only after GPU work, so a field it reads that
+    measure() does not write (or writes differently) costs a device run: this feeds it a
+    cell shaped as measure() builds one, on the CPU."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import diag_midsize
+    finally:
+        sys.path.pop(0)
+
+    def way(us: float) -> dict:
+        return {"median_us": us, "min_us": us - 5, "call_median_us": us - 20}
+
+    trace = {
+        "own_done_us": 80.0,
+        "first_helper_us": 12.0,
+        "helper_pieces": 90,
+        "pieces": 104,
+        "stolen": 0,
+        "on_torch_team": True,
+    }
+    calls = [
+        {"wall_us": w, "preempted": 0, "pool_misses": 0, "trace": trace} for w in (250.0, 600.0)
+    ]
+    cell = {
+        "to_device": way(250.0),
+        "torch_pin": way(90.0),
+        "pin_memory": way(110.0),
+        "to_device_calls": calls,
+        "pin_memory_calls": [{"wall_us": 110.0, "preempted": 0, "copy_us": 78.0}],
+        "same_block_share": {"pin_memory": 1.0, "torch_pin": 1.0},
+        "slow_calls": 1,
+        "slow_preempted": 0,
+        "slow_stolen": 0,
+        "slow_missed": 0,
+    }
+    text = diag_midsize.report("default", {"8MiB": cell})
+    assert "to_device 250/245 (call 230)" in text
+    assert "pin_memory (t.pin_memory 90 us)" in text and "copy_us 78.0" in text
+    assert "slow 1/2" in text and text.count("slow call:") == 1
+    only = {k: v for k, v in cell.items() if k not in ("torch_pin", "pin_memory")}
+    only["pin_memory_calls"] = []  # the pinxfer_only variant: to_device alone
+    assert "to_device 250/245" in diag_midsize.report("pinxfer_only", {"8MiB": only})
