@@ -62,6 +62,18 @@ def _passed(data: dict) -> int:
     return sum(r.get("verdict") == "PASS" for r in data["rows"])
 
 
+def table_head(title: str, rounds: int, columns: list[str]) -> list[str]:
+    """A rounds table's title (saying what "k/n" counts where there are rounds) and its
+    Markdown header."""
+    counted = f" (medians of {rounds} rounds; k/n: rounds where after is higher)"
+    return [
+        title + (counted if rounds > 1 else ""),
+        "",
+        "| " + " | ".join(columns) + " |",
+        "|" + "---|" * len(columns),
+    ]
+
+
 def rounds_cell(
     got: list[tuple[float | None, float | None]], fmt: str, rounds: int
 ) -> tuple[str, int, int]:
@@ -86,17 +98,7 @@ def rounds_table(pairs: list[tuple[dict, dict]], title: str) -> str:
     rounds = len(pairs)
     indexed = [(_index(b), _index(a)) for b, a in pairs]
     head = _header()
-    out = [
-        f"{title}: median ratios, before -> after"
-        + (
-            f" (medians of {rounds} rounds; k/n: rounds where after is higher)"
-            if rounds > 1
-            else ""
-        ),
-        "",
-        "| " + " | ".join(head) + " |",
-        "|" + "---|" * len(head),
-    ]
+    out = table_head(f"{title}: median ratios, before -> after", rounds, head)
     higher_every = lower_every = cells_seen = 0
     for size, pattern in _row_order(pairs[-1][1]):
         cells = [size, pattern]

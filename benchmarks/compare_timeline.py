@@ -30,7 +30,7 @@ import sys
 from collections.abc import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from compare_loop import add_pair_arguments, pairs_from_arguments, rounds_cell
+from compare_loop import add_pair_arguments, pairs_from_arguments, rounds_cell, table_head
 
 PATTERNS = ("b2b", "sleep")
 
@@ -80,17 +80,7 @@ def rounds_table(pairs: list[tuple[dict, dict]], mode: str = "auto") -> str:
     rounds = len(pairs)
     cols = figures(mode)
     head = ["size", "gap"] + [name for name, _, _ in cols]
-    out = [
-        f"diag_chunk_timeline ({mode} staging): before -> after"
-        + (
-            f" (medians of {rounds} rounds; k/n: rounds where after is higher)"
-            if rounds > 1
-            else ""
-        ),
-        "",
-        "| " + " | ".join(head) + " |",
-        "|" + "---|" * len(head),
-    ]
+    out = table_head(f"diag_chunk_timeline ({mode} staging): before -> after", rounds, head)
     for size in _sizes(pairs[-1][1]):
         for pattern in PATTERNS:
             cells = [size, pattern]
