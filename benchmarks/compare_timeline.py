@@ -35,28 +35,27 @@ from compare_loop import add_pair_arguments, pairs_from_arguments, rounds_cell, 
 PATTERNS = ("b2b", "sleep")
 
 
-def _pinned_ratio(summary: dict, pattern: str, mode: str) -> float | None:
-    ours = summary.get(f"{pattern}/px_{mode}", {}).get("wall_us")
-    pinned = summary.get(f"{pattern}/pinned_whole", {}).get("wall_us")
-    return pinned / ours if ours and pinned else None
-
-
-def _offer(step: dict) -> float | None:
-    if step.get("at_offered_us") is None or step.get("at_alloc_us") is None:
-        return None
-    return step["at_offered_us"] - step["at_alloc_us"]
-
-
 def figures(mode: str) -> list[tuple[str, str, Callable[[dict, str], float | None]]]:
     """(column, format, the figure from a size's summary and a pattern)."""
 
+    def ours(summary: dict, pattern: str) -> dict:
+        return summary.get(f"{pattern}/px_{mode}", {})
+
     def field(name: str) -> Callable[[dict, str], float | None]:
-        return lambda s, p: s.get(f"{p}/px_{mode}", {}).get(name)
+        return lambda s, p: ours(s, p).get(name)
+
+    def pinned_ratio(s: dict, p: str) -> float | None:
+        wall, pinned = ours(s, p).get("wall_us"), s.get(f"{p}/pinned_whole", {}).get("wall_us")
+        return pinned / wall if wall and pinned else None
+
+    def offer(s: dict, p: str) -> float | None:
+        offered, allocated = ours(s, p).get("at_offered_us"), ours(s, p).get("at_alloc_us")
+        return None if offered is None or allocated is None else offered - allocated
 
     return [
-        ("x pinned", ".2f", lambda s, p: _pinned_ratio(s, p, mode)),
+        ("x pinned", ".2f", pinned_ratio),
         ("wall", ".0f", field("wall_us")),
-        ("offer", ".1f", lambda s, p: _offer(s.get(f"{p}/px_{mode}", {}))),
+        ("offer", ".1f", offer),
         ("first DMA", ".0f", field("at_first_dma_us")),
         ("waits", ".0f", field("dma_wait_us")),
         ("busy GB/s", ".1f", field("busy_gbps")),
@@ -64,24 +63,12 @@ def figures(mode: str) -> list[tuple[str, str, Callable[[dict, str], float | Non
     ]
 
 
-def _sizes(run: dict) -> list[str]:
-    units = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
-
-    def nbytes(label: str) -> int:
-        for unit, scale in units.items():
-            if label.endswith(unit):
-                return int(label[: -len(unit)]) * scale
-        return 0
-
-    return sorted(run["sizes"], key=nbytes)
-
-
 def rounds_table(pairs: list[tuple[dict, dict]], mode: str = "auto") -> str:
     rounds = len(pairs)
     cols = figures(mode)
     head = ["size", "gap"] + [name for name, _, _ in cols]
     out = table_head(f"diag_chunk_timeline ({mode} staging): before -> after", rounds, head)
-    for size in _sizes(pairs[-1][1]):
+    for size in pairs[-1][1]["sizes"]:  # in the order the run measured them (its --sizes)
         for pattern in PATTERNS:
             cells = [size, pattern]
             for _, fmt, figure in cols:

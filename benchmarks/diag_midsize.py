@@ -110,7 +110,7 @@ def measure(sizes: list[int], rounds: int, pinxfer_only: bool, copy_probes: bool
             for name in names[k:] + names[:k]:
                 fn = ways[name]
                 untimed = fn()  # the untimed call of the same way, as bench_loop's b2b
-                untimed_at = untimed.data_ptr() if name in ("pin_memory", "torch_pin") else 0
+                untimed_at = untimed.data_ptr() if name in same_block else 0
                 del untimed
                 sync()
                 misses0 = pinxfer.memory_stats()["num_cache_misses"]
@@ -122,7 +122,7 @@ def measure(sizes: list[int], rounds: int, pinxfer_only: bool, copy_probes: bool
                 wall = (time.perf_counter() - t0) * 1e6
                 call_us[name].append((t_call - t0) * 1e6)
                 sw1 = involuntary_switches()
-                if name in ("pin_memory", "torch_pin"):
+                if name in same_block:
                     # Whether the timed call got the block the untimed one wrote just before
                     # (still in the caches) or another one.
                     same_block[name].append(res.data_ptr() == untimed_at)
