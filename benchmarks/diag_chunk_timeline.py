@@ -57,6 +57,11 @@ from bench_loop import parse_sizes, size_label
 MODES = ("auto", "nt", "movsb")
 STEP_FIELDS = (
     "at_muster_us",
+    "at_probed_us",
+    "at_checked_us",
+    "at_streams_us",
+    "at_output_us",
+    "at_entry_us",
     "at_start_us",
     "at_alloc_us",
     "at_offered_us",
@@ -66,6 +71,11 @@ STEP_FIELDS = (
     "at_return_us",
     "at_dma_end_us",
     "at_synced_us",
+    "at_first_own_us",
+    "own_stage_us",
+    "gate_us",
+    "gate_queries",
+    "queue_us",
 )
 PATTERNS = ("b2b", "sleep")
 
@@ -117,6 +127,18 @@ def host_steps(
         "at_return_us": (returned_ns - t0_ns) / 1e3,
         "at_dma_end_us": timeline_origin + rows[-1]["dma_done_us"],
         "at_synced_us": (synced_ns - t0_ns) / 1e3,
+        # The caller's own account: its first piece, and its time staging, asking the span
+        # gate (event queries) and queueing spans (the DMA calls and each span's event).
+        "at_probed_us": muster + trace["probed_us"],
+        "at_checked_us": muster + trace["checked_us"],
+        "at_streams_us": muster + trace["streams_us"],
+        "at_output_us": muster + trace["output_us"],
+        "at_entry_us": muster + trace["entry_us"],
+        "at_first_own_us": start + trace["first_own_done_us"],
+        "own_stage_us": trace["own_stage_us"],
+        "gate_us": trace["gate_us"],
+        "gate_queries": float(trace["gate_queries"]),
+        "queue_us": trace["queue_us"],
     }
 
 

@@ -256,7 +256,8 @@ def test_chunk_timeline_covers_every_chunk_in_order():
     tensor's bytes in order, each queued after the call began and finished after the one
     before it, as many as the call's trace counts; the copy is exact with the timing events
     in the stream, and spans gathering chunks do not change the bytes. The trace's host
-    steps are in order, on the clock of time.perf_counter_ns, within the call."""
+    steps are in order, on the clock of time.perf_counter_ns, within the call, and so are
+    the caller's own figures (its staging, the gate's queries, its DMA calls)."""
     nbytes = 8 * MiB + 4096
     bounds = pinxfer._C._chunk_plan(
         nbytes, pinxfer.transfer.DEFAULT_CHUNK_BYTES, pinxfer.transfer.DEFAULT_NUM_BUFFERS, 1
@@ -278,6 +279,20 @@ def test_chunk_timeline_covers_every_chunk_in_order():
             assert trace["mustered_ns"] + (trace["setup_us"] + trace["total_us"]) * 1e3 <= (
                 returned + 1000  # setup_us and total_us: doubles in µs, back to ns
             )
+            # The op's steps from the muster to the copy's start, in order.
+            setup = [trace[k] for k in ("probed_us", "checked_us", "streams_us", "output_us")]
+            setup += [trace["entry_us"], trace["setup_us"]]
+            assert setup[0] >= 0 and setup == sorted(setup), setup
+            # The caller's own account fits in the copy: its staging (if the helpers left it
+            # a piece), its questions to the span gate and its DMA calls (it sends every span).
+            spent = trace["own_stage_us"] + trace["gate_us"] + trace["queue_us"]
+            assert trace["queue_us"] > 0 and trace["gate_us"] >= 0 and spent <= trace["total_us"]
+            assert trace["gate_queries"] >= 0
+            if trace["own_pieces"]:
+                assert 0 < trace["first_own_done_us"] <= trace["total_us"]
+                assert trace["own_stage_us"] > 0
+            else:
+                assert trace["first_own_done_us"] == -1 and trace["own_stage_us"] == 0
             assert 1 <= len(spans) <= len(bounds) - 1
             assert len(spans) == trace["dma_spans"]
             assert spans[0]["begin"] == 0 and spans[-1]["end"] == nbytes

@@ -144,12 +144,24 @@ void bind_transfer(pybind11::module_& m) {
         d["last_queued_us"] = t.last_queued_us;
         d["first_helper_us"] = t.first_helper_us;
         d["mustered_ns"] = t.mustered_ns;
+        d["entry_us"] = t.entry_us;
+        d["probed_us"] = t.probed_us;
+        d["checked_us"] = t.checked_us;
+        d["streams_us"] = t.streams_us;
+        d["output_us"] = t.output_us;
+        d["first_own_done_us"] = t.first_own_done_us;
+        d["own_stage_us"] = t.own_stage_us;
+        d["gate_us"] = t.gate_us;
+        d["gate_queries"] = t.gate_queries;
+        d["queue_us"] = t.queue_us;
         return d;
       },
       "DIAGNOSTIC: _last_single_block_trace() -> dict: what this thread's last single-block "
       "to_device did (pieces by the caller, by helpers, stolen; microseconds from its start, "
       "and setup_us from the op's muster of its copy threads to that start; mustered_ns: that "
-      "muster on the monotonic clock of time.perf_counter_ns)");
+      "muster on the monotonic clock of time.perf_counter_ns; probed_us, checked_us, "
+      "streams_us, output_us, entry_us: the op's steps from the muster; own_stage_us, gate_us, "
+      "queue_us: the caller's time staging, asking the span gate, queueing spans)");
   m.def("_set_chunk_timeline", &transfer::set_chunk_timeline,
         "DIAGNOSTIC: _set_chunk_timeline(on): this process's single-block to_device "
         "transfers record a timing event per DMA span (read by _last_chunk_timeline)");

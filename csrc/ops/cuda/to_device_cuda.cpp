@@ -130,10 +130,11 @@ at::Tensor send_to_device(const at::Tensor& self, c10::Device device,
   // A pipelined copy's helpers are woken first, so that they rise during the steps below
   // (pipeline.h, CopyCrew).
   const bool pipelined = nbytes > transfer::kCurrentStreamBytes && !pinned;
-  const transfer::CopyCrew crew =
+  transfer::CopyCrew crew =
       pipelined ? transfer::muster_copy_crew(index, nbytes) : transfer::CopyCrew{};
   check_not_capturing("to_device", index);
   transfer::release_finished_sources(index);
+  if (pipelined) crew.checked = std::chrono::steady_clock::now();  // the trace's steps
 
   const c10::cuda::CUDAStream cur = c10::cuda::getCurrentCUDAStream(index);
   const at::TensorOptions on_device = src.options().device(c10::Device(c10::kCUDA, index));
@@ -149,8 +150,10 @@ at::Tensor send_to_device(const at::Tensor& self, c10::Device device,
     return out;
   }
   const c10::cuda::CUDAStream copy = copy_stream_for(index);
+  if (pipelined) crew.streams_found = std::chrono::steady_clock::now();
   at::Tensor out = transfer::empty_on_stream(src.sizes(), on_device, copy);
   if (pipelined) {
+    crew.output_made = std::chrono::steady_clock::now();
     transfer::pipelined_copy(src, out, index, copy, options, crew);
   } else {
     transfer::direct_copy(src, out, copy);

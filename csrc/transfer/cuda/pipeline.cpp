@@ -317,17 +317,18 @@ struct SingleBlock {
 };
 
 // On torch's team: pieces first, first + step, ... not yet claimed (kFree -> kClaimed),
-// staged and published, after_each() after each (the caller queues chunks there); returns
-// the pieces staged. No steal happens on the team.
+// staged and published, after_each(when its staging began) after each (the caller queues
+// chunks there); returns the pieces staged. No steal happens on the team.
 size_t stage_every(SingleBlock& sb, size_t first, size_t step, bool helper,
-                   const std::function<void()>& after_each) {
+                   const std::function<void(std::chrono::steady_clock::time_point)>& after_each) {
   size_t staged = 0;
   for (size_t p = first; p < sb.plan.pieces.size(); p += step) {
     if (sb.state[p].load(std::memory_order_relaxed) != kFree) continue;
+    const auto staging = std::chrono::steady_clock::now();
     if (!sb.claim_and_stage(p)) continue;
     if (helper) sb.helper_pieces.fetch_add(1, std::memory_order_relaxed);
     ++staged;
-    if (after_each) after_each();
+    if (after_each) after_each(staging);
   }
   return staged;
 }
@@ -380,6 +381,7 @@ class SpanGate {
   bool engine_has_next() {
     while (!in_flight_.empty()) {
       std::string error;
+      ++queries_;
       const bool done = cuda::event_done(in_flight_.front(), &error);
       TORCH_CHECK(error.empty(), "pinxfer.to_device: ", error);
       if (!done) break;
@@ -394,11 +396,13 @@ class SpanGate {
     ++spans_;
   }
   size_t spans() const { return spans_; }
+  size_t queries() const { return queries_; }
 
  private:
   c10::Stream stream_;
   std::vector<cuda::Event> in_flight_;  // after each span still possibly running, oldest first
   size_t spans_ = 0;
+  size_t queries_ = 0;  // event queries (the trace's gate_queries)
 };
 
 void single_block_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex device,
@@ -458,10 +462,19 @@ void single_block_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex 
   auto queue_ready = [&] {
     size_t ready = queued;
     while (ready < chunks && sb->left[ready].load(std::memory_order_acquire) == 0) ++ready;
-    if (ready == queued || (ready < chunks && gate.engine_has_next())) return;
+    if (ready == queued) return;
+    if (ready < chunks) {
+      const auto asked = Clock::now();
+      const bool hold = gate.engine_has_next();
+      trace.gate_us += std::chrono::duration<double, std::micro>(Clock::now() - asked).count();
+      if (hold) return;
+    }
+    const auto queueing = Clock::now();
     queue_single_block_span(*sb, queued, ready, spares);
     gate.sent();
-    trace.last_queued_us = us_since_start(Clock::now());
+    const auto sent = Clock::now();
+    trace.queue_us += std::chrono::duration<double, std::micro>(sent - queueing).count();
+    trace.last_queued_us = us_since_start(sent);
     if (queued == 0) trace.first_queued_us = trace.last_queued_us;
     if (timeline) {
       t_chunk_timeline.span_queued(stream.stream(), sb->plan.bounds[queued],
@@ -469,13 +482,21 @@ void single_block_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex 
     }
     queued = ready;
   };
+  // The trace's account of a piece the caller staged from `staging` until now.
+  auto note_own_piece = [&](Clock::time_point staging) {
+    const auto done = Clock::now();
+    trace.own_stage_us += std::chrono::duration<double, std::micro>(done - staging).count();
+    if (trace.first_own_done_us < 0) trace.first_own_done_us = us_since_start(done);
+  };
   // The caller's share, queueing chunks as they complete; returns the pieces it staged.
   auto caller_share = [&] {
     size_t own = 0;
     for (;;) {
       const size_t p = sb->next_piece.fetch_add(1, std::memory_order_relaxed);
       if (p >= pieces.size()) return own;
+      const auto staging = Clock::now();
       if (!sb->claim_and_stage(p)) continue;
+      note_own_piece(staging);
       ++own;
       queue_ready();
     }
@@ -502,8 +523,12 @@ void single_block_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex 
           stage_every(*sb, member, members, /*helper=*/true, nullptr);
           return;
         }
-        own += stage_every(*sb, 0, members, /*helper=*/false, queue_ready);
-        own += stage_every(*sb, 0, 1, /*helper=*/false, queue_ready);
+        const auto after_own = [&](Clock::time_point staging) {
+          note_own_piece(staging);
+          queue_ready();
+        };
+        own += stage_every(*sb, 0, members, /*helper=*/false, after_own);
+        own += stage_every(*sb, 0, 1, /*helper=*/false, after_own);
       });
       trace.own_pieces = static_cast<int64_t>(own);
       trace.own_done_us = us_since_start(Clock::now());
@@ -555,6 +580,17 @@ void single_block_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex 
   const int64_t first_claim = sb->first_claim_ns.load(std::memory_order_relaxed);
   trace.first_helper_us = first_claim < 0 ? -1.0 : static_cast<double>(first_claim) / 1e3;
   trace.dma_spans = static_cast<int64_t>(gate.spans());
+  trace.gate_queries = static_cast<int64_t>(gate.queries());
+  // -1: a step the op did not mark (a caller of pipelined_copy that is not send_to_device).
+  const auto from_muster = [&crew](std::chrono::steady_clock::time_point t) {
+    if (t.time_since_epoch().count() == 0) return -1.0;
+    return std::chrono::duration<double, std::micro>(t - crew.mustered).count();
+  };
+  trace.entry_us = from_muster(crew.entered);
+  trace.probed_us = from_muster(crew.probed);
+  trace.checked_us = from_muster(crew.checked);
+  trace.streams_us = from_muster(crew.streams_found);
+  trace.output_us = from_muster(crew.output_made);
   trace.total_us = us_since_start(Clock::now());
   t_last_trace = trace;
 }
@@ -580,12 +616,15 @@ CopyCrew muster_copy_crew(c10::DeviceIndex device, size_t nbytes) {
   // The team probe costs a /proc read: asked only where two threads could share the copy.
   crew.on_torch_team = crew.threads > 1 && torch_team_awake();
   if (crew.threads > 1 && !crew.on_torch_team) crew.pool->wake_ahead(crew.threads - 1);
+  crew.probed = std::chrono::steady_clock::now();
   return crew;
 }
 
 void pipelined_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex device,
                     const c10::cuda::CUDAStream& stream, const StagingOptions& options,
-                    const CopyCrew& crew) {
+                    const CopyCrew& mustered) {
+  CopyCrew crew = mustered;
+  crew.entered = std::chrono::steady_clock::now();
   PinnedPool& pool = pool_for_node(crew.node);
   ThreadPool& threads = *crew.pool;
 

@@ -66,6 +66,12 @@ struct CopyCrew {
   int threads = 1;             // threads that stage, the caller included (threads_for_copy)
   bool on_torch_team = false;  // torch's intra-op team is awake and stages instead
   std::chrono::steady_clock::time_point mustered;  // for the trace's setup_us
+  std::chrono::steady_clock::time_point entered;   // pipelined_copy's entry (its entry_us)
+  // The op's steps between the muster and that entry (the trace's *_us from the muster):
+  std::chrono::steady_clock::time_point probed;         // the muster's end (team probe, wake-ups)
+  std::chrono::steady_clock::time_point checked;        // capture check, finished sources swept
+  std::chrono::steady_clock::time_point streams_found;  // current and copy stream looked up
+  std::chrono::steady_clock::time_point output_made;    // the output allocated (copy stream)
 };
 CopyCrew muster_copy_crew(c10::DeviceIndex device, size_t nbytes);
 
@@ -107,6 +113,16 @@ struct SingleBlockTrace {
   double first_helper_us = -1;  // when the first helper claimed a piece; -1: none had
   int64_t mustered_ns = 0;      // the muster on the steady clock (CLOCK_MONOTONIC: Python's
                                 // time.perf_counter_ns), so a reader can time the steps before it
+  // Where the setup and the caller's time go (issue 22, diag_chunk_timeline's host steps):
+  double entry_us = 0;  // from the muster to pipelined_copy's entry (checks, streams,
+                        // the output's allocation); setup_us - entry_us: the plan
+  double probed_us = 0, checked_us = 0, streams_us = 0, output_us = 0;  // CopyCrew's steps,
+                                                                        // from the muster
+  double first_own_done_us = -1;  // when the caller had staged its first piece
+  double own_stage_us = 0;        // the caller's time staging its own pieces
+  double gate_us = 0;             // ... asking the SpanGate (event queries)
+  int64_t gate_queries = 0;       // event queries the gate made
+  double queue_us = 0;            // ... queueing spans (cudaMemcpyAsync, the span's event)
 };
 SingleBlockTrace last_single_block_trace();
 
