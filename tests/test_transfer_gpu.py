@@ -11,6 +11,8 @@ import collections
 import dataclasses
 import gc
 import itertools
+import os
+import sys
 import threading
 import time
 
@@ -250,6 +252,16 @@ def test_parked_helpers_do_not_hold_the_transfer(nbytes):
     _check(pinxfer.to_device(want), want)
 
 
+def _diag_chunk_timeline():
+    """benchmarks/diag_chunk_timeline.py as a module (its reader of the trace)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
+    try:
+        import diag_chunk_timeline
+    finally:
+        sys.path.pop(0)
+    return diag_chunk_timeline
+
+
 def test_chunk_timeline_covers_every_chunk_in_order():
     """The diagnostic chunk timeline (benchmarks/diag_chunk_timeline.py) of a single-block
     to_device: one entry per DMA span, the spans whole chunks of the plan that cover the
@@ -303,6 +315,14 @@ def test_chunk_timeline_covers_every_chunk_in_order():
             done = [s["dma_done_us"] for s in spans]
             assert done == sorted(done) and done[0] > 0
             assert pinxfer._C._last_chunk_timeline() == []  # read once
+            # The diag's reader of these fields (it runs only after a device run's GPU work):
+            # its host steps, from the Python call, in the order the call takes them.
+            steps = _diag_chunk_timeline().host_steps(called, returned, returned, trace, spans)
+            order = ["muster", "probed", "checked", "streams", "output", "entry", "start"]
+            order += ["alloc", "offered", "first_dma", "last_dma", "copy_done", "return"]
+            at = [steps[f"at_{k}_us"] for k in order]
+            assert at == sorted(at), dict(zip(order, at))
+            assert steps["at_first_own_us"] <= steps["at_copy_done_us"]
     finally:
         pinxfer._C._set_chunk_timeline(False)
     pinxfer.to_device(x)
