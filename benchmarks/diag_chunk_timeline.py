@@ -127,13 +127,16 @@ def host_steps(
         "at_return_us": (returned_ns - t0_ns) / 1e3,
         "at_dma_end_us": timeline_origin + rows[-1]["dma_done_us"],
         "at_synced_us": (synced_ns - t0_ns) / 1e3,
-        # The caller's own account: its first piece, and its time staging, asking the span
-        # gate (event queries) and queueing spans (the DMA calls and each span's event).
+        # The op's steps between the muster and the copy's start: the muster's own end (the
+        # team probe, the wake-ahead), the capture check and finished-sources sweep, the
+        # streams, the output's allocation, the pipeline's entry (then the plan).
         "at_probed_us": muster + trace["probed_us"],
         "at_checked_us": muster + trace["checked_us"],
         "at_streams_us": muster + trace["streams_us"],
         "at_output_us": muster + trace["output_us"],
         "at_entry_us": muster + trace["entry_us"],
+        # The caller's own account: its first piece, and its time staging, asking the span
+        # gate (event queries) and queueing spans (the DMA calls and each span's event).
         "at_first_own_us": start + trace["first_own_done_us"],
         "own_stage_us": trace["own_stage_us"],
         "gate_us": trace["gate_us"],
