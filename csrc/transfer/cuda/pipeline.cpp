@@ -28,6 +28,12 @@ namespace pinxfer::transfer {
 
 namespace {
 
+// Microseconds from `from` to `to` (the traces' unit).
+double us_between(std::chrono::steady_clock::time_point from,
+                  std::chrono::steady_clock::time_point to) {
+  return std::chrono::duration<double, std::micro>(to - from).count();
+}
+
 // Shared state of one pipelined transfer through a ring of staging slots; lives on the
 // caller's stack for the duration of the parallel_for.
 struct Pipeline {
@@ -215,9 +221,7 @@ struct ChunkTimelineRecorder {
     ChunkTimelineEntry e;
     e.begin = static_cast<int64_t>(begin);
     e.end = static_cast<int64_t>(end);
-    e.queued_us =
-        std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - started)
-            .count();
+    e.queued_us = us_between(started, std::chrono::steady_clock::now());
     entries.push_back(e);
   }
 };
@@ -411,11 +415,9 @@ void single_block_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex 
   using Clock = std::chrono::steady_clock;
   auto sb = std::make_shared<SingleBlock>(stream);
   sb->started = Clock::now();
-  auto us_since_start = [&sb](Clock::time_point t) {
-    return std::chrono::duration<double, std::micro>(t - sb->started).count();
-  };
+  auto us_since_start = [&sb](Clock::time_point t) { return us_between(sb->started, t); };
   SingleBlockTrace trace;
-  trace.setup_us = std::chrono::duration<double, std::micro>(sb->started - crew.mustered).count();
+  trace.setup_us = us_between(crew.mustered, sb->started);
   trace.mustered_ns =
       std::chrono::duration_cast<std::chrono::nanoseconds>(crew.mustered.time_since_epoch())
           .count();
@@ -466,14 +468,14 @@ void single_block_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex 
     if (ready < chunks) {
       const auto asked = Clock::now();
       const bool hold = gate.engine_has_next();
-      trace.gate_us += std::chrono::duration<double, std::micro>(Clock::now() - asked).count();
+      trace.gate_us += us_between(asked, Clock::now());
       if (hold) return;
     }
     const auto queueing = Clock::now();
     queue_single_block_span(*sb, queued, ready, spares);
     gate.sent();
     const auto sent = Clock::now();
-    trace.queue_us += std::chrono::duration<double, std::micro>(sent - queueing).count();
+    trace.queue_us += us_between(queueing, sent);
     trace.last_queued_us = us_since_start(sent);
     if (queued == 0) trace.first_queued_us = trace.last_queued_us;
     if (timeline) {
@@ -485,7 +487,7 @@ void single_block_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex 
   // The trace's account of a piece the caller staged from `staging` until now.
   auto note_own_piece = [&](Clock::time_point staging) {
     const auto done = Clock::now();
-    trace.own_stage_us += std::chrono::duration<double, std::micro>(done - staging).count();
+    trace.own_stage_us += us_between(staging, done);
     if (trace.first_own_done_us < 0) trace.first_own_done_us = us_since_start(done);
   };
   // The caller's share, queueing chunks as they complete; returns the pieces it staged.
@@ -584,7 +586,7 @@ void single_block_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex 
   // -1: a step the op did not mark (a caller of pipelined_copy that is not send_to_device).
   const auto from_muster = [&crew](std::chrono::steady_clock::time_point t) {
     if (t.time_since_epoch().count() == 0) return -1.0;
-    return std::chrono::duration<double, std::micro>(t - crew.mustered).count();
+    return us_between(crew.mustered, t);
   };
   trace.entry_us = from_muster(crew.entered);
   trace.probed_us = from_muster(crew.probed);
