@@ -60,6 +60,19 @@ def checkout_setup_lock():
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
+def benchmark_module(name: str):
+    """benchmarks/<name>.py imported as a module (the benchmarks are scripts, not a package):
+    for tests of a diag's readers and reports, which run only after a device run's GPU work."""
+    import importlib
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.pop(0)
+
+
 def vm_locked_kib() -> int:
     """This process's mlocked memory (VmLck in /proc/self/status), in KiB."""
     with open("/proc/self/status") as f:

@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+from .conftest import benchmark_module
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -147,11 +149,7 @@ def test_diag_midsize_report_reads_every_field_its_measure_writes():
     """benchmarks/diag_midsize.py's report runs only after GPU work, so a field it reads that
     measure() does not write (or writes differently) costs a device run: this feeds it a
     cell shaped as measure() builds one, on the CPU."""
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    try:
-        import diag_midsize
-    finally:
-        sys.path.pop(0)
+    diag_midsize = benchmark_module("diag_midsize")
 
     def way(us: float) -> dict:
         return {"median_us": us, "min_us": us - 5, "call_median_us": us - 20}
