@@ -415,6 +415,25 @@ def test_staging_not_reused_while_copy_pending():
         assert torch.all(y == float(i)).item(), i
 
 
+def test_default_ring_refills_each_slot_only_after_its_dma():
+    """Over 64 MiB the defaults stage in a ring of 16 slots of 4 MiB. Behind a busy engine
+    every refill waits for the slot's last DMA: one piece of the chunk watches that event
+    while the chunk's other pieces sleep until it reports the slot free (pipeline.cpp,
+    Pipeline::wait_slot_free). Every byte arrives, and the source may be overwritten once
+    the call has returned."""
+    nbytes = 72 * MiB + 4097
+    plan = pinxfer._C._chunk_plan(
+        nbytes, pinxfer.transfer.DEFAULT_CHUNK_BYTES, pinxfer.transfer.DEFAULT_NUM_BUFFERS, 8
+    )
+    assert plan[2] == pinxfer.transfer.DEFAULT_NUM_BUFFERS  # a ring, not one block
+    x = _random_bytes(nbytes, seed=11)
+    want = x.clone()
+    _delay_copies()
+    y = pinxfer.to_device(x)
+    x.fill_(0)
+    _check(y, want)
+
+
 def test_small_transfers_behind_a_busy_current_stream_keep_their_staging():
     """Up to 256 KiB a transfer is staged by the caller and sent on the current
     stream: with that stream busy the DMAs run late, and each staging block must
@@ -614,7 +633,7 @@ def test_batch_packs_every_leaf_of_at_most_256_kib(path):
     prefetch's sender) and over the operators for the general path (other settings, traced
     code): both keep it."""
     # Settings equal to the defaults but not the same objects leave the fast path.
-    kw = {} if path == "fast" else {"chunk_bytes": int(str(16 << 20))}
+    kw = {} if path == "fast" else {"chunk_bytes": int(str(pinxfer.transfer.DEFAULT_CHUNK_BYTES))}
     sizes = (4096, 200 * 1024, 256 * 1024, 100 * 1024, 1000)
     leaves = [torch.randint(0, 255, (n,), dtype=torch.uint8) for n in sizes]
     out = pinxfer.to_device(leaves, **kw)
@@ -639,7 +658,7 @@ def test_batch_just_over_256_kib_sends_its_largest_small_leaf_alone(path):
     just over 256 KiB, which would move its one copy to the copy stream with helpers: the
     inputs go alone and the rest packed, both on the current stream by the caller. The
     results are right, on the caller's stream at once, in both paths."""
-    kw = {} if path == "fast" else {"chunk_bytes": int(str(16 << 20))}
+    kw = {} if path == "fast" else {"chunk_bytes": int(str(pinxfer.transfer.DEFAULT_CHUNK_BYTES))}
     batch = {
         "x": torch.randn(63 * 1024),  # 252 KiB
         "y": torch.randint(0, 1 << 30, (512,), dtype=torch.int64),  # 4 KiB
@@ -679,6 +698,11 @@ def test_to_host_roundtrip_and_wait():
 def test_to_host_cannot_be_read_early():
     x = torch.randn(4 * MiB, device="cuda")
     expected = (x + 1).cpu()
+    # The pool serves the timed call's 16 MiB from its cache. A miss may synchronize the
+    # device: where free segments are too small (a ring's 4 MiB slots, from a test before
+    # this one in the same process) it unmaps them to map one of their total, and
+    # cudaHostUnregister waits for the GPU, the sleep below included (session 20, H200).
+    pinxfer.to_host(x).wait()
     # ~1 s: the copy below runs after this, even where the host is slowed by other work
     # (a loaded test run once took longer than 250 ms to queue it).
     torch.cuda._sleep(20 * SLEEP)

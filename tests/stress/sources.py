@@ -326,7 +326,9 @@ class Sources:
         cb = rng.choice([4096, 70_001, 256 * KiB, MiB, 3 * MiB + 4096, 16 * MiB])
         while nbytes // cb > 512:  # bound the number of chunks (and of cudaMemcpyAsync calls)
             cb *= 4
-        return {"chunk_bytes": cb, "num_buffers": rng.randint(1, 4)}
+        # 16: the defaults' ring depth (16 slots of 4 MiB), where a slot's refill has the most
+        # pieces waiting on one watcher.
+        return {"chunk_bytes": cb, "num_buffers": rng.choice([1, 2, 3, 4, 16])}
 
     def scribble(self, t: torch.Tensor | None) -> None:
         """Overwrites every byte of ``t`` (a source the caller may now modify)."""

@@ -53,6 +53,10 @@ struct Pipeline {
   std::condition_variable queued_cv;
   std::vector<int64_t> queued;      // last chunk queued from each slot, -1: none. LOCK: mutex
   std::vector<cuda::Event> events;  // event after that chunk's copy. LOCK: mutex
+  // The slot's one waiter on the copy: the latest chunk whose DMA from each slot is known
+  // to be done (-1: none), and whether a thread is waiting for that slot's event now. LOCK: mutex
+  std::vector<int64_t> freed;
+  std::vector<uint8_t> watched;
 
   explicit Pipeline(c10::cuda::CUDAStream s) : stream(s) {}
 
@@ -61,19 +65,37 @@ struct Pipeline {
 
   // Blocks until ring slot c % ring may be overwritten with chunk c (c >= ring).
   // Returns false if the transfer failed meanwhile.
+  //
+  // Every piece of chunk c waits for the same DMA (chunk c - ring's, from the slot), and
+  // with staging ahead of the bus most pieces do. One of them watches the slot's event
+  // (event_wait_sleeping: a short spin, then polls between sleeps); the others sleep on
+  // the condition variable until it reports the slot free. Each thread polling the event
+  // itself cost CPU time and driver calls beside the DMAs being queued (issue 22: CPU
+  // seconds per GB).
   bool wait_slot_free(size_t c) {
     const size_t slot = c % plan.ring;
+    const int64_t previous = static_cast<int64_t>(c - plan.ring);
     cuda::Event ev;
     {
       std::unique_lock<std::mutex> lock(mutex);
-      const int64_t previous = static_cast<int64_t>(c - plan.ring);
-      queued_cv.wait(lock, [&] { return failed.load() || queued[slot] >= previous; });
+      queued_cv.wait(lock, [&] {
+        return failed.load() ||
+               (queued[slot] >= previous && (freed[slot] >= previous || watched[slot] == 0));
+      });
       if (failed.load()) return false;
+      if (freed[slot] >= previous) return true;
       // The slot's event is replaced only when chunk c is queued, which needs
       // this piece first: the handle stays valid while we wait on it.
       ev = events[slot];
+      watched[slot] = 1;
     }
-    cuda::event_wait_sleeping(ev);
+    cuda::event_wait_sleeping(ev);  // on a throw, run() marks the transfer failed
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      watched[slot] = 0;
+      freed[slot] = std::max(freed[slot], previous);
+    }
+    queued_cv.notify_all();
     return true;
   }
 
@@ -649,6 +671,8 @@ void pipelined_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex dev
   for (const auto& p : pl.plan.pieces) pl.left[p.chunk].fetch_add(1, std::memory_order_relaxed);
   pl.queued.assign(pl.plan.ring, -1);
   pl.events.assign(pl.plan.ring, cuda::Event{});
+  pl.freed.assign(pl.plan.ring, -1);
+  pl.watched.assign(pl.plan.ring, 0);
   for (size_t s = 0; s < pl.plan.ring; ++s) pl.slots.push_back(pool.allocate(pl.plan.slot_bytes));
 
   try {
