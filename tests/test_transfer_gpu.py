@@ -698,10 +698,9 @@ def test_to_host_roundtrip_and_wait():
 def test_to_host_cannot_be_read_early():
     x = torch.randn(4 * MiB, device="cuda")
     expected = (x + 1).cpu()
-    # The pool serves the timed call's 16 MiB from its cache. A miss may synchronize the
-    # device: where free segments are too small (a ring's 4 MiB slots, from a test before
-    # this one in the same process) it unmaps them to map one of their total, and
-    # cudaHostUnregister waits for the GPU, the sleep below included (session 20, H200).
+    # The pool serves the timed call's 16 MiB from its cache: after a test that left free
+    # segments too small for it (a ring's 4 MiB slots), the miss that merged them made this
+    # handle ready at once (session 20, H200; csrc/README.md, "Reuse": the cause is open).
     pinxfer.to_host(x).wait()
     # ~1 s: the copy below runs after this, even where the host is slowed by other work
     # (a loaded test run once took longer than 250 ms to queue it).
