@@ -205,6 +205,29 @@ def plan_samples(round_s: float, cell_budget_s: float, nbytes: int, quick: bool 
     return max(3, min(cap, fit))
 
 
+def gpu_sleep_cycles(seconds: float, sync: Callable[[], None]) -> int:
+    """Cycles of torch.cuda._sleep that take about ``seconds`` here, from measurement: a sleep
+    grown until it takes 4 ms, then the median rate of five (``sync`` waits for the stream
+    the sleeps run on)."""
+    torch.cuda._sleep(1000)
+    sync()
+    cycles = 1 << 20
+    while True:
+        t0 = time.perf_counter()
+        torch.cuda._sleep(cycles)
+        sync()
+        if time.perf_counter() - t0 >= 0.004 or cycles > 1 << 36:
+            break
+        cycles *= 4
+    rates = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        torch.cuda._sleep(cycles)
+        sync()
+        rates.append(cycles / (time.perf_counter() - t0))
+    return int(seconds * statistics.median(rates))
+
+
 def run_rounds(
     ways: dict[str, Callable[[], Any]],
     n: int,
@@ -693,23 +716,7 @@ class Bench:
     # -- gaps
     def calibrate_gpu_sleep(self) -> int:
         """Cycles of torch.cuda._sleep that take GAP_S here, from measurement."""
-        torch.cuda._sleep(1000)
-        self.stream_sync()
-        cycles = 1 << 20
-        while True:
-            t0 = time.perf_counter()
-            torch.cuda._sleep(cycles)
-            self.stream_sync()
-            if time.perf_counter() - t0 >= 0.004 or cycles > 1 << 36:
-                break
-            cycles *= 4
-        rates = []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            torch.cuda._sleep(cycles)
-            self.stream_sync()
-            rates.append(cycles / (time.perf_counter() - t0))
-        return int(GAP_S * statistics.median(rates))
+        return gpu_sleep_cycles(GAP_S, self.stream_sync)
 
     def gpu_gap(self) -> None:
         torch.cuda._sleep(self.gpu_cycles)

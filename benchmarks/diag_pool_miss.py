@@ -30,20 +30,9 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_loop import parse_sizes
+from bench_loop import gpu_sleep_cycles, parse_sizes
 
 import pinxfer
-
-
-def sleep_cycles(ms: float) -> int:
-    """GPU clock cycles of about ``ms`` milliseconds (torch.cuda._sleep spins on the clock)."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    cycles = 10_000_000
-    start.record()
-    torch.cuda._sleep(cycles)
-    end.record()
-    end.synchronize()
-    return int(cycles * ms / max(start.elapsed_time(end), 1e-3))
 
 
 def prepare(state: str, nbytes: int, pieces: int) -> None:
@@ -94,7 +83,7 @@ def main() -> None:
         print("diag_pool_miss: no CUDA device", file=sys.stderr)
         sys.exit(2)
     (nbytes,) = parse_sizes(args.size)
-    cycles = sleep_cycles(args.sleep_ms)
+    cycles = gpu_sleep_cycles(args.sleep_ms / 1e3, torch.cuda.synchronize)
     result: dict = {"gpu": torch.cuda.get_device_name(), "bytes": nbytes, "trials": {}}
     for r in range(args.rounds):
         for state in ("hit", "plain miss", "merging miss"):

@@ -4,10 +4,10 @@ A tensor larger than ``chunk_bytes x num_buffers`` is staged through a ring of `
 slots of ``chunk_bytes``; a smaller one in one block. This times ``pinxfer.to_device`` of one
 pageable tensor under several (chunk, buffers) layouts, interleaved in one process with the
 pinned copy of the same size (``pinned.to(non_blocking=True)``) and the pageable ``t.to()``,
-each call followed by a synchronize, back to back. For each layout: the median wall time, its
-ratio to the pinned copy's (median; and the pinned median over the layout's fastest call), and
-the CPU seconds per GB the process spent in the call (``time.process_time``: every thread's),
-against ``t.to()``'s (bench_loop's "CPU s/GB" row).
+each call followed by a synchronize, back to back (bench_loop's run_rounds and summarize). For
+each layout: the median and minimum wall time, its ratio to the pinned copy's (by medians and
+by minima), and the CPU seconds per GB the process spent in the calls (``time.process_time``:
+every thread's), against ``t.to()``'s (bench_loop's "CPU s/GB" row).
 
     python benchmarks/diag_ring_layout.py [--sizes 64M,256M,1G] [--layouts 16x4,4x16,4x8]
                                           [--rounds 6] [--json PATH]
@@ -22,16 +22,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 from collections.abc import Callable
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_loop import parse_sizes, size_label
+from bench_loop import parse_sizes, run_rounds, size_label, speed_ratio, summarize
 
 import pinxfer
 
@@ -54,16 +52,6 @@ def parse_layouts(text: str) -> dict[str, tuple[int, int]]:
     return layouts
 
 
-def timed(fn: Callable[[], object]) -> tuple[float, float]:
-    """(wall seconds, process CPU seconds) of one call and its synchronize."""
-    cpu, wall = time.process_time(), time.perf_counter()
-    out = fn()
-    torch.cuda.synchronize()
-    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-    del out
-    return wall, cpu
-
-
 def measure(nbytes: int, layouts: dict[str, tuple[int, int]], rounds: int) -> dict:
     dev = torch.device("cuda", torch.cuda.current_device())
     src = torch.randn(nbytes // 4)
@@ -75,29 +63,20 @@ def measure(nbytes: int, layouts: dict[str, tuple[int, int]], rounds: int) -> di
     ways["pinned"] = lambda: pinned.to(dev, non_blocking=True)
     ways["torch_to"] = lambda: src.to(dev)
     for fn in ways.values():  # warm-up: pools, torch's caches, the first ring's segments
-        timed(fn)
-    walls: dict[str, list[float]] = {w: [] for w in ways}
-    cpus: dict[str, list[float]] = {w: [] for w in ways}
-    names = list(ways)
-    for r in range(rounds):
-        for name in names[r % len(names) :] + names[: r % len(names)]:  # rotated order
-            wall, cpu = timed(ways[name])
-            walls[name].append(wall)
-            cpus[name].append(cpu)
-    pinned_us = statistics.median(walls["pinned"]) * 1e6
-    to_cpu = statistics.median(cpus["torch_to"]) / (nbytes / 1e9)
-    out = {"bytes": nbytes, "rounds": rounds, "ways": {}}
-    for name in names:
-        med = statistics.median(walls[name]) * 1e6
-        cpu_per_gb = statistics.median(cpus[name]) / (nbytes / 1e9)
+        fn()
+        torch.cuda.synchronize()
+    times, cpu = run_rounds(ways, rounds, torch.cuda.synchronize)  # rotated, back to back
+    stats = {name: summarize(times[name], nbytes, cpu[name]) for name in ways}
+    to_cpu = stats["torch_to"]["cpu_s_per_gb"]
+    out: dict = {"bytes": nbytes, "rounds": rounds, "ways": {}}
+    for name, st in stats.items():
+        x_pinned = speed_ratio(st, stats["pinned"])
         out["ways"][name] = {
+            **st,
             "layout": list(layouts[name]) if name in layouts else None,
-            "median_us": med,
-            "min_us": min(walls[name]) * 1e6,
-            "x_pinned": pinned_us / med,
-            "x_pinned_best": pinned_us / (min(walls[name]) * 1e6),
-            "cpu_s_per_gb": cpu_per_gb,
-            "cpu_x_torch_to": cpu_per_gb / to_cpu if to_cpu > 0 else None,
+            "x_pinned": x_pinned["median"],  # type: ignore[index]
+            "x_pinned_best": x_pinned["min"],  # type: ignore[index]
+            "cpu_x_torch_to": st["cpu_s_per_gb"] / to_cpu if to_cpu > 0 else None,
         }
     return out
 

@@ -44,12 +44,9 @@ _FAST_TO_DEVICE = hasattr(_ops.fast, "to_device")
 
 #: Largest staging chunk of the pipeline, and staging chunks in the ring. A tensor of up to
 #: their product (64 MiB) is staged in one block, whose chunks are about a sixteenth of it
-#: (at most 4 MiB); a larger one in a ring of 16 slots of 4 MiB. Until session 20 the ring
-#: was 4 slots of 16 MiB, the same 64 MiB of staging: with 4 MiB slots a slot is free again
-#: after a quarter of the DMA, and its refill starts that much sooner (H200 bench_loop,
-#: 2 rounds, `to_device` x the pinned copy: 256 MiB 0.79 -> 0.89 back to back, 0.75 -> 0.83
-#: after a sleep, 0.74 -> 0.83 after a GPU kernel; 1 GiB after a sleep 0.88 -> 0.93;
-#: csrc/README.md, "A ring").
+#: (at most 4 MiB); a larger one in a ring of 16 slots of 4 MiB, whose slots come free after
+#: a 4 MiB DMA (the ring of 4 slots of 16 MiB before it was slower past 64 MiB: the figures
+#: are in csrc/README.md, "The ring's geometry").
 DEFAULT_CHUNK_BYTES = 4 << 20
 DEFAULT_NUM_BUFFERS = 16
 
