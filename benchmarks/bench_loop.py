@@ -209,6 +209,8 @@ def gpu_sleep_cycles(seconds: float, sync: Callable[[], None]) -> int:
     """Cycles of torch.cuda._sleep that take about ``seconds`` here, from measurement: a sleep
     grown until it takes 4 ms, then the median rate of five (``sync`` waits for the stream
     the sleeps run on)."""
+    import torch  # this module's global is set by main(); other scripts call this without it
+
     torch.cuda._sleep(1000)
     sync()
     cycles = 1 << 20

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import itertools
+import json
 import os
 import random
 import re
@@ -208,6 +209,15 @@ def test_cap_releases_cached_segments_first(fresh_pool):
     assert stats()["reserved_bytes.current"] <= 16 * MiB
 
 
+def test_a_cap_below_the_least_large_segment_maps_the_request_alone(fresh_pool):
+    """A large miss maps at least 32 MiB; under a smaller cap it maps what was asked for."""
+    pinxfer.set_max_pinned_bytes(8 * MiB)
+    a = pinxfer.empty(6 * MiB, dtype=torch.uint8)
+    a.fill_(3)
+    assert stats()["reserved_bytes.current"] == 6 * MiB and bool((a == 3).all())
+    del a
+
+
 def test_cap_from_environment():
     code = textwrap.dedent("""
         import torch, pinxfer
@@ -366,7 +376,8 @@ def other_threads() -> list[str]:
 def test_reserved_over_requested_on_mixed_batches(fresh_pool):
     """Bounded waste: batches of 64 tensors of mixed sizes (4 KiB .. 16 MiB, new
     sizes every step), two batches alive while the next is built. Reserved
-    memory stays within 15% of what live tensors asked for at their peak."""
+    memory stays within 25% of what live tensors asked for at their peak (CPU build 1.09,
+    H200 1.16, where fenced frees come back later; torch's pinned cache 1.58)."""
     live, peak = [], 0
     for step in range(100):
         rng = random.Random(step)
@@ -377,7 +388,83 @@ def test_reserved_over_requested_on_mixed_batches(fresh_pool):
         if len(live) > 2:
             live.pop(0)
     ratio = stats()["reserved_bytes.peak"] / peak
-    assert ratio <= 1.15, (ratio, other_threads())
+    assert ratio <= 1.25, (ratio, other_threads())
+
+
+# Three 24 MiB blocks held at once (three 32 MiB segments), freed, then a 40 MiB request:
+# too big for each free segment. In a fresh process, so that what other tests left in the
+# pool does not move the high-water mark the merge rule compares with.
+_MISS_BESIDE_FREE_CHILD = """
+import json, torch, pinxfer
+MiB = 1 << 20
+cuda = torch.cuda.is_available()
+held = [pinxfer.empty(24 * MiB, dtype=torch.uint8) for _ in range(3)]
+before = pinxfer.memory_stats()
+del held
+if cuda:
+    torch.cuda.synchronize()  # their free fences are done
+    if {sleep}:
+        torch.cuda._sleep(2_000_000_000)  # ~1 s queued on the current stream
+big = pinxfer.empty(40 * MiB, dtype=torch.uint8)
+still_running = cuda and not torch.cuda.current_stream().query()
+after = pinxfer.memory_stats()
+if cuda:
+    torch.cuda.synchronize()
+again = [pinxfer.empty(24 * MiB, dtype=torch.uint8) for _ in range(3)]  # the free segments serve
+keys = ("segments.current", "reserved_bytes.current", "num_segment_unmaps", "num_segment_merges",
+        "num_segment_maps", "num_cache_misses")
+final = pinxfer.memory_stats()
+print(json.dumps(dict(before={{k: before[k] for k in keys}}, after={{k: after[k] for k in keys}},
+                      final={{k: final[k] for k in keys}}, still_running=still_running)))
+"""
+
+
+def run_miss_beside_free(sleep: bool) -> dict:
+    out = subprocess.run(
+        [sys.executable, "-c", _MISS_BESIDE_FREE_CHILD.format(sleep=sleep)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    before, after, final = res["before"], res["after"], res["final"]
+    assert before["segments.current"] == 3 and before["reserved_bytes.current"] == 96 * MiB
+    assert after["num_segment_unmaps"] == 0 and after["num_segment_merges"] == 0, after
+    assert after["segments.current"] == 4 and after["reserved_bytes.current"] == 136 * MiB
+    assert after["reserved_bytes.current"] <= 2 * 72 * MiB  # twice the high-water mark
+    assert final["num_segment_maps"] == after["num_segment_maps"]  # the 24 MiB came from cache
+    return res
+
+
+def test_a_large_miss_beside_free_segments_maps_without_unmapping():
+    """A request too big for each free segment maps one of its own: unmapping the free ones
+    (cudaHostUnregister) would wait for the whole device in the middle of a step. Memory
+    that was all in use at once stays cached; reserved stays under twice that."""
+    run_miss_beside_free(sleep=False)
+
+
+@pytest.mark.gpu
+def test_a_large_miss_does_not_wait_for_queued_gpu_work():
+    """The same miss behind ~1 s of queued GPU work returns while that work still runs.
+    The old rule (merge on every such miss) waited in cudaHostUnregister for the device to
+    drain: 300 ms behind a 300 ms sleep on the H200 (session 21, diag_pool_miss.py)."""
+    assert run_miss_beside_free(sleep=True)["still_running"]
+
+
+def test_growing_requests_merge_rarely_and_reserve_under_twice_the_peak(fresh_pool):
+    """Requests that keep growing (1 MiB + 17 .. 100 MiB + 17, one alive at a time): free
+    segments are merged only once reserved memory would pass twice the most ever allocated,
+    and each merge's segment serves the next sizes, so merges are few (each one waits for
+    the device on a GPU) and reserved memory stays bounded."""
+    for k in range(1, 101):
+        t = pinxfer.empty(k * MiB + 17, dtype=torch.uint8)
+        t[-1] = 1  # the block really spans the request
+        del t
+    s = stats()
+    assert 1 <= s["num_segment_merges"] <= 8, s  # doubling from 32 MiB to 100 MiB: ~2
+    assert s["reserved_bytes.peak"] <= 2 * s["allocated_bytes.peak"] + 101 * MiB, s
+    assert s["reserved_bytes.current"] <= 2 * s["allocated_bytes.peak"], s
 
 
 def test_many_threads_never_share_a_block(fresh_pool):

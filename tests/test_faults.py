@@ -89,9 +89,10 @@ keys = ("reserved_bytes.current", "reserved_bytes.mlocked", "reserved_bytes.page
         "reserved_bytes.cuda_registered", "allocated_bytes.current", "segments.current")
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
-    a = pinxfer.empty(4 << 20, dtype=torch.uint8)    # a large segment of 4 MiB
-    b = pinxfer.empty(8 << 20, dtype=torch.uint8)    # 8 MiB (first touch on the thread pool)
-    c = pinxfer.empty(1000, dtype=torch.uint8)       # a small 2 MiB segment
+    a = pinxfer.empty(1 << 20, dtype=torch.uint8)    # a small 2 MiB segment
+    pad = pinxfer.empty(1 << 20, dtype=torch.uint8)  # fills it
+    b = pinxfer.empty(4 << 20, dtype=torch.uint8)    # a large segment: 32 MiB, the least
+    c = pinxfer.empty(1000, dtype=torch.uint8)       # a second small segment
 for t, v in ((a, 1), (b, 2), (c, 3)):
     t.fill_(v)
 data_ok = bool((a == 1).all()) and bool((b == 2).all()) and bool((c == 3).all())
@@ -100,7 +101,7 @@ out = dict(caps=caps, rlimit=resource.getrlimit(resource.RLIMIT_MEMLOCK), base=b
            locked=vmlck() - base, kinds=[pinxfer.lock_kind(t) for t in (a, b, c)],
            pinned=[pinxfer.is_pinned(t) for t in (a, b, c)], data_ok=data_ok,
            warnings=[str(w.message) for w in caught], stats={{k: s[k] for k in keys}})
-del a, b, c, t
+del a, b, c, t, pad
 out["released"] = pinxfer.empty_cache()
 s = pinxfer.memory_stats()
 out["after"] = {{k: s[k] for k in keys}}
@@ -158,17 +159,17 @@ def test_memlock_limit_64k_every_segment_falls_back_to_pageable():
     assert res["locked"] == 0  # VmLck did not move
     s = res["stats"]
     _assert_stats_add_up(s)
-    assert s["reserved_bytes.current"] == s["reserved_bytes.pageable"] == 14 * MiB
+    assert s["reserved_bytes.current"] == s["reserved_bytes.pageable"] == 36 * MiB
     assert s["reserved_bytes.mlocked"] == s["reserved_bytes.cuda_registered"] == 0
-    assert res["released"] == 14 * MiB
+    assert res["released"] == 36 * MiB
     assert res["after"]["reserved_bytes.current"] == res["after"]["reserved_bytes.pageable"] == 0
     assert res["locked_after"] == 0
 
 
 def test_memlock_limit_6m_locks_what_fits():
-    """A 6 MiB limit: the 4 MiB segment and the 2 MiB small segment are mlocked,
-    the 8 MiB one between them is refused and stays pageable. VmLck and the
-    stats agree byte for byte, and return to the baseline after empty_cache()."""
+    """A 6 MiB limit: the two 2 MiB small segments are mlocked, the 32 MiB large one
+    between them is refused and stays pageable. VmLck and the stats agree byte for
+    byte, and return to the baseline after empty_cache()."""
     res, stderr = _memlock_child(6 * MiB)
     if res["base"] != 0:
         pytest.skip(f"the child already has {res['base']} KiB locked; the 6 MiB budget is not ours")
@@ -178,9 +179,9 @@ def test_memlock_limit_6m_locks_what_fits():
     assert _n_mlock_warnings(res, stderr) == 1, (res["warnings"], stderr)
     s = res["stats"]
     _assert_stats_add_up(s)
-    assert s["reserved_bytes.mlocked"] == 6 * MiB and s["reserved_bytes.pageable"] == 8 * MiB
+    assert s["reserved_bytes.mlocked"] == 4 * MiB and s["reserved_bytes.pageable"] == 32 * MiB
     assert res["locked"] * KiB == s["reserved_bytes.mlocked"]  # VmLck == what the pool says
-    assert res["released"] == 14 * MiB
+    assert res["released"] == 36 * MiB
     assert res["after"]["reserved_bytes.current"] == 0
     assert res["locked_after"] == 0
 
@@ -259,14 +260,14 @@ def test_gpu_register_failure_falls_back_to_mlock():
         assert native._inject_host_register_failures(2) == 0
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            a = pinxfer.empty(4 << 20, dtype=torch.uint8)   # new large segment: injected failure
+            a = pinxfer.empty(32 << 20, dtype=torch.uint8)  # a whole large segment: injected fault
             b = pinxfer.empty(1000, dtype=torch.uint8)      # new small segment: injected failure
-            c = pinxfer.empty(6 << 20, dtype=torch.uint8)   # new large segment: registered
+            c = pinxfer.empty(6 << 20, dtype=torch.uint8)   # new large segment (32 MiB): registered
             src = torch.arange(1 << 20, dtype=torch.int32)
-            d = pinxfer.pin_memory(src)                     # new segment: registered
+            d = pinxfer.pin_memory(src)                     # in c's segment: registered
         left = native._inject_host_register_failures(0)
         kinds = [pinxfer.lock_kind(t) for t in (a, b, c, d)]
-        a.copy_(torch.randint(0, 256, (4 << 20,), dtype=torch.uint8))
+        a.copy_(torch.randint(0, 256, (32 << 20,), dtype=torch.uint8))
         b.fill_(7)
         c.copy_(torch.randint(0, 256, (6 << 20,), dtype=torch.uint8))
         ok = []
@@ -314,8 +315,8 @@ def test_gpu_register_failure_falls_back_to_mlock():
         + s["reserved_bytes.pageable"]
         + s["reserved_bytes.cuda_registered"]
     )
-    assert s["reserved_bytes." + fallback] == 4 * MiB + 2 * MiB
-    assert s["reserved_bytes.cuda_registered"] >= 6 * MiB + 4 * MiB
+    assert s["reserved_bytes." + fallback] == 32 * MiB + 2 * MiB
+    assert s["reserved_bytes.cuda_registered"] >= 32 * MiB
     if fallback == "mlocked":
         assert res["locked"] * KiB >= 6 * MiB
     assert res["active_after"] == 0

@@ -698,9 +698,10 @@ def test_to_host_roundtrip_and_wait():
 def test_to_host_cannot_be_read_early():
     x = torch.randn(4 * MiB, device="cuda")
     expected = (x + 1).cpu()
-    # The pool serves the timed call's 16 MiB from its cache: after a test that left free
-    # segments too small for it (a ring's 4 MiB slots), the miss that merged them made this
-    # handle ready at once (session 20, H200; csrc/README.md, "Reuse": the cause is open).
+    # The pool serves the timed call's 16 MiB from its cache. A miss that merged free
+    # segments (session 20, after a ring's 4 MiB slots) waited in cudaHostUnregister for
+    # the sleep below to finish before the copy was queued, so the handle was ready at once
+    # (csrc/README.md, "Reuse"; merges are now rare, but a miss is not what this tests).
     pinxfer.to_host(x).wait()
     # ~1 s: the copy below runs after this, even where the host is slowed by other work
     # (a loaded test run once took longer than 250 ms to queue it).

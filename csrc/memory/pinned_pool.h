@@ -7,17 +7,19 @@
 //    LockedRegionResource (mmap, huge pages, NUMA bind, parallel first touch,
 //    cudaHostRegister or mlock).
 //  * Sizes: requests <= 1 MiB are rounded to 512 B and carved from 2 MiB
-//    segments (the small pool); larger requests are rounded to 64 KiB and get a
-//    segment of exactly that size on a miss (the large pool). So a live block
-//    wastes < 0.1% (large) and never rounds to a power of two.
+//    segments (the small pool); larger requests are rounded to 64 KiB and carved
+//    from segments of at least 32 MiB (the large pool). So a live block wastes
+//    < 0.1% (large) and never rounds to a power of two.
 //  * Reuse: free blocks sit in a best-fit set per pool ordered by (size, ptr);
 //    a bigger free block is split, neighbours coalesce when both are free.
 //    A small block freed with nothing to wait for goes to a bin of its exact size
 //    instead, unmerged, and the next request of that size takes it back without
 //    touching the set (a cache hit then costs no split, merge or node allocation);
 //    bins are emptied into the set before any miss or release (flush_bins_locked).
-//    A large-pool miss merges every fully free large segment into the new one
-//    (unmap + one bigger map), so reserved grows only by what is missing.
+//    A large-pool miss maps >= 32 MiB (rounded up, so later requests share the segment);
+//    only when reserved memory would pass
+//    twice the most ever allocated does it merge every fully free large segment into
+//    the new one (unmap + one bigger map): cudaHostUnregister waits for the device.
 //  * Stream safety: a block records the CUDA streams that used it
 //    (record_stream). When it is freed, an event is recorded on each of those
 //    streams and the block waits in that stream's FIFO; it returns to the free
@@ -234,9 +236,12 @@ class PinnedPool {
   c10::DataPtr take_cached_locked(const Request& request);
   // A miss: maps a new segment for the request and hands out its first block.
   c10::DataPtr allocate_segment(const Request& request);
-  // Large-pool miss: unmaps every fully free large segment and returns the
-  // size of the one segment to map instead: max(rounded, their total).
-  size_t absorb_free_large_segments(size_t rounded);
+  // Large-pool miss: the size of the segment to map, max(rounded, 32 MiB), unless the
+  // pool would then reserve more than kMergeAboveHighWater x its allocated high-water
+  // mark: then every fully free large segment is unmapped (a device-wide wait) and the
+  // one segment is at least their total. A rounded-up size the cap or the OS refuses
+  // falls back to the request's (allocate_segment).
+  size_t large_segment_size_for_miss(size_t rounded);
   // The upstream declined: the relief may have freed a fit here; else raise.
   c10::DataPtr take_cached_or_raise(const Request& request, size_t segment_size,
                                     const CapReached& reached);
@@ -347,6 +352,11 @@ class PinnedPool {
   std::vector<c10::Storage> finished_storages_;
 
   PoolStats stats_;  // LOCK: mutex_
+  // The most bytes live blocks ever spanned at once, since the last release_cached(): what
+  // the pool may keep cached without merging (large_segment_size_for_miss). Unlike
+  // stats_.allocated_bytes.peak, the user's reset_peak_memory_stats() leaves it. LOCK: mutex_
+  int64_t allocated_high_water_ = 0;
+  static constexpr int64_t kMergeAboveHighWater = 2;
 
   // ---- CUDA graph pools: private members ----
   using FreeSet = std::set<Block*, BlockOrder>;
