@@ -210,11 +210,18 @@ def test_cap_releases_cached_segments_first(fresh_pool):
 
 
 def test_a_cap_below_the_least_large_segment_maps_the_request_alone(fresh_pool):
-    """A large miss maps at least 32 MiB; under a smaller cap it maps what was asked for."""
-    pinxfer.set_max_pinned_bytes(8 * MiB)
+    """A large miss maps at least 32 MiB; where the cap leaves less room it maps what was
+    asked for, without the cap's relief (which would unmap the cached segments first)."""
+    cached = pinxfer.empty(1000, dtype=torch.uint8)
+    del cached  # a free small segment, cached
+    s0 = stats()
+    pinxfer.set_max_pinned_bytes(s0["reserved_bytes.current"] + 6 * MiB)
     a = pinxfer.empty(6 * MiB, dtype=torch.uint8)
     a.fill_(3)
-    assert stats()["reserved_bytes.current"] == 6 * MiB and bool((a == 3).all())
+    s = stats()
+    assert s["num_segment_unmaps"] == s0["num_segment_unmaps"], s  # no relief ran
+    assert s["reserved_bytes.current"] == s0["reserved_bytes.current"] + 6 * MiB
+    assert bool((a == 3).all())
     del a
 
 
@@ -376,8 +383,8 @@ def other_threads() -> list[str]:
 def test_reserved_over_requested_on_mixed_batches(fresh_pool):
     """Bounded waste: batches of 64 tensors of mixed sizes (4 KiB .. 16 MiB, new
     sizes every step), two batches alive while the next is built. Reserved
-    memory stays within 25% of what live tensors asked for at their peak (CPU build 1.09,
-    H200 1.16, where fenced frees come back later; torch's pinned cache 1.58)."""
+    memory stays within 15% of what live tensors asked for at their peak (CPU build 1.09),
+    25% with CUDA, where fenced frees come back later (H200 1.16; torch's pinned cache 1.58)."""
     live, peak = [], 0
     for step in range(100):
         rng = random.Random(step)
@@ -388,7 +395,7 @@ def test_reserved_over_requested_on_mixed_batches(fresh_pool):
         if len(live) > 2:
             live.pop(0)
     ratio = stats()["reserved_bytes.peak"] / peak
-    assert ratio <= 1.25, (ratio, other_threads())
+    assert ratio <= (1.25 if HAS_CUDA else 1.15), (ratio, other_threads())
 
 
 # Three 24 MiB blocks held at once (three 32 MiB segments), freed, then a 40 MiB request:
@@ -419,15 +426,16 @@ print(json.dumps(dict(before={{k: before[k] for k in keys}}, after={{k: after[k]
 """
 
 
-def run_miss_beside_free(sleep: bool) -> dict:
-    out = subprocess.run(
-        [sys.executable, "-c", _MISS_BESIDE_FREE_CHILD.format(sleep=sleep)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+def json_from_fresh_process(code: str) -> dict:
+    """Runs ``code`` in a fresh interpreter (a pool no other test has touched, whose high-water
+    mark is its own) and returns the JSON object it printed last."""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    res = json.loads(out.stdout.strip().splitlines()[-1])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def run_miss_beside_free(sleep: bool) -> dict:
+    res = json_from_fresh_process(_MISS_BESIDE_FREE_CHILD.format(sleep=sleep))
     before, after, final = res["before"], res["after"], res["final"]
     assert before["segments.current"] == 3 and before["reserved_bytes.current"] == 96 * MiB
     assert after["num_segment_unmaps"] == 0 and after["num_segment_merges"] == 0, after
@@ -452,16 +460,24 @@ def test_a_large_miss_does_not_wait_for_queued_gpu_work():
     assert run_miss_beside_free(sleep=True)["still_running"]
 
 
-def test_growing_requests_merge_rarely_and_reserve_under_twice_the_peak(fresh_pool):
+def test_growing_requests_merge_rarely_and_reserve_under_twice_the_peak():
     """Requests that keep growing (1 MiB + 17 .. 100 MiB + 17, one alive at a time): free
     segments are merged only once reserved memory would pass twice the most ever allocated,
     and each merge's segment serves the next sizes, so merges are few (each one waits for
-    the device on a GPU) and reserved memory stays bounded."""
-    for k in range(1, 101):
-        t = pinxfer.empty(k * MiB + 17, dtype=torch.uint8)
-        t[-1] = 1  # the block really spans the request
-        del t
-    s = stats()
+    the device on a GPU) and reserved memory stays bounded. In a fresh process: live blocks
+    left by other tests would raise the high-water mark and so defer every merge."""
+    s = json_from_fresh_process(
+        """
+import json, torch, pinxfer
+for k in range(1, 101):
+    t = pinxfer.empty(k * (1 << 20) + 17, dtype=torch.uint8)
+    t[-1] = 1  # the block really spans the request
+    del t
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()  # its free fence is done: the block is free for the next
+print(json.dumps(dict(pinxfer.memory_stats())))
+"""
+    )
     assert 1 <= s["num_segment_merges"] <= 8, s  # doubling from 32 MiB to 100 MiB: ~2
     assert s["reserved_bytes.peak"] <= 2 * s["allocated_bytes.peak"] + 101 * MiB, s
     assert s["reserved_bytes.current"] <= 2 * s["allocated_bytes.peak"], s

@@ -698,10 +698,10 @@ def test_to_host_roundtrip_and_wait():
 def test_to_host_cannot_be_read_early():
     x = torch.randn(4 * MiB, device="cuda")
     expected = (x + 1).cpu()
-    # The pool serves the timed call's 16 MiB from its cache. A miss that merged free
-    # segments (session 20, after a ring's 4 MiB slots) waited in cudaHostUnregister for
-    # the sleep below to finish before the copy was queued, so the handle was ready at once
-    # (csrc/README.md, "Reuse"; merges are now rare, but a miss is not what this tests).
+    # Nothing before the copy may wait for the sleep below, or the copy is done on return
+    # (session 20): the pool serves the timed call's 16 MiB from its cache (a miss that
+    # merged free segments waited in cudaHostUnregister for the device; csrc/README.md,
+    # "Reuse"), and `x + 1` reuses the block torch's CUDA allocator cached for `expected`.
     pinxfer.to_host(x).wait()
     # ~1 s: the copy below runs after this, even where the host is slowed by other work
     # (a loaded test run once took longer than 250 ms to queue it).

@@ -45,6 +45,9 @@ class HostResource {
   virtual HostRegion map(size_t bytes, int numa_node, RegionTimings* timings) = 0;
   // Gives a region back. Never throws. Returns nanoseconds spent.
   virtual int64_t unmap(const HostRegion& region) = 0;
+  // Bytes a map() could take now without a limit declining or relieving pressure
+  // (INT64_MAX: no limit). A hint, read without a lock: other maps may take it first.
+  virtual int64_t headroom() { return INT64_MAX; }
 };
 
 // Memory straight from the OS: map_locked_region() / unmap_region() of

@@ -2,6 +2,8 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
+
 namespace pinxfer {
 
 LimitingResource::LimitingResource(HostResource& upstream, DefaultCap default_cap)
@@ -63,6 +65,11 @@ HostRegion LimitingResource::map(size_t bytes, int numa_node, RegionTimings* tim
   // The upstream rounds to whole pages: count what it really mapped.
   reserved_.fetch_add(static_cast<int64_t>(region.size) - asked);
   return region;
+}
+
+int64_t LimitingResource::headroom() {
+  const int64_t limit = cap();
+  return limit > 0 ? std::max<int64_t>(0, limit - reserved_.load()) : INT64_MAX;
 }
 
 int64_t LimitingResource::unmap(const HostRegion& region) {

@@ -48,6 +48,7 @@ class LimitingResource final : public HostResource {
 
   HostRegion map(size_t bytes, int numa_node, RegionTimings* timings) override;
   int64_t unmap(const HostRegion& region) override;
+  int64_t headroom() override;  // the cap less what is reserved (INT64_MAX: no cap)
 
   // Cap in bytes; 0 = unlimited. Throws c10::Error for a negative cap. A cap
   // below what is reserved now frees nothing by itself: the next map relieves.

@@ -24,6 +24,9 @@ constexpr size_t kLargeGranule = size_t{64} << 10;
 // segment instead of each mapping its own (mixed 4 KiB-16 MiB batches: reserved/peak 1.09
 // against 1.30 with segments of the request's size, and a third of the maps; CPU build).
 constexpr size_t kLargeSegmentMin = size_t{32} << 20;
+// A large miss unmaps (merges) the free large segments only when reserved memory would
+// otherwise pass this many times the most ever allocated (PinnedPool::allocated_high_water_).
+constexpr int kMergeAboveHighWater = 2;
 
 std::string human(int64_t bytes) {
   char buf[64];
@@ -142,17 +145,21 @@ c10::DataPtr PinnedPool::allocate_segment(const Request& request) {
       request.small ? kSmallSegment : large_segment_size_for_miss(request.rounded);
   HostRegion region;
   RegionTimings timings;
+  // A large segment rounded up past the request: if the cap (another thread took the
+  // headroom large_segment_size_for_miss saw) or the OS refuses it, the request alone.
+  // Never a small request: its blocks are carved from kSmallSegment-sized segments only.
+  auto map_request_alone_or_rethrow = [&] {
+    if (request.small || segment_size == request.rounded) throw;
+    segment_size = request.rounded;
+    return upstream_.map(segment_size, numa_node_, &timings);
+  };
   try {
     try {
       region = upstream_.map(segment_size, numa_node_, &timings);
     } catch (const CapReached&) {
-      if (segment_size == request.rounded || request.small) throw;
-      segment_size = request.rounded;  // a large segment rounded up past what the cap
-      region = upstream_.map(segment_size, numa_node_, &timings);  // leaves: the request alone
+      region = map_request_alone_or_rethrow();
     } catch (const c10::OutOfMemoryError&) {
-      if (segment_size == request.rounded || request.small) throw;
-      segment_size = request.rounded;  // the same when the OS refuses the rounded-up size
-      region = upstream_.map(segment_size, numa_node_, &timings);
+      region = map_request_alone_or_rethrow();
     }
   } catch (const CapReached& reached) {
     return take_cached_or_raise(request, segment_size, reached);
@@ -172,16 +179,21 @@ size_t PinnedPool::large_segment_size_for_miss(size_t rounded) {
   // kMergeAboveHighWater times the most it ever had allocated. Memory that was once all in
   // use (a ring's slots, the last batch) stays cached, as torch's caches keep theirs; a
   // pool whose requests keep growing merges, and each merge doubles what it can serve.
-  const size_t fresh = std::max(rounded, kLargeSegmentMin);
+  // Rounded up only where the cap leaves room for it without relief (which would unmap
+  // every pool's free segments: the device-wide wait this avoids).
+  const size_t fresh = upstream_.headroom() >= static_cast<int64_t>(kLargeSegmentMin)
+                           ? std::max(rounded, kLargeSegmentMin)
+                           : rounded;
   std::vector<Segment*> merged;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    const int64_t in_use_after = stats_.allocated_bytes.current + static_cast<int64_t>(rounded);
-    const int64_t reserved_after = stats_.reserved_bytes.current + static_cast<int64_t>(fresh);
-    const int64_t allowed =
-        kMergeAboveHighWater *
-        std::max({allocated_high_water_, in_use_after, static_cast<int64_t>(kLargeSegmentMin)});
-    if (reserved_after <= allowed) return fresh;
+    // In 128 bits: `rounded` may be near 2^63 (such a request fails in map(), unmerged).
+    using Wide = __int128;
+    const Wide in_use_after = Wide{stats_.allocated_bytes.current} + Wide{rounded};
+    const Wide reserved_after = Wide{stats_.reserved_bytes.current} + Wide{fresh};
+    const Wide basis =
+        std::max({Wide{allocated_high_water_}, in_use_after, Wide{kLargeSegmentMin}});
+    if (reserved_after <= kMergeAboveHighWater * basis) return fresh;
     merged = collect_free_segments_locked(/*small=*/false);
     if (!merged.empty()) ++stats_.num_segment_merges;
   }

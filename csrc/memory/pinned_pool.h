@@ -8,8 +8,9 @@
 //    cudaHostRegister or mlock).
 //  * Sizes: requests <= 1 MiB are rounded to 512 B and carved from 2 MiB
 //    segments (the small pool); larger requests are rounded to 64 KiB and carved
-//    from segments of at least 32 MiB (the large pool). So a live block wastes
-//    < 0.1% (large) and never rounds to a power of two.
+//    from segments of at least 32 MiB (the large pool; a graph pool's segments, and
+//    those mapped where the cap leaves less room, are the request's size). A live
+//    block wastes < 64 KiB and never rounds to a power of two.
 //  * Reuse: free blocks sit in a best-fit set per pool ordered by (size, ptr);
 //    a bigger free block is split, neighbours coalesce when both are free.
 //    A small block freed with nothing to wait for goes to a bin of its exact size
@@ -236,11 +237,12 @@ class PinnedPool {
   c10::DataPtr take_cached_locked(const Request& request);
   // A miss: maps a new segment for the request and hands out its first block.
   c10::DataPtr allocate_segment(const Request& request);
-  // Large-pool miss: the size of the segment to map, max(rounded, 32 MiB), unless the
-  // pool would then reserve more than kMergeAboveHighWater x its allocated high-water
-  // mark: then every fully free large segment is unmapped (a device-wide wait) and the
-  // one segment is at least their total. A rounded-up size the cap or the OS refuses
-  // falls back to the request's (allocate_segment).
+  // Large-pool miss: the size of the segment to map, max(rounded, 32 MiB) (rounded alone
+  // where the cap's headroom is less than 32 MiB), unless the pool would then reserve more
+  // than twice its allocated high-water mark: then every fully free large segment is
+  // unmapped (a device-wide wait) and the one segment is at least their total. Checked
+  // per miss: misses mapping at once may each pass the bound. A rounded-up size the cap
+  // or the OS refuses falls back to the request's (allocate_segment).
   size_t large_segment_size_for_miss(size_t rounded);
   // The upstream declined: the relief may have freed a fit here; else raise.
   c10::DataPtr take_cached_or_raise(const Request& request, size_t segment_size,
@@ -352,11 +354,11 @@ class PinnedPool {
   std::vector<c10::Storage> finished_storages_;
 
   PoolStats stats_;  // LOCK: mutex_
-  // The most bytes live blocks ever spanned at once, since the last release_cached(): what
+  // The most bytes live blocks ever spanned at once, since the last release_cached() (by
+  // empty_cache or the cap's relief): what
   // the pool may keep cached without merging (large_segment_size_for_miss). Unlike
   // stats_.allocated_bytes.peak, the user's reset_peak_memory_stats() leaves it. LOCK: mutex_
   int64_t allocated_high_water_ = 0;
-  static constexpr int64_t kMergeAboveHighWater = 2;
 
   // ---- CUDA graph pools: private members ----
   using FreeSet = std::set<Block*, BlockOrder>;
