@@ -9,7 +9,11 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import gc
+import json
 import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -194,3 +198,27 @@ def drop_cap_ipc_lock():
         return "dropped"
     return "capset refused: errno %d" % ctypes.get_errno()
 """
+
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_child(code: str, *, env=None, prefix=(), timeout=120) -> subprocess.CompletedProcess:
+    """Runs `code` in a fresh interpreter from the repository root (so it imports
+    this checkout's pinxfer); a hang fails through the timeout."""
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    full_env["PYTHONPATH"] = _REPO + os.pathsep + full_env.get("PYTHONPATH", "")
+    return subprocess.run(
+        [*prefix, sys.executable, "-c", textwrap.dedent(code)],
+        cwd=_REPO,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def last_json(out: subprocess.CompletedProcess) -> dict:
+    assert out.returncode == 0, f"child failed ({out.returncode}):\n{out.stdout}\n{out.stderr}"
+    return json.loads(out.stdout.strip().splitlines()[-1])

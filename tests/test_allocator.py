@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import itertools
-import json
 import os
 import random
 import re
@@ -19,7 +18,15 @@ import pytest
 import torch
 
 import pinxfer
-from tests.conftest import DROP_CAP_IPC_LOCK, HAS_CUDA, MLOCK_IS_REAL, SANITIZER, vm_locked_kib
+from tests.conftest import (
+    DROP_CAP_IPC_LOCK,
+    HAS_CUDA,
+    MLOCK_IS_REAL,
+    SANITIZER,
+    last_json,
+    run_child,
+    vm_locked_kib,
+)
 
 MiB = 1 << 20
 KiB = 1 << 10
@@ -400,7 +407,7 @@ def test_reserved_over_requested_on_mixed_batches(fresh_pool):
 
 # Three 24 MiB blocks held at once (three 32 MiB segments), freed, then a 40 MiB request:
 # too big for each free segment. In a fresh process, so that what other tests left in the
-# pool does not move the high-water mark the merge rule compares with.
+# pool does not move the high-water mark the merge rule compares with (conftest.run_child).
 _MISS_BESIDE_FREE_CHILD = """
 import json, torch, pinxfer
 MiB = 1 << 20
@@ -426,16 +433,8 @@ print(json.dumps(dict(before={{k: before[k] for k in keys}}, after={{k: after[k]
 """
 
 
-def json_from_fresh_process(code: str) -> dict:
-    """Runs ``code`` in a fresh interpreter (a pool no other test has touched, whose high-water
-    mark is its own) and returns the JSON object it printed last."""
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
 def run_miss_beside_free(sleep: bool) -> dict:
-    res = json_from_fresh_process(_MISS_BESIDE_FREE_CHILD.format(sleep=sleep))
+    res = last_json(run_child(_MISS_BESIDE_FREE_CHILD.format(sleep=sleep)))
     before, after, final = res["before"], res["after"], res["final"]
     assert before["segments.current"] == 3 and before["reserved_bytes.current"] == 96 * MiB
     assert after["num_segment_unmaps"] == 0 and after["num_segment_merges"] == 0, after
@@ -466,8 +465,9 @@ def test_growing_requests_merge_rarely_and_reserve_under_twice_the_peak():
     and each merge's segment serves the next sizes, so merges are few (each one waits for
     the device on a GPU) and reserved memory stays bounded. In a fresh process: live blocks
     left by other tests would raise the high-water mark and so defer every merge."""
-    s = json_from_fresh_process(
-        """
+    s = last_json(
+        run_child(
+            """
 import json, torch, pinxfer
 for k in range(1, 101):
     t = pinxfer.empty(k * (1 << 20) + 17, dtype=torch.uint8)
@@ -477,6 +477,7 @@ for k in range(1, 101):
         torch.cuda.synchronize()  # its free fence is done: the block is free for the next
 print(json.dumps(dict(pinxfer.memory_stats())))
 """
+        )
     )
     assert 1 <= s["num_segment_merges"] <= 8, s  # doubling from 32 MiB to 100 MiB: ~2
     assert s["reserved_bytes.peak"] <= 2 * s["allocated_bytes.peak"] + 101 * MiB, s

@@ -11,14 +11,10 @@ deadlock fails the test instead of hanging it.
 from __future__ import annotations
 
 import gc
-import json
 import os
 import random
 import shutil
 import signal
-import subprocess
-import sys
-import textwrap
 import threading
 import time
 
@@ -27,38 +23,15 @@ import torch
 
 import pinxfer
 
-from .conftest import DROP_CAP_IPC_LOCK, HAS_CUDA
+from .conftest import DROP_CAP_IPC_LOCK, HAS_CUDA, last_json, run_child
 
 MiB = 1 << 20
 KiB = 1 << 10
 native = pinxfer._C
 
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 
 def stats():
     return pinxfer.memory_stats()
-
-
-def run_child(code: str, *, env=None, prefix=(), timeout=120) -> subprocess.CompletedProcess:
-    """Runs `code` in a fresh interpreter from the repository root (so it imports
-    this checkout's pinxfer); a hang fails through the timeout."""
-    full_env = dict(os.environ)
-    full_env.update(env or {})
-    full_env["PYTHONPATH"] = _REPO + os.pathsep + full_env.get("PYTHONPATH", "")
-    return subprocess.run(
-        [*prefix, sys.executable, "-c", textwrap.dedent(code)],
-        cwd=_REPO,
-        env=full_env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-
-
-def last_json(out: subprocess.CompletedProcess) -> dict:
-    assert out.returncode == 0, f"child failed ({out.returncode}):\n{out.stdout}\n{out.stderr}"
-    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 # ---- B1: a small memlock limit, without CAP_IPC_LOCK ----

@@ -17,10 +17,10 @@
 //    instead, unmerged, and the next request of that size takes it back without
 //    touching the set (a cache hit then costs no split, merge or node allocation);
 //    bins are emptied into the set before any miss or release (flush_bins_locked).
-//    A large-pool miss maps >= 32 MiB (rounded up, so later requests share the segment);
-//    only when reserved memory would pass
-//    twice the most ever allocated does it merge every fully free large segment into
-//    the new one (unmap + one bigger map): cudaHostUnregister waits for the device.
+//    A large-pool miss maps >= 32 MiB (rounded up, so later requests share the
+//    segment); only when reserved memory would pass twice the most ever allocated
+//    does it merge every fully free large segment into the new one (unmap + one
+//    bigger map): cudaHostUnregister waits for the device.
 //  * Stream safety: a block records the CUDA streams that used it
 //    (record_stream). When it is freed, an event is recorded on each of those
 //    streams and the block waits in that stream's FIFO; it returns to the free
@@ -355,9 +355,9 @@ class PinnedPool {
 
   PoolStats stats_;  // LOCK: mutex_
   // The most bytes live blocks ever spanned at once, since the last release_cached() (by
-  // empty_cache or the cap's relief): what
-  // the pool may keep cached without merging (large_segment_size_for_miss). Unlike
-  // stats_.allocated_bytes.peak, the user's reset_peak_memory_stats() leaves it. LOCK: mutex_
+  // empty_cache or the cap's relief): what the pool may keep cached without merging
+  // (large_segment_size_for_miss). Unlike stats_.allocated_bytes.peak, the user's
+  // reset_peak_memory_stats() leaves it. LOCK: mutex_
   int64_t allocated_high_water_ = 0;
 
   // ---- CUDA graph pools: private members ----
