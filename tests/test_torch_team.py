@@ -232,18 +232,22 @@ def test_team_spin_window_follows_libgomps_spin(policy, spincount, threads, cpus
 
 _BACK_TO_BACK = """
         x = torch.randn(1 << 20)  # 4 MiB: a copy on the team
-        for attempt in range(20):
-            awake_after_op()
-            before_copies = state()[2]
-            pinxfer.pin_memory(x)
-            if state()[2] > before_copies:
-                break
         _, _, copies, _, reads, window = state()
-        for _ in range(50):
-            pinxfer.pin_memory(x)  # right after the last one's region
+        for round in range(10):  # rounds: a loaded host may deschedule us past every window
+            for attempt in range(20):
+                awake_after_op()
+                before_copies = state()[2]
+                pinxfer.pin_memory(x)
+                if state()[2] > before_copies:
+                    break
+            round_window = state()[5]
+            for _ in range(50):
+                pinxfer.pin_memory(x)  # right after the last one's region
+            if state()[5] > round_window:
+                break
         after = state()
         print(json.dumps(dict(copies=after[2] - copies, reads=after[4] - reads,
-                              window=after[5] - window)))
+                              window=after[5] - window, rounds=round + 1)))
         """
 
 
@@ -253,7 +257,8 @@ def test_back_to_back_copies_on_the_team_skip_the_proc_read():
     back to back run on it, their probes answered by the spin window without reading a
     member's state from /proc. On a quiet host every one of them is; on a loaded one (the
     suite's other workers) this thread can be descheduled past the window between two calls,
-    and that call reads /proc, as it should: so at least one of 50, not all."""
+    and that call reads /proc, as it should: so at least one of 50, not all, in up to ten
+    rounds of 50 (with -n 16 on 16 CPUs one round of 50 has had none in the window)."""
     got = _run(_BACK_TO_BACK)
     assert got["copies"] >= 1, got
     assert got["window"] >= 1, got
