@@ -40,7 +40,10 @@ def test_ab_env_alternates_variants_and_keeps_every_run(tmp_path):
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     session = json.loads(out.read_text())
-    assert session["variants"] == {"old": {"AB_SETTING": "1"}, "new": {"AB_SETTING": "2", "OTHER": "x"}}
+    assert session["variants"] == {
+        "old": {"AB_SETTING": "1"},
+        "new": {"AB_SETTING": "2", "OTHER": "x"},
+    }
     runs = session["runs"]
     assert {r: d["setting"] for r, d in runs["old"].items()} == {"r1": "1", "r2": "1", "r3": "1"}
     assert {r: d["setting"] for r, d in runs["new"].items()} == {"r1": "2", "r2": "2", "r3": "2"}

@@ -19,7 +19,7 @@ import torch
 
 import pinxfer
 
-from .conftest import benchmark_module
+from .conftest import benchmark_module, last_json, run_child
 
 pytestmark = pytest.mark.gpu
 
@@ -935,6 +935,54 @@ def test_sender_road_batch_lands_during_the_consumers_step():
         torch.cuda.synchronize()
     assert sender.taken - taken == 5
     assert sender.taken_landed - landed >= 4  # every batch after the first
+
+
+_LANDING_CHILD = """
+    import json, time, torch, pinxfer
+    sender = pinxfer._C.batch_sender(torch.device("cuda", 0))
+    src = [{"x": torch.full((64 * 1024,), float(i)), "y": torch.arange(i, i + 4)}
+           for i in range(24)]
+    # Back to back, on a consumer stream that falls behind the copies: every byte.
+    consumer, oks = torch.cuda.Stream(), []
+    sent, flagged = sender.submitted, sender.sent_flagged
+    with torch.cuda.stream(consumer):
+        for i, b in enumerate(pinxfer.prefetch(src)):
+            torch.cuda._sleep(200_000)
+            y = torch.arange(i, i + 4, device="cuda")
+            oks.append(torch.all(b["x"] == float(i)) & torch.all(b["y"] == y))
+    consumer.synchronize()
+    b2b = dict(ok=bool(torch.stack(oks).all()), sent=sender.submitted - sent,
+               flagged=sender.sent_flagged - flagged)
+    # Long steps (a sleep, then every copy done): each batch after the first has landed.
+    sent, flagged, landed = sender.submitted, sender.sent_flagged, sender.taken_landed
+    ok = True
+    for i, b in enumerate(pinxfer.prefetch(src[:6])):
+        ok &= b["x"][0].item() == float(i) and b["y"].tolist() == list(range(i, i + 4))
+        time.sleep(0.05)
+        torch.cuda.synchronize()
+    long = dict(ok=ok, sent=sender.submitted - sent, flagged=sender.sent_flagged - flagged,
+                landed=sender.taken_landed - landed)
+    print(json.dumps(dict(b2b=b2b, long=long)))
+"""
+
+
+@pytest.mark.parametrize("mode", ["flag", "event", "auto"])
+def test_sender_landing_modes(mode):
+    """PINXFER_SENDER_LANDING: every mode hands every byte over, back to back on a consumer
+    stream that falls behind and after long steps, where every batch but the first has
+    landed when taken (a flag its host function set, or its event asked). `flag` sends
+    every batch with a host function, `event` none, `auto` those after long steps."""
+    got = last_json(run_child(_LANDING_CHILD, env={"PINXFER_SENDER_LANDING": mode}))
+    b2b, long = got["b2b"], got["long"]
+    assert b2b["ok"] and long["ok"], got
+    assert (b2b["sent"], long["sent"]) == (24, 6), got
+    assert long["landed"] >= 5, got
+    if mode == "flag":
+        assert (b2b["flagged"], long["flagged"]) == (24, 6), got
+    elif mode == "event":
+        assert (b2b["flagged"], long["flagged"]) == (0, 0), got
+    else:  # batches 3.. of the long pass are sent after a long step (take to take)
+        assert long["flagged"] >= 3, got
 
 
 def test_sender_road_pass_stopped_early_settles_its_batch_ahead():

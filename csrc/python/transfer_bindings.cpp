@@ -75,7 +75,10 @@ void bind_batch_sender(pybind11::module_& m) {
       .def_property_readonly("submitted", &ops::BatchSender::submitted, "batches submitted so far")
       .def_property_readonly("taken", &ops::BatchSender::taken, "batches taken so far")
       .def_property_readonly("taken_landed", &ops::BatchSender::taken_landed,
-                             "batches whose copies had landed when taken (no stream wait)");
+                             "batches whose copies had landed when taken (no stream wait)")
+      .def_property_readonly("sent_flagged", &ops::BatchSender::sent_flagged,
+                             "batches sent with a landing host function "
+                             "(PINXFER_SENDER_LANDING)");
   m.def("batch_sender", torch::wrap_pybind_function([](c10::Device device) {
           TORCH_CHECK_VALUE(device.is_cuda() && device.has_index(),
                             "pinxfer: batch_sender needs a CUDA device with an index, got ",

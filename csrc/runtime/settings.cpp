@@ -154,6 +154,19 @@ const Row kRows[] = {
      },
      [](Settings&) { return std::string("auto"); }, "default"},
 
+    {"PINXFER_SENDER_LANDING",
+     "how prefetch's batch sender knows a batch has landed: flag, event or auto",
+     [](const char* name, const std::string& text, Settings& s) {
+       if (std::find(std::begin(kSenderLandingNames), std::end(kSenderLandingNames), text) ==
+           std::end(kSenderLandingNames)) {
+         bad_env(name, text,
+                 "'flag' (a host function after each batch), 'event' (take() asks the batch's "
+                 "event) or 'auto' (a host function only after long consumer steps)");
+       }
+       return s.sender_landing = text;
+     },
+     [](Settings& s) { return s.sender_landing; }, "default"},
+
     // libgomp's, read and never set: after a region torch's team spins (libgomp: 300000 spins
     // by default) unless these say otherwise; pinxfer then asks /proc at every copy.
     {"OMP_WAIT_POLICY",

@@ -36,6 +36,8 @@ constexpr int kMaxSpinUs = 1000000;
 // The values PINXFER_STAGE_COPY accepts, the names of transfer/stage_copy.h's
 // StagingMode (the transfer layer parses the text; the settings only check it).
 inline constexpr const char* kStagingModeNames[] = {"auto", "nt", "movsb"};
+// The values PINXFER_SENDER_LANDING accepts (ops/cuda/batch_sender.h's LandingMode).
+inline constexpr const char* kSenderLandingNames[] = {"flag", "event", "auto"};
 
 struct Settings {
   std::string sysfs_root = "/sys";  // PINXFER_SYSFS_ROOT
@@ -44,11 +46,12 @@ struct Settings {
   int64_t max_pinned_bytes = 0;     // PINXFER_MAX_PINNED_BYTES; 0: no cap
   int copy_threads = 1;             // PINXFER_NUM_THREADS, else copy_threads_for(cpus)
   bool copy_threads_from_env = false;
-  int spin_us = 100;                // PINXFER_SPIN_US: how long idle copy threads spin
-  bool spin_adaptive = true;        // unset PINXFER_SPIN_US: spin longer after long jobs
-  std::string stage_copy = "auto";  // PINXFER_STAGE_COPY, one of kStagingModeNames
-  int64_t cached_tail = -1;         // PINXFER_CACHED_TAIL; -1: not set (16 MiB)
-  bool torch_team = true;           // PINXFER_TORCH_TEAM: copies may run on torch's awake team
+  int spin_us = 100;                    // PINXFER_SPIN_US: how long idle copy threads spin
+  bool spin_adaptive = true;            // unset PINXFER_SPIN_US: spin longer after long jobs
+  std::string stage_copy = "auto";      // PINXFER_STAGE_COPY, one of kStagingModeNames
+  int64_t cached_tail = -1;             // PINXFER_CACHED_TAIL; -1: not set (16 MiB)
+  bool torch_team = true;               // PINXFER_TORCH_TEAM: copies may run on torch's awake team
+  std::string sender_landing = "flag";  // PINXFER_SENDER_LANDING, one of kSenderLandingNames
   // libgomp's own variables, read (never set) to know whether torch's team keeps spinning
   // after a region (runtime/torch_team.h, team_spin_window_us): lower-cased, "" if unset.
   std::string omp_wait_policy;  // OMP_WAIT_POLICY

@@ -8,9 +8,11 @@
 #include <cuda_runtime_api.h>
 
 #include <atomic>
+#include <chrono>
 #include <map>
 #include <mutex>
 #include <optional>
+#include <string>
 #include <unordered_set>
 #include <utility>
 
@@ -36,6 +38,18 @@ void CUDART_CB mark_landed(void* flag) {
   delete landed;
 }
 
+BatchSender::LandingMode landing_mode_from(const std::string& name) {
+  if (name == "event") return BatchSender::LandingMode::kEvent;
+  if (name == "auto") return BatchSender::LandingMode::kAuto;
+  return BatchSender::LandingMode::kFlag;  // settings() accepts only these three
+}
+
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
 }  // namespace
 
 struct BatchSender::Job : SerialJobs::Job {
@@ -45,7 +59,8 @@ struct BatchSender::Job : SerialJobs::Job {
   std::vector<at::Tensor> outs;  // written by run(), read after the queue's wait
   cuda::Event event;             // after the copies, on the sender's stream
   LandedFlag landed = std::make_shared<std::atomic<bool>>(false);
-  bool taken = false;  // only the consumer's thread reads or sets it
+  bool flagged = false;  // a host function sets `landed`; else take() asks the event
+  bool taken = false;    // only the consumer's thread reads or sets it
 
   void run() override { sender->send(*this); }
   ~Job() override {
@@ -55,6 +70,8 @@ struct BatchSender::Job : SerialJobs::Job {
 
 BatchSender::BatchSender(c10::Device device)
     : device_(device.type(), device.index()),
+      landing_(landing_mode_from(settings().sender_landing)),
+      long_step_ns_(int64_t{2} * settings().spin_us * 1000),
       jobs_(settings().spin_us, "pinxfer.prefetch's batch sender") {
   TORCH_CHECK(device.is_cuda() && device.has_index(),
               "pinxfer: a BatchSender needs a CUDA device with an index, got ", device);
@@ -77,9 +94,14 @@ std::vector<at::Tensor> BatchSender::take(const std::shared_ptr<Job>& job) {
   std::vector<at::Tensor> leaves = std::move(job->leaves);  // dropped on return
   if (job->failed()) job->rethrow();
 
+  if (landing_ == LandingMode::kAuto) {
+    const int64_t now = now_ns();
+    const int64_t last = last_take_ns_.exchange(now, std::memory_order_relaxed);
+    consumer_steps_long_.store(now - last > long_step_ns_, std::memory_order_relaxed);
+  }
   const c10::cuda::CUDAStream cur = c10::cuda::getCurrentCUDAStream(device_.index());
   taken_.fetch_add(1, std::memory_order_relaxed);
-  if (job->landed->load(std::memory_order_acquire)) {
+  if (job->landed->load(std::memory_order_acquire) || (!job->flagged && event_landed(*job))) {
     // The copies are done: the results may be used on any stream now, with no wait.
     taken_landed_.fetch_add(1, std::memory_order_relaxed);
   } else {
@@ -102,9 +124,17 @@ void BatchSender::settle(const std::shared_ptr<Job>& job) {
   jobs_.settle(job);
 }
 
+bool BatchSender::event_landed(const Job& job) {
+  std::string error;
+  const bool done = cuda::event_done(job.event, &error);
+  TORCH_CHECK(error.empty(), "pinxfer.prefetch: the batch sender's event failed: ", error);
+  return done;
+}
+
 int64_t BatchSender::submitted() const { return jobs_.submitted(); }
 int64_t BatchSender::taken() const { return taken_.load(std::memory_order_relaxed); }
 int64_t BatchSender::taken_landed() const { return taken_landed_.load(std::memory_order_relaxed); }
+int64_t BatchSender::sent_flagged() const { return sent_flagged_.load(std::memory_order_relaxed); }
 
 void BatchSender::send(Job& job) {
   // The sender's own stream, from torch's pool (made at the first job, where an error is
@@ -115,12 +145,23 @@ void BatchSender::send(Job& job) {
   try {
     job.outs = send_batch_leaves(job.leaves, device_, job.options);
     job.event = cuda::record_event(stream_->unwrap());
+    // How take() will know the copies have landed (PINXFER_SENDER_LANDING; csrc/README.md,
+    // "The sender road"): a flag a host function sets (free to read after the consumer's
+    // compute step, where a CUDA call on a core that was idle is slow), or the job's event
+    // (no host function in the sender's cycle, nor the driver thread it wakes: back to back
+    // that cycle bounds a small batch's step). `auto`: the flag after long consumer steps.
+    const bool with_flag =
+        landing_ == LandingMode::kFlag ||
+        (landing_ == LandingMode::kAuto && consumer_steps_long_.load(std::memory_order_relaxed));
+    if (!with_flag) return;
     auto* flag = new LandedFlag(job.landed);
     const cudaError_t err = cudaLaunchHostFunc(stream_->stream(), &mark_landed, flag);
     if (err != cudaSuccess) {
       delete flag;
       C10_CUDA_CHECK(err);
     }
+    job.flagged = true;
+    sent_flagged_.fetch_add(1, std::memory_order_relaxed);
   } catch (...) {
     // Copies already queued read staging blocks the pool keeps until they are done, and
     // write outputs whose memory returns to a stream their later users are ordered on.

@@ -20,8 +20,10 @@
 //                   returns at once.
 //   take(job)       waits until the job is sent (its copies queued), then makes the
 //                   results safe on the caller's current stream: if the copies have
-//                   already landed (a host function the worker queued after them has run)
-//                   nothing is queued at all; else the current stream waits on the job's
+//                   already landed (a host function the worker queued after them has
+//                   run, or, for a job sent without one, its event is complete:
+//                   LandingMode below) nothing is queued at all; else the current
+//                   stream waits on the job's
 //                   event. Either way each result is record_stream'ed on the current
 //                   stream. Rethrows what sending raised. Once per job.
 //   settle(job)     a job that will not be taken (its pass stopped): dropped if not
@@ -57,6 +59,12 @@ class BatchSender {
  public:
   struct Job;
 
+  // How take() knows a job's copies are done (PINXFER_SENDER_LANDING, read at construction):
+  // kFlag: a host function queued after them sets a flag; kEvent: take() asks the job's
+  // event; kAuto: the flag when the consumer's last step (take to take) was longer than
+  // twice the spin, else the event.
+  enum class LandingMode { kFlag, kEvent, kAuto };
+
   // device: a CUDA device with an index.
   explicit BatchSender(c10::Device device);
   BatchSender(const BatchSender&) = delete;
@@ -72,14 +80,24 @@ class BatchSender {
   int64_t submitted() const;
   int64_t taken() const;
   int64_t taken_landed() const;
+  int64_t sent_flagged() const;  // jobs sent with a landing host function
 
  private:
   // One job's send, on the worker thread (Job::run).
   void send(Job& job);
+  // Whether the job's copies are done (cudaEventQuery); a CUDA error raises.
+  static bool event_landed(const Job& job);
 
   const c10::Device device_;
   std::optional<c10::cuda::CUDAStream> stream_;  // the worker's own; made at its first job
-  std::atomic<int64_t> taken_{0}, taken_landed_{0};
+  std::atomic<int64_t> taken_{0}, taken_landed_{0}, sent_flagged_{0};
+  const LandingMode landing_;
+  // kAuto: the consumer's last step (take to take) was longer than long_step_ns_ (twice
+  // the spin), so the next job gets a host function.
+  const int64_t long_step_ns_;
+  // The last take(); atomic: passes on several threads may share the device's sender.
+  std::atomic<int64_t> last_take_ns_{0};
+  std::atomic<bool> consumer_steps_long_{true};
   SerialJobs jobs_;  // last: destroyed first, so its worker is joined before the rest goes
 };
 
