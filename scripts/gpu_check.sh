@@ -34,7 +34,13 @@
 #             against torch's and the pinned copy, small-call rows, CPU per GB, idle CPU;
 #             PASS/MISS against the issue's targets. loop.json, logs/loop.log (~5 min on an H100;
 #             LOOP_ARGS e.g. "--quick" or "--sizes 4K,1M,8M"). Kind: PINXFER_MACHINE_KIND.
-#   all       all of the above but ab, loader and loop (more than one 10-minute device call:
+#   abenv     benchmarks/ab_env.py: settings of this build in alternating fresh processes (one
+#             session file, abenv.json, rewritten after every run: a call cut short keeps what
+#             finished). AB_VARIANTS names them ("flag:PINXFER_SENDER_LANDING=flag
+#             auto:PINXFER_SENDER_LANDING=auto"); AB_ROUNDS (default 3); AB_COMMAND the
+#             benchmark (default bench_loop --no-small --sizes $AB_SIZES (4K,64K,256K,1M)
+#             --budget 25 --json {json}); the first two variants' bench_loop rows are compared.
+#   all       all of the above but ab, abenv, loader and loop (more than one 10-minute device call:
 #             pick subsets)
 #
 # Environment:
@@ -77,7 +83,7 @@ mkdir -p "$OUT" "$LOGS"
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 
 # ---- arguments: step names (separate or in one quoted list), -k EXPR, else a -k expression
-STEP_WORDS="all sweep test stress memcheck bench bus ab loader loop"
+STEP_WORDS="all sweep test stress memcheck bench bus ab abenv loader loop"
 steps=""
 kexpr=${PYTEST_K:-}
 while [ $# -gt 0 ]; do
@@ -95,9 +101,9 @@ while [ $# -gt 0 ]; do
   shift
 done
 [ -z "${steps// /}" ] && steps=all
-want() {  # ab, loader and loop only when named
+want() {  # ab, abenv, loader and loop only when named
   case " $steps " in *" $1 "*) return 0 ;; esac
-  case "$1" in ab | loader | loop) return 1 ;; esac
+  case "$1" in ab | abenv | loader | loop) return 1 ;; esac
   case " $steps " in *" all "*) return 0 ;; esac
   return 1
 }
@@ -403,6 +409,25 @@ if want ab; then
   fi
   echo "ab: $(( $(date +%s) - t0 )) s"
   record ab "$(status_of "$ab_rc")"
+fi
+
+if want abenv; then
+  t0=$(date +%s)
+  read -ra variants <<< "${AB_VARIANTS:-}"
+  variant_args=()
+  for v in "${variants[@]}"; do variant_args+=(--variant "$v"); done
+  default_cmd="python3 $REPO/benchmarks/bench_loop.py --no-small --sizes ${AB_SIZES:-4K,64K,256K,1M} --budget 25 --json {json}"
+  read -ra ab_cmd <<< "${AB_COMMAND:-$default_cmd}"
+  (cd /tmp && PYTHONPATH=$REPO timeout -k 20 "${AB_TIMEOUT:-540}" python3 "$REPO/benchmarks/ab_env.py" \
+    --out "$OUT/abenv.json" --rounds "${AB_ROUNDS:-3}" --what "gpu_check abenv on ${PINXFER_MACHINE_KIND:-unknown}" \
+    "${variant_args[@]}" -- "${ab_cmd[@]}")
+  rc=$?
+  if [ "${#variants[@]}" -ge 2 ] && [ -z "${AB_COMMAND:-}" ] && [ -f "$OUT/abenv.json" ]; then
+    python3 "$REPO/benchmarks/compare_loop.py" --session "$OUT/abenv.json" \
+      --before "${variants[0]%%:*}" --after "${variants[1]%%:*}" | tail -25
+  fi
+  echo "abenv: $(( $(date +%s) - t0 )) s"
+  record abenv "$(status_of "$rc")"
 fi
 
 if want loader; then
