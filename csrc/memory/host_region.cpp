@@ -5,7 +5,6 @@
 
 #include <atomic>
 #include <cerrno>
-#include <chrono>
 #include <cstring>
 
 #include <c10/util/Exception.h>
@@ -13,6 +12,7 @@
 
 #include "runtime/cuda_runtime.h"
 #include "runtime/numa.h"
+#include "runtime/steady_time.h"
 #include "runtime/thread_pool.h"
 
 namespace pinxfer {
@@ -30,11 +30,6 @@ const char* lock_kind_name(LockKind kind) {
 }
 
 namespace {
-int64_t now_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(
-             std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
 
 std::atomic<bool> g_warned_register{false};
 std::atomic<bool> g_warned_mlock{false};
@@ -81,7 +76,7 @@ HostRegion map_locked_region(size_t size, int numa_node, RegionTimings* timings)
   // Over-map by one huge page so the region can start on a 2 MiB boundary.
   const size_t map_size = huge ? rounded + kHugePageSize : rounded;
 
-  int64_t t0 = now_ns();
+  int64_t t0 = steady_now_ns();
   void* base = mmap(nullptr, map_size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (base == MAP_FAILED) {
     const int err = errno;
@@ -112,9 +107,9 @@ HostRegion map_locked_region(size_t size, int numa_node, RegionTimings* timings)
                                   "); pinned memory is placed by the default policy.");
     region.numa_node = -1;
   }
-  int64_t t1 = now_ns();
+  int64_t t1 = steady_now_ns();
   touch_pages(start, rounded, numa_node);
-  int64_t t2 = now_ns();
+  int64_t t2 = steady_now_ns();
 
   if (cuda::cuda_usable()) {
     const std::string err = cuda::host_register(start, rounded);
@@ -140,7 +135,7 @@ HostRegion map_locked_region(size_t size, int numa_node, RegionTimings* timings)
       region.kind = LockKind::kPageable;
     }
   }
-  int64_t t3 = now_ns();
+  int64_t t3 = steady_now_ns();
   if (timings) {
     timings->map_ns += t1 - t0;
     timings->touch_ns += t2 - t1;
@@ -150,7 +145,7 @@ HostRegion map_locked_region(size_t size, int numa_node, RegionTimings* timings)
 }
 
 int64_t unmap_region(const HostRegion& region) {
-  const int64_t t0 = now_ns();
+  const int64_t t0 = steady_now_ns();
   if (region.kind == LockKind::kCudaRegistered) {
     const std::string err = cuda::host_unregister(region.ptr);
     if (!err.empty()) {
@@ -159,7 +154,7 @@ int64_t unmap_region(const HostRegion& region) {
   }
   // munmap also drops mlock; nothing else to undo.
   munmap(region.map_base, region.map_size);
-  return now_ns() - t0;
+  return steady_now_ns() - t0;
 }
 
 }  // namespace pinxfer

@@ -21,6 +21,7 @@
 
 #include "runtime/fork.h"
 #include "runtime/settings.h"
+#include "runtime/steady_time.h"
 #include "runtime/thread_budget.h"
 #include "runtime/topology.h"
 
@@ -350,10 +351,7 @@ bool ThreadPool::wakes_ahead_now() const {
   if (!g_wake_ahead_enabled.load(std::memory_order_relaxed)) return false;
   // A gap: the pool idle for more than twice its longest spin (thread_pool.h says why).
   const int64_t gap_ns = int64_t{2000} * std::max(spin_us_, kMaxAdaptiveSpinUs);
-  const int64_t now_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
-                             std::chrono::steady_clock::now().time_since_epoch())
-                             .count();
-  return now_ns - last_retired_ns_.load(std::memory_order_relaxed) >= gap_ns;
+  return steady_now_ns() - last_retired_ns_.load(std::memory_order_relaxed) >= gap_ns;
 }
 
 void ThreadPool::wake_ahead(int helpers) {

@@ -11,7 +11,6 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
-#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
@@ -21,6 +20,7 @@
 
 #include "runtime/settings.h"
 #include "runtime/share_split.h"
+#include "runtime/steady_time.h"
 #include "runtime/thread_pool.h"
 
 namespace pinxfer {
@@ -94,8 +94,6 @@ struct Region {
   }
 };
 
-int64_t now_ns();
-
 // When the calling thread's last region on its team (ours, or torch's op run by
 // run_torch_op_on_team) ended: its members spin from then on (team_spin_window_us).
 thread_local int64_t t_region_end_ns = 0;
@@ -104,14 +102,8 @@ void run_on_each_member(unsigned threads, const std::function<void()>& member) {
   Region r;
   r.member = &member;
   gomp().parallel(&Region::body, &r, threads, 0);
-  t_region_end_ns = now_ns();
+  t_region_end_ns = steady_now_ns();
   if (r.error) std::rethrow_exception(r.error);
-}
-
-int64_t now_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(
-             std::chrono::steady_clock::now().time_since_epoch())
-      .count();
 }
 
 thread_local TeamRegionTrace t_region_trace;  // last_team_region_trace()
@@ -135,20 +127,20 @@ void run_region(size_t n, size_t share, unsigned threads,
   std::array<int, kTracedMembers> taken{};
   const bool tracing = g_trace_regions.load(std::memory_order_relaxed);
   const size_t traced_members = tracing ? std::min<size_t>(threads, kTracedMembers) : 0;
-  const int64_t start = tracing ? now_ns() : 0;
+  const int64_t start = tracing ? steady_now_ns() : 0;
   run_on_each_member(threads, [&] {
     const auto me = static_cast<size_t>(gomp().thread_num());
     const bool traced = me < traced_members;
-    if (traced) arrive[me] = now_ns() - start;
+    if (traced) arrive[me] = steady_now_ns() - start;
     const size_t ran = split.take(me, fn);
     if (traced) {
       taken[me] = static_cast<int>(ran);
-      done[me] = now_ns() - start;
+      done[me] = steady_now_ns() - start;
     }
   });
   if (!tracing) return;
   TeamRegionTrace& t = t_region_trace;
-  t.total_us = static_cast<double>(now_ns() - start) / 1e3;
+  t.total_us = static_cast<double>(steady_now_ns() - start) / 1e3;
   t.chunks = split.pieces();
   t.arrive_us.clear();
   t.done_us.clear();
@@ -285,7 +277,7 @@ bool within_spin_window(int team_threads) {
   const Settings& s = settings();
   const int64_t window_us =
       team_spin_window_us(s.omp_wait_policy, s.gomp_spincount, team_threads, s.cpus.affinity_cpus);
-  return window_us > 0 && now_ns() - t_region_end_ns < window_us * 1000;
+  return window_us > 0 && steady_now_ns() - t_region_end_ns < window_us * 1000;
 }
 
 // The interpreter's main thread is the process's first thread (tid == pid). Only its team
@@ -360,7 +352,7 @@ void run_on_torch_team(size_t n, size_t grain, const std::function<void(size_t, 
 void run_torch_op_on_team(const std::function<void()>& op) {
   g_team_copies.fetch_add(1, std::memory_order_relaxed);
   op();
-  t_region_end_ns = now_ns();
+  t_region_end_ns = steady_now_ns();
 }
 
 int team_spin_window_us(const std::string& wait_policy, const std::string& spincount,

@@ -8,7 +8,6 @@
 #include <cuda_runtime_api.h>
 
 #include <atomic>
-#include <chrono>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -20,6 +19,7 @@
 #include "runtime/cuda_runtime.h"
 #include "runtime/fork.h"
 #include "runtime/settings.h"
+#include "runtime/steady_time.h"
 #include "transfer/cuda/pipeline.h"
 
 namespace pinxfer::ops {
@@ -42,12 +42,6 @@ BatchSender::LandingMode landing_mode_from(const std::string& name) {
   if (name == "event") return BatchSender::LandingMode::kEvent;
   if (name == "auto") return BatchSender::LandingMode::kAuto;
   return BatchSender::LandingMode::kFlag;  // settings() accepts only these three
-}
-
-int64_t now_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(
-             std::chrono::steady_clock::now().time_since_epoch())
-      .count();
 }
 
 }  // namespace
@@ -95,7 +89,7 @@ std::vector<at::Tensor> BatchSender::take(const std::shared_ptr<Job>& job) {
   if (job->failed()) job->rethrow();
 
   if (landing_ == LandingMode::kAuto) {
-    const int64_t now = now_ns();
+    const int64_t now = steady_now_ns();
     const int64_t last = last_take_ns_.exchange(now, std::memory_order_relaxed);
     consumer_steps_long_.store(now - last > long_step_ns_, std::memory_order_relaxed);
   }
