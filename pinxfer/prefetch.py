@@ -190,8 +190,8 @@ class _StagedPass:
 #   A batch whose tensors are all plain CPU tensors (with pinxfer's own transfer) goes to
 #   the device's BatchSender (csrc/ops/cuda/batch_sender.h): a C++ thread, one per device
 #   for the whole process, that sends it on a stream of its own while the consumer
-#   computes, holding no GIL; a host function queued after its copies marks it landed
-#   (PINXFER_SENDER_LANDING=event: taking it asks its event instead).
+#   computes, holding no GIL; after a long consumer step a host function queued after its
+#   copies marks it landed, back to back taking it asks its event (PINXFER_SENDER_LANDING).
 #   next() submits the next batch (a queue and a wake-up), then takes the one submitted
 #   at the previous step (submitted first, the next batch is sent while the consumer
 #   takes this one and synchronizes: 1 MiB back to back on the H100 1.18 -> 1.39x the

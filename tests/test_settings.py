@@ -230,7 +230,7 @@ def test_settings_list_every_variable_with_its_source():
     assert rows["PINXFER_NUM_THREADS"][1] == "derived"
     assert "copy threads" in rows["PINXFER_NUM_THREADS"][0]
     assert rows["PINXFER_STAGE_COPY"] == ["auto", "default"]
-    assert rows["PINXFER_SENDER_LANDING"] == ["flag", "default"]
+    assert rows["PINXFER_SENDER_LANDING"] == ["auto", "default"]
 
 
 def test_spin_is_adaptive_unless_set():
@@ -298,7 +298,7 @@ def test_derived_threads_follow_local_world_size_and_affinity():
         ("PINXFER_MAX_PINNED_BYTES", "1.5", "a byte size"),
         ("PINXFER_STAGE_COPY", "fast", "expected 'auto', 'nt'"),
         ("PINXFER_TORCH_TEAM", "on", "expected 'auto' \\(on torch's team"),
-        ("PINXFER_SENDER_LANDING", "host", "expected 'flag' \\(a host function"),
+        ("PINXFER_SENDER_LANDING", "host", "expected 'auto' \\(the default: a host function"),
         ("PINXFER_DISABLE_CUDA", "yes", "1 \\(never touch CUDA\\) or 0"),
         ("PINXFER_NUMA_NODE", "first", "an integer from 0 to"),
         # Issue 27: 2^32 was read as node 0 while settings() showed 4294967296.

@@ -155,13 +155,13 @@ const Row kRows[] = {
      [](Settings&) { return std::string("auto"); }, "default"},
 
     {"PINXFER_SENDER_LANDING",
-     "how prefetch's batch sender knows a batch has landed: flag, event or auto",
+     "how prefetch's batch sender knows a batch has landed: auto, flag or event",
      [](const char* name, const std::string& text, Settings& s) {
        if (std::find(std::begin(kSenderLandingNames), std::end(kSenderLandingNames), text) ==
            std::end(kSenderLandingNames)) {
          bad_env(name, text,
-                 "'flag' (a host function after each batch), 'event' (take() asks the batch's "
-                 "event) or 'auto' (a host function only after long consumer steps)");
+                 "'auto' (the default: a host function only after long consumer steps), 'flag' "
+                 "(a host function after each batch) or 'event' (take() asks the batch's event)");
        }
        return s.sender_landing = text;
      },

@@ -37,7 +37,7 @@ constexpr int kMaxSpinUs = 1000000;
 // StagingMode (the transfer layer parses the text; the settings only check it).
 inline constexpr const char* kStagingModeNames[] = {"auto", "nt", "movsb"};
 // The values PINXFER_SENDER_LANDING accepts (ops/cuda/batch_sender.h's LandingMode).
-inline constexpr const char* kSenderLandingNames[] = {"flag", "event", "auto"};
+inline constexpr const char* kSenderLandingNames[] = {"auto", "flag", "event"};
 
 struct Settings {
   std::string sysfs_root = "/sys";  // PINXFER_SYSFS_ROOT
@@ -51,7 +51,7 @@ struct Settings {
   std::string stage_copy = "auto";      // PINXFER_STAGE_COPY, one of kStagingModeNames
   int64_t cached_tail = -1;             // PINXFER_CACHED_TAIL; -1: not set (16 MiB)
   bool torch_team = true;               // PINXFER_TORCH_TEAM: copies may run on torch's awake team
-  std::string sender_landing = "flag";  // PINXFER_SENDER_LANDING, one of kSenderLandingNames
+  std::string sender_landing = "auto";  // PINXFER_SENDER_LANDING, one of kSenderLandingNames
   // libgomp's own variables, read (never set) to know whether torch's team keeps spinning
   // after a region (runtime/torch_team.h, team_spin_window_us): lower-cased, "" if unset.
   std::string omp_wait_policy;  // OMP_WAIT_POLICY
