@@ -679,6 +679,55 @@ def test_batch_just_over_256_kib_sends_its_largest_small_leaf_alone(path):
         assert total.item() == want.double().sum().item()
 
 
+@pytest.mark.parametrize("stream", ["default", "side"])
+@pytest.mark.parametrize("rest", ["packed", "one"])
+def test_batch_with_a_leaf_apart_is_staged_once_and_lands_whole(stream, rest):
+    """A batch whose largest small leaf goes apart is staged by the caller into one block and
+    its copies queued together (to_device_cuda.cpp, send_small_leaves_together; one
+    cudaMemcpyBatchAsync on a stream other than the legacy default one, which refuses it).
+    The results keep the two sends' storages: the leaf apart its own, the rest packed, or its
+    own where one leaf is left. Sent twice behind a sleep with new values in between, each
+    result has its own bytes: the first call's staging block is not handed to the second
+    while its copies wait, and the source may change once the call has returned."""
+
+    def batch(seed: int) -> list[torch.Tensor]:
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randint(-(1 << 30), 1 << 30, (63 * 1024 + 3,), dtype=torch.int32, generator=g)
+        y = torch.randint(0, 1 << 62, (1000,), dtype=torch.int64, generator=g)
+        if rest == "one":
+            return [x, y]
+        return [x, y, torch.tensor(seed), torch.randn(7, 5, generator=g).t()]
+
+    leaves = batch(1)
+    assert pinxfer.transfer._leaf_sent_apart([t.nbytes for t in leaves]) == 0
+    expected = [[t.clone() for t in batch(s)] for s in (1, 2)]
+    on = torch.cuda.current_stream() if stream == "default" else torch.cuda.Stream()
+    with torch.cuda.stream(on):
+        torch.cuda._sleep(SLEEP)  # both sends queue behind this
+        first = pinxfer.to_device(leaves)
+        for t, new in zip(leaves, batch(2)):
+            t.copy_(new)  # the first call staged its bytes: the source is free
+        second = pinxfer.to_device(leaves)
+    torch.cuda.synchronize()
+    for got, want in zip([first, second], expected):
+        assert _storages(got) == ([0, 1] if rest == "one" else [0, 1, 1, 1])
+        assert got[0].untyped_storage().nbytes() == want[0].nbytes
+        for t, w in zip(got, want):
+            _check(t, w.contiguous())
+
+
+def test_batch_with_a_pinned_leaf_apart_sends_it_directly():
+    """A pinned leaf apart is copied from where it is (one DMA, no staging), as to_device of
+    that tensor alone would; the others are packed as usual."""
+    x = torch.randn(63 * 1024).pin_memory()
+    rest = [torch.arange(512, dtype=torch.int64), torch.tensor(3), torch.tensor(4.5)]
+    out = pinxfer.to_device([x, *rest])
+    torch.cuda.synchronize()
+    assert _storages(out) == [0, 1, 1, 1]
+    for got, want in zip(out, [x, *rest]):
+        _check(got, want)
+
+
 def test_requires_grad_keeps_autograd():
     w = torch.randn(5, requires_grad=True)
     y = pinxfer.to_device(w)

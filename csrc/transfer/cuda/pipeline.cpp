@@ -8,9 +8,11 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <thread>
 
 #include "memory/pinned_pool.h"
@@ -739,6 +741,97 @@ void caller_staged_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex
     Range range("pinxfer::h2d");
     C10_CUDA_CHECK(cudaMemcpyAsync(out.data_ptr(), staging[0].get(), nbytes, cudaMemcpyHostToDevice,
                                    stream.stream()));
+  } catch (...) {
+    return_staging(staging, pool, stream);
+    throw;
+  }
+  return_staging(staging, pool, stream);
+}
+
+int experiment_scatter_mode() {
+  // EXPERIMENT (session 25, removed after its A/B): off | memcpy | batch (default).
+  static const int mode = [] {
+    const char* v = std::getenv("PINXFER_EXPERIMENT_SCATTER");
+    if (v == nullptr) return 2;
+    const std::string s(v);
+    return s == "off" ? 0 : s == "memcpy" ? 1 : 2;
+  }();
+  return mode;
+}
+
+namespace {
+
+// Whether cudaMemcpyBatchAsync may be asked: cleared the first time the runtime refuses it
+// (a driver older than the runtime), after which each range is one cudaMemcpyAsync.
+std::atomic<bool> g_batch_copies_work{true};
+
+}  // namespace
+
+void queue_host_to_device(const char* base, const std::vector<StagedRange>& ranges,
+                          cudaStream_t stream) {
+  Range range("pinxfer::h2d");
+#if defined(CUDART_VERSION) && CUDART_VERSION >= 12080
+  if (ranges.size() > 1 && stream != nullptr && stream != cudaStreamLegacy &&
+      experiment_scatter_mode() == 2 && g_batch_copies_work.load(std::memory_order_relaxed)) {
+    std::vector<void*> dsts;
+    std::vector<const void*> srcs;
+    std::vector<size_t> sizes;
+    for (const StagedRange& r : ranges) {
+      dsts.push_back(r.dst);
+      srcs.push_back(base + r.begin);
+      sizes.push_back(r.end - r.begin);
+    }
+    // The staging block is read in stream order, like cudaMemcpyAsync's source: the pool
+    // hands it out again only after the stream has passed these copies.
+    cudaMemcpyAttributes attrs{};
+    attrs.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+    size_t first_copy = 0;
+#if CUDART_VERSION >= 13000
+    const cudaError_t err = cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(),
+                                                 ranges.size(), &attrs, &first_copy, 1, stream);
+#else
+    size_t failed_at = 0;
+    const cudaError_t err =
+        cudaMemcpyBatchAsync(dsts.data(), const_cast<void**>(srcs.data()), sizes.data(),
+                             ranges.size(), &attrs, &first_copy, 1, &failed_at, stream);
+#endif
+    if (err == cudaSuccess) return;
+    if (err != cudaErrorNotSupported && err != cudaErrorCallRequiresNewerDriver) {
+      C10_CUDA_CHECK(err);
+    }
+    (void)cudaGetLastError();  // refused, not failed: nothing was queued
+    g_batch_copies_work.store(false, std::memory_order_relaxed);
+  }
+#endif
+  for (const StagedRange& r : ranges) {
+    C10_CUDA_CHECK(
+        cudaMemcpyAsync(r.dst, base + r.begin, r.end - r.begin, cudaMemcpyHostToDevice, stream));
+  }
+}
+
+void caller_staged_scatter(const std::vector<at::Tensor>& srcs, const std::vector<size_t>& offsets,
+                           size_t total, const std::vector<StagedRange>& ranges,
+                           c10::DeviceIndex device, const c10::cuda::CUDAStream& stream) {
+  TORCH_INTERNAL_ASSERT(total <= 2 * kCurrentStreamBytes && srcs.size() == offsets.size(),
+                        "pinxfer: caller_staged_scatter of ", total, " bytes");
+  PinnedPool& pool = pool_for_node(numa_node_for_device(device));
+  std::vector<c10::DataPtr> staging;
+  staging.push_back(pool.allocate(total));
+  char* base = static_cast<char*>(staging[0].get());
+  {
+    Range range("pinxfer::stage");
+    // Read by the DMA at once: nontemporal, unless PINXFER_STAGE_COPY overrides it.
+    const StagePolicy policy = stage_policy(StagingMode::kAuto, -1, total, [] { return false; });
+    for (size_t i = 0; i < srcs.size(); ++i) {
+      const size_t bytes = srcs[i].nbytes();
+      const size_t next = i + 1 < srcs.size() ? offsets[i + 1] : total;
+      stage_copy(base + offsets[i], static_cast<const char*>(srcs[i].const_data_ptr()), bytes,
+                 policy.kind_for(total, total));
+      std::memset(base + offsets[i] + bytes, 0, next - offsets[i] - bytes);
+    }
+  }
+  try {
+    queue_host_to_device(base, ranges, stream.stream());
   } catch (...) {
     return_staging(staging, pool, stream);
     throw;
