@@ -228,8 +228,8 @@ namespace {
 // send_batch_leaves' two current-stream sends, the leaf sent apart (transfer::leaf_sent_apart)
 // and the other small leaves (one alone, or packed as views of one buffer), made as one: the
 // caller stages them all into one pool block, the leaf first and the others from the next
-// kPackAlign offset, and their copies are queued together (transfer::caller_staged_scatter:
-// one cudaMemcpyBatchAsync where CUDA allows it). So the batch pays its checks, its staging
+// kPackAlign offset, and queues their copies from it (transfer::caller_staged_scatter). So
+// the batch pays its checks, its staging
 // block and that block's event once, not twice: after an idle gap every CUDA call is slow,
 // and a batch there costs about its sends added up (csrc/README.md, "The sender road").
 // The results are the two sends': the first leaf and a lone other leaf have storages of

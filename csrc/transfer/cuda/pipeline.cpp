@@ -749,64 +749,12 @@ void caller_staged_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex
 }
 
 int experiment_scatter_mode() {
-  // EXPERIMENT (session 25, removed after its A/B): off | memcpy | batch (default).
+  // EXPERIMENT (session 25, removed after its A/B): off | memcpy (default).
   static const int mode = [] {
     const char* v = std::getenv("PINXFER_EXPERIMENT_SCATTER");
-    if (v == nullptr) return 2;
-    const std::string s(v);
-    return s == "off" ? 0 : s == "memcpy" ? 1 : 2;
+    return v != nullptr && std::string(v) == "off" ? 0 : 1;
   }();
   return mode;
-}
-
-namespace {
-
-// Whether cudaMemcpyBatchAsync may be asked: cleared the first time the runtime refuses it
-// (a driver older than the runtime), after which each range is one cudaMemcpyAsync.
-std::atomic<bool> g_batch_copies_work{true};
-
-}  // namespace
-
-void queue_host_to_device(const char* base, const std::vector<StagedRange>& ranges,
-                          cudaStream_t stream) {
-  Range range("pinxfer::h2d");
-#if defined(CUDART_VERSION) && CUDART_VERSION >= 12080
-  if (ranges.size() > 1 && stream != nullptr && stream != cudaStreamLegacy &&
-      experiment_scatter_mode() == 2 && g_batch_copies_work.load(std::memory_order_relaxed)) {
-    std::vector<void*> dsts;
-    std::vector<const void*> srcs;
-    std::vector<size_t> sizes;
-    for (const StagedRange& r : ranges) {
-      dsts.push_back(r.dst);
-      srcs.push_back(base + r.begin);
-      sizes.push_back(r.end - r.begin);
-    }
-    // The staging block is read in stream order, like cudaMemcpyAsync's source: the pool
-    // hands it out again only after the stream has passed these copies.
-    cudaMemcpyAttributes attrs{};
-    attrs.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
-    size_t first_copy = 0;
-#if CUDART_VERSION >= 13000
-    const cudaError_t err = cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(),
-                                                 ranges.size(), &attrs, &first_copy, 1, stream);
-#else
-    size_t failed_at = 0;
-    const cudaError_t err =
-        cudaMemcpyBatchAsync(dsts.data(), const_cast<void**>(srcs.data()), sizes.data(),
-                             ranges.size(), &attrs, &first_copy, 1, &failed_at, stream);
-#endif
-    if (err == cudaSuccess) return;
-    if (err != cudaErrorNotSupported && err != cudaErrorCallRequiresNewerDriver) {
-      C10_CUDA_CHECK(err);
-    }
-    (void)cudaGetLastError();  // refused, not failed: nothing was queued
-    g_batch_copies_work.store(false, std::memory_order_relaxed);
-  }
-#endif
-  for (const StagedRange& r : ranges) {
-    C10_CUDA_CHECK(
-        cudaMemcpyAsync(r.dst, base + r.begin, r.end - r.begin, cudaMemcpyHostToDevice, stream));
-  }
 }
 
 void caller_staged_scatter(const std::vector<at::Tensor>& srcs, const std::vector<size_t>& offsets,
@@ -831,7 +779,11 @@ void caller_staged_scatter(const std::vector<at::Tensor>& srcs, const std::vecto
     }
   }
   try {
-    queue_host_to_device(base, ranges, stream.stream());
+    Range range("pinxfer::h2d");
+    for (const StagedRange& r : ranges) {
+      C10_CUDA_CHECK(cudaMemcpyAsync(r.dst, base + r.begin, r.end - r.begin, cudaMemcpyHostToDevice,
+                                     stream.stream()));
+    }
   } catch (...) {
     return_staging(staging, pool, stream);
     throw;

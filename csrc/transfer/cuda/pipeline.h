@@ -105,7 +105,7 @@ struct StagedRange {
 // Several small sources sent by the calling thread alone with one staging block: source i
 // staged at offsets[i] of a pinned block of `total` bytes from the pool (zero bytes from
 // its end up to the next offset, or to `total`), then each of `ranges` copied to its
-// device memory on `stream` (queue_host_to_device: one call for all where CUDA allows it).
+// device memory on `stream`, one cudaMemcpyAsync each.
 // The block goes back to the pool marked as read by `stream`. For a batch's sends that
 // would each stage on the current stream (ops/cuda/to_device_cuda.cpp, send_batch_leaves):
 // total <= 2 * kCurrentStreamBytes.
@@ -113,14 +113,8 @@ void caller_staged_scatter(const std::vector<at::Tensor>& srcs, const std::vecto
                            size_t total, const std::vector<StagedRange>& ranges,
                            c10::DeviceIndex device, const c10::cuda::CUDAStream& stream);
 
-// EXPERIMENT (session 25): PINXFER_EXPERIMENT_SCATTER, 0 off, 1 memcpy, 2 batch.
+// EXPERIMENT (session 25): PINXFER_EXPERIMENT_SCATTER, 0 off, 1 on.
 int experiment_scatter_mode();
-
-// Queues host -> device copies of `ranges` of the host bytes at `base` on `stream`: one
-// cudaMemcpyBatchAsync where the runtime has it (CUDA 12.8 on) and the stream is not the
-// legacy default stream (which it refuses), else one cudaMemcpyAsync each.
-void queue_host_to_device(const char* base, const std::vector<StagedRange>& ranges,
-                          cudaStream_t stream);
 
 // What the calling thread's last single-block transfer did (a diagnostic for
 // benchmarks/diag_midsize.py; thread-local, so a reader sees its own thread's last call).
