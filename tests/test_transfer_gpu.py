@@ -681,14 +681,13 @@ def test_batch_just_over_256_kib_sends_its_largest_small_leaf_alone(path):
 
 @pytest.mark.parametrize("stream", ["default", "side"])
 @pytest.mark.parametrize("rest", ["packed", "one"])
-def test_batch_with_a_leaf_apart_is_staged_once_and_lands_whole(stream, rest):
-    """A batch whose largest small leaf goes apart is staged by the caller into one block,
-    its copies queued from there (to_device_cuda.cpp, send_small_leaves_together), on the
-    caller's stream, the legacy default one or another. The results keep the two sends'
-    storages: the leaf apart its own, the rest packed, or its own where one leaf is left.
-    Sent twice behind a sleep with new values in between, each result has its own bytes:
-    the first call's staging block is not handed to the second while its copies wait, and
-    the source may change once the call has returned."""
+def test_batch_with_a_leaf_apart_lands_whole_behind_a_busy_stream(stream, rest):
+    """A batch whose largest small leaf goes apart: both sends on the caller's stream (the
+    legacy default one, or another), each staged by the caller. The results keep the
+    sends' storages: the leaf apart its own, the rest packed, or its own where one leaf is
+    left. Sent twice behind a sleep with new values in between, each result has its own
+    bytes: the first call's staging blocks are not handed to the second while its copies
+    wait, and the source may change once the call has returned."""
 
     def batch(seed: int) -> list[torch.Tensor]:
         g = torch.Generator().manual_seed(seed)

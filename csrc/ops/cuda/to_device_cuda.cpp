@@ -9,8 +9,6 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
-#include <algorithm>
-#include <optional>
 #include <vector>
 
 #include "ops/kernels.h"
@@ -223,74 +221,6 @@ PackedOnDevice pack_to_device(at::TensorList tensors, c10::Device device, bool w
   return result;
 }
 
-namespace {
-
-// send_batch_leaves' two current-stream sends, the leaf sent apart (transfer::leaf_sent_apart)
-// and the other small leaves (one alone, or packed as views of one buffer), made as one: the
-// caller stages them all into one pool block, the leaf first and the others from the next
-// kPackAlign offset, and queues their copies from it (transfer::caller_staged_scatter). So
-// the batch pays its checks, its staging
-// block and that block's event once, not twice: after an idle gap every CUDA call is slow,
-// and a batch there costs about its sends added up (csrc/README.md, "The sender road").
-// The results are the two sends': the first leaf and a lone other leaf have storages of
-// their own, packed leaves share one. None where a leaf that would go alone is pinned (the
-// two sends then copy it directly, with no staging): nothing has been queued then.
-std::optional<std::vector<at::Tensor>> send_small_leaves_together(
-    const std::vector<at::Tensor>& leaves, c10::Device device) {
-  TORCH_INTERNAL_ASSERT(leaves.size() >= 2, "pinxfer: send_small_leaves_together of ",
-                        leaves.size(), " leaves");
-  const char* op = "to_device";
-  check_cuda_usable(op);
-  const c10::DeviceIndex index = resolve_device(device, op);
-  c10::cuda::CUDAGuard guard(index);
-  std::vector<at::Tensor> srcs;
-  std::vector<size_t> offsets;
-  srcs.reserve(leaves.size());
-  offsets.reserve(leaves.size());
-  size_t total = 0;
-  for (const auto& t : leaves) {
-    srcs.push_back(dense_source(t, op));
-    offsets.push_back(total);
-    total = checked_round_up(checked_add(total, srcs.back().nbytes(), op), kPackAlign, op);
-  }
-  const bool packed = srcs.size() > 2;
-  if (transfer::is_dma_pinned(srcs[0]) || (!packed && transfer::is_dma_pinned(srcs[1]))) {
-    return std::nullopt;
-  }
-  check_not_capturing(op, index);
-  transfer::release_finished_sources(index);
-
-  const c10::cuda::CUDAStream cur = c10::cuda::getCurrentCUDAStream(index);
-  const c10::Device on(c10::kCUDA, index);
-  std::vector<at::Tensor> out;
-  std::vector<transfer::StagedRange> ranges;
-  out.reserve(srcs.size());
-  const auto alone = [&](size_t i) {
-    out.push_back(transfer::device_empty(srcs[i].sizes(), srcs[i].options().device(on)));
-    ranges.push_back({out.back().data_ptr(), offsets[i], offsets[i] + srcs[i].nbytes()});
-  };
-  alone(0);
-  if (!packed) {
-    alone(1);
-  } else {
-    const size_t begin = offsets[1];
-    const at::Tensor buffer =
-        transfer::device_empty({static_cast<int64_t>(total - begin)},
-                               at::TensorOptions().device(on).dtype(at::kByte));
-    ranges.push_back({buffer.data_ptr(), begin, total});
-    for (size_t i = 1; i < srcs.size(); ++i) {
-      out.push_back(slice_as(buffer, offsets[i] - begin, srcs[i]));
-    }
-  }
-  ranges.erase(std::remove_if(ranges.begin(), ranges.end(),
-                              [](const transfer::StagedRange& r) { return r.end == r.begin; }),
-               ranges.end());
-  transfer::caller_staged_scatter(srcs, offsets, total, ranges, index, cur);
-  return out;
-}
-
-}  // namespace
-
 std::vector<at::Tensor> send_batch_leaves(const std::vector<at::Tensor>& leaves, c10::Device device,
                                           const transfer::StagingOptions& options) {
   // The small leaves packed: one copy, one device allocation, instead of one each (but the
@@ -310,17 +240,8 @@ std::vector<at::Tensor> send_batch_leaves(const std::vector<at::Tensor>& leaves,
     for (size_t i : small) sizes.push_back(leaves[i].nbytes());
     if (const std::ptrdiff_t apart = transfer::leaf_sent_apart(sizes, kPackAlign); apart >= 0) {
       const size_t i = small[static_cast<size_t>(apart)];
-      small.erase(small.begin() + apart);
-      if (transfer::experiment_scatter_mode() != 0) {
-        std::vector<at::Tensor> together{leaves[i]};
-        for (size_t k : small) together.push_back(leaves[k]);
-        if (auto sent = send_small_leaves_together(together, device)) {
-          out[i] = std::move((*sent)[0]);
-          for (size_t k = 0; k < small.size(); ++k) out[small[k]] = std::move((*sent)[k + 1]);
-          return out;
-        }
-      }
       out[i] = send_to_device(leaves[i], device, options);
+      small.erase(small.begin() + apart);
     }
   }
   if (small.size() == 1) {

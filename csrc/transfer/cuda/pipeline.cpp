@@ -8,11 +8,9 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
-#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <mutex>
-#include <string>
 #include <thread>
 
 #include "memory/pinned_pool.h"
@@ -741,49 +739,6 @@ void caller_staged_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex
     Range range("pinxfer::h2d");
     C10_CUDA_CHECK(cudaMemcpyAsync(out.data_ptr(), staging[0].get(), nbytes, cudaMemcpyHostToDevice,
                                    stream.stream()));
-  } catch (...) {
-    return_staging(staging, pool, stream);
-    throw;
-  }
-  return_staging(staging, pool, stream);
-}
-
-int experiment_scatter_mode() {
-  // EXPERIMENT (session 25, removed after its A/B): off | memcpy (default).
-  static const int mode = [] {
-    const char* v = std::getenv("PINXFER_EXPERIMENT_SCATTER");
-    return v != nullptr && std::string(v) == "off" ? 0 : 1;
-  }();
-  return mode;
-}
-
-void caller_staged_scatter(const std::vector<at::Tensor>& srcs, const std::vector<size_t>& offsets,
-                           size_t total, const std::vector<StagedRange>& ranges,
-                           c10::DeviceIndex device, const c10::cuda::CUDAStream& stream) {
-  TORCH_INTERNAL_ASSERT(total <= 2 * kCurrentStreamBytes && srcs.size() == offsets.size(),
-                        "pinxfer: caller_staged_scatter of ", total, " bytes");
-  PinnedPool& pool = pool_for_node(numa_node_for_device(device));
-  std::vector<c10::DataPtr> staging;
-  staging.push_back(pool.allocate(total));
-  char* base = static_cast<char*>(staging[0].get());
-  {
-    Range range("pinxfer::stage");
-    // Read by the DMA at once: nontemporal, unless PINXFER_STAGE_COPY overrides it.
-    const StagePolicy policy = stage_policy(StagingMode::kAuto, -1, total, [] { return false; });
-    for (size_t i = 0; i < srcs.size(); ++i) {
-      const size_t bytes = srcs[i].nbytes();
-      const size_t next = i + 1 < srcs.size() ? offsets[i + 1] : total;
-      stage_copy(base + offsets[i], static_cast<const char*>(srcs[i].const_data_ptr()), bytes,
-                 policy.kind_for(total, total));
-      std::memset(base + offsets[i] + bytes, 0, next - offsets[i] - bytes);
-    }
-  }
-  try {
-    Range range("pinxfer::h2d");
-    for (const StagedRange& r : ranges) {
-      C10_CUDA_CHECK(cudaMemcpyAsync(r.dst, base + r.begin, r.end - r.begin, cudaMemcpyHostToDevice,
-                                     stream.stream()));
-    }
   } catch (...) {
     return_staging(staging, pool, stream);
     throw;

@@ -96,26 +96,6 @@ constexpr size_t kCurrentStreamBytes = kSerialBytes;
 void caller_staged_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex device,
                         const c10::cuda::CUDAStream& stream);
 
-// Bytes [begin, end) of a staging block, to be copied to device memory at `dst`.
-struct StagedRange {
-  void* dst = nullptr;
-  size_t begin = 0, end = 0;
-};
-
-// Several small sources sent by the calling thread alone with one staging block: source i
-// staged at offsets[i] of a pinned block of `total` bytes from the pool (zero bytes from
-// its end up to the next offset, or to `total`), then each of `ranges` copied to its
-// device memory on `stream`, one cudaMemcpyAsync each.
-// The block goes back to the pool marked as read by `stream`. For a batch's sends that
-// would each stage on the current stream (ops/cuda/to_device_cuda.cpp, send_batch_leaves):
-// total <= 2 * kCurrentStreamBytes.
-void caller_staged_scatter(const std::vector<at::Tensor>& srcs, const std::vector<size_t>& offsets,
-                           size_t total, const std::vector<StagedRange>& ranges,
-                           c10::DeviceIndex device, const c10::cuda::CUDAStream& stream);
-
-// EXPERIMENT (session 25): PINXFER_EXPERIMENT_SCATTER, 0 off, 1 on.
-int experiment_scatter_mode();
-
 // What the calling thread's last single-block transfer did (a diagnostic for
 // benchmarks/diag_midsize.py; thread-local, so a reader sees its own thread's last call).
 // Times are microseconds from the call's start; helper figures are as the caller left.
