@@ -8,7 +8,10 @@ host waits on. Median / minimum microseconds.
     python benchmarks/diag_sender.py [--sizes 4K,64K,1M] [--passes 6] [--json PATH] [--no-calls]
 
 Each row also has the whole step (next() and the synchronize: prefetch_step, loop_step) and
-step_ratio_median (the plain loop's median step over prefetch's; > 1: prefetch faster).
+step_ratio_median (the plain loop's median step over prefetch's; > 1: prefetch faster), and
+the pass's start: from making the iterator (prefetch(), or the plain loop's generator) to
+the first batch usable on the consumer's stream (prefetch_first, loop_first,
+first_ratio_median), each pass made after the pattern's gap.
 
 The batch is bench_loop.py's ({"x", "y", "meta"} of the given total size).
 """
@@ -123,10 +126,15 @@ def main() -> int:
                     "prefetch_sync",
                     "loop_to",
                     "loop_sync",
+                    "prefetch_first",
+                    "loop_first",
                 )
             }
 
             def run_pass(way: str) -> None:
+                if gap is not None:
+                    gap()  # a pass starts after a step too (the first batch's row)
+                t_start = time.perf_counter()
                 it = (
                     iter(pinxfer.prefetch(batches, device=dev))
                     if way == "prefetch"
@@ -158,6 +166,8 @@ def main() -> int:
                         split[first].append(t1 - t0)
                         split[second].append(t2 - t1)
                         split[whole].append(t2 - t0)
+                    else:  # the pass's start: from making the iterator to the first batch
+                        split[f"{way}_first"].append(t2 - t_start)
                     assert float(b["x"][0]) == float(i)
                     del b
                 for _ in it:
@@ -172,12 +182,16 @@ def main() -> int:
             row["step_ratio_median"] = (
                 row["loop_step"]["median_us"] / row["prefetch_step"]["median_us"]
             )
+            row["first_ratio_median"] = (
+                row["loop_first"]["median_us"] / row["prefetch_first"]["median_us"]
+            )
             result[f"{size_label(nbytes)} {pattern}"] = row
             if not args.no_calls:
                 row.update(sender_calls(dev, batches[0], gap, sync, args.passes))
             print(
                 f"{size_label(nbytes):>6} {pattern:<5} "
                 f"step loop/prefetch x{row['step_ratio_median']:.2f}  "
+                f"first x{row['first_ratio_median']:.2f}  "
                 + "  ".join(
                     f"{k} {v['median_us']:.0f}/{v['min_us']:.0f}"
                     for k, v in row.items()
