@@ -192,6 +192,9 @@ class _StagedPass:
 #   for the whole process, that sends it on a stream of its own while the consumer
 #   computes, holding no GIL; after a long consumer step a host function queued after its
 #   copies marks it landed, back to back taking it asks its event (PINXFER_SENDER_LANDING).
+#   The pass's first batch is sent in next() itself (there is no earlier step to hide its
+#   send behind, and the sender, asleep since the last pass, would add its wake-up and the
+#   hand-over); the sender takes the pass from the second batch on.
 #   next() submits the next batch (a queue and a wake-up), then takes the one submitted
 #   at the previous step (submitted first, the next batch is sent while the consumer
 #   takes this one and synchronizes: 1 MiB back to back on the H100 1.18 -> 1.39x the
@@ -317,6 +320,9 @@ def _event_after(ids: tuple) -> torch.cuda.Event:
 
 #: The C++ sender of the caller's road; absent from a build without CUDA.
 _HAS_SENDER = hasattr(_ops.fast, "BatchSender")
+#: EXPERIMENT (session 25, branch s25-first-batch-inline; removed after its A/B): 0 sends a
+#: pass's first plain batch through the sender, as before.
+_FIRST_BATCH_IN_NEXT = os.environ.get("PINXFER_EXPERIMENT_FIRST_INLINE", "1") != "0"
 
 
 class _Sent(NamedTuple):
@@ -367,6 +373,11 @@ class _CallerPass:
         # batches are sent in next() itself.
         self.sends_plain = _HAS_SENDER and self.device is not None and to.transfer is None
         self.sender: Any = None  # _ops.fast.BatchSender
+        # The pass's first batch, plain or not, is sent in next(): nothing earlier could hide
+        # its send, and the sender's thread, asleep since the last pass, would add its
+        # wake-up and a hand-over to the step (see _send_next). True once a plain first
+        # batch was sent so: the pass stays on the caller's road whatever its size.
+        self.first_plain_sent_here = False
         self._finished = False
         self.stopped = False
         self.consumer = threading.Lock()  # held by the thread inside next()
@@ -401,6 +412,7 @@ class _CallerPass:
                 first
                 and self.hand_off_large
                 and not taken
+                and not self.first_plain_sent_here
                 and _tensor_bytes(item[1]) > CALLER_SENDS_BYTES
             ):
                 # Large batches the sender does not take: a producer thread sends the
@@ -450,9 +462,15 @@ class _CallerPass:
         if self.device is None:
             return _send(lease, self.to, None, self.step - 1)
         if self.sends_plain and type(lease) is StagedLease:
-            sent = self._submit(lease.batch, self.step - 1)
-            if sent is not None:
-                return (_SENT, sent, None)
+            if self.step == 1 and _FIRST_BATCH_IN_NEXT:
+                # The first batch: sent here, on the consumer's stream, as a plain loop sends
+                # it; the sender takes the pass from the second batch on (submitted when
+                # this next() returns it, so the sender rises while the consumer uses it).
+                self.first_plain_sent_here = self._plain_leaves(lease.batch) is not None
+            else:
+                sent = self._submit(lease.batch, self.step - 1)
+                if sent is not None:
+                    return (_SENT, sent, None)
         # On the consumer's current stream for the pass's device. An event after the copy
         # only for a lease whose done() waits for it (a slot goes back once the copy has
         # read it); a consumer that changes streams gets one when it takes the batch.
@@ -460,20 +478,22 @@ class _CallerPass:
         event_on = _stream_of(self.sent_on) if lease.wants_copy_event else None
         return _send(lease, self.to, event_on, self.step - 1)
 
-    def _submit(self, batch: Any, step: int) -> _Sent | None:
-        """Gives a batch of plain CPU tensors to the pass's sender; None for any other batch
-        (or in a mode, or traced: to_device's general path is for those)."""
+    @staticmethod
+    def _plain_leaves(batch: Any) -> tuple[list[torch.Tensor], Layout | None] | None:
+        """A batch the sender can take, as its leaves and layout (None: a bare tensor); None
+        for any other batch (or in a mode, or traced: to_device's general path is for those)."""
         if not _ops.eager():
             return None
         if type(batch) is torch.Tensor:
-            if not _ops.plain_dense_cpu(batch):
-                return None
-            leaves, layout = [batch], None
-        else:
-            plain = plain_batch(batch, min_leaves=1)
-            if plain is None:
-                return None
-            leaves, layout = plain
+            return ([batch], None) if _ops.plain_dense_cpu(batch) else None
+        return plain_batch(batch, min_leaves=1)
+
+    def _submit(self, batch: Any, step: int) -> _Sent | None:
+        """Gives a batch of plain CPU tensors to the pass's sender; None for any other batch."""
+        plain = self._plain_leaves(batch)
+        if plain is None:
+            return None
+        leaves, layout = plain
         if self.sender is None:
             self.sender = _ops.fast.batch_sender(self.device)
         ticket = self.sender.submit(leaves, self.to.chunk_bytes, self.to.num_buffers)
