@@ -6,6 +6,7 @@ after the gap. Patterns: back to back, after a 20 ms sleep, after a 20 ms GPU ke
 host waits on. Median / minimum microseconds.
 
     python benchmarks/diag_sender.py [--sizes 4K,64K,1M] [--passes 6] [--json PATH] [--no-calls]
+        [--trace]
 
 Each row also has the whole step (next() and the synchronize: prefetch_step, loop_step) and
 step_ratio_median (the plain loop's median step over prefetch's; > 1: prefetch faster), and
@@ -86,6 +87,30 @@ def sender_calls(dev: torch.device, batch: dict, gap: Any, sync: Any, passes: in
     }
 
 
+def job_trace_stats(jobs: list[dict]) -> dict[str, Any]:
+    """--trace: medians over the sender's jobs, microseconds: queued (submit to the worker's
+    start), send (the worker's start to every copy queued), submit_to_take, and for jobs
+    with a pipelined leaf its first_dma / last_dma queued (from the worker's start)."""
+    if not jobs:
+        return {}
+    per: dict[str, list[float]] = {"queued": [], "send": [], "submit_to_take": []}
+    for j in jobs:
+        per["queued"].append((j["started_ns"] - j["submitted_ns"]) / 1e9)
+        per["send"].append((j["sent_ns"] - j["started_ns"]) / 1e9)
+        per["submit_to_take"].append((j["taken_ns"] - j["submitted_ns"]) / 1e9)
+        b = j["block"]
+        if b is not None and b["first_queued_us"] >= 0:
+            # The block's times are from its start, setup_us after its muster, which the
+            # worker made after starting the job.
+            start = (b["mustered_ns"] - j["started_ns"]) / 1e9 + b["setup_us"] / 1e6
+            per.setdefault("first_dma", []).append(start + b["first_queued_us"] / 1e6)
+            per.setdefault("last_dma", []).append(start + b["last_queued_us"] / 1e6)
+    out: dict[str, Any] = {f"sender_{k}": stats(v) for k, v in per.items()}
+    out["sender_jobs"] = len(jobs)
+    out["sender_landed_share"] = sum(j["landed"] for j in jobs) / len(jobs)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="4K,64K,256K,1M")
@@ -93,6 +118,13 @@ def main() -> int:
     ap.add_argument("--batches", type=int, default=16)
     ap.add_argument("--json")
     ap.add_argument("--no-calls", action="store_true", help="skip the sender's calls alone")
+    ap.add_argument(
+        "--trace",
+        action="store_true",
+        help="trace the sender's jobs in the timed passes (BatchSender._job_traces): per job "
+        "its wait in the queue, its send's host time, submit to take, and its pipelined "
+        "leaf's first and last DMA queued",
+    )
     args = ap.parse_args()
     dev = torch.device("cuda", torch.cuda.current_device())
     torch.cuda.init()
@@ -175,10 +207,19 @@ def main() -> int:
 
             run_pass("prefetch")
             run_pass("loop")
+            sender = _ops.fast.batch_sender(dev)
+            if args.trace:
+                _ops.fast._set_sender_tracing(True)
+                taken_before = sender.taken
             for p in range(args.passes):
                 for way in ("prefetch", "loop") if p % 2 == 0 else ("loop", "prefetch"):
                     run_pass(way)
             row = {k: stats(v) for k, v in split.items()}
+            if args.trace:
+                _ops.fast._set_sender_tracing(False)
+                traced = sender._job_traces()  # the last ones (a ring): this row's jobs
+                taken = min(sender.taken - taken_before, len(traced))
+                row.update(job_trace_stats(traced[len(traced) - taken :]))
             row["step_ratio_median"] = (
                 row["loop_step"]["median_us"] / row["prefetch_step"]["median_us"]
             )

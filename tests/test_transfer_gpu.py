@@ -1035,6 +1035,42 @@ def test_sender_landing_modes(mode):
         assert long["flagged"] >= 3, got
 
 
+def test_sender_job_traces_follow_each_batch_in_order():
+    """DIAGNOSTIC (_set_sender_tracing, BatchSender._job_traces; diag_sender.py --trace):
+    each taken job is traced in order, its times in order (submitted, started, sent, taken),
+    its bytes those of its leaves; a batch with a pipelined leaf carries that leaf's
+    single-block trace (from the sender's thread), one of small leaves none. Off again,
+    nothing more is recorded."""
+    sender = pinxfer._C.batch_sender(torch.device("cuda", torch.cuda.current_device()))
+    big = [{"x": _random_bytes(8 * MiB + i, seed=i), "y": torch.arange(i, i + 3)} for i in range(3)]
+    small = [{"x": _random_bytes(4096, seed=i)} for i in range(3)]
+    pinxfer._C._set_sender_tracing(True)
+    try:
+        taken = sender.taken
+        for batches in (big, small):
+            for b, want in zip(pinxfer.prefetch(batches), batches):
+                _check(b["x"], want["x"])
+        new = sender.taken - taken
+        jobs = sender._job_traces()[-new:]
+    finally:
+        pinxfer._C._set_sender_tracing(False)
+    assert len(jobs) == new >= 4
+    for j in jobs:
+        assert 0 < j["submitted_ns"] <= j["started_ns"] <= j["sent_ns"] <= j["taken_ns"], j
+    sizes = {b["x"].nbytes + b["y"].nbytes for b in big} | {b["x"].nbytes for b in small}
+    assert all(j["bytes"] in sizes for j in jobs), [j["bytes"] for j in jobs]
+    for j in jobs:
+        if j["bytes"] >= 8 * MiB:
+            assert j["block"] is not None and j["block"]["nbytes"] >= 8 * MiB, j
+            assert j["block"]["first_queued_us"] >= 0
+        else:
+            assert j["block"] is None, j
+    count = len(sender._job_traces())
+    for _ in pinxfer.prefetch(small):
+        pass
+    assert len(sender._job_traces()) == count  # tracing is off
+
+
 def test_sender_road_pass_stopped_early_settles_its_batch_ahead():
     """A pass left after one batch has the next one at its sender: stopping the pass
     settles it (dropped, or waited for until its copies are queued), so the sender serves

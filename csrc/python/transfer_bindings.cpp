@@ -43,6 +43,39 @@ struct SendTicket {
   std::shared_ptr<ops::BatchSender::Job> job;
 };
 
+// A SingleBlockTrace as a dict (_last_single_block_trace, BatchSender._job_traces).
+pybind11::dict single_block_trace_dict(const transfer::SingleBlockTrace& t) {
+  pybind11::dict d;
+  d["on_torch_team"] = t.on_torch_team;
+  d["nbytes"] = t.nbytes;
+  d["pieces"] = t.pieces;
+  d["helpers_offered"] = t.helpers_offered;
+  d["own_pieces"] = t.own_pieces;
+  d["helper_pieces"] = t.helper_pieces;
+  d["stolen"] = t.stolen;
+  d["dma_spans"] = t.dma_spans;
+  d["setup_us"] = t.setup_us;
+  d["alloc_us"] = t.alloc_us;
+  d["own_done_us"] = t.own_done_us;
+  d["total_us"] = t.total_us;
+  d["offered_us"] = t.offered_us;
+  d["first_queued_us"] = t.first_queued_us;
+  d["last_queued_us"] = t.last_queued_us;
+  d["first_helper_us"] = t.first_helper_us;
+  d["mustered_ns"] = t.mustered_ns;
+  d["entry_us"] = t.entry_us;
+  d["probed_us"] = t.probed_us;
+  d["checked_us"] = t.checked_us;
+  d["streams_us"] = t.streams_us;
+  d["output_us"] = t.output_us;
+  d["first_own_done_us"] = t.first_own_done_us;
+  d["own_stage_us"] = t.own_stage_us;
+  d["gate_us"] = t.gate_us;
+  d["gate_queries"] = t.gate_queries;
+  d["queue_us"] = t.queue_us;
+  return d;
+}
+
 void bind_batch_sender(pybind11::module_& m) {
   namespace py = pybind11;
   py::class_<SendTicket>(m, "_SendTicket",
@@ -78,7 +111,33 @@ void bind_batch_sender(pybind11::module_& m) {
                              "batches whose copies had landed when taken (no stream wait)")
       .def_property_readonly("sent_flagged", &ops::BatchSender::sent_flagged,
                              "batches sent with a landing host function "
-                             "(PINXFER_SENDER_LANDING)");
+                             "(PINXFER_SENDER_LANDING)")
+      .def(
+          "_job_traces",
+          [](const ops::BatchSender& sender) {
+            pybind11::list out;
+            for (const ops::BatchSender::JobTrace& j : sender.job_traces()) {
+              pybind11::dict d;
+              d["submitted_ns"] = j.submitted_ns;
+              d["started_ns"] = j.started_ns;
+              d["sent_ns"] = j.sent_ns;
+              d["taken_ns"] = j.taken_ns;
+              d["bytes"] = j.bytes;
+              d["flagged"] = j.flagged;
+              d["landed"] = j.landed;
+              d["block"] = j.has_block ? pybind11::object(single_block_trace_dict(j.block))
+                                       : pybind11::object(pybind11::none());
+              out.append(d);
+            }
+            return out;
+          },
+          "DIAGNOSTIC: _job_traces() -> list[dict]: the last taken jobs traced while "
+          "_set_sender_tracing(True) was on, oldest first: submitted_ns, started_ns, sent_ns, "
+          "taken_ns (time.perf_counter_ns's clock), bytes, flagged, landed, and block (the "
+          "_last_single_block_trace of its pipelined leaf on the sender's thread, or None)");
+  m.def("_set_sender_tracing", &ops::set_sender_tracing,
+        "DIAGNOSTIC: _set_sender_tracing(on): batch senders record each taken job's times "
+        "(BatchSender._job_traces)");
   m.def("batch_sender", torch::wrap_pybind_function([](c10::Device device) {
           TORCH_CHECK_VALUE(device.is_cuda() && device.has_index(),
                             "pinxfer: batch_sender needs a CUDA device with an index, got ",
@@ -127,38 +186,7 @@ void bind_transfer(pybind11::module_& m) {
         "thread that had claimed them had not finished in time (process total)");
   m.def(
       "_last_single_block_trace",
-      [] {
-        const transfer::SingleBlockTrace t = transfer::last_single_block_trace();
-        pybind11::dict d;
-        d["on_torch_team"] = t.on_torch_team;
-        d["nbytes"] = t.nbytes;
-        d["pieces"] = t.pieces;
-        d["helpers_offered"] = t.helpers_offered;
-        d["own_pieces"] = t.own_pieces;
-        d["helper_pieces"] = t.helper_pieces;
-        d["stolen"] = t.stolen;
-        d["dma_spans"] = t.dma_spans;
-        d["setup_us"] = t.setup_us;
-        d["alloc_us"] = t.alloc_us;
-        d["own_done_us"] = t.own_done_us;
-        d["total_us"] = t.total_us;
-        d["offered_us"] = t.offered_us;
-        d["first_queued_us"] = t.first_queued_us;
-        d["last_queued_us"] = t.last_queued_us;
-        d["first_helper_us"] = t.first_helper_us;
-        d["mustered_ns"] = t.mustered_ns;
-        d["entry_us"] = t.entry_us;
-        d["probed_us"] = t.probed_us;
-        d["checked_us"] = t.checked_us;
-        d["streams_us"] = t.streams_us;
-        d["output_us"] = t.output_us;
-        d["first_own_done_us"] = t.first_own_done_us;
-        d["own_stage_us"] = t.own_stage_us;
-        d["gate_us"] = t.gate_us;
-        d["gate_queries"] = t.gate_queries;
-        d["queue_us"] = t.queue_us;
-        return d;
-      },
+      [] { return single_block_trace_dict(transfer::last_single_block_trace()); },
       "DIAGNOSTIC: _last_single_block_trace() -> dict: what this thread's last single-block "
       "to_device did (pieces by the caller, by helpers, stolen; microseconds from its start, "
       "and setup_us from the op's muster of its copy threads to that start; mustered_ns: that "

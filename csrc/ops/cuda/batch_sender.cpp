@@ -38,6 +38,8 @@ void CUDART_CB mark_landed(void* flag) {
   delete landed;
 }
 
+std::atomic<bool> g_sender_tracing{false};  // set_sender_tracing
+
 BatchSender::LandingMode landing_mode_from(const std::string& name) {
   if (name == "event") return BatchSender::LandingMode::kEvent;
   if (name == "auto") return BatchSender::LandingMode::kAuto;
@@ -55,6 +57,7 @@ struct BatchSender::Job : SerialJobs::Job {
   LandedFlag landed = std::make_shared<std::atomic<bool>>(false);
   bool flagged = false;  // a host function sets `landed`; else take() asks the event
   bool taken = false;    // only the consumer's thread reads or sets it
+  JobTrace trace;        // while tracing: submit() and the worker's send fill it; take() files it
 
   void run() override { sender->send(*this); }
   ~Job() override {
@@ -77,6 +80,10 @@ std::shared_ptr<BatchSender::Job> BatchSender::submit(std::vector<at::Tensor> le
   job->sender = this;
   job->leaves = std::move(leaves);
   job->options = staging_options(chunk_bytes, num_buffers, "auto", -1);
+  if (g_sender_tracing.load(std::memory_order_relaxed)) {
+    for (const at::Tensor& t : job->leaves) job->trace.bytes += static_cast<int64_t>(t.nbytes());
+    job->trace.submitted_ns = steady_now_ns();
+  }
   jobs_.submit(job);
   return job;
 }
@@ -95,12 +102,26 @@ std::vector<at::Tensor> BatchSender::take(const std::shared_ptr<Job>& job) {
   }
   const c10::cuda::CUDAStream cur = c10::cuda::getCurrentCUDAStream(device_.index());
   taken_.fetch_add(1, std::memory_order_relaxed);
-  if (job->landed->load(std::memory_order_acquire) || (!job->flagged && event_landed(*job))) {
+  const bool landed =
+      job->landed->load(std::memory_order_acquire) || (!job->flagged && event_landed(*job));
+  if (landed) {
     // The copies are done: the results may be used on any stream now, with no wait.
     taken_landed_.fetch_add(1, std::memory_order_relaxed);
   } else {
     C10_CUDA_CHECK(
         cudaStreamWaitEvent(cur.stream(), static_cast<cudaEvent_t>(job->event.handle), 0));
+  }
+  if (job->trace.submitted_ns != 0) {  // traced at its submit (the worker has finished it)
+    job->trace.taken_ns = steady_now_ns();
+    job->trace.flagged = job->flagged;
+    job->trace.landed = landed;
+    std::lock_guard<std::mutex> lock(traces_mutex_);
+    if (traces_.size() < kJobTraces) {
+      traces_.push_back(job->trace);
+    } else {
+      traces_[traces_next_] = job->trace;
+    }
+    traces_next_ = (traces_next_ + 1) % kJobTraces;
   }
   // Keep each result's memory from the sender's next copies until `cur` is done with it
   // (a batch's small leaves share one storage: recorded once).
@@ -130,14 +151,36 @@ int64_t BatchSender::taken() const { return taken_.load(std::memory_order_relaxe
 int64_t BatchSender::taken_landed() const { return taken_landed_.load(std::memory_order_relaxed); }
 int64_t BatchSender::sent_flagged() const { return sent_flagged_.load(std::memory_order_relaxed); }
 
+std::vector<BatchSender::JobTrace> BatchSender::job_traces() const {
+  std::lock_guard<std::mutex> lock(traces_mutex_);
+  if (traces_.size() < kJobTraces) return traces_;
+  std::vector<JobTrace> out(traces_.begin() + static_cast<std::ptrdiff_t>(traces_next_),
+                            traces_.end());
+  out.insert(out.end(), traces_.begin(),
+             traces_.begin() + static_cast<std::ptrdiff_t>(traces_next_));
+  return out;
+}
+
+void set_sender_tracing(bool on) { g_sender_tracing.store(on, std::memory_order_relaxed); }
+
 void BatchSender::send(Job& job) {
   // The sender's own stream, from torch's pool (made at the first job, where an error is
   // that job's): its copies overlap the consumer's work, and a host function on it
   // delays nobody else's copies.
   if (!stream_) stream_ = c10::cuda::getStreamFromPool(false, device_.index());
   c10::cuda::CUDAStreamGuard on_stream(*stream_);
+  const bool tracing = job.trace.submitted_ns != 0;
+  if (tracing) job.trace.started_ns = steady_now_ns();
   try {
     job.outs = send_batch_leaves(job.leaves, device_, job.options);
+    if (tracing) {
+      job.trace.sent_ns = steady_now_ns();
+      // This thread's last single-block transfer, if this job made it (mustered after the
+      // job began): its steps, from the muster.
+      const transfer::SingleBlockTrace block = transfer::last_single_block_trace();
+      job.trace.has_block = block.mustered_ns >= job.trace.started_ns;
+      if (job.trace.has_block) job.trace.block = block;
+    }
     job.event = cuda::record_event(stream_->unwrap());
     // How take() will know the copies have landed (PINXFER_SENDER_LANDING; csrc/README.md,
     // "The sender road"): a flag a host function sets (free to read after the consumer's

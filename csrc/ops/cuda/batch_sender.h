@@ -47,6 +47,7 @@
 
 #include <atomic>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <vector>
 
@@ -82,6 +83,24 @@ class BatchSender {
   int64_t taken_landed() const;
   int64_t sent_flagged() const;  // jobs sent with a landing host function
 
+  // DIAGNOSTIC (benchmarks/diag_sender.py --trace): what the last taken jobs did, while
+  // set_sender_tracing(true) (off by default: a few clock reads and a copy per job). Times
+  // on the steady clock in ns (steady_now_ns: time.perf_counter_ns's clock).
+  struct JobTrace {
+    int64_t submitted_ns = 0;  // submit() returned the job
+    int64_t started_ns = 0;    // the worker began sending it
+    int64_t sent_ns = 0;       // its send returned: every copy queued
+    int64_t taken_ns = 0;      // take() had it, safe on the consumer's stream
+    int64_t bytes = 0;         // of its leaves
+    bool flagged = false;      // sent with a landing host function
+    bool landed = false;       // its copies had landed when taken
+    bool has_block = false;    // a leaf went through the single-block pipeline: `block` is
+                               // the last such leaf's trace (the worker thread's own)
+    transfer::SingleBlockTrace block;
+  };
+  static constexpr size_t kJobTraces = 256;
+  std::vector<JobTrace> job_traces() const;  // oldest first; at most kJobTraces
+
  private:
   // One job's send, on the worker thread (Job::run).
   void send(Job& job);
@@ -98,10 +117,16 @@ class BatchSender {
   // The last take(); atomic: passes on several threads may share the device's sender.
   std::atomic<int64_t> last_take_ns_{0};
   std::atomic<bool> consumer_steps_long_{true};
+  mutable std::mutex traces_mutex_;
+  std::vector<JobTrace> traces_;  // a ring of kJobTraces. LOCK: traces_mutex_
+  size_t traces_next_ = 0;        // LOCK: traces_mutex_
   SerialJobs jobs_;  // last: destroyed first, so its worker is joined before the rest goes
 };
 
 // The process's sender for CUDA device `index` (made at the first call; never destroyed).
 BatchSender& batch_sender_for(c10::DeviceIndex index);
+
+// DIAGNOSTIC: every sender records its taken jobs' traces while this is on.
+void set_sender_tracing(bool on);
 
 }  // namespace pinxfer::ops
