@@ -99,7 +99,9 @@ def job_trace_stats(jobs: list[dict]) -> dict[str, Any]:
         per["send"].append((j["sent_ns"] - j["started_ns"]) / 1e9)
         per["submit_to_take"].append((j["taken_ns"] - j["submitted_ns"]) / 1e9)
         b = j["block"]
-        if b is not None and b["first_queued_us"] >= 0:
+        # The block is the job's last pipelined leaf: a batch whose second leaf is pipelined
+        # too (diag's 64 MiB batch: its 1 MiB labels) would report that one's times.
+        if b is not None and b["first_queued_us"] >= 0 and 2 * b["nbytes"] >= j["bytes"]:
             # The block's times are from its start, setup_us after its muster, which the
             # worker made after starting the job.
             start = (b["mustered_ns"] - j["started_ns"]) / 1e9 + b["setup_us"] / 1e6

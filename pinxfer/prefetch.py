@@ -194,7 +194,12 @@ class _StagedPass:
 #   copies marks it landed, back to back taking it asks its event (PINXFER_SENDER_LANDING).
 #   The pass's first batch is sent in next() itself (there is no earlier step to hide its
 #   send behind, and the sender, asleep since the last pass, would add its wake-up and the
-#   hand-over); the sender takes the pass from the second batch on.
+#   hand-over); the sender takes the pass from the second batch on. The pass's start (making
+#   the iterator to the first batch usable) went from 0.25-0.72x the plain loop's to
+#   0.40-0.90x (H200, diag_sender.py's first_ratio_median, 4 processes a side at 4 KiB -
+#   1 MiB: the median higher in all 12 cells, round by round in 44 of 48;
+#   results/h200/sender_2026-12-02_s26_first_inline.json); bench_loop's whole-pass rows
+#   (16 batches a pass) moved within the processes' spread.
 #   next() submits the next batch (a queue and a wake-up), then takes the one submitted
 #   at the previous step (submitted first, the next batch is sent while the consumer
 #   takes this one and synchronizes: 1 MiB back to back on the H100 1.18 -> 1.39x the
@@ -320,9 +325,6 @@ def _event_after(ids: tuple) -> torch.cuda.Event:
 
 #: The C++ sender of the caller's road; absent from a build without CUDA.
 _HAS_SENDER = hasattr(_ops.fast, "BatchSender")
-#: EXPERIMENT (session 25, branch s25-first-batch-inline; removed after its A/B): 0 sends a
-#: pass's first plain batch through the sender, as before.
-_FIRST_BATCH_IN_NEXT = os.environ.get("PINXFER_EXPERIMENT_FIRST_INLINE", "1") != "0"
 
 
 class _Sent(NamedTuple):
@@ -462,7 +464,7 @@ class _CallerPass:
         if self.device is None:
             return _send(lease, self.to, None, self.step - 1)
         if self.sends_plain and type(lease) is StagedLease:
-            if self.step == 1 and _FIRST_BATCH_IN_NEXT:
+            if self.step == 1:
                 # The first batch: sent here, on the consumer's stream, as a plain loop sends
                 # it; the sender takes the pass from the second batch on (submitted when
                 # this next() returns it, so the sender rises while the consumer uses it).
