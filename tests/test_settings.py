@@ -35,6 +35,7 @@ PINXFER_VARS = [
     "PINXFER_CACHED_TAIL",
     "PINXFER_TORCH_TEAM",
     "PINXFER_SENDER_LANDING",
+    "PINXFER_SENDER_WORKERS",
     "LOCAL_WORLD_SIZE",  # torchrun's, read by the same table
     "OMP_WAIT_POLICY",  # libgomp's, read (never set) by the same table
     "GOMP_SPINCOUNT",
@@ -231,6 +232,7 @@ def test_settings_list_every_variable_with_its_source():
     assert "copy threads" in rows["PINXFER_NUM_THREADS"][0]
     assert rows["PINXFER_STAGE_COPY"] == ["auto", "default"]
     assert rows["PINXFER_SENDER_LANDING"] == ["auto", "default"]
+    assert rows["PINXFER_SENDER_WORKERS"] == ["2", "default"]
 
 
 def test_spin_is_adaptive_unless_set():
@@ -299,6 +301,8 @@ def test_derived_threads_follow_local_world_size_and_affinity():
         ("PINXFER_STAGE_COPY", "fast", "expected 'auto', 'nt'"),
         ("PINXFER_TORCH_TEAM", "on", "expected 'auto' \\(on torch's team"),
         ("PINXFER_SENDER_LANDING", "host", "expected 'auto' \\(the default: a host function"),
+        ("PINXFER_SENDER_WORKERS", "0", "an integer from 1 to 4"),
+        ("PINXFER_SENDER_WORKERS", "two", "an integer from 1 to 4"),
         ("PINXFER_DISABLE_CUDA", "yes", "1 \\(never touch CUDA\\) or 0"),
         ("PINXFER_NUMA_NODE", "first", "an integer from 0 to"),
         # Issue 27: 2^32 was read as node 0 while settings() showed 4294967296.

@@ -1035,6 +1035,51 @@ def test_sender_landing_modes(mode):
         assert long["flagged"] >= 3, got
 
 
+_WORKERS_CHILD = """
+    import json, torch, pinxfer
+    from pinxfer.transfer import DEFAULT_CHUNK_BYTES, DEFAULT_NUM_BUFFERS
+    MiB = 1 << 20
+    sender = pinxfer._C.batch_sender(torch.device("cuda", 0))
+    g = torch.Generator().manual_seed(7)
+    def rand(n):
+        return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+    # Big batches (a pipelined leaf, small ones packed) among small ones, all queued at once.
+    batches = [[rand(8 * MiB + 4096 * i), rand(1000 + i), torch.arange(i, i + 5)] if i % 3
+               else [rand(3000 + i), torch.arange(i, i + 5)] for i in range(12)]
+    pinxfer._C._set_sender_tracing(True)
+    taken = sender.taken
+    tickets = [sender.submit(list(b), DEFAULT_CHUNK_BYTES, DEFAULT_NUM_BUFFERS) for b in batches]
+    consumer, oks = torch.cuda.Stream(), []
+    with torch.cuda.stream(consumer):
+        torch.cuda._sleep(2_000_000)  # the consumer's stream behind the copies
+        for b, t in zip(batches, tickets):
+            got = sender.take(t)
+            oks.append(all(torch.equal(x.cpu(), y) for x, y in zip(got, b)))
+            for leaf in b:  # the sources change once taken: the copies read them before
+                leaf.zero_()
+    consumer.synchronize()
+    pinxfer._C._set_sender_tracing(False)
+    jobs = sender._job_traces()[-(sender.taken - taken):]
+    # Jobs in flight at once: one started before the one submitted ahead of it was sent.
+    overlapped = sum(b["started_ns"] < a["sent_ns"] for a, b in zip(jobs, jobs[1:]))
+    print(json.dumps(dict(ok=all(oks), jobs=len(jobs), overlapped=overlapped)))
+"""
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3])
+def test_sender_workers_hand_every_batch_over_whole(workers):
+    """PINXFER_SENDER_WORKERS: twelve batches (8 MiB ones with a pipelined leaf, small ones
+    packed) queued at once are each taken whole on a consumer stream behind the copies, the
+    sources rewritten as soon as taken. One worker sends them one at a time (no job starts
+    before the one ahead of it is sent); more start the next while the last one is sent."""
+    got = last_json(run_child(_WORKERS_CHILD, env={"PINXFER_SENDER_WORKERS": str(workers)}))
+    assert got["ok"] and got["jobs"] == 12, got
+    if workers == 1:
+        assert got["overlapped"] == 0, got
+    else:
+        assert got["overlapped"] >= 1, got
+
+
 def test_sender_job_traces_follow_each_batch_in_order():
     """DIAGNOSTIC (_set_sender_tracing, BatchSender._job_traces; diag_sender.py --trace):
     each taken job is traced in order, its times in order (submitted, started, sent, taken),

@@ -116,10 +116,12 @@ void bind_settings(pybind11::module_& m) {
         "starts, after an idle gap (on, the default), or only when it offers them work (off; "
         "for A/B runs in one process)");
   m.def("_serial_jobs_self_test", wrap_pybind_function_no_gil(&serial_jobs_self_test),
-        "TEST-ONLY: _serial_jobs_self_test(seed, jobs, consumers) -> jobs run: `consumers` "
-        "threads push `jobs` byte-copying jobs each through one SerialJobs queue (the protocol "
-        "of prefetch's batch sender, runtime/serial_jobs.h), waiting, settling and leaving "
-        "some to close(); raises on any job run twice, lost, or done without its bytes");
+        "TEST-ONLY: _serial_jobs_self_test(seed, jobs, consumers, workers) -> jobs run: "
+        "`consumers` threads push `jobs` byte-copying jobs each through one SerialJobs queue of "
+        "`workers` threads (the protocol of prefetch's batch sender, runtime/serial_jobs.h), "
+        "waiting, settling and leaving some to close(); raises on any job run twice, lost, "
+        "done without its bytes, started before one its consumer submitted ahead of it, or "
+        "more jobs running at once than workers");
   m.def("_share_split_self_test", wrap_pybind_function_no_gil(&share_split_self_test),
         "TEST-ONLY: _share_split_self_test(units, share, members, rounds) -> pieces members "
         "took from shares not their own: `members` threads (some late) split [0, units) as "

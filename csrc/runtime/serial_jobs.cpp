@@ -25,9 +25,11 @@ bool SerialJobs::Job::failed() const { return state_.load(std::memory_order_acqu
 
 void SerialJobs::Job::rethrow() const { std::rethrow_exception(error_); }
 
-SerialJobs::SerialJobs(int64_t spin_us, std::string name)
+SerialJobs::SerialJobs(int64_t spin_us, std::string name, int workers)
     : spin_us_(spin_us), name_(std::move(name)) {
-  worker_ = std::thread([this] { work(); });
+  TORCH_CHECK(workers >= 1, name_, ": a job queue needs at least one worker, got ", workers);
+  workers_.reserve(static_cast<size_t>(workers));
+  for (int w = 0; w < workers; ++w) workers_.emplace_back([this] { work(); });
 }
 
 SerialJobs::~SerialJobs() { close(); }
@@ -84,7 +86,9 @@ void SerialJobs::close() {
   work_.notify_all();
   done_.notify_all();
   std::lock_guard<std::mutex> joining(join_mu_);
-  if (worker_.joinable()) worker_.join();
+  for (auto& worker : workers_) {
+    if (worker.joinable()) worker.join();
+  }
 }
 
 void SerialJobs::work() {
@@ -103,6 +107,7 @@ void SerialJobs::work() {
       queue_.pop_front();
       queued_.store(!queue_.empty(), std::memory_order_release);
       job->state_.store(kRunning, std::memory_order_relaxed);
+      job->start_order_ = started_++;
     }
     int outcome = kDone;
     try {
@@ -124,20 +129,44 @@ void SerialJobs::work() {
 
 namespace {
 
+// What the jobs of one self-test share: how many ran, and how many ran at once.
+struct SelfTestCounters {
+  std::atomic<int64_t> ran{0};
+  std::atomic<int64_t> running{0};
+  std::atomic<int64_t> most_running{0};
+};
+
 struct CopyJob : SerialJobs::Job {
   std::vector<unsigned char> src, dst;
   bool fails = false;
   int64_t sleep_us = 0;
   std::atomic<int> runs{0};
-  std::atomic<int64_t>* ran_total = nullptr;
+  SelfTestCounters* counters = nullptr;
   void run() override {
     runs.fetch_add(1, std::memory_order_relaxed);
-    ran_total->fetch_add(1, std::memory_order_relaxed);
+    counters->ran.fetch_add(1, std::memory_order_relaxed);
+    const int64_t now = counters->running.fetch_add(1, std::memory_order_relaxed) + 1;
+    int64_t most = counters->most_running.load(std::memory_order_relaxed);
+    while (now > most && !counters->most_running.compare_exchange_weak(most, now)) {
+    }
     if (sleep_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(sleep_us));
     if (!src.empty()) std::memcpy(dst.data(), src.data(), src.size());
+    counters->running.fetch_sub(1, std::memory_order_relaxed);
     TORCH_CHECK(!fails, "self-test job failed on purpose");
   }
 };
+
+// One consumer's jobs are taken by the workers in the order it submitted them, whatever
+// their number: `last` is the start order of the consumer's last job that started.
+void check_started_in_order(const CopyJob& job, int64_t& last) {
+  const int runs = job.runs.load(std::memory_order_relaxed);
+  TORCH_CHECK((runs == 0) == (job.start_order() < 0), "pinxfer._serial_jobs_self_test: a job ran ",
+              runs, " times with start order ", job.start_order());
+  if (runs == 0) return;
+  TORCH_CHECK(job.start_order() > last, "pinxfer._serial_jobs_self_test: a job started (",
+              job.start_order(), ") before one submitted ahead of it (", last, ")");
+  last = job.start_order();
+}
 
 // The job is over (waited for, settled or closed out): it ran at most once, a dropped job
 // never ran, a done job copied every byte, a failed one that ran failed with its own error.
@@ -166,18 +195,20 @@ void check_over(const CopyJob& job, const std::string& dropped) {
 
 }  // namespace
 
-int64_t serial_jobs_self_test(int64_t seed, int64_t jobs, int64_t consumers) {
-  TORCH_CHECK_VALUE(jobs >= 1 && jobs <= 100000 && consumers >= 1 && consumers <= 16,
-                    "pinxfer._serial_jobs_self_test: expected 1..100000 jobs and 1..16 "
-                    "consumers; got ",
-                    jobs, " jobs, ", consumers, " consumers");
+int64_t serial_jobs_self_test(int64_t seed, int64_t jobs, int64_t consumers, int64_t workers) {
+  TORCH_CHECK_VALUE(jobs >= 1 && jobs <= 100000 && consumers >= 1 && consumers <= 16 &&
+                        workers >= 1 && workers <= 8,
+                    "pinxfer._serial_jobs_self_test: expected 1..100000 jobs, 1..16 "
+                    "consumers and 1..8 workers; got ",
+                    jobs, " jobs, ", consumers, " consumers, ", workers, " workers");
   const std::string dropped = "dropped before it ran";
   std::vector<std::vector<std::shared_ptr<CopyJob>>> left(static_cast<size_t>(consumers));
   std::mutex error_mutex;
   std::exception_ptr error;
-  std::atomic<int64_t> ran{0};
+  SelfTestCounters counters;
+  std::vector<int64_t> last_start(static_cast<size_t>(consumers), -1);  // check_started_in_order
   {
-    SerialJobs queue(/*spin_us=*/20, "pinxfer._serial_jobs_self_test");
+    SerialJobs queue(/*spin_us=*/20, "pinxfer._serial_jobs_self_test", static_cast<int>(workers));
     std::vector<std::thread> threads;
     for (int64_t c = 0; c < consumers; ++c) {
       threads.emplace_back([&, c] {
@@ -187,7 +218,7 @@ int64_t serial_jobs_self_test(int64_t seed, int64_t jobs, int64_t consumers) {
           const size_t depth = 1 + rng() % 3;
           for (int64_t i = 0; i < jobs; ++i) {
             auto job = std::make_shared<CopyJob>();
-            job->ran_total = &ran;
+            job->counters = &counters;
             job->src.resize(rng() % 65536);
             for (auto& b : job->src) b = static_cast<unsigned char>(rng());
             job->dst.assign(job->src.size(), 0);
@@ -204,6 +235,7 @@ int64_t serial_jobs_self_test(int64_t seed, int64_t jobs, int64_t consumers) {
               queue.wait(oldest);
             }
             check_over(*oldest, dropped);
+            check_started_in_order(*oldest, last_start[static_cast<size_t>(c)]);
             if (rng() % 5 == 0) std::this_thread::sleep_for(std::chrono::microseconds(rng() % 200));
           }
           // The last ones are left for close().
@@ -223,17 +255,23 @@ int64_t serial_jobs_self_test(int64_t seed, int64_t jobs, int64_t consumers) {
     bool refused = false;
     try {
       auto late = std::make_shared<CopyJob>();
-      late->ran_total = &ran;
+      late->counters = &counters;
       queue.submit(late);
     } catch (const c10::Error&) {
       refused = true;
     }
     TORCH_CHECK(refused, "pinxfer._serial_jobs_self_test: submit after close() was accepted");
   }
-  for (const auto& jobs_left : left) {
-    for (const auto& job : jobs_left) check_over(*job, dropped);
+  for (size_t c = 0; c < left.size(); ++c) {
+    for (const auto& job : left[c]) {
+      check_over(*job, dropped);
+      check_started_in_order(*job, last_start[c]);
+    }
   }
-  return ran.load();
+  TORCH_CHECK(counters.most_running.load() <= workers,
+              "pinxfer._serial_jobs_self_test: ", counters.most_running.load(),
+              " jobs ran at once on ", workers, " workers");
+  return counters.ran.load();
 }
 
 }  // namespace pinxfer

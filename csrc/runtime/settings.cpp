@@ -167,6 +167,14 @@ const Row kRows[] = {
      },
      [](Settings& s) { return s.sender_landing; }, "default"},
 
+    {"PINXFER_SENDER_WORKERS",
+     "threads of prefetch's batch sender per GPU: batches sent at once (1: one at a time)",
+     [](const char* name, const std::string& text, Settings& s) {
+       s.sender_workers = static_cast<int>(env_int(name, text, 1, kMaxSenderWorkers));
+       return std::to_string(s.sender_workers);
+     },
+     [](Settings& s) { return std::to_string(s.sender_workers); }, "default"},
+
     // libgomp's, read and never set: after a region torch's team spins (libgomp: 300000 spins
     // by default) unless these say otherwise; pinxfer then asks /proc at every copy.
     {"OMP_WAIT_POLICY",

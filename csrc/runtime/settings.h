@@ -36,6 +36,8 @@ constexpr int kMaxSpinUs = 1000000;
 // The values PINXFER_STAGE_COPY accepts, the names of transfer/stage_copy.h's
 // StagingMode (the transfer layer parses the text; the settings only check it).
 inline constexpr const char* kStagingModeNames[] = {"auto", "nt", "movsb"};
+// Most PINXFER_SENDER_WORKERS accepted: each worker sends a batch of its own at once.
+constexpr int kMaxSenderWorkers = 4;
 // The values PINXFER_SENDER_LANDING accepts (ops/cuda/batch_sender.h's LandingMode).
 inline constexpr const char* kSenderLandingNames[] = {"auto", "flag", "event"};
 
@@ -52,6 +54,7 @@ struct Settings {
   int64_t cached_tail = -1;             // PINXFER_CACHED_TAIL; -1: not set (16 MiB)
   bool torch_team = true;               // PINXFER_TORCH_TEAM: copies may run on torch's awake team
   std::string sender_landing = "auto";  // PINXFER_SENDER_LANDING, one of kSenderLandingNames
+  int sender_workers = 2;               // PINXFER_SENDER_WORKERS: batches in flight at a sender
   // libgomp's own variables, read (never set) to know whether torch's team keeps spinning
   // after a region (runtime/torch_team.h, team_spin_window_us): lower-cased, "" if unset.
   std::string omp_wait_policy;  // OMP_WAIT_POLICY

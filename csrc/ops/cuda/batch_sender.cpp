@@ -69,7 +69,7 @@ BatchSender::BatchSender(c10::Device device)
     : device_(device.type(), device.index()),
       landing_(landing_mode_from(settings().sender_landing)),
       long_step_ns_(int64_t{2} * settings().spin_us * 1000),
-      jobs_(settings().spin_us, "pinxfer.prefetch's batch sender") {
+      jobs_(settings().spin_us, "pinxfer.prefetch's batch sender", settings().sender_workers) {
   TORCH_CHECK(device.is_cuda() && device.has_index(),
               "pinxfer: a BatchSender needs a CUDA device with an index, got ", device);
 }
@@ -164,11 +164,13 @@ std::vector<BatchSender::JobTrace> BatchSender::job_traces() const {
 void set_sender_tracing(bool on) { g_sender_tracing.store(on, std::memory_order_relaxed); }
 
 void BatchSender::send(Job& job) {
-  // The sender's own stream, from torch's pool (made at the first job, where an error is
+  // The worker's own stream, from torch's pool (made at its first job, where an error is
   // that job's): its copies overlap the consumer's work, and a host function on it
-  // delays nobody else's copies.
-  if (!stream_) stream_ = c10::cuda::getStreamFromPool(false, device_.index());
-  c10::cuda::CUDAStreamGuard on_stream(*stream_);
+  // delays nobody else's copies. Per worker thread (a worker serves one sender): two
+  // workers' jobs each hand over on their own stream.
+  thread_local std::optional<c10::cuda::CUDAStream> worker_stream;
+  if (!worker_stream) worker_stream = c10::cuda::getStreamFromPool(false, device_.index());
+  c10::cuda::CUDAStreamGuard on_stream(*worker_stream);
   const bool tracing = job.trace.submitted_ns != 0;
   if (tracing) job.trace.started_ns = steady_now_ns();
   try {
@@ -181,7 +183,7 @@ void BatchSender::send(Job& job) {
       job.trace.has_block = block.mustered_ns >= job.trace.started_ns;
       if (job.trace.has_block) job.trace.block = block;
     }
-    job.event = cuda::record_event(stream_->unwrap());
+    job.event = cuda::record_event(worker_stream->unwrap());
     // How take() will know the copies have landed (PINXFER_SENDER_LANDING; csrc/README.md,
     // "The sender road"): a flag a host function sets (free to read after the consumer's
     // compute step, where a CUDA call on a core that was idle is slow), or the job's event
@@ -192,7 +194,7 @@ void BatchSender::send(Job& job) {
         (landing_ == LandingMode::kAuto && consumer_steps_long_.load(std::memory_order_relaxed));
     if (!with_flag) return;
     auto* flag = new LandedFlag(job.landed);
-    const cudaError_t err = cudaLaunchHostFunc(stream_->stream(), &mark_landed, flag);
+    const cudaError_t err = cudaLaunchHostFunc(worker_stream->stream(), &mark_landed, flag);
     if (err != cudaSuccess) {
       delete flag;
       C10_CUDA_CHECK(err);

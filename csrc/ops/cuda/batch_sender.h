@@ -1,4 +1,4 @@
-// BatchSender: batches of plain CPU tensors sent to one GPU by a thread of its own, so
+// BatchSender: batches of plain CPU tensors sent to one GPU by threads of its own, so
 // that the thread asking for them never waits for their staging or their copies:
 // pinxfer.prefetch's sender road (pinxfer/prefetch.py; csrc/README.md, "The sender road").
 //
@@ -11,7 +11,7 @@
 // 27 for the plain loop). This thread takes no GIL: it sends on a stream of its own while
 // the consumer computes, and the batch is on the GPU before the consumer asks for it.
 //
-// Protocol (the queue, its worker and its waits are runtime/serial_jobs.h's, tested under
+// Protocol (the queue, its workers and its waits are runtime/serial_jobs.h's, tested under
 // TSan and ASan; this class adds the CUDA send and the hand-over):
 //   submit(leaves, chunk_bytes, num_buffers)
 //                   queues the leaves (each a plain dense CPU tensor: the caller checked,
@@ -28,11 +28,17 @@
 //                   stream. Rethrows what sending raised. Once per job.
 //   settle(job)     a job that will not be taken (its pass stopped): dropped if not
 //                   started, else waited for until sent, so no copy of it is queued after.
-// The destructor ends the thread once its current job is sent (jobs not started fail);
+// The destructor ends the threads once their current jobs are sent (jobs not started fail);
 // the process's senders are never destroyed.
 // One sender serves every pass of a process on its device (batch_sender_for, made at the
 // first use and leaked, as the thread pools are; a forked child starts with none): jobs
-// are sent in the order submitted, so no pass pays for starting a thread.
+// start in the order submitted, so no pass pays for starting a thread.
+// Workers (PINXFER_SENDER_WORKERS, default 2): each sends on a stream of its own. With two,
+// the next batch starts while the last one's staging ends: one worker's cycle per batch is
+// the send's setup before its first DMA, the staging, and the small leaves' send after the
+// big one, all on the host (8 MiB back to back on the H200: 216 µs a batch against a
+// 152 µs DMA, diag_sender.py --trace), so with one worker the copy engine idled between
+// batches. Two batches in flight share the copy threads and the engine.
 // Sources are referenced by the job until take() or the job's end: a pageable source is
 // staged before its send returns, a pinned one is kept by pinxfer's source use until the
 // copy has read it (transfer/cuda/source_use.h), as with to_device.
@@ -48,7 +54,6 @@
 #include <atomic>
 #include <memory>
 #include <mutex>
-#include <optional>
 #include <vector>
 
 #include "runtime/serial_jobs.h"
@@ -108,7 +113,6 @@ class BatchSender {
   static bool event_landed(const Job& job);
 
   const c10::Device device_;
-  std::optional<c10::cuda::CUDAStream> stream_;  // the worker's own; made at its first job
   std::atomic<int64_t> taken_{0}, taken_landed_{0}, sent_flagged_{0};
   const LandingMode landing_;
   // kAuto: the consumer's last step (take to take) was longer than long_step_ns_ (twice
@@ -120,7 +124,7 @@ class BatchSender {
   mutable std::mutex traces_mutex_;
   std::vector<JobTrace> traces_;  // a ring of kJobTraces. LOCK: traces_mutex_
   size_t traces_next_ = 0;        // LOCK: traces_mutex_
-  SerialJobs jobs_;  // last: destroyed first, so its worker is joined before the rest goes
+  SerialJobs jobs_;  // last: destroyed first, so its workers are joined before the rest goes
 };
 
 // The process's sender for CUDA device `index` (made at the first call; never destroyed).
