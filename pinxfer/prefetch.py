@@ -188,9 +188,10 @@ class _StagedPass:
 #   and forth while the consumer synchronizes (H100: a 4 KiB batch took 75-96 us per step
 #   through the thread against 27 us for a plain loop of .to(), benchmarks/diag_batch.py).
 #   A batch whose tensors are all plain CPU tensors (with pinxfer's own transfer) goes to
-#   the device's BatchSender (csrc/ops/cuda/batch_sender.h): a C++ thread, one per device
-#   for the whole process, that sends it on a stream of its own while the consumer
-#   computes, holding no GIL; after a long consumer step a host function queued after its
+#   the device's BatchSender (csrc/ops/cuda/batch_sender.h): C++ threads, two per device
+#   for the whole process (PINXFER_SENDER_WORKERS), that send it on streams of their own
+#   while the consumer computes, holding no GIL (back to back, the next batch starts while
+#   the last one is sent); after a long consumer step a host function queued after its
 #   copies marks it landed, back to back taking it asks its event (PINXFER_SENDER_LANDING).
 #   The pass's first batch is sent in next() itself (there is no earlier step to hide its
 #   send behind, and the sender, asleep since the last pass, would add its wake-up and the

@@ -2,13 +2,13 @@
 // that the thread asking for them never waits for their staging or their copies:
 // pinxfer.prefetch's sender road (pinxfer/prefetch.py; csrc/README.md, "The sender road").
 //
-// Why a C++ thread. prefetch's caller's road sent the next batch inside next(), after the
+// Why C++ threads. prefetch's caller's road sent the next batch inside next(), after the
 // consumer's compute step: after an idle gap every CUDA call and every line of Python on
 // the consumer's cold core is slow (diag_idle_wake.py: an event query 42 µs, a 4 KiB
 // pinned copy + synchronize 240 µs), so next() paid a whole small transfer, and a plain
 // loop of .to() was as fast. A Python producer thread hands every batch over through the
 // GIL, which the consumer holds while it runs (75-96 µs a 4 KiB step on the H100, against
-// 27 for the plain loop). This thread takes no GIL: it sends on a stream of its own while
+// 27 for the plain loop). These threads take no GIL: each sends on a stream of its own while
 // the consumer computes, and the batch is on the GPU before the consumer asks for it.
 //
 // Protocol (the queue, its workers and its waits are runtime/serial_jobs.h's, tested under
