@@ -868,19 +868,19 @@ def prefetch(
 ) -> Prefetcher:
     """Wraps an iterable so that its batches reach the GPU ahead of use.
 
-    Batches are pulled from ``iterable`` and sent to ``device`` as
-    :func:`pinxfer.to_device` sends them, ahead of use: batches of plain CPU tensors one
-    step ahead (each ``next()`` hands out the batch sent at the previous step and starts
-    the next, which pinxfer's per-device C++ sender thread sends during the consumer's
-    step), other small ones one step ahead from ``next()`` itself, other large ones by a
-    background thread that keeps at most ``depth`` batches fetched ahead (``producer``).
-    Each yielded batch is ready on the consumer's current stream and its device memory
-    is not reused before that stream is done with it -- no ``record_stream`` or sync
-    needed by the caller. Already-pinned tensors (``DataLoader(pin_memory=True)``) are sent
-    directly, without staging. Nested structures (dict, list, tuple, namedtuple,
-    dataclass) and non-tensor fields pass through. An exception raised by the
-    source is raised by the consumer's ``next()`` at the same step, after the
-    batches before it.
+    Batches are pulled from ``iterable`` and sent to ``device`` as :func:`pinxfer.to_device`
+    sends them, ahead of use: batches of plain CPU tensors one step ahead (each ``next()``
+    hands out the batch sent at the previous step and starts the next, which pinxfer's
+    per-device C++ sender threads send during the consumer's step;
+    ``PINXFER_SENDER_WORKERS``), other small ones one step ahead from ``next()`` itself,
+    other large ones by a background thread that keeps at most ``depth`` batches fetched
+    ahead (``producer``). Each yielded batch is ready on the consumer's current stream and
+    its device memory is not reused before that stream is done with it -- no
+    ``record_stream`` or sync needed by the caller. Already-pinned tensors
+    (``DataLoader(pin_memory=True)``) are sent directly, without staging. Nested structures
+    (dict, list, tuple, namedtuple, dataclass) and non-tensor fields pass through. An
+    exception raised by the source is raised by the consumer's ``next()`` at the same step,
+    after the batches before it.
 
     Without CUDA: ``device=None`` means ``"cpu"``: batches are prefetched by the
     thread and yielded unchanged (so loading still overlaps the consumer). Asking
