@@ -29,7 +29,12 @@ SerialJobs::SerialJobs(int64_t spin_us, std::string name, int workers)
     : spin_us_(spin_us), name_(std::move(name)) {
   TORCH_CHECK(workers >= 1, name_, ": a job queue needs at least one worker, got ", workers);
   workers_.reserve(static_cast<size_t>(workers));
-  for (int w = 0; w < workers; ++w) workers_.emplace_back([this] { work(); });
+  try {
+    for (int w = 0; w < workers; ++w) workers_.emplace_back([this] { work(); });
+  } catch (...) {
+    close();  // a thread that could not start: join those that did, or their destructor aborts
+    throw;
+  }
 }
 
 SerialJobs::~SerialJobs() { close(); }
