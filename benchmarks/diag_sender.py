@@ -209,8 +209,8 @@ def main() -> int:
 
             run_pass("prefetch")
             run_pass("loop")
-            sender = _ops.fast.batch_sender(dev)
             if args.trace:
+                sender = _ops.fast.batch_sender(dev)
                 _ops.fast._set_sender_tracing(True)
                 taken_before = sender.taken
             for p in range(args.passes):

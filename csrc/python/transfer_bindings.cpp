@@ -84,8 +84,9 @@ void bind_batch_sender(pybind11::module_& m) {
   // destroyed: Python holds them without owning them.
   py::class_<ops::BatchSender, std::unique_ptr<ops::BatchSender, py::nodelete>>(
       m, "BatchSender",
-      "The process's sender of plain CPU tensors to one GPU, by a thread of its own "
-      "(pinxfer.prefetch's sender road; csrc/ops/cuda/batch_sender.h): batch_sender(device)")
+      "The process's sender of plain CPU tensors to one GPU, by threads of its own "
+      "(PINXFER_SENDER_WORKERS; pinxfer.prefetch's sender road; csrc/ops/cuda/batch_sender.h): "
+      "batch_sender(device)")
       .def("submit",
            torch::wrap_pybind_function([](ops::BatchSender& sender, std::vector<at::Tensor> leaves,
                                           int64_t chunk_bytes, int64_t num_buffers) {
