@@ -81,8 +81,10 @@ PackedOnDevice pack_to_device(at::TensorList tensors, c10::Device device, bool w
 // caller's current stream by the caller, larger through the copy stream (the
 // pipeline, or one DMA from pinned memory), handed over to the current stream.
 // csrc/ops/cuda/to_device_cuda.cpp
+// on_current_stream: every copy on the caller's current stream, no copy-stream hop and no
+// hand-over (prefetch's BatchSender, whose workers each own a stream).
 at::Tensor send_to_device(const at::Tensor& self, c10::Device device,
-                          const transfer::StagingOptions& options);
+                          const transfer::StagingOptions& options, bool on_current_stream = false);
 // The leaves of a batch, each a plain dense CPU tensor, to `device` as pinxfer.to_device
 // sends a batch: those of at most transfer::kCurrentStreamBytes packed into one copy
 // (pack_to_device, views) when there are two or more (the largest alone where the pack fits
@@ -91,7 +93,8 @@ at::Tensor send_to_device(const at::Tensor& self, c10::Device device,
 // code gets the same rule from pinxfer/transfer.py's _send_leaves over the operators.
 // csrc/ops/cuda/to_device_cuda.cpp
 std::vector<at::Tensor> send_batch_leaves(const std::vector<at::Tensor>& leaves, c10::Device device,
-                                          const transfer::StagingOptions& options);
+                                          const transfer::StagingOptions& options,
+                                          bool on_current_stream = false);
 // The op's staging arguments, checked (ranges, the staging mode's name).
 transfer::StagingOptions staging_options(int64_t chunk_bytes, int64_t num_buffers,
                                          c10::string_view staging, int64_t cached_tail);

@@ -8,6 +8,7 @@
 #include <cuda_runtime_api.h>
 
 #include <atomic>
+#include <cstdlib>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -39,6 +40,17 @@ void CUDART_CB mark_landed(void* flag) {
 }
 
 std::atomic<bool> g_sender_tracing{false};  // set_sender_tracing
+
+// EXPERIMENT (session 27, not a setting): 1 sends the pipelined leaves on the worker's own
+// stream instead of the device's copy stream (no hand-over; two workers' DMAs never
+// interleave in one FIFO).
+bool experiment_own_stream() {
+  static const bool on = [] {
+    const char* v = std::getenv("PINXFER_EXP_SENDER_OWN_STREAM");
+    return v != nullptr && std::string(v) == "1";
+  }();
+  return on;
+}
 
 BatchSender::LandingMode landing_mode_from(const std::string& name) {
   if (name == "event") return BatchSender::LandingMode::kEvent;
@@ -174,7 +186,7 @@ void BatchSender::send(Job& job) {
   const bool tracing = job.trace.submitted_ns != 0;
   if (tracing) job.trace.started_ns = steady_now_ns();
   try {
-    job.outs = send_batch_leaves(job.leaves, device_, job.options);
+    job.outs = send_batch_leaves(job.leaves, device_, job.options, experiment_own_stream());
     if (tracing) {
       job.trace.sent_ns = steady_now_ns();
       // This thread's last single-block transfer, if this job made it (mustered after the

@@ -120,7 +120,7 @@ transfer::StagingOptions staging_options(int64_t chunk_bytes, int64_t num_buffer
 }
 
 at::Tensor send_to_device(const at::Tensor& self, c10::Device device,
-                          const transfer::StagingOptions& options) {
+                          const transfer::StagingOptions& options, bool on_current_stream) {
   check_cuda_usable("to_device");
   const c10::DeviceIndex index = resolve_device(device, "to_device");
   c10::cuda::CUDAGuard guard(index);
@@ -149,7 +149,7 @@ at::Tensor send_to_device(const at::Tensor& self, c10::Device device,
     }
     return out;
   }
-  const c10::cuda::CUDAStream copy = copy_stream_for(index);
+  const c10::cuda::CUDAStream copy = on_current_stream ? cur : copy_stream_for(index);
   if (pipelined) crew.streams_found = std::chrono::steady_clock::now();
   at::Tensor out = transfer::empty_on_stream(src.sizes(), on_device, copy);
   if (pipelined) {
@@ -158,7 +158,7 @@ at::Tensor send_to_device(const at::Tensor& self, c10::Device device,
   } else {
     transfer::direct_copy(src, out, copy);
   }
-  transfer::hand_over(out, copy, cur);
+  if (!on_current_stream) transfer::hand_over(out, copy, cur);
   return out;
 }
 
@@ -222,7 +222,8 @@ PackedOnDevice pack_to_device(at::TensorList tensors, c10::Device device, bool w
 }
 
 std::vector<at::Tensor> send_batch_leaves(const std::vector<at::Tensor>& leaves, c10::Device device,
-                                          const transfer::StagingOptions& options) {
+                                          const transfer::StagingOptions& options,
+                                          bool on_current_stream) {
   // The small leaves packed: one copy, one device allocation, instead of one each (but the
   // largest alone where that keeps both sends on the current stream: leaf_sent_apart).
   std::vector<at::Tensor> out(leaves.size());
@@ -231,7 +232,7 @@ std::vector<at::Tensor> send_batch_leaves(const std::vector<at::Tensor>& leaves,
     if (leaves[i].nbytes() <= transfer::kCurrentStreamBytes) {
       small.push_back(i);
     } else {
-      out[i] = send_to_device(leaves[i], device, options);
+      out[i] = send_to_device(leaves[i], device, options, on_current_stream);
     }
   }
   if (small.size() >= 2) {
@@ -240,12 +241,12 @@ std::vector<at::Tensor> send_batch_leaves(const std::vector<at::Tensor>& leaves,
     for (size_t i : small) sizes.push_back(leaves[i].nbytes());
     if (const std::ptrdiff_t apart = transfer::leaf_sent_apart(sizes, kPackAlign); apart >= 0) {
       const size_t i = small[static_cast<size_t>(apart)];
-      out[i] = send_to_device(leaves[i], device, options);
+      out[i] = send_to_device(leaves[i], device, options, on_current_stream);
       small.erase(small.begin() + apart);
     }
   }
   if (small.size() == 1) {
-    out[small[0]] = send_to_device(leaves[small[0]], device, options);
+    out[small[0]] = send_to_device(leaves[small[0]], device, options, on_current_stream);
   } else if (!small.empty()) {
     std::vector<at::Tensor> packed_leaves;
     packed_leaves.reserve(small.size());
