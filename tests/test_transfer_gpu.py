@@ -1080,6 +1080,32 @@ def test_sender_workers_hand_every_batch_over_whole(workers):
         assert got["overlapped"] >= 1, got
 
 
+def test_sender_copies_do_not_queue_on_the_copy_stream():
+    """The sender sends every copy of a batch on its worker's own stream, a pipelined leaf
+    (8 MiB) and a pack past 256 KiB too, not on the device's copy stream: with that stream
+    held by a GPU sleep of about two seconds, each batch is taken and read on the consumer's
+    stream, every byte intact, while the sleep still runs (on the copy stream its DMAs would
+    have queued behind it). to_device itself still copies there: its result waits."""
+    from pinxfer.transfer import DEFAULT_CHUNK_BYTES, DEFAULT_NUM_BUFFERS
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    sender = pinxfer._C.batch_sender(dev)
+    batches = [
+        [_random_bytes(8 * MiB + 17, seed=1), _random_bytes(1000, seed=2)],  # a pipelined leaf
+        [_random_bytes(200_000 + i, seed=3 + i) for i in range(3)],  # one pack of 600 KB
+    ]
+    copy_stream = pinxfer.transfer.copy_stream(dev)
+    _delay_copies(40 * SLEEP)
+    for batch in batches:
+        got = sender.take(sender.submit(list(batch), DEFAULT_CHUNK_BYTES, DEFAULT_NUM_BUFFERS))
+        for y, x in zip(got, batch):
+            _check(y, x)  # .cpu(): the consumer's stream has read it
+    assert not copy_stream.query(), "the copy stream's sleep ended first: lengthen it"
+    y = pinxfer.to_device(batches[0][0])
+    assert not torch.cuda.current_stream().query()  # waits for the copy stream's sleep
+    _check(y, batches[0][0])
+
+
 def test_sender_job_traces_follow_each_batch_in_order():
     """DIAGNOSTIC (_set_sender_tracing, BatchSender._job_traces; diag_sender.py --trace):
     each taken job is traced in order, its times in order (submitted, started, sent, taken),

@@ -75,16 +75,24 @@ struct PackedOnDevice {
   at::Tensor packed;
   std::vector<at::Tensor> views;
 };
-PackedOnDevice pack_to_device(at::TensorList tensors, c10::Device device, bool want_views);
+
+// Where a copy larger than transfer::kCurrentStreamBytes runs (smaller ones always run on the
+// caller's current stream). kCopyStream: on the device's copy stream, handed over to the
+// current stream, so it overlaps the work queued there (to_device). kCurrentStream: on the
+// current stream, no hop and no hand-over: prefetch's BatchSender, whose workers each own a
+// stream nothing else uses (two workers' DMAs then never queue in one FIFO, each batch's
+// copies end as soon as its own bytes are sent; csrc/README.md, "The sender road").
+enum class LargeCopies { kCopyStream, kCurrentStream };
+
+PackedOnDevice pack_to_device(at::TensorList tensors, c10::Device device, bool want_views,
+                              LargeCopies large = LargeCopies::kCopyStream);
 
 // to_device of one CPU tensor: up to transfer::kCurrentStreamBytes on the
-// caller's current stream by the caller, larger through the copy stream (the
-// pipeline, or one DMA from pinned memory), handed over to the current stream.
-// csrc/ops/cuda/to_device_cuda.cpp
-// on_current_stream: every copy on the caller's current stream, no copy-stream hop and no
-// hand-over (prefetch's BatchSender, whose workers each own a stream).
+// caller's current stream by the caller, larger by the pipeline (or one DMA from
+// pinned memory) on the stream `large` says. csrc/ops/cuda/to_device_cuda.cpp
 at::Tensor send_to_device(const at::Tensor& self, c10::Device device,
-                          const transfer::StagingOptions& options, bool on_current_stream = false);
+                          const transfer::StagingOptions& options,
+                          LargeCopies large = LargeCopies::kCopyStream);
 // The leaves of a batch, each a plain dense CPU tensor, to `device` as pinxfer.to_device
 // sends a batch: those of at most transfer::kCurrentStreamBytes packed into one copy
 // (pack_to_device, views) when there are two or more (the largest alone where the pack fits
@@ -94,7 +102,7 @@ at::Tensor send_to_device(const at::Tensor& self, c10::Device device,
 // csrc/ops/cuda/to_device_cuda.cpp
 std::vector<at::Tensor> send_batch_leaves(const std::vector<at::Tensor>& leaves, c10::Device device,
                                           const transfer::StagingOptions& options,
-                                          bool on_current_stream = false);
+                                          LargeCopies large = LargeCopies::kCopyStream);
 // The op's staging arguments, checked (ranges, the staging mode's name).
 transfer::StagingOptions staging_options(int64_t chunk_bytes, int64_t num_buffers,
                                          c10::string_view staging, int64_t cached_tail);

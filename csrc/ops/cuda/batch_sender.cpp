@@ -8,7 +8,6 @@
 #include <cuda_runtime_api.h>
 
 #include <atomic>
-#include <cstdlib>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -40,17 +39,6 @@ void CUDART_CB mark_landed(void* flag) {
 }
 
 std::atomic<bool> g_sender_tracing{false};  // set_sender_tracing
-
-// EXPERIMENT (session 27, not a setting): 1 sends the pipelined leaves on the worker's own
-// stream instead of the device's copy stream (no hand-over; two workers' DMAs never
-// interleave in one FIFO).
-bool experiment_own_stream() {
-  static const bool on = [] {
-    const char* v = std::getenv("PINXFER_EXP_SENDER_OWN_STREAM");
-    return v != nullptr && std::string(v) == "1";
-  }();
-  return on;
-}
 
 BatchSender::LandingMode landing_mode_from(const std::string& name) {
   if (name == "event") return BatchSender::LandingMode::kEvent;
@@ -186,7 +174,9 @@ void BatchSender::send(Job& job) {
   const bool tracing = job.trace.submitted_ns != 0;
   if (tracing) job.trace.started_ns = steady_now_ns();
   try {
-    job.outs = send_batch_leaves(job.leaves, device_, job.options, experiment_own_stream());
+    // Every copy on the worker's stream, the pipelined leaves too (not the device's copy
+    // stream): csrc/README.md, "The sender road", session 27.
+    job.outs = send_batch_leaves(job.leaves, device_, job.options, LargeCopies::kCurrentStream);
     if (tracing) {
       job.trace.sent_ns = steady_now_ns();
       // This thread's last single-block transfer, if this job made it (mustered after the

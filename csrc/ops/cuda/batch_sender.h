@@ -33,7 +33,10 @@
 // One sender serves every pass of a process on its device (batch_sender_for, made at the
 // first use and leaked, as the thread pools are; a forked child starts with none): jobs
 // start in the order submitted, so no pass pays for starting a thread.
-// Workers (PINXFER_SENDER_WORKERS, default 2): each sends on a stream of its own. With two,
+// Workers (PINXFER_SENDER_WORKERS, default 2): each sends on a stream of its own, every copy
+// of its jobs (their pipelined leaves too: LargeCopies::kCurrentStream, not the device's copy
+// stream to_device uses, so two workers' DMAs never queue in one FIFO and no hand-over is
+// made; csrc/README.md, "The sender road", session 27). With two,
 // the next batch starts while the last one's staging ends: one worker's cycle per batch is
 // the send's setup before its first DMA, the staging, and the small leaves' send after the
 // big one, all on the host (8 MiB back to back on the H200: 216 µs a batch against a

@@ -120,7 +120,7 @@ transfer::StagingOptions staging_options(int64_t chunk_bytes, int64_t num_buffer
 }
 
 at::Tensor send_to_device(const at::Tensor& self, c10::Device device,
-                          const transfer::StagingOptions& options, bool on_current_stream) {
+                          const transfer::StagingOptions& options, LargeCopies large) {
   check_cuda_usable("to_device");
   const c10::DeviceIndex index = resolve_device(device, "to_device");
   c10::cuda::CUDAGuard guard(index);
@@ -149,7 +149,8 @@ at::Tensor send_to_device(const at::Tensor& self, c10::Device device,
     }
     return out;
   }
-  const c10::cuda::CUDAStream copy = on_current_stream ? cur : copy_stream_for(index);
+  const bool on_current = large == LargeCopies::kCurrentStream;
+  const c10::cuda::CUDAStream copy = on_current ? cur : copy_stream_for(index);
   if (pipelined) crew.streams_found = std::chrono::steady_clock::now();
   at::Tensor out = transfer::empty_on_stream(src.sizes(), on_device, copy);
   if (pipelined) {
@@ -158,7 +159,7 @@ at::Tensor send_to_device(const at::Tensor& self, c10::Device device,
   } else {
     transfer::direct_copy(src, out, copy);
   }
-  if (!on_current_stream) transfer::hand_over(out, copy, cur);
+  if (!on_current) transfer::hand_over(out, copy, cur);
   return out;
 }
 
@@ -181,7 +182,8 @@ void release_finished_sources_of(c10::Device device) {
   transfer::release_finished_sources(resolve_device(device, "release_finished_sources"));
 }
 
-PackedOnDevice pack_to_device(at::TensorList tensors, c10::Device device, bool want_views) {
+PackedOnDevice pack_to_device(at::TensorList tensors, c10::Device device, bool want_views,
+                              LargeCopies large) {
   // With views this is pinxfer.to_device of a batch (the fast call): errors name that.
   const char* op = want_views ? "to_device" : "to_device_packed";
   check_cuda_usable(op);
@@ -200,8 +202,10 @@ PackedOnDevice pack_to_device(at::TensorList tensors, c10::Device device, bool w
     total = checked_round_up(checked_add(total, srcs.back().nbytes(), op), kPackAlign, op);
   }
   const c10::cuda::CUDAStream cur = c10::cuda::getCurrentCUDAStream(index);
-  // Small: on the caller's stream (pipeline.h, kCurrentStreamBytes, says why).
-  const bool on_current = total <= transfer::kCurrentStreamBytes;
+  // Small: on the caller's stream (pipeline.h, kCurrentStreamBytes, says why); larger where
+  // `large` says.
+  const bool on_current =
+      total <= transfer::kCurrentStreamBytes || large == LargeCopies::kCurrentStream;
   const c10::cuda::CUDAStream copy = on_current ? cur : copy_stream_for(index);
   PackedOnDevice result;
   result.packed = transfer::empty_on_stream(
@@ -223,7 +227,7 @@ PackedOnDevice pack_to_device(at::TensorList tensors, c10::Device device, bool w
 
 std::vector<at::Tensor> send_batch_leaves(const std::vector<at::Tensor>& leaves, c10::Device device,
                                           const transfer::StagingOptions& options,
-                                          bool on_current_stream) {
+                                          LargeCopies large) {
   // The small leaves packed: one copy, one device allocation, instead of one each (but the
   // largest alone where that keeps both sends on the current stream: leaf_sent_apart).
   std::vector<at::Tensor> out(leaves.size());
@@ -232,7 +236,7 @@ std::vector<at::Tensor> send_batch_leaves(const std::vector<at::Tensor>& leaves,
     if (leaves[i].nbytes() <= transfer::kCurrentStreamBytes) {
       small.push_back(i);
     } else {
-      out[i] = send_to_device(leaves[i], device, options, on_current_stream);
+      out[i] = send_to_device(leaves[i], device, options, large);
     }
   }
   if (small.size() >= 2) {
@@ -241,17 +245,17 @@ std::vector<at::Tensor> send_batch_leaves(const std::vector<at::Tensor>& leaves,
     for (size_t i : small) sizes.push_back(leaves[i].nbytes());
     if (const std::ptrdiff_t apart = transfer::leaf_sent_apart(sizes, kPackAlign); apart >= 0) {
       const size_t i = small[static_cast<size_t>(apart)];
-      out[i] = send_to_device(leaves[i], device, options, on_current_stream);
+      out[i] = send_to_device(leaves[i], device, options, large);
       small.erase(small.begin() + apart);
     }
   }
   if (small.size() == 1) {
-    out[small[0]] = send_to_device(leaves[small[0]], device, options, on_current_stream);
+    out[small[0]] = send_to_device(leaves[small[0]], device, options, large);
   } else if (!small.empty()) {
     std::vector<at::Tensor> packed_leaves;
     packed_leaves.reserve(small.size());
     for (size_t i : small) packed_leaves.push_back(leaves[i]);
-    PackedOnDevice packed = pack_to_device(packed_leaves, device, /*want_views=*/true);
+    PackedOnDevice packed = pack_to_device(packed_leaves, device, /*want_views=*/true, large);
     for (size_t k = 0; k < small.size(); ++k) out[small[k]] = std::move(packed.views[k]);
   }
   return out;
