@@ -54,9 +54,11 @@ DEFAULT_NUM_BUFFERS = 16
 def copy_stream(device: DeviceLike | None = None) -> torch.cuda.Stream:
     """The CUDA stream pinxfer's host -> device copies to ``device`` run on.
 
-    One dedicated non-blocking stream per device, created on first use. You never
-    need it for correctness (``to_device`` makes your current stream wait for its
-    copies); it is there to find the copies in a profile, or to order other work
+    One dedicated non-blocking stream per device, created on first use, for
+    ``to_device``'s copies of more than 256 KiB (smaller ones run on your current
+    stream; ``prefetch``'s batch sender copies on streams of its own workers). You
+    never need it for correctness (``to_device`` makes your current stream wait for
+    its copies); it is there to find the copies in a profile, or to order other work
     after them.
 
     Args:
