@@ -15,6 +15,12 @@ round; one that moves it in some rounds only has not been shown to move it.
     python benchmarks/compare_loop.py B1.json A1.json B2.json A2.json ... [--title TEXT]
     python benchmarks/compare_loop.py --session FILE --before NAME --after NAME
         (FILE: {"runs": {variant: {round: bench_loop JSON}}}, as results/<kind>/loop_*_call*.json)
+    python benchmarks/compare_loop.py --side-by-side RUN.json RUN.json [RUN.json ...]
+
+--side-by-side puts whole runs next to each other, one figure per run in every cell ("a / b /
+c"), with the rows each run missed and its small-call rows: the whole table of a closing note,
+before and after, where "after" is several processes of one build (the processes' spread is
+then in the table itself).
 """
 
 from __future__ import annotations
@@ -135,6 +141,53 @@ def rounds_table(pairs: list[tuple[dict, dict]], title: str) -> str:
     return "\n".join(out)
 
 
+# Short names of the ways for the "missed" column, in the order bench_loop judges them.
+MISSED_WAYS = [
+    ("to_device", "td"),
+    ("to_device_batch", "batch"),
+    ("prefetch_steady", "pf"),
+    ("prefetch_pass", "pass"),
+    ("pin_memory", "pin"),
+]
+
+
+def side_by_side_table(runs: list[dict], title: str) -> str:
+    """Whole runs side by side: each cell one median ratio per run ("a / b / c"), and per
+    run the ways whose row missed a target; then each run's count of passing rows and its
+    small-call rows."""
+    indexed = [_index(run) for run in runs]
+    columns = [*_header(), "missed (" + " / ".join(f"run {i + 1}" for i in range(len(runs))) + ")"]
+    out = table_head(f"{title}: median ratios, run by run", 1, columns)
+    for size, pattern in _row_order(runs[-1]):
+        cells = [size, pattern]
+        for way, _, xp in WAYS:
+            for key in ("ratio_torch", "ratio_pinned") if xp else ("ratio_torch",):
+                got = [_median_ratio(ix.get((size, pattern, way)), key) for ix in indexed]
+                cells.append(" / ".join("-" if g is None else f"{g:.2f}" for g in got))
+        missed = []
+        for ix in indexed:
+            names = [
+                short
+                for way, short in MISSED_WAYS
+                if (ix.get((size, pattern, way)) or {}).get("verdict") == "MISS"
+            ]
+            missed.append(",".join(names) or "none")
+        cells.append(" / ".join(missed))
+        out.append("| " + " | ".join(cells) + " |")
+    judged = sum(r.get("verdict") is not None for r in runs[-1]["rows"])
+    out += [
+        "",
+        f"rows meeting every target: {' / '.join(str(_passed(r)) for r in runs)} of {judged}",
+    ]
+    by_name: dict[str, list[str]] = {}
+    for run in runs:
+        for row in run.get("small_rows", []):
+            text = f"{row['ours_text']} (torch {row['ref_text']}) {row['verdict']}"
+            by_name.setdefault(f"{row['name']} ({row['target']})", []).append(text)
+    out += [f"- {name}: {' / '.join(texts)}" for name, texts in by_name.items()]
+    return "\n".join(out)
+
+
 def session_pairs(
     session: dict, before: str, after: str, tool: str = "compare_loop"
 ) -> list[tuple[dict, dict]]:
@@ -181,7 +234,15 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_pair_arguments(ap, "bench_loop runs")
     ap.add_argument("--title", default="bench_loop")
+    ap.add_argument(
+        "--side-by-side", action="store_true", help="the files as whole runs next to each other"
+    )
     args = ap.parse_args(argv)
+    if args.side_by_side:
+        if args.session or len(args.files) < 2:
+            ap.error("--side-by-side takes two or more run files, and no --session")
+        print(side_by_side_table([_load(p) for p in args.files], args.title))
+        return
     print(rounds_table(pairs_from_arguments(ap, args, "compare_loop"), args.title))
 
 

@@ -90,6 +90,42 @@ def test_compare_loop_counts_the_rounds_a_change_moved_a_row(tmp_path):
     assert missing.returncode != 0 and "no variant 'x'" in missing.stderr
 
 
+def test_compare_loop_side_by_side_puts_whole_runs_in_each_cell(tmp_path):
+    """--side-by-side: one figure per run in every cell, in the order given, the ways each run
+    missed, the passing rows per run and each small-call row across the runs; fewer than two
+    runs, or a session file, are refused."""
+    runs = [_loop_run(0.70), _loop_run(0.74), _loop_run(0.81, "PASS")]
+    for run, (ours, verdict) in zip(
+        runs, [("2.9 us", "MISS"), ("1.4 us", "MISS"), ("1.0 us", "PASS")]
+    ):
+        run["small_rows"] = [
+            {
+                "name": "empty",
+                "target": "<= torch",
+                "ours_text": ours,
+                "ref_text": "1.1 us",
+                "verdict": verdict,
+            }
+        ]
+    paths = []
+    for i, run in enumerate(runs):
+        paths.append(str(tmp_path / f"run{i}.json"))
+        with open(paths[-1], "w") as f:
+            json.dump(run, f)
+    proc = _compare_loop(["--side-by-side", *paths])
+    assert proc.returncode == 0, proc.stderr
+    row = next(line for line in proc.stdout.splitlines() if line.startswith("| 8MiB | b2b"))
+    assert "| 1.40 / 1.48 / 1.62 | 0.70 / 0.74 / 0.81 |" in row
+    assert row.endswith("| td / td / none |")
+    assert "rows meeting every target: 0 / 0 / 1 of 1" in proc.stdout
+    assert (
+        "- empty (<= torch): 2.9 us (torch 1.1 us) MISS / 1.4 us (torch 1.1 us) MISS / "
+        in proc.stdout
+    )
+    one = _compare_loop(["--side-by-side", paths[0]])
+    assert one.returncode != 0 and "two or more run files" in one.stderr
+
+
 def _timeline_run(wall: float, offer_at: float) -> dict:
     """A diag_chunk_timeline result of one size: pinxfer's auto-staged calls and the whole
     pinned copy, back to back and after a sleep."""
