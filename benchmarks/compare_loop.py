@@ -64,8 +64,19 @@ def _row_order(data: dict) -> list[tuple[str, str]]:
     return [(size, pattern) for _, _, size, pattern in sorted(keys)]
 
 
+def _ratio_cells() -> list[tuple[str, str]]:
+    """(way, ratio key) of each figure column, in _header's order."""
+    keys = ("ratio_torch", "ratio_pinned")
+    return [(way, key) for way, _, xp in WAYS for key in (keys if xp else keys[:1])]
+
+
 def _passed(data: dict) -> int:
     return sum(r.get("verdict") == "PASS" for r in data["rows"])
+
+
+def _judged(data: dict) -> int:
+    """Rows with a verdict (torch's rows have none)."""
+    return sum(r.get("verdict") is not None for r in data["rows"])
 
 
 def table_head(title: str, rounds: int, columns: list[str]) -> list[str]:
@@ -108,23 +119,22 @@ def rounds_table(pairs: list[tuple[dict, dict]], title: str) -> str:
     higher_every = lower_every = cells_seen = 0
     for size, pattern in _row_order(pairs[-1][1]):
         cells = [size, pattern]
-        for way, _, xp in WAYS:
-            for key in ("ratio_torch", "ratio_pinned") if xp else ("ratio_torch",):
-                got = [
-                    (
-                        _median_ratio(b.get((size, pattern, way)), key),
-                        _median_ratio(a.get((size, pattern, way)), key),
-                    )
-                    for b, a in indexed
-                ]
-                cell, higher, seen = rounds_cell(got, ".2f", rounds)
-                cells.append(cell)
-                if rounds > 1 and seen:
-                    cells_seen += 1
-                    higher_every += higher == seen
-                    lower_every += higher == 0
+        for way, key in _ratio_cells():
+            got = [
+                (
+                    _median_ratio(b.get((size, pattern, way)), key),
+                    _median_ratio(a.get((size, pattern, way)), key),
+                )
+                for b, a in indexed
+            ]
+            cell, higher, seen = rounds_cell(got, ".2f", rounds)
+            cells.append(cell)
+            if rounds > 1 and seen:
+                cells_seen += 1
+                higher_every += higher == seen
+                lower_every += higher == 0
         out.append("| " + " | ".join(cells) + " |")
-    judged = sum(r.get("verdict") is not None for r in pairs[-1][1]["rows"])  # torch's: none
+    judged = _judged(pairs[-1][1])
     passed = ", ".join(f"{_passed(b)} -> {_passed(a)}" for b, a in pairs)
     out += ["", f"rows meeting every target: {passed} of {judged}"]
     if rounds > 1:
@@ -160,10 +170,9 @@ def side_by_side_table(runs: list[dict], title: str) -> str:
     out = table_head(f"{title}: median ratios, run by run", 1, columns)
     for size, pattern in _row_order(runs[-1]):
         cells = [size, pattern]
-        for way, _, xp in WAYS:
-            for key in ("ratio_torch", "ratio_pinned") if xp else ("ratio_torch",):
-                got = [_median_ratio(ix.get((size, pattern, way)), key) for ix in indexed]
-                cells.append(" / ".join("-" if g is None else f"{g:.2f}" for g in got))
+        for way, key in _ratio_cells():
+            got = [_median_ratio(ix.get((size, pattern, way)), key) for ix in indexed]
+            cells.append(" / ".join("-" if g is None else f"{g:.2f}" for g in got))
         missed = []
         for ix in indexed:
             names = [
@@ -174,7 +183,7 @@ def side_by_side_table(runs: list[dict], title: str) -> str:
             missed.append(",".join(names) or "none")
         cells.append(" / ".join(missed))
         out.append("| " + " | ".join(cells) + " |")
-    judged = sum(r.get("verdict") is not None for r in runs[-1]["rows"])
+    judged = _judged(runs[-1])
     out += [
         "",
         f"rows meeting every target: {' / '.join(str(_passed(r)) for r in runs)} of {judged}",
