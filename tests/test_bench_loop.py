@@ -220,3 +220,37 @@ def test_diag_midsize_report_reads_every_field_its_measure_writes():
     only = {k: v for k, v in cell.items() if k not in ("torch_pin", "pin_memory")}
     only["pin_memory_calls"] = []  # the pinxfer_only variant: to_device alone
     assert "to_device 250/245" in diag_midsize.report("pinxfer_only", {"8MiB": only})
+
+
+def test_diag_write_target_times_each_target_and_reports_where_it_lies():
+    """benchmarks/diag_write_target.py on the CPU, with a pageable tensor standing in for
+    torch's pinned block (which needs CUDA): every target is copied into in the rotation, its
+    bytes are the source's after it, and the report reads every field measure() writes (the
+    ratio against torch_pinned, the address modulo 4 KiB and 2 MiB, the mapping's pages)."""
+    import torch
+
+    import pinxfer
+
+    diag = benchmark_module("diag_write_target")
+    numel = 1 << 16  # 256 KiB of float32
+    base = torch.randn(numel + diag.PAGE // 4)
+    src = diag.offset_view(base, 64, numel)
+    assert src.data_ptr() - base.data_ptr() == 64 and src.numel() == numel
+    dsts = {
+        "torch_pinned": torch.empty(numel),
+        "pool": pinxfer.empty(numel),
+        "pool_off2k": diag.offset_view(pinxfer.empty(numel + diag.PAGE // 4), 2048, numel),
+    }
+    times = diag.time_copies(src, dsts, rounds=4)
+    assert {k: len(v) for k, v in times.items()} == dict.fromkeys(dsts, 4)
+    for dst in dsts.values():
+        assert torch.equal(dst, src)
+    ways = diag.summarize(times, src.nbytes)
+    assert ways["torch_pinned"]["torch_pinned_over_this"] == 1.0
+    places = {k: diag.place(v) for k, v in dsts.items()}
+    assert places["pool_off2k"]["mod_4k"] == dsts["pool_off2k"].data_ptr() % diag.PAGE
+    assert "KernelPageSize" in places["pool"]  # the mapping was found in /proc/self/smaps
+    cell = {"ways": ways, "source": diag.place(src), "targets": places}
+    text = diag.report({"256KiB src+64": cell})
+    assert text.splitlines()[0].startswith("256KiB src+64  (source mod 4K ")
+    assert all(name in text for name in dsts) and "x1.00" in text
