@@ -38,9 +38,17 @@ loop for prefetch); "x pinned" is against torch_pinned_to of the same size and p
 Small-call rows (issue 22's table) follow, then CPU seconds per GB of a 1 GiB transfer and
 the process's idle CPU over 1 s after the transfers; the pinxfer.install() rows run last.
 
-Ways run interleaved, round by round in a rotated order, so that the host's drift falls on
-all of them alike. Samples per cell are adaptive: a time budget (--budget) is shared over
-the cells (largest sizes first, so that they get their minimum), capped per size.
+Ways run interleaved, every way once a round, so that the host's drift falls on all of them
+alike, in orders that vary which way runs before which (balanced_orders: every way follows
+every other equally often), so that what one way leaves behind does too. Until 2026-12-02 the
+order was a rotation of one list, in which each way always followed the same one (pin_memory
+always came after to_device_batch, t.pin_memory() after t.pin_memory().to()): a change to
+to_device's staging stores alone moved pin_memory's row from 0.79 to 0.95 of torch's
+(csrc/README.md, "The sender road", session 28). Rows of earlier runs that such leftovers move
+are not comparable one to one with later ones.
+
+Samples per cell are adaptive: a time budget (--budget) is shared over the cells (largest
+sizes first, so that they get their minimum), capped per size.
 
 Usage:
   python3 benchmarks/bench_loop.py                  # results/<kind>/loop.json (~5 min, H100)
@@ -91,7 +99,7 @@ IDLE_CPU_LIMIT_S = 0.005
 
 
 def call_ways(px: Any, t: Any, pinned: Any, batch: dict, dev: Any) -> dict[str, Callable[[], Any]]:
-    """The per-call ways of a cell, in bench_loop's order (the rotation starts from it):
+    """The per-call ways of a cell, in bench_loop's order (balanced_orders permutes it):
     pinxfer's three and torch's four, over the same tensor `t` (pageable), its pinned copy
     and a batch. benchmarks/diag_midsize.py runs the same ones."""
     return {
@@ -230,6 +238,27 @@ def gpu_sleep_cycles(seconds: float, sync: Callable[[], None]) -> int:
     return int(seconds * statistics.median(rates))
 
 
+def balanced_orders(names: list[str]) -> list[list[str]]:
+    """Orders of `names` for successive rounds, in which every way runs right after every
+    other way equally often (within the rounds) and first equally often: a Williams design
+    (a balanced Latin square; for an odd count, each order and its reverse). So what a way
+    leaves behind (cached lines, awake copy threads, torch's spinning team) falls on every
+    other way alike, as the host's drift does when each round runs every way once."""
+    n = len(names)
+    first, low, high = [0], 1, n - 1
+    while len(first) < n:  # 0, 1, n-1, 2, n-2, ...
+        if len(first) % 2:
+            first.append(low)
+            low += 1
+        else:
+            first.append(high)
+            high -= 1
+    rows = [[(i + r) % n for i in first] for r in range(n)]
+    if n % 2:
+        rows += [row[::-1] for row in rows]
+    return [[names[i] for i in row] for row in rows]
+
+
 def run_rounds(
     ways: dict[str, Callable[[], Any]],
     n: int,
@@ -240,16 +269,16 @@ def run_rounds(
     clock: Callable[[], float] = time.perf_counter,
     order_log: list | None = None,
 ) -> tuple[dict, dict]:
-    """n rounds; each round calls every way once, timed to completion (call + sync), in an
-    order rotated round by round. warm_each: an untimed call of the same way (synced) just
-    before the timed one (back to back); gap: called just before the timed call (idle).
+    """n rounds; each round calls every way once, timed to completion (call + sync), in the
+    round's order from balanced_orders. warm_each: an untimed call of the same way (synced)
+    just before the timed one (back to back); gap: called just before the timed call (idle).
     Returns ({way: [seconds]}, {way: [cpu seconds]})."""
     names = list(ways)
+    orders = balanced_orders(names)
     times: dict[str, list[float]] = {k: [] for k in names}
     cpu: dict[str, list[float]] = {k: [] for k in names}
     for r in range(n):
-        k = r % len(names)
-        for name in names[k:] + names[:k]:
+        for name in orders[r % len(orders)]:
             fn = ways[name]
             if warm_each:
                 fn()
@@ -547,7 +576,20 @@ def self_test() -> int:
     assert plan_samples(1.0, 4.5, 8 * MiB) == 4
     assert plan_samples(0.001, 10.0, 4 * KiB, quick=True) == 7
 
-    # run_rounds on fake ways: rotated order, warm-ups and gaps where asked, one sample each
+    # balanced_orders: each way first equally often, and right after each other way equally
+    # often within the rounds, for an even and an odd count (bench_loop's cells have 9 ways)
+    for count in (2, 3, 4, 7, 9):
+        names = [chr(ord("a") + i) for i in range(count)]
+        orders = balanced_orders(names)
+        assert all(sorted(o) == names for o in orders), orders
+        assert len(orders) == count * (1 + count % 2)
+        firsts = [o[0] for o in orders]
+        assert all(firsts.count(w) == firsts.count("a") for w in names), firsts
+        follows = [(o[i], o[i + 1]) for o in orders for i in range(count - 1)]
+        each = len(follows) // (count * (count - 1))
+        assert all(follows.count((x, y)) == each for x in names for y in names if x != y)
+
+    # run_rounds on fake ways: balanced orders, warm-ups and gaps where asked, one sample each
     calls: list[str] = []
     fake_now = [0.0]
 
@@ -570,7 +612,7 @@ def self_test() -> int:
         clock=lambda: fake_now[0],
         order_log=order,
     )
-    assert order == list("abcbcacababc"), order
+    assert order == list("abcbcacabcba"), order  # balanced_orders(3 ways)'s first four
     assert len(gaps) == 12 and calls == order
     assert times == {"a": [1.0] * 4, "b": [2.0] * 4, "c": [3.0] * 4}, times
     assert all(len(v) == 4 for v in cpu.values())
@@ -900,11 +942,10 @@ class Bench:
 
         for fn in fns.values():
             sample(fn)
-        names = list(fns)
-        times: dict[str, list[float]] = {k: [] for k in names}
+        orders = balanced_orders(list(fns))
+        times: dict[str, list[float]] = {k: [] for k in fns}
         for r in range(reps):
-            k = r % len(names)
-            for name in names[k:] + names[:k]:
+            for name in orders[r % len(orders)]:
                 times[name].append(sample(fns[name]))
         return {k: summarize(v, 1) for k, v in times.items()}
 

@@ -1,11 +1,11 @@
 """Why a mid-size to_device is slow back to back in bench_loop (issue 22): each timed call
 traced from inside.
 
-bench_loop's back-to-back cells call every way (the same seven here) in a rotated order,
-each timed call right after an untimed call of the same way. Some ways are torch CPU ops
-(t.pin_memory() copies with torch's OpenMP team, which then spins on every core for
-milliseconds). This script
-runs that same rotation for a few sizes and, for every timed pinxfer.to_device call, keeps:
+bench_loop's back-to-back cells call every way (the same ones here) in its balanced orders
+(bench_loop.balanced_orders), each timed call right after an untimed call of the same way.
+Some ways are torch CPU ops (t.pin_memory() copies with torch's OpenMP team, which then spins
+on every core for milliseconds). This script runs those same orders for a few sizes and, for
+every timed pinxfer.to_device call, keeps:
 
   wall_us        the call and a synchronize
   preempted      involuntary context switches of the calling thread during the call
@@ -18,7 +18,7 @@ runs that same rotation for a few sizes and, for every timed pinxfer.to_device c
 and for every timed pinxfer.pin_memory call (pin_memory_calls) its wall time and its steps in
 C++ (pinxfer._C._last_pin_call_trace(): pinned check, checks, setup with the team probe,
 allocation, copy, whether it ran on torch's team), beside t.pin_memory()'s time in the same
-rotation (its rows miss torch back to back in bench_loop at 1-32 MiB).
+rounds (its rows miss torch back to back in bench_loop at 1-32 MiB).
 
 Each variant runs in a child process with the environment it names:
 
@@ -49,7 +49,7 @@ from _child import run_child
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_loop import call_ways, parse_sizes, size_label
+from bench_loop import balanced_orders, call_ways, parse_sizes, size_label
 from diag_batch import make_batch
 
 VARIANTS: dict[str, dict[str, str]] = {
@@ -70,7 +70,7 @@ def involuntary_switches() -> int:
 def copy_probe_ways(pinxfer, t: torch.Tensor) -> dict:
     """--copy-probes: torch's copy_ of the same tensor into a pool block and into a torch
     pinned block, each kept for the whole cell, and into a new pool block each call. In the
-    rotation pinxfer.pin_memory's copy (torch's copy_ on torch's team) takes longer than
+    rounds pinxfer.pin_memory's copy (torch's copy_ on torch's team) takes longer than
     t.pin_memory()'s whole call: these tell the block's memory from pinxfer's call path."""
     pool_block = pinxfer.empty(t.numel(), dtype=t.dtype)
     torch_block = torch.empty(t.numel(), dtype=t.dtype, pin_memory=True)
@@ -104,10 +104,9 @@ def measure(sizes: list[int], rounds: int, pinxfer_only: bool, copy_probes: bool
         traces: list[dict] = []
         pin_traces: list[dict] = []
         same_block: dict[str, list[bool]] = {"pin_memory": [], "torch_pin": []}
-        names = list(ways)
+        orders = balanced_orders(list(ways))
         for r in range(rounds):
-            k = r % len(names)
-            for name in names[k:] + names[:k]:
+            for name in orders[r % len(orders)]:
                 fn = ways[name]
                 untimed = fn()  # the untimed call of the same way, as bench_loop's b2b
                 untimed_at = untimed.data_ptr() if name in same_block else 0
@@ -239,7 +238,7 @@ def main() -> None:
         "--copy-probes",
         action="store_true",
         help="add torch's copy_ into a kept pool block, a kept torch block and a new pool block "
-        "to the rotation",
+        "to the rounds",
     )
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()

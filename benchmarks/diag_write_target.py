@@ -14,7 +14,7 @@ engine reads every kind of page-locked memory at one rate; this is the write sid
   pageable       torch.empty(n)                      (malloc, not page-locked)
 
 Back to back as bench_loop's b2b cells run (an untimed copy into the same target just
-before each timed one), in an order rotated round by round; no GPU work in between. For each
+before each timed one), in bench_loop's balanced orders; no GPU work in between. For each
 target: median and minimum µs, GB/s, the ratio of torch_pinned's median to its own (above 1:
 faster than torch's block), the address modulo 4 KiB and 2 MiB (the source's too: a store
 stream 4 KiB apart from its load stream can stall on address aliasing) and the page sizes of
@@ -38,7 +38,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_loop import parse_sizes, size_label
+from bench_loop import balanced_orders, parse_sizes, size_label
 from diag_dma_source import mapping_of, thp_setting
 
 PAGE = 4096
@@ -70,11 +70,10 @@ def place(t: torch.Tensor) -> dict[str, Any]:
 
 
 def time_copies(src: torch.Tensor, dsts: dict[str, torch.Tensor], rounds: int) -> dict:
-    names = list(dsts)
-    times: dict[str, list[float]] = {k: [] for k in names}
+    orders = balanced_orders(list(dsts))
+    times: dict[str, list[float]] = {k: [] for k in dsts}
     for r in range(rounds):
-        k = r % len(names)
-        for name in names[k:] + names[:k]:
+        for name in orders[r % len(orders)]:
             dst = dsts[name]
             dst.copy_(src)  # untimed, as bench_loop's b2b cells
             t0 = time.perf_counter()
