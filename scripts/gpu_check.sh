@@ -14,6 +14,9 @@
 #   test      smoke check, then the README's test command (pytest -n auto; TEST_SERIAL=1: one
 #             by one in this process, so a crash stops the run with faulthandler's stacks),
 #             "PYTEST EXIT n"; then the soak-marked tests (-m soak), "SOAK EXIT n"
+#   alone     each GPU test (-m gpu, no soak) in a fresh process of its own, ALONE_JOBS (8) at a
+#             time: a test that passes only after other tests grew the pools or loaded CUDA
+#             modules fails here (-k / PYTEST_K narrows it; ~5 s a test). logs/alone.txt
 #   stress    scripts/stress_gpu.py (tests/stress/) --mode both (plain, then pinxfer.install())
 #   memcheck  compute-sanitizer memcheck over tests/test_transfer_gpu.py and
 #             tests/test_allocator_gpu.py; error count in logs/memcheck.txt
@@ -40,7 +43,7 @@
 #             auto:PINXFER_SENDER_LANDING=auto"); AB_ROUNDS (default 3); AB_COMMAND the
 #             benchmark (default bench_loop --no-small --sizes $AB_SIZES (4K,64K,256K,1M)
 #             --budget 25 --json {json}); the first two variants' bench_loop rows are compared.
-#   all       all of the above but ab, abenv, loader and loop (more than one 10-minute device call:
+#   all       all of the above but alone, ab, abenv, loader and loop (more than one 10-minute device call:
 #             pick subsets)
 #
 # Environment:
@@ -83,7 +86,7 @@ mkdir -p "$OUT" "$LOGS"
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 
 # ---- arguments: step names (separate or in one quoted list), -k EXPR, else a -k expression
-STEP_WORDS="all sweep test stress memcheck bench bus ab abenv loader loop"
+STEP_WORDS="all sweep test alone stress memcheck bench bus ab abenv loader loop"
 steps=""
 kexpr=${PYTEST_K:-}
 while [ $# -gt 0 ]; do
@@ -101,9 +104,9 @@ while [ $# -gt 0 ]; do
   shift
 done
 [ -z "${steps// /}" ] && steps=all
-want() {  # ab, abenv, loader and loop only when named
+want() {  # alone, ab, abenv, loader and loop only when named
   case " $steps " in *" $1 "*) return 0 ;; esac
-  case "$1" in ab | abenv | loader | loop) return 1 ;; esac
+  case "$1" in alone | ab | abenv | loader | loop) return 1 ;; esac
   case " $steps " in *" all "*) return 0 ;; esac
   return 1
 }
@@ -259,6 +262,24 @@ for where in ('before CUDA use', 'after CUDA use'):
   else
     record soak "$(status_of "$rc")"
   fi
+fi
+
+if want alone; then
+  t0=$(date +%s)
+  # Each GPU test alone in a fresh process (session 28: the sender's copy-stream test passed
+  # in the suite and failed every time alone, its first allocations waiting for a GPU sleep).
+  only="gpu and not soak and not build and not stress"
+  python3 -m pytest -q --collect-only -p no:cacheprovider -m "$only" ${kexpr:+-k "$kexpr"} tests \
+    2>/dev/null | grep "::" > /tmp/pinxfer_alone_ids.txt
+  : > "$LOGS/alone.txt"
+  xargs -d '\n' -P "${ALONE_JOBS:-8}" -I{} sh -c \
+    'timeout 300 python3 -X faulthandler -m pytest -q -p no:cacheprovider -m "$2" "$1" \
+       > /tmp/pinxfer_alone_$$.log 2>&1 || { echo "FAILED $1 (exit $?)"; tail -15 /tmp/pinxfer_alone_$$.log; }' \
+    _ {} "$only" < /tmp/pinxfer_alone_ids.txt >> "$LOGS/alone.txt"
+  failed=$(grep -c "^FAILED " "$LOGS/alone.txt")
+  head -60 "$LOGS/alone.txt"
+  echo "alone: $(grep -c . /tmp/pinxfer_alone_ids.txt) tests, $failed failed, $(( $(date +%s) - t0 )) s"
+  if [ "$failed" -eq 0 ]; then record alone OK; else record alone "FAILED ($failed tests)"; fi
 fi
 
 if want stress; then
