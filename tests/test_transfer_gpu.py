@@ -1087,13 +1087,14 @@ def test_sender_copies_do_not_queue_on_the_copy_stream():
     stream, every byte intact, while the sleep still runs (on the copy stream its DMAs would
     have queued behind it). to_device itself still copies there: its result waits.
 
-    The batches are sent once before the sleep, so that the ones timed against it find their
-    staging blocks in the pool and their outputs in torch's cache: in a fresh process the
-    first jobs grow both, and a page-locked host allocation or a device allocation is an
-    implicit synchronization point (CUDA programming guide, "Implicit Synchronization"), so
-    the copies issued after it can wait for the sleep. Without the warm-up the test failed
-    every time it ran in a new process alone or among a few tests (H200, session 28; it
-    passed in the whole suite, where earlier tests had grown the pools)."""
+    Each batch is sent four times at once before the sleep, so that the sends timed against
+    it find their staging blocks in the pool and their outputs in torch's cache on either
+    worker's stream (that cache keeps a block for the stream it was made on): in a fresh
+    process the first jobs grow both, and a page-locked host allocation or a device
+    allocation is an implicit synchronization point (CUDA programming guide, "Implicit
+    Synchronization"), so the copies issued after it can wait for the sleep. Without a
+    warm-up the test failed every time it ran in a new process alone or among a few tests
+    (H200, session 28; it passed in the whole suite, where earlier tests had grown the pools)."""
     from pinxfer.transfer import DEFAULT_CHUNK_BYTES, DEFAULT_NUM_BUFFERS
 
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -1104,16 +1105,20 @@ def test_sender_copies_do_not_queue_on_the_copy_stream():
     ]
     copy_stream = pinxfer.transfer.copy_stream(dev)
 
-    def send_and_check_each() -> None:
+    def send_and_check(copies: int) -> None:
         for batch in batches:
-            got = sender.take(sender.submit(list(batch), DEFAULT_CHUNK_BYTES, DEFAULT_NUM_BUFFERS))
-            for y, x in zip(got, batch):
-                _check(y, x)  # .cpu(): the consumer's stream has read it
+            jobs = [
+                sender.submit(list(batch), DEFAULT_CHUNK_BYTES, DEFAULT_NUM_BUFFERS)
+                for _ in range(copies)
+            ]
+            for job in jobs:
+                for y, x in zip(sender.take(job), batch):
+                    _check(y, x)  # .cpu(): the consumer's stream has read it
 
-    send_and_check_each()  # warm: the pools grown before the sleep (docstring)
+    send_and_check(4)  # warm: the pools grown before the sleep, for both workers (docstring)
     torch.cuda.synchronize()
     _delay_copies(40 * SLEEP)
-    send_and_check_each()
+    send_and_check(1)
     assert not copy_stream.query(), "the copy stream's sleep ended first: lengthen it"
     y = pinxfer.to_device(batches[0][0])
     assert not torch.cuda.current_stream().query()  # waits for the copy stream's sleep
