@@ -259,6 +259,12 @@ def balanced_orders(names: list[str]) -> list[list[str]]:
     return [[names[i] for i in row] for row in rows]
 
 
+def balanced_rounds(names: list[str], rounds: int) -> list[list[str]]:
+    """The order of each of `rounds` rounds: balanced_orders' orders, cycled."""
+    orders = balanced_orders(names)
+    return [orders[r % len(orders)] for r in range(rounds)]
+
+
 def run_rounds(
     ways: dict[str, Callable[[], Any]],
     n: int,
@@ -270,15 +276,13 @@ def run_rounds(
     order_log: list | None = None,
 ) -> tuple[dict, dict]:
     """n rounds; each round calls every way once, timed to completion (call + sync), in the
-    round's order from balanced_orders. warm_each: an untimed call of the same way (synced)
+    round's order from balanced_rounds. warm_each: an untimed call of the same way (synced)
     just before the timed one (back to back); gap: called just before the timed call (idle).
     Returns ({way: [seconds]}, {way: [cpu seconds]})."""
-    names = list(ways)
-    orders = balanced_orders(names)
-    times: dict[str, list[float]] = {k: [] for k in names}
-    cpu: dict[str, list[float]] = {k: [] for k in names}
-    for r in range(n):
-        for name in orders[r % len(orders)]:
+    times: dict[str, list[float]] = {k: [] for k in ways}
+    cpu: dict[str, list[float]] = {k: [] for k in ways}
+    for order in balanced_rounds(list(ways), n):
+        for name in order:
             fn = ways[name]
             if warm_each:
                 fn()
@@ -942,10 +946,9 @@ class Bench:
 
         for fn in fns.values():
             sample(fn)
-        orders = balanced_orders(list(fns))
         times: dict[str, list[float]] = {k: [] for k in fns}
-        for r in range(reps):
-            for name in orders[r % len(orders)]:
+        for order in balanced_rounds(list(fns), reps):
+            for name in order:
                 times[name].append(sample(fns[name]))
         return {k: summarize(v, 1) for k, v in times.items()}
 

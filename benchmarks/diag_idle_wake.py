@@ -55,7 +55,7 @@ def main() -> int:
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # pinxfer from a checkout
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from bench_loop import balanced_orders
+    from bench_loop import balanced_rounds
 
     import pinxfer
 
@@ -116,9 +116,9 @@ def main() -> int:
     result: dict = {"gpu": torch.cuda.get_device_name(dev), "rounds": args.rounds, "us": {}}
     for gap_name, gap in gaps.items():
         samples: dict[str, list[float]] = {k: [] for k in steps}
-        orders = balanced_orders(list(steps))  # no step always follows the same one
-        for r in range(args.rounds + 1):
-            for name in orders[r % len(orders)]:
+        # balanced: no step always follows the same one
+        for r, order in enumerate(balanced_rounds(list(steps), args.rounds + 1)):
+            for name in order:
                 fn, prepare = steps[name]
                 if gap is None:  # back to back: each timed call right after an untimed one
                     if prepare is not None:

@@ -2,7 +2,7 @@
 traced from inside.
 
 bench_loop's back-to-back cells call every way (the same ones here) in its balanced orders
-(bench_loop.balanced_orders), each timed call right after an untimed call of the same way.
+(bench_loop.balanced_rounds), each timed call right after an untimed call of the same way.
 Some ways are torch CPU ops (t.pin_memory() copies with torch's OpenMP team, which then spins
 on every core for milliseconds). This script runs those same orders for a few sizes and, for
 every timed pinxfer.to_device call, keeps:
@@ -49,7 +49,7 @@ from _child import run_child
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_loop import balanced_orders, call_ways, parse_sizes, size_label
+from bench_loop import balanced_rounds, call_ways, parse_sizes, size_label
 from diag_batch import make_batch
 
 VARIANTS: dict[str, dict[str, str]] = {
@@ -104,9 +104,8 @@ def measure(sizes: list[int], rounds: int, pinxfer_only: bool, copy_probes: bool
         traces: list[dict] = []
         pin_traces: list[dict] = []
         same_block: dict[str, list[bool]] = {"pin_memory": [], "torch_pin": []}
-        orders = balanced_orders(list(ways))
-        for r in range(rounds):
-            for name in orders[r % len(orders)]:
+        for order in balanced_rounds(list(ways), rounds):
+            for name in order:
                 fn = ways[name]
                 untimed = fn()  # the untimed call of the same way, as bench_loop's b2b
                 untimed_at = untimed.data_ptr() if name in same_block else 0

@@ -38,7 +38,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_loop import balanced_orders, parse_sizes, size_label
+from bench_loop import balanced_rounds, parse_sizes, size_label
 from diag_dma_source import mapping_of, thp_setting
 
 PAGE = 4096
@@ -70,10 +70,9 @@ def place(t: torch.Tensor) -> dict[str, Any]:
 
 
 def time_copies(src: torch.Tensor, dsts: dict[str, torch.Tensor], rounds: int) -> dict:
-    orders = balanced_orders(list(dsts))
     times: dict[str, list[float]] = {k: [] for k in dsts}
-    for r in range(rounds):
-        for name in orders[r % len(orders)]:
+    for order in balanced_rounds(list(dsts), rounds):
+        for name in order:
             dst = dsts[name]
             dst.copy_(src)  # untimed, as bench_loop's b2b cells
             t0 = time.perf_counter()

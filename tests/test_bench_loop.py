@@ -224,7 +224,7 @@ def test_diag_midsize_report_reads_every_field_its_measure_writes():
 
 def test_diag_write_target_times_each_target_and_reports_where_it_lies():
     """benchmarks/diag_write_target.py on the CPU, with a pageable tensor standing in for
-    torch's pinned block (which needs CUDA): every target is copied into in the rotation, its
+    torch's pinned block (which needs CUDA): every target is copied into in each round, its
     bytes are the source's after it, and the report reads every field measure() writes (the
     ratio against torch_pinned, the address modulo 4 KiB and 2 MiB, the mapping's pages)."""
     import torch
