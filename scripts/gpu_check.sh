@@ -270,8 +270,14 @@ if want alone; then
   # in the suite and failed every time alone, its first allocations waiting for a GPU sleep).
   only="gpu and not soak and not build and not stress"
   python3 -m pytest -q --collect-only -p no:cacheprovider -m "$only" ${kexpr:+-k "$kexpr"} tests \
-    2>/dev/null | grep "::" > /tmp/pinxfer_alone_ids.txt
+    > /tmp/pinxfer_alone_collect.log 2>&1
+  collected=$?
+  grep "::" /tmp/pinxfer_alone_collect.log > /tmp/pinxfer_alone_ids.txt
   : > "$LOGS/alone.txt"
+  if [ "$collected" -ne 0 ] && [ "$collected" -ne 5 ]; then  # 5: nothing matched
+    tail -20 /tmp/pinxfer_alone_collect.log
+    echo "FAILED collection (exit $collected)" >> "$LOGS/alone.txt"
+  fi
   xargs -d '\n' -P "${ALONE_JOBS:-8}" -I{} sh -c \
     'timeout 300 python3 -X faulthandler -m pytest -q -p no:cacheprovider -m "$2" "$1" \
        > /tmp/pinxfer_alone_$$.log 2>&1 || { echo "FAILED $1 (exit $?)"; tail -15 /tmp/pinxfer_alone_$$.log; }' \
