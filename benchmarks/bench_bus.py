@@ -47,6 +47,7 @@ from typing import Any
 
 import _checkout  # noqa: F401  (pinxfer from this checkout if not installed)
 import torch
+from bench_loop import balanced_rounds
 
 import pinxfer
 
@@ -120,9 +121,11 @@ def measure_set(
     warmup: int = 1,
 ) -> dict[str, dict[str, Any]]:
     """measure() for several ways of moving the same bytes, interleaved: each round
-    runs every way once (after `warmup` untimed calls of it), in an order rotated
-    round by round, so the host's drift (these are shared machines) falls on all of
-    them alike and their ratios are taken between neighbours in time.
+    runs every way once (after `warmup` untimed calls of it), so the host's drift (these
+    are shared machines) falls on all of them alike and their ratios are taken between
+    neighbours in time; the rounds' orders are bench_loop's balanced orders (every way
+    runs right after every other equally often, and first equally often), the same on
+    every rank.
 
     A way may return {"fill_s": s, "fill_bytes": b}: the part of its time spent
     before its first batch was usable (a pipeline's start). Its entry then also
@@ -133,8 +136,8 @@ def measure_set(
     steady: dict[str, list[float]] = {n: [] for n in names}
     fill_bytes: dict[str, int] = {}
     cpu = dict.fromkeys(names, 0.0)
-    for r in range(runs):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
+    for order in balanced_rounds(names, runs):
+        for name in order:
             # Untimed calls of the same way first: each timed call finds the state its
             # own way leaves (caches, awake copy threads, pooled blocks), as in a loop
             # of that way alone, not the state the previous way left.
@@ -242,8 +245,8 @@ def section_shared_link(nbytes: int, senders: int, runs: int, dev: torch.device)
     walls: dict[str, list[float]] = {n: [] for n in ways}
     cpus = dict.fromkeys(ways, 0.0)
     names = list(ways)
-    for r in range(runs):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
+    for order in balanced_rounds(names, runs):  # bench_loop's balanced orders
+        for name in order:
             together(ways[name])  # untimed: the state this way leaves
             wall, cpu = together(ways[name])
             walls[name].append(wall)

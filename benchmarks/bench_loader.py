@@ -25,10 +25,12 @@ slowest way's transfer-bound time per batch; the same steps on a GPU-resident ba
 the pure compute time, and ``step_vs_pure_compute`` is the fed loop over that).
 
 Every (batch size, step, way) is timed ``--repeats`` (3) times, a fresh pass (fresh workers)
-each time, the ways interleaved and rotated between repeats. A pass is ``warmup`` batches
-(worker start-up, not timed), ``--batches`` (30) timed batches, then a tail drained untimed
-(enough that the workers stay busy until the last timed batch, and so that the pass ends
-normally and its workers are joined). JSON keeps the median and the best of the repeats.
+each time, the ways interleaved, in bench_loop's balanced orders (every way runs right
+after every other equally often, and first equally often; the same on every rank). A pass
+is ``warmup`` batches (worker start-up, not timed), ``--batches`` (30) timed batches, then
+a tail drained untimed (enough that the workers stay busy until the last timed batch, and so
+that the pass ends normally and its workers are joined). JSON keeps the median and the best
+of the repeats.
 
 Per way: batches/s, GB/s (1e9 B/s of batch bytes), and trainer CPU seconds per GB:
 ``getrusage(RUSAGE_SELF)`` user+sys around the timed batches -- every thread of the trainer
@@ -66,6 +68,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from bench_loop import balanced_rounds  # the script's folder; bench_loop imports no torch
 from torch.utils.data import DataLoader, Dataset
 
 try:
@@ -455,10 +458,11 @@ def run_group(
     made = {key: make_way(key, ds, shape, workers, dev) for key in ways}
     runs: dict[str, list[dict]] = {key: [] for key in ways}
     try:
-        for r in range(repeats):
-            # Interleaved and rotated: drift over the run (clocks, page cache, other ranks)
-            # falls on every way alike, and no way is always first after a barrier.
-            order = ways[r % len(ways) :] + ways[: r % len(ways)]
+        # Interleaved: drift over the run (clocks, page cache, other ranks) falls on every way
+        # alike. In bench_loop's balanced orders: no way is always first after a barrier, nor
+        # always after the same other way (what a way leaves behind falls on all alike), and
+        # every rank runs the same orders.
+        for r, order in enumerate(balanced_rounds(ways, repeats)):
             for key in order:
                 runs[key].append(
                     run_pass(made[key], step, counts, dev, dist, check if r == 0 else None)

@@ -4,12 +4,13 @@ Microseconds per call (median of 7 rounds of N calls, each call followed by a sy
 where the row says "synced"), back to back.
 
 With ``--gaps sleep,gpu``, also each way called once right after a 20 ms gap (a sleep, or
-a GPU kernel the host waits on), the ways rotating so none always runs first, and the
-call and its synchronize timed (``after_gap_us``, median and minimum). Among them the
-batch's two sends taken apart and in both orders (its larger leaf alone, its small
-leaves packed, then one after the other), which says whether a batch's extra cost after
-a gap is the packed send itself or where it comes; and every leaf packed into one copy
-(one staging block, one DMA, one device allocation), a batch with fewer CUDA calls.
+a GPU kernel the host waits on), the ways in bench_loop's balanced orders (each first, and
+right after every other, equally often), and the call and its synchronize timed
+(``after_gap_us``, median and minimum). Among them the batch's two sends taken apart and in
+both orders (its larger leaf alone, its small leaves packed, then one after the other), which
+says whether a batch's extra cost after a gap is the packed send itself or where it comes;
+and every leaf packed into one copy (one staging block, one DMA, one device allocation), a
+batch with fewer CUDA calls.
 
     python benchmarks/diag_batch.py [--json PATH] [--sizes 4K,1M] [--gaps sleep,gpu]
 
@@ -37,7 +38,7 @@ from pinxfer import _check, _ops, transfer
 from pinxfer._batch import map_tensors, tensors_in
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_loop import batch_layout, parse_sizes
+from bench_loop import balanced_rounds, batch_layout, parse_sizes
 from diag_small_calls import us_per_call
 
 
@@ -81,12 +82,13 @@ def gpu_sleep_cycles(dev: torch.device) -> int:
 
 
 def after_gap_us(ways: dict[str, Callable[[], Any]], gap: Callable[[], None], rounds: int) -> dict:
-    """Each way called right after a gap and synchronized, rotating the order each round."""
+    """Each way called right after a gap and synchronized, each round in bench_loop's balanced
+    orders (every way runs right after every other equally often)."""
     sync = torch.cuda.synchronize
     names = list(ways)
     times: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(rounds):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
+    for order in balanced_rounds(names, rounds):
+        for name in order:
             gap()
             t0 = time.perf_counter()
             out = ways[name]()

@@ -29,7 +29,8 @@ and the same for the pinned source: the same chunks, each queued with torch's co
 its busy_gbps is the bus's rate chunk by chunk), and the whole pinned copy in one DMA.
 And the copy engine's own cost of a DMA: the pinned source sent whole and in the plan's
 chunks behind a GPU sleep, so the host never holds the engine up (engine_cost).
-Staging modes ("auto", "nt", "movsb") rotate call by call in one process. Patterns: back
+Staging modes ("auto", "nt", "movsb") interleave call by call in one process, the ways of
+each round in bench_loop's balanced orders (the same order for both patterns). Patterns: back
 to back (an untimed call first, as bench_loop) and after a 20 ms sleep.
 
     python benchmarks/diag_chunk_timeline.py OUT.json [--sizes 8M,32M,64M] [--rounds 12]
@@ -52,7 +53,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import itertools
 
-from bench_loop import parse_sizes, size_label
+from bench_loop import balanced_rounds, parse_sizes, size_label
 
 MODES = ("auto", "nt", "movsb")
 STEP_FIELDS = (
@@ -241,10 +242,9 @@ def measure(sizes: list[int], rounds: int, modes: tuple[str, ...] = MODES) -> di
                 sync()
                 return (time.perf_counter_ns() - t0) / 1e3, None, None
 
-            for r in range(rounds):
+            for r, order in enumerate(balanced_rounds(ways, rounds)):
                 for pattern in PATTERNS:
-                    k = r % len(ways)
-                    for way in ways[k:] + ways[:k]:
+                    for way in order:
                         if pattern == "b2b":
                             call(way)
                         else:

@@ -10,8 +10,9 @@ the copy alone (CUDA events around it, nothing else queued) and with its call an
   pool           pinxfer.empty(n)                      (pinxfer's pool block)
   registered     pinxfer.pin_(torch.empty(n))          (cudaHostRegister of malloc'd memory)
 
-in a rotated order, and for each source the page sizes its mapping has (/proc/self/smaps:
-KernelPageSize, AnonHugePages), with the machine's transparent huge page setting.
+in bench_loop's balanced orders, and for each source the page sizes its mapping has
+(/proc/self/smaps: KernelPageSize, AnonHugePages), with the machine's transparent huge page
+setting.
 
     python benchmarks/diag_dma_source.py [--sizes 8M,64M,256M] [--reps 20] [--json PATH]
 """
@@ -30,7 +31,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_loop import parse_sizes, size_label
+from bench_loop import balanced_rounds, parse_sizes, size_label
 
 
 def mapping_of(address: int) -> dict[str, Any]:
@@ -90,9 +91,8 @@ def measure(sizes: list[int], reps: int) -> dict[str, Any]:
         for name in names:  # warm-up
             dst.copy_(srcs[name], non_blocking=True)
         torch.cuda.synchronize()
-        for r in range(reps):
-            k = r % len(names)
-            for name in names[k:] + names[:k]:
+        for order in balanced_rounds(names, reps):
+            for name in order:
                 t0 = time.perf_counter()
                 begin.record(stream)
                 dst.copy_(srcs[name], non_blocking=True)

@@ -2,7 +2,8 @@
 
 bench_loop's row sends bench_small_calls.the_batch() (a dict of 64 uint8 tensors of 4-256 KiB,
 about 4.5 MiB) with pinxfer.to_device, each call synchronized, back to back. This script
-times that call and its layers in one process, microseconds per call (median of rounds):
+times that call and its layers in one process, microseconds per call (median of rounds; every
+way once a round, in bench_loop's balanced orders, after an untimed warm-up round):
 
   whole           pinxfer.to_device(batch)
   python_walk     the Python around the kernel: tensors_in, the plain-dense checks, map_tensors
@@ -38,6 +39,7 @@ HERE = Path(__file__).resolve().parent
 def measure(rounds: int) -> dict:
     sys.path.insert(0, str(HERE.parent))
     sys.path.insert(0, str(HERE))
+    from bench_loop import balanced_rounds
     from bench_small_calls import the_batch
 
     import pinxfer
@@ -75,10 +77,11 @@ def measure(rounds: int) -> dict:
     out: dict = {"total_bytes": total, "us": {}}
     for pname, prelude in preludes.items():
         samples: dict[str, list[float]] = {k: [] for k in ways}
-        for r in range(rounds + 1):
-            names = list(ways)
-            k = r % len(names)
-            for name in names[k:] + names[:k]:
+        names = list(ways)
+        # A first round untimed (warm-up, in the list's order), then `rounds` timed rounds
+        # in bench_loop's balanced orders.
+        for r, order in enumerate([names, *balanced_rounds(names, rounds)]):
+            for name in order:
                 fn = ways[name]
                 ts = []
                 for _ in range(5):

@@ -108,7 +108,9 @@ def measure(sizes: list[int], rounds: int, pinxfer_only: bool, copy_probes: bool
         traces: list[dict] = []
         pin_traces: list[dict] = []
         same_block: dict[str, list[bool]] = {
-            w: [] for w in ("pin_memory", "torch_pin", "pool_empty_copy", "torch_empty_copy") if w in ways
+            w: []
+            for w in ("pin_memory", "torch_pin", "pool_empty_copy", "torch_empty_copy")
+            if w in ways
         }
         for order in balanced_rounds(list(ways), rounds):
             for name in order:
@@ -117,7 +119,8 @@ def measure(sizes: list[int], rounds: int, pinxfer_only: bool, copy_probes: bool
                 untimed_at = untimed.data_ptr() if name in same_block else 0
                 del untimed
                 sync()
-                misses0 = pinxfer.memory_stats()["num_cache_misses"]
+                stats0 = pinxfer.memory_stats()
+                misses0 = stats0["num_cache_misses"]
                 sw0 = involuntary_switches()
                 t0 = time.perf_counter()
                 res = fn()
@@ -134,8 +137,15 @@ def measure(sizes: list[int], rounds: int, pinxfer_only: bool, copy_probes: bool
                 times[name].append(wall)
                 if name == "pin_memory":
                     steps = pinxfer._C._last_pin_call_trace()
+                    stats1 = pinxfer.memory_stats()
                     pin_traces.append(
                         {"wall_us": round(wall, 1), "preempted": sw1 - sw0}
+                        # CUDA events the pool recorded (fence markers) or work it queued in
+                        # the timed window make its synchronize wait for the GPU.
+                        | {
+                            k: stats1[f"num_{k}"] - stats0[f"num_{k}"]
+                            for k in ("fence_markers", "cache_misses")
+                        }
                         | {k2: round(float(v), 1) for k2, v in steps.items()}
                     )
                 if name == "to_device":

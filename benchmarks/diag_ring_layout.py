@@ -65,7 +65,7 @@ def measure(nbytes: int, layouts: dict[str, tuple[int, int]], rounds: int) -> di
     for fn in ways.values():  # warm-up: pools, torch's caches, the first ring's segments
         fn()
         torch.cuda.synchronize()
-    times, cpu = run_rounds(ways, rounds, torch.cuda.synchronize)  # rotated, back to back
+    times, cpu = run_rounds(ways, rounds, torch.cuda.synchronize)  # balanced orders, back to back
     stats = {name: summarize(times[name], nbytes, cpu[name]) for name in ways}
     to_cpu = stats["torch_to"]["cpu_s_per_gb"]
     out: dict = {"bytes": nbytes, "rounds": rounds, "ways": {}}
