@@ -120,7 +120,6 @@ def measure(sizes: list[int], rounds: int, pinxfer_only: bool, copy_probes: bool
                 del untimed
                 sync()
                 stats0 = pinxfer.memory_stats()
-                misses0 = stats0["num_cache_misses"]
                 sw0 = involuntary_switches()
                 t0 = time.perf_counter()
                 res = fn()
@@ -140,8 +139,9 @@ def measure(sizes: list[int], rounds: int, pinxfer_only: bool, copy_probes: bool
                     stats1 = pinxfer.memory_stats()
                     pin_traces.append(
                         {"wall_us": round(wall, 1), "preempted": sw1 - sw0}
-                        # CUDA events the pool recorded (fence markers) or work it queued in
-                        # the timed window make its synchronize wait for the GPU.
+                        # Fence markers the pool recorded and its misses from the timed call
+                        # to after the free of its output (`del res`, past the timed window):
+                        # a marker the synchronize may wait for, or the output's own free.
                         | {
                             k: stats1[f"num_{k}"] - stats0[f"num_{k}"]
                             for k in ("fence_markers", "cache_misses")
@@ -154,7 +154,8 @@ def measure(sizes: list[int], rounds: int, pinxfer_only: bool, copy_probes: bool
                         {
                             "wall_us": round(wall, 1),
                             "preempted": sw1 - sw0,
-                            "pool_misses": pinxfer.memory_stats()["num_cache_misses"] - misses0,
+                            "pool_misses": pinxfer.memory_stats()["num_cache_misses"]
+                            - stats0["num_cache_misses"],
                             "trace": {
                                 k2: round(v, 1) if isinstance(v, float) else v
                                 for k2, v in trace.items()
