@@ -139,7 +139,8 @@ def memory_stats(numa_node: int | None = None) -> collections.OrderedDict[str, i
     ``.current`` and ``.peak``; ``reserved_bytes.{cuda_registered,mlocked,pageable}``;
     counts ``num_allocs``, ``num_frees``, ``num_cache_hits``, ``num_cache_misses``,
     ``num_segment_maps``, ``num_segment_unmaps``, ``num_ooms``, ``num_event_waits``,
-    ``num_fenced_frees``, ``num_fence_markers``, ``num_event_errors``, ``num_graph_allocs``;
+    ``num_fenced_frees``, ``num_fence_markers``, ``num_idle_reclaims``, ``num_event_errors``,
+    ``num_graph_allocs``;
     times in ns ``pin_time_ns`` (= ``map_time_ns`` + ``touch_time_ns`` + ``lock_time_ns``) and
     ``unpin_time_ns``.
 

@@ -3,14 +3,20 @@ event-gated reuse (a block is never handed out while a copy may read it)."""
 
 from __future__ import annotations
 
+import os
+import textwrap
+from pathlib import Path
+
 import pytest
 import torch
 
 import pinxfer
+from tests import fresh
 
 pytestmark = pytest.mark.gpu
 MiB = 1 << 20
 KiB = 1 << 10
+REPO = str(Path(__file__).resolve().parent.parent)
 SLEEP_CYCLES = 2_000_000_000  # ~1 s of GPU time on an H100/H200 at ~1.9 GHz
 
 
@@ -219,6 +225,122 @@ def test_a_small_block_goes_to_the_bin_of_its_size_once_its_copy_is_done():
     assert again.data_ptr() == ptr
     assert bool((dev == 8).all())
     del neighbour, other, again, meanwhile
+
+
+def _pinned_then_freed_after_its_copy(nbytes: int, fill: int) -> int:
+    """pin_memory of `nbytes`, sent with a copy torch reports to no one, then freed (a
+    fenced free: it joins the current stream's fence batch). Returns its address."""
+    pinned = pinxfer.pin_memory(torch.full((nbytes,), fill, dtype=torch.uint8))
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dev.copy_(pinned, non_blocking=True)
+    torch.cuda.synchronize()
+    ptr = pinned.data_ptr()
+    del pinned
+    return ptr
+
+
+# Sizes whose fenced free leaves its batch open (a batch closes at 256 KiB).
+@pytest.mark.parametrize("nbytes", [64 * KiB, 200 * KiB], ids=["64K", "200K"])
+def test_pin_memory_takes_its_block_back_when_the_stream_is_idle(nbytes):
+    # The block waits in a batch no marker covers yet; the stream has run everything queued
+    # on it, so one query proves its copy done and the next pin_memory of that size writes
+    # the block it wrote last (still in the core's caches) instead of another one.
+    ptr = _pinned_then_freed_after_its_copy(nbytes, 5)
+    before = pinxfer.memory_stats()
+    assert before["pending_blocks.current"] >= 1
+    again = pinxfer.pin_memory(torch.full((nbytes,), 6, dtype=torch.uint8))
+    after = pinxfer.memory_stats()
+    assert again.data_ptr() == ptr
+    assert after["num_idle_reclaims"] == before["num_idle_reclaims"] + 1
+    assert after["pending_blocks.current"] < before["pending_blocks.current"]
+    assert bool((again == 6).all())
+
+
+def test_pin_memory_leaves_a_fenced_block_its_queued_copy_still_reads():
+    nbytes = 64 * KiB
+    first = pinxfer.pin_memory(torch.full((nbytes,), 7, dtype=torch.uint8))
+    ptr = first.data_ptr()
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    torch.cuda._sleep(SLEEP_CYCLES // 4)
+    dev.copy_(first, non_blocking=True)  # queued behind the sleep; torch tells no one
+    del first
+    before = pinxfer.memory_stats()
+    second = pinxfer.pin_memory(torch.full((nbytes,), 9, dtype=torch.uint8))
+    assert second.data_ptr() != ptr, "a fenced block was taken back while its copy is queued"
+    assert pinxfer.memory_stats()["num_idle_reclaims"] == before["num_idle_reclaims"]
+    torch.cuda.synchronize()
+    assert bool((dev == 7).all())
+    assert bool((second == 9).all())
+
+
+def test_idle_reclaim_asks_only_the_current_stream():
+    # A block fenced on a side stream is in that stream's FIFO: a pin_memory on the default
+    # stream does not query for it (it comes back through its marker, as before).
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        ptr = _pinned_then_freed_after_its_copy(64 * KiB, 1)
+    before = pinxfer.memory_stats()
+    again = pinxfer.pin_memory(torch.full((64 * KiB,), 2, dtype=torch.uint8))
+    assert again.data_ptr() != ptr
+    assert pinxfer.memory_stats()["num_idle_reclaims"] == before["num_idle_reclaims"]
+
+
+def test_empty_does_not_query_the_stream():
+    # pinxfer.empty's caller may not write the block at once: nothing to gain from the query.
+    dev = torch.empty(64 * KiB, dtype=torch.uint8, device="cuda")
+    a = pinxfer.empty(64 * KiB, dtype=torch.uint8)
+    dev.copy_(a, non_blocking=True)
+    torch.cuda.synchronize()
+    ptr = a.data_ptr()
+    del a
+    before = pinxfer.memory_stats()
+    b = pinxfer.empty(64 * KiB, dtype=torch.uint8)
+    assert b.data_ptr() != ptr
+    assert pinxfer.memory_stats()["num_idle_reclaims"] == before["num_idle_reclaims"]
+
+
+def test_idle_reclaim_during_another_streams_global_capture_keeps_the_graph():
+    # torch captures in its default (global) mode on a side stream; this thread then asks
+    # the default stream whether it is idle. The query runs in relaxed mode, so it neither
+    # fails nor invalidates the capture, and the graph replays.
+    ptr = _pinned_then_freed_after_its_copy(64 * KiB, 3)
+    side = torch.cuda.Stream()
+    dev = torch.zeros(16, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    before = pinxfer.memory_stats()
+    with torch.cuda.graph(graph, stream=side):
+        dev.add_(1)
+        with torch.cuda.stream(torch.cuda.default_stream()):
+            again = pinxfer.pin_memory(torch.full((64 * KiB,), 4, dtype=torch.uint8))
+    assert again.data_ptr() == ptr
+    assert pinxfer.memory_stats()["num_idle_reclaims"] == before["num_idle_reclaims"] + 1
+    graph.replay()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert bool((dev == 2).all())
+    assert bool((again == 4).all())
+    del graph
+
+
+def test_idle_reclaim_off_waits_for_the_marker():
+    code = """
+        import torch, pinxfer
+        n = 64 << 10
+        p = pinxfer.pin_memory(torch.full((n,), 5, dtype=torch.uint8))
+        dev = torch.empty(n, dtype=torch.uint8, device="cuda")
+        dev.copy_(p, non_blocking=True)
+        torch.cuda.synchronize()
+        ptr = p.data_ptr()
+        del p
+        again = pinxfer.pin_memory(torch.full((n,), 6, dtype=torch.uint8))
+        assert again.data_ptr() != ptr
+        assert pinxfer.memory_stats()["num_idle_reclaims"] == 0
+        print("ok")
+    """
+    env = dict(os.environ, PINXFER_IDLE_RECLAIM="off")
+    proc = fresh.run(textwrap.dedent(code), env=env, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "ok"
 
 
 def test_per_stream_queues_have_no_head_of_line_blocking():

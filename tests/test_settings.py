@@ -34,6 +34,7 @@ PINXFER_VARS = [
     "PINXFER_STAGE_COPY",
     "PINXFER_CACHED_TAIL",
     "PINXFER_TORCH_TEAM",
+    "PINXFER_IDLE_RECLAIM",
     "PINXFER_SENDER_LANDING",
     "PINXFER_SENDER_WORKERS",
     "LOCAL_WORLD_SIZE",  # torchrun's, read by the same table
@@ -300,6 +301,7 @@ def test_derived_threads_follow_local_world_size_and_affinity():
         ("PINXFER_MAX_PINNED_BYTES", "1.5", "a byte size"),
         ("PINXFER_STAGE_COPY", "fast", "expected 'auto', 'nt'"),
         ("PINXFER_TORCH_TEAM", "on", "expected 'auto' \\(on torch's team"),
+        ("PINXFER_IDLE_RECLAIM", "on", "expected 'auto' \\(one stream query"),
         ("PINXFER_SENDER_LANDING", "host", "expected 'auto' \\(the default: a host function"),
         ("PINXFER_SENDER_WORKERS", "0", "an integer from 1 to 4"),
         ("PINXFER_SENDER_WORKERS", "two", "an integer from 1 to 4"),

@@ -11,6 +11,7 @@
 
 #include "runtime/checked_size.h"
 #include "runtime/fork.h"
+#include "runtime/settings.h"
 
 namespace pinxfer {
 
@@ -102,7 +103,7 @@ PinnedPool::Request PinnedPool::make_request(size_t size) {
           small};
 }
 
-c10::DataPtr PinnedPool::allocate(size_t size) {
+c10::DataPtr PinnedPool::allocate(size_t size, Use use) {
   if (size == 0) return c10::DataPtr(nullptr, c10::Device(c10::DeviceType::CPU));
   const Request request = make_request(size);
   // While a CUDA graph capture routes this stream to its private pool, the
@@ -111,15 +112,18 @@ c10::DataPtr PinnedPool::allocate(size_t size) {
       graph != graph_pools::kShared) {
     return allocate_for_graph(request, graph);
   }
-  if (c10::DataPtr hit = take_cached(request)) return hit;
+  if (c10::DataPtr hit = take_cached(request, use)) return hit;
   debug_pause();
   return allocate_segment(request);
 }
 
-c10::DataPtr PinnedPool::take_cached(const Request& request) {
+c10::DataPtr PinnedPool::take_cached(const Request& request, Use use) {
   std::lock_guard<std::mutex> lock(mutex_);
   // No event is queried while the bin of this size has a block: take_cached_locked pops it.
-  if (!request.small || !bin_holds_locked(request.rounded)) process_events_locked();
+  if (!request.small || !bin_holds_locked(request.rounded)) {
+    process_events_locked();
+    if (request.small && use == Use::kWrittenNow) take_back_if_stream_idle_locked(request.rounded);
+  }
   if (c10::DataPtr hit = take_cached_locked(request)) return hit;
   // A miss: the fence batches get their markers now, so their blocks come back once
   // their copies are done instead of waiting for more frees to fill the batches.
@@ -598,24 +602,11 @@ void PinnedPool::process_events_locked() {
       } else if (!cuda::event_done(front.event, &error)) {
         break;
       }
-      if (front.kind != PendingUse::Kind::kFencedBlock) cuda::release_event(front.event);
-      if (front.kind == PendingUse::Kind::kFenceMarker) {
-        queue.pop_front();      // the blocks it covered were ahead of it: all released
-        done_marker = nullptr;  // its event is back in the free list
-        continue;
-      }
-      Block* block = front.block;
+      // A marker: the blocks it covered were ahead of it, all released; its event goes
+      // back to the free list, so it must not be taken for the next batch's.
+      if (front.kind == PendingUse::Kind::kFenceMarker) done_marker = nullptr;
+      release_pending_use_locked(front, error);
       queue.pop_front();
-      if (!error.empty()) {
-        ++stats_.num_event_errors;
-        if (block->pending_events > 0) stats_.pending_blocks.add(-1);
-        block->pending_events = kPoisoned;  // never returns to the cache
-        continue;
-      }
-      if (block->pending_events > 0 && --block->pending_events == 0) {
-        stats_.pending_blocks.add(-1);
-        cache_freed_locked(block);  // its copies are done: as a free with nothing to wait for
-      }
     }
     it = queue.empty() ? pending_.erase(it) : std::next(it);
   }
@@ -639,6 +630,51 @@ void PinnedPool::process_events_locked() {
     }
     it = queue.empty() ? kept_.erase(it) : std::next(it);
   }
+}
+
+void PinnedPool::release_pending_use_locked(const PendingUse& use, const std::string& error) {
+  if (use.kind != PendingUse::Kind::kFencedBlock) cuda::release_event(use.event);
+  if (use.kind == PendingUse::Kind::kFenceMarker) return;
+  Block* block = use.block;
+  if (!error.empty()) {
+    ++stats_.num_event_errors;
+    if (block->pending_events > 0) stats_.pending_blocks.add(-1);
+    block->pending_events = kPoisoned;  // never returns to the cache
+    return;
+  }
+  if (block->pending_events > 0 && --block->pending_events == 0) {
+    stats_.pending_blocks.add(-1);
+    cache_freed_locked(block);  // its copies are done: as a free with nothing to wait for
+  }
+}
+
+void PinnedPool::take_back_if_stream_idle_locked(size_t rounded) {
+  if (pending_.empty() || !settings().idle_reclaim) return;
+  c10::Stream current(c10::Stream::DEFAULT, c10::Device(c10::DeviceType::CPU));
+  if (!cuda::current_stream_if_active(&current)) return;
+  const auto it = pending_.find(current);
+  if (it == pending_.end()) return;
+  // Only a block of this size in the open batch (or the one just flushed: a batch closes
+  // at its 8th block, a marker behind it) is worth the query: it is what a loop of
+  // same-sized calls freed last, and the batch holds it back from the bin.
+  const std::deque<PendingUse>& uses = it->second.uses;
+  const size_t recent = std::min(uses.size(), kFenceBatchBlocks + 1);
+  const bool batch_holds_size =
+      std::any_of(uses.end() - recent, uses.end(), [&](const PendingUse& u) {
+        return u.kind == PendingUse::Kind::kFencedBlock && u.block->size == rounded;
+      });
+  if (!batch_holds_size || graph_pools::any_capture_open()) return;
+  std::string error;
+  if (cuda::stream_is_capturing(current, &error) || !error.empty()) return;
+  // Under the lock: every entry in the FIFO was queued, its event or marker recorded on
+  // this stream, before this query, so an idle stream has completed them all.
+  if (!cuda::stream_idle(current)) return;
+  ++stats_.num_idle_reclaims;
+  StreamFifo done = std::move(it->second);
+  pending_.erase(it);
+  // Oldest first, as process_events_locked would: the block freed last is binned last,
+  // and a bin hands out its last block.
+  for (const PendingUse& use : done.uses) release_pending_use_locked(use, /*error=*/"");
 }
 
 void PinnedPool::fence_in_batch_locked(Block* block, const c10::Stream& stream) {

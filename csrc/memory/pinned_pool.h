@@ -141,11 +141,16 @@ class PinnedPool {
   // must outlive the pool (both are leaked in practice).
   PinnedPool(int numa_node, HostResource& upstream);
 
+  // What the caller does with a block first. kWrittenNow: the calling thread writes it
+  // at once (pin_memory's copy), so a block it wrote recently, still in its core's
+  // caches, is worth one stream query (take_back_if_stream_idle_locked).
+  enum class Use : uint8_t { kAny, kWrittenNow };
+
   // A DataPtr to >= size bytes of locked memory (512-byte aligned) whose
   // context is the Block. size 0 gives an empty DataPtr. Throws
   // c10::OutOfMemoryError when the upstream declines (the cap) or the OS
   // refuses the memory.
-  c10::DataPtr allocate(size_t size);
+  c10::DataPtr allocate(size_t size, Use use = Use::kAny);
 
   // Marks that `stream` (a CUDA stream) uses the block behind ctx; returns
   // false if ctx is not a live block of this pool.
@@ -220,6 +225,7 @@ class PinnedPool {
 
  private:
   // Members named *_locked run with mutex_ held; the others take it themselves.
+  struct PendingUse;  // one entry of a stream's FIFO (below)
   struct StreamFifo;  // a stream's FIFO of pending uses and its fence batch (below)
 
   // One allocate() request: the size asked for, rounded to its pool's
@@ -233,7 +239,7 @@ class PinnedPool {
 
   // The steps of allocate(), in order. Only the first runs on a cache hit.
   // A fitting free block, live for the caller; an empty DataPtr on a miss.
-  c10::DataPtr take_cached(const Request& request);
+  c10::DataPtr take_cached(const Request& request, Use use);
   c10::DataPtr take_cached_locked(const Request& request);
   // A miss: maps a new segment for the request and hands out its first block.
   c10::DataPtr allocate_segment(const Request& request);
@@ -285,6 +291,17 @@ class PinnedPool {
   // before a request is called a miss, and before free segments are collected.
   void flush_bins_locked();
   void process_events_locked();
+  // One FIFO entry whose wait is over (its event, or its batch's marker, is done, with
+  // `error` if the query failed): the event goes back to its free list and the block, at
+  // its last event, to its bin or free set (poisoned on an error).
+  void release_pending_use_locked(const PendingUse& use, const std::string& error);
+  // A small request the caller writes at once (Use::kWrittenNow) with no block in its
+  // bin, while the current stream's fence batch holds a block of its size: one
+  // cudaStreamQuery of that stream (not while it or any capture pinxfer knows of is
+  // open). Idle, every entry of its FIFO is done, so all are released, oldest first,
+  // and the bin's last block, the latest freed, is the caller's (csrc/README.md "The
+  // free fence"). Counted in num_idle_reclaims.
+  void take_back_if_stream_idle_locked(size_t rounded);
   // The free fence of a small block: queued in `stream`'s fence batch, which is
   // flushed once it holds kFenceBatchBlocks blocks or kFenceBatchBytes bytes.
   void fence_in_batch_locked(Block* block, const c10::Stream& stream);

@@ -15,7 +15,7 @@ void PoolStats::reset_accumulated() {
   num_allocs = num_frees = num_cache_hits = num_cache_misses = 0;
   num_segment_maps = num_segment_unmaps = num_segment_merges = 0;
   num_ooms = num_event_waits = num_fenced_frees = num_event_errors = 0;
-  num_graph_allocs = num_fence_markers = 0;
+  num_graph_allocs = num_fence_markers = num_idle_reclaims = 0;
   map_time_ns = touch_time_ns = lock_time_ns = unpin_time_ns = 0;
 }
 
@@ -43,6 +43,7 @@ PoolStats& PoolStats::operator+=(const PoolStats& o) {
                               {&num_event_waits, &o.num_event_waits},
                               {&num_fenced_frees, &o.num_fenced_frees},
                               {&num_fence_markers, &o.num_fence_markers},
+                              {&num_idle_reclaims, &o.num_idle_reclaims},
                               {&num_event_errors, &o.num_event_errors},
                               {&map_time_ns, &o.map_time_ns},
                               {&touch_time_ns, &o.touch_time_ns},
@@ -88,6 +89,7 @@ std::vector<std::pair<const char*, int64_t>> PoolStats::items() const {
       {"num_event_waits", num_event_waits},
       {"num_fenced_frees", num_fenced_frees},
       {"num_fence_markers", num_fence_markers},
+      {"num_idle_reclaims", num_idle_reclaims},
       {"num_event_errors", num_event_errors},
       {"num_graph_allocs", num_graph_allocs},
       {"pin_time_ns", map_time_ns + touch_time_ns + lock_time_ns},

@@ -38,6 +38,7 @@ struct PoolStats {
   int64_t num_ooms = 0, num_event_waits = 0, num_fenced_frees = 0, num_event_errors = 0;
   int64_t num_graph_allocs = 0;   // allocations routed to a CUDA graph pool
   int64_t num_fence_markers = 0;  // events recorded for fence batches (each covers <= 8 frees)
+  int64_t num_idle_reclaims = 0;  // FIFOs released at once, their stream found idle (pin_memory)
   int64_t map_time_ns = 0, touch_time_ns = 0, lock_time_ns = 0, unpin_time_ns = 0;
 
   int64_t cached_bytes() const { return reserved_bytes.current - allocated_bytes.current; }

@@ -380,6 +380,20 @@ bool stream_is_capturing(const c10::Stream& stream, std::string* error) {
   return status != cudaStreamCaptureStatusNone;
 }
 
+bool stream_idle(const c10::Stream& stream) {
+  if (!cuda_usable()) return false;
+  const auto raw = c10::cuda::CUDAStream(c10::cuda::CUDAStream::UNCHECKED, stream).stream();
+  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+  if (cudaThreadExchangeStreamCaptureMode(&mode) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  const cudaError_t err = cudaStreamQuery(raw);
+  if (err != cudaSuccess) (void)cudaGetLastError();  // not ready, or an error: not idle
+  if (cudaThreadExchangeStreamCaptureMode(&mode) != cudaSuccess) (void)cudaGetLastError();
+  return err == cudaSuccess;
+}
+
 bool current_stream_is_capturing() {
   c10::Stream current(c10::Stream::DEFAULT, c10::Device(c10::DeviceType::CPU));
   if (!current_stream_if_active(&current)) return false;
@@ -465,6 +479,7 @@ void event_synchronize(const Event&) {}
 void release_event(const Event&) {}
 bool current_stream_if_active(c10::Stream*) { return false; }
 bool stream_is_capturing(const c10::Stream&, std::string*) { return false; }
+bool stream_idle(const c10::Stream&) { return false; }
 bool current_stream_is_capturing() { return false; }
 void device_synchronize(int) {}
 void synchronize_active_devices() {}

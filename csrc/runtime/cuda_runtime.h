@@ -87,6 +87,14 @@ bool current_stream_if_active(c10::Stream* out);
 // now; never throws (callers are deleters): false with *error filled when the
 // query fails. A stream of a process without usable CUDA is not capturing.
 bool stream_is_capturing(const c10::Stream& stream, std::string* error);
+// Whether every piece of work queued so far on `stream`, a stream of the current
+// device (a NULL handle is the current device's legacy stream), has completed
+// (cudaStreamQuery). False while work is queued and on any error (cleared, not
+// reported): the caller then waits for its events as it would have. Never ask a
+// capturing stream (the query would invalidate the capture); the calling thread's
+// capture mode is relaxed for the query, so another thread's capture in torch's
+// default (global) mode does not forbid it.
+bool stream_idle(const c10::Stream& stream);
 // Whether the current stream of the current device is capturing; false when
 // CUDA is not in use yet (no primary context: nothing can be capturing).
 // Throws c10::Error on a CUDA error.

@@ -42,6 +42,15 @@ int64_t env_bytes(const char* name, const std::string& value, const char* exampl
   }
 }
 
+// A switch: 'auto' (true) or 'off' (false), or bad_env quoting what each means.
+bool env_auto_or_off(const char* name, const std::string& value, const char* what_auto,
+                     const char* what_off) {
+  if (value != "auto" && value != "off") {
+    bad_env(name, value, std::string("'auto' (") + what_auto + ") or 'off' (" + what_off + ")");
+  }
+  return value == "auto";
+}
+
 // One variable. `parse` reads its text into the settings and returns the value
 // doctor shows; `unset` fills in what applies without it and returns the same.
 // Rows run in table order, so a row may use what an earlier row set (the sysfs
@@ -146,10 +155,19 @@ const Row kRows[] = {
 
     {"PINXFER_TORCH_TEAM", "host copies run on torch's intra-op team while it spins: auto or off",
      [](const char* name, const std::string& text, Settings& s) {
-       if (text != "auto" && text != "off") {
-         bad_env(name, text, "'auto' (on torch's team while it is awake) or 'off' (never)");
-       }
-       s.torch_team = text == "auto";
+       s.torch_team = env_auto_or_off(name, text, "on torch's team while it is awake", "never");
+       return text;
+     },
+     [](Settings&) { return std::string("auto"); }, "default"},
+
+    {"PINXFER_IDLE_RECLAIM",
+     "pin_memory takes back a small block in its stream's fence batch when the stream is "
+     "idle: auto or off",
+     [](const char* name, const std::string& text, Settings& s) {
+       s.idle_reclaim =
+           env_auto_or_off(name, text,
+                           "one stream query when the batch holds a block of the size asked for",
+                           "wait for the batch's marker");
        return text;
      },
      [](Settings&) { return std::string("auto"); }, "default"},

@@ -48,11 +48,12 @@ struct Settings {
   int64_t max_pinned_bytes = 0;     // PINXFER_MAX_PINNED_BYTES; 0: no cap
   int copy_threads = 1;             // PINXFER_NUM_THREADS, else copy_threads_for(cpus)
   bool copy_threads_from_env = false;
-  int spin_us = 100;                    // PINXFER_SPIN_US: how long idle copy threads spin
-  bool spin_adaptive = true;            // unset PINXFER_SPIN_US: spin longer after long jobs
-  std::string stage_copy = "auto";      // PINXFER_STAGE_COPY, one of kStagingModeNames
-  int64_t cached_tail = -1;             // PINXFER_CACHED_TAIL; -1: not set (16 MiB)
-  bool torch_team = true;               // PINXFER_TORCH_TEAM: copies may run on torch's awake team
+  int spin_us = 100;                // PINXFER_SPIN_US: how long idle copy threads spin
+  bool spin_adaptive = true;        // unset PINXFER_SPIN_US: spin longer after long jobs
+  std::string stage_copy = "auto";  // PINXFER_STAGE_COPY, one of kStagingModeNames
+  int64_t cached_tail = -1;         // PINXFER_CACHED_TAIL; -1: not set (16 MiB)
+  bool torch_team = true;           // PINXFER_TORCH_TEAM: copies may run on torch's awake team
+  bool idle_reclaim = true;  // PINXFER_IDLE_RECLAIM: pin_memory takes fenced blocks back when idle
   std::string sender_landing = "auto";  // PINXFER_SENDER_LANDING, one of kSenderLandingNames
   int sender_workers = 2;               // PINXFER_SENDER_WORKERS: batches in flight at a sender
   // libgomp's own variables, read (never set) to know whether torch's team keeps spinning

@@ -25,6 +25,7 @@ POOL_KEYS = [
     "num_event_waits",
     "num_fenced_frees",
     "num_fence_markers",
+    "num_idle_reclaims",
     "num_event_errors",
 ]
 POOL_CURRENT = [

@@ -246,8 +246,8 @@ at::Tensor pin_memory_copy(const at::Tensor& self, std::optional<int64_t> numa_n
   // Built from dtype alone, without the conj/neg bits: the result holds
   // resolved values, as torch's does.
   const auto allocate_out = [&] {
-    return tensor_over(pool_for_node(node).allocate(nbytes), nbytes, self.sizes(), strides,
-                       self.scalar_type());
+    return tensor_over(pool_for_node(node).allocate(nbytes, PinnedPool::Use::kWrittenNow), nbytes,
+                       self.sizes(), strides, self.scalar_type());
   };
   if (nbytes == 0 || self.numel() == 0) return allocate_out();
   const auto checked = tracing ? TraceClock::now() : TraceClock::time_point{};
