@@ -159,6 +159,13 @@ def test_empty_cache_flushes_a_fence_batch_short_of_its_size():
     assert bool((dev == 3).all())
 
 
+def _bytes_no_cached_block_fits() -> int:
+    """A large request that must miss whatever earlier tests left cached (run one after
+    another, e.g. under memcheck, a 4 MiB request found a free block and flushed nothing)."""
+    cached = pinxfer.memory_stats()["cached_bytes.current"]
+    return 4 * MiB + (cached + MiB - 1) // MiB * MiB
+
+
 def test_a_miss_flushes_the_fence_batches():
     # A request no cached block fits gives the waiting batches their markers, so their
     # blocks come back once their copies are done rather than after more frees.
@@ -168,7 +175,7 @@ def test_a_miss_flushes_the_fence_batches():
     ptr = a.data_ptr()
     del a
     markers = pinxfer.memory_stats()["num_fence_markers"]
-    big = pinxfer.empty(4 * MiB, dtype=torch.uint8)  # a large-pool miss
+    big = pinxfer.empty(_bytes_no_cached_block_fits(), dtype=torch.uint8)  # a large-pool miss
     assert pinxfer.memory_stats()["num_fence_markers"] == markers + 1
     torch.cuda.synchronize()
     again = pinxfer.empty(64 * KiB, dtype=torch.uint8)
@@ -187,11 +194,12 @@ def test_a_fence_batch_flushed_while_its_stream_captures_is_held():
         ptr = a.data_ptr()
         del a
     before = pinxfer.memory_stats()
+    miss_bytes = _bytes_no_cached_block_fits()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g, stream=side, capture_error_mode="relaxed"):
         dev.add_(1)
         with torch.cuda.stream(torch.cuda.default_stream()):
-            big = pinxfer.empty(4 * MiB, dtype=torch.uint8)  # a miss: flushes the batches
+            big = pinxfer.empty(miss_bytes, dtype=torch.uint8)  # a miss: flushes the batches
     after = pinxfer.memory_stats()
     assert after["held_blocks.current"] == before["held_blocks.current"] + 1
     assert after["pending_blocks.current"] == before["pending_blocks.current"] - 1
