@@ -57,6 +57,43 @@ int64_t inject_host_register_failures(int64_t n) {
 #if PINXFER_WITH_CUDA
 
 namespace {
+// Relaxes the calling thread's stream-capture mode for one CUDA call that touches
+// no stream (registering pages, querying a stream known not to capture), and puts
+// the thread's own mode back: in torch's default capture mode (global) a capture
+// in any thread forbids such "unsafe" calls. Both exchanges are checked; an error
+// is cleared from CUDA's last-error slot and returned to the caller, which decides
+// what it means. The destructor restores the mode if restore() was not called.
+class RelaxedCaptureMode {
+ public:
+  RelaxedCaptureMode() { entered_ = exchange(); }
+  RelaxedCaptureMode(const RelaxedCaptureMode&) = delete;
+  RelaxedCaptureMode& operator=(const RelaxedCaptureMode&) = delete;
+  ~RelaxedCaptureMode() {
+    if (entered_ == cudaSuccess && !restored_) (void)restore();
+  }
+
+  // cudaSuccess when the thread runs relaxed; else the error (nothing to restore).
+  cudaError_t entered() const { return entered_; }
+
+  // Puts the thread's mode back, once; returns the exchange's error.
+  cudaError_t restore() {
+    if (entered_ != cudaSuccess || restored_) return cudaSuccess;
+    restored_ = true;
+    return exchange();
+  }
+
+ private:
+  cudaError_t exchange() {
+    const cudaError_t err = cudaThreadExchangeStreamCaptureMode(&mode_);
+    if (err != cudaSuccess) (void)cudaGetLastError();
+    return err;
+  }
+
+  cudaStreamCaptureMode mode_ = cudaStreamCaptureModeRelaxed;
+  cudaError_t entered_ = cudaSuccess;
+  bool restored_ = false;
+};
+
 std::mutex g_probe_mutex;
 uint64_t g_probed_generation = ~uint64_t{0};  // LOCK: g_probe_mutex
 bool g_usable = false;                        // LOCK: g_probe_mutex
@@ -177,17 +214,14 @@ std::string host_register(void* ptr, size_t size) {
   // the capturing thread and every other). Registering host pages touches no
   // stream, so the thread's mode is relaxed around it, as torch's caching
   // allocator does around cudaMalloc.
-  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
-  cudaError_t err = cudaThreadExchangeStreamCaptureMode(&mode);
-  if (err != cudaSuccess) {
-    (void)cudaGetLastError();
-    return "cudaThreadExchangeStreamCaptureMode failed: " + error_text(err);
+  RelaxedCaptureMode relaxed;
+  if (relaxed.entered() != cudaSuccess) {
+    return "cudaThreadExchangeStreamCaptureMode failed: " + error_text(relaxed.entered());
   }
-  err = cudaHostRegister(ptr, size, cudaHostRegisterPortable);
+  const cudaError_t err = cudaHostRegister(ptr, size, cudaHostRegisterPortable);
   if (err != cudaSuccess) (void)cudaGetLastError();
-  const cudaError_t restore = cudaThreadExchangeStreamCaptureMode(&mode);
+  const cudaError_t restore = relaxed.restore();
   if (restore != cudaSuccess) {
-    (void)cudaGetLastError();
     if (err == cudaSuccess) (void)cudaHostUnregister(ptr);  // the caller sees a failure
     return "cudaThreadExchangeStreamCaptureMode (restoring the thread's mode) failed: " +
            error_text(restore);
@@ -383,15 +417,13 @@ bool stream_is_capturing(const c10::Stream& stream, std::string* error) {
 bool stream_idle(const c10::Stream& stream) {
   if (!cuda_usable()) return false;
   const auto raw = c10::cuda::CUDAStream(c10::cuda::CUDAStream::UNCHECKED, stream).stream();
-  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
-  if (cudaThreadExchangeStreamCaptureMode(&mode) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return false;
-  }
+  // A failure to relax or to restore the mode answers "not idle": the pool then
+  // waits for the block's event as it would without this question.
+  RelaxedCaptureMode relaxed;
+  if (relaxed.entered() != cudaSuccess) return false;
   const cudaError_t err = cudaStreamQuery(raw);
   if (err != cudaSuccess) (void)cudaGetLastError();  // not ready, or an error: not idle
-  if (cudaThreadExchangeStreamCaptureMode(&mode) != cudaSuccess) (void)cudaGetLastError();
-  return err == cudaSuccess;
+  return relaxed.restore() == cudaSuccess && err == cudaSuccess;
 }
 
 bool current_stream_is_capturing() {
