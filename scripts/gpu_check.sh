@@ -8,8 +8,10 @@
 #   bash scripts/gpu_check.sh [STEP...] [-k PYTEST_EXPR]
 #   bash scripts/gpu_check.sh "test stress memcheck"     # one quoted list works too
 #   bash scripts/gpu_check.sh test "not prefetch"        # old form: a non-step word is -k
+#                                                        # (refused when no step is named)
 #
-# Steps (run in this order whatever the order given; default: all):
+# Steps (run in this order whatever the order given; default: all; the build always runs first,
+# and `build` alone stops after it):
 #   sweep     to_device/prefetch settings swept by benchmarks/sweep_to_device.py
 #   test      smoke check, then the README's test command (pytest -n auto; TEST_SERIAL=1: one
 #             by one in this process, so a crash stops the run with faulthandler's stacks),
@@ -86,9 +88,10 @@ mkdir -p "$OUT" "$LOGS"
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 
 # ---- arguments: step names (separate or in one quoted list), -k EXPR, else a -k expression
-STEP_WORDS="all sweep test alone stress memcheck bench bus ab abenv loader loop"
+STEP_WORDS="all build sweep test alone stress memcheck bench bus ab abenv loader loop"
 steps=""
 kexpr=${PYTEST_K:-}
+bare_word=""  # a word that names no step: taken as -k only beside a step
 while [ $# -gt 0 ]; do
   if [ "$1" = "-k" ]; then
     kexpr=${2:-}
@@ -100,9 +103,16 @@ while [ $# -gt 0 ]; do
   for w in "${words[@]}"; do
     case " $STEP_WORDS " in *" $w "*) ;; *) all_steps=0 ;; esac
   done
-  if [ "$all_steps" -gt 0 ]; then steps="$steps ${words[*]}"; else kexpr=$1; fi
+  if [ "$all_steps" -gt 0 ]; then steps="$steps ${words[*]}"; else kexpr=$1 bare_word=$1; fi
   shift
 done
+if [ -z "${steps// /}" ] && [ -n "$bare_word" ]; then
+  # Without a step, a mistyped step name would run every step (about ten minutes of device
+  # time) under a -k that selects almost nothing.
+  echo "gpu_check.sh: '$bare_word' names no step ($STEP_WORDS). Name the steps, e.g." \
+    "'test $bare_word' for a pytest -k expression, or 'build' to build alone." >&2
+  exit 2
+fi
 [ -z "${steps// /}" ] && steps=all
 want() {  # alone, ab, abenv, loader and loop only when named
   case " $steps " in *" $1 "*) return 0 ;; esac
