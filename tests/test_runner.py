@@ -23,3 +23,16 @@ def test_a_crashing_test_fails_the_run_under_xdist(tmp_path):
     )  # fmt: skip
     assert run.returncode == 1, run.stdout + run.stderr
     assert "crashed while running" in run.stdout and "test_crash" in run.stdout, run.stdout
+
+
+def test_gpu_check_refuses_a_word_that_names_no_step(tmp_path):
+    """A mistyped step alone used to run every step under a pytest -k that selected almost
+    nothing (about ten minutes of device time); it is refused before anything runs."""
+    run = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "tset"],
+        capture_output=True, text=True, timeout=60,
+        env={"PATH": "/usr/bin:/bin", "OUT": str(tmp_path)},
+    )  # fmt: skip
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert "'tset' names no step" in run.stderr and "'test tset'" in run.stderr, run.stderr
+    assert "steps:" not in run.stdout, run.stdout  # refused before the steps were announced
