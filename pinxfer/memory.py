@@ -108,9 +108,11 @@ def empty(
             ``numa_node`` names no node of this machine.
         torch.OutOfMemoryError: the memory cannot be had (cap, OS).
     """
-    if not _ops.torch_cuda_ready:
-        _ops.ensure_torch_cuda()
     eager = not _ops.compiling()
+    # Traced (torch.compile), torch's CUDA state is not initialised here: dynamo cannot trace
+    # the build query it reads, and a compiled program that uses CUDA has initialised it.
+    if eager and not _ops.torch_cuda_ready:
+        _ops.ensure_torch_cuda()
     if eager and numa_node is None:
         # The usual call, checked in C++ (csrc/python/plain_calls.cpp): None while a mode
         # is active, or where a size or the dtype needs the checks below.

@@ -134,10 +134,14 @@ def _pin_tensor(tensor: torch.Tensor, node: int | None, threads: int) -> torch.T
         # torch's own pin: same result, and where torch raises, torch's error. It
         # returns the tensor itself if it is already pinned.
         return _torch_pin(tensor)
-    if is_pinned(tensor):
-        return tensor
-    if not _ops.torch_cuda_ready:
-        _ops.ensure_torch_cuda()
+    # Traced (torch.compile), a graph cannot branch on whether this memory is pinned (its
+    # state when the graph runs, not when it is traced): the result is always a pinned copy,
+    # and torch's CUDA state is not initialised here (memory.empty says why).
+    if not _ops.compiling():
+        if is_pinned(tensor):
+            return tensor
+        if not _ops.torch_cuda_ready:
+            _ops.ensure_torch_cuda()
     if tensor.requires_grad and torch.is_grad_enabled():
         return _PinMemoryGrad.apply(tensor, node, threads)
     return _ops.pin_memory(tensor, node, threads)
@@ -262,6 +266,9 @@ def pin_memory(
     DataLoader pin thread with ``torch.set_num_threads(1)``); an internally
     overlapping view (e.g. ``expand``), which torch refuses, gives a contiguous
     copy.
+
+    Under ``torch.compile`` the result is always a pinned copy, an already-pinned
+    input included: a graph cannot branch on the memory's state when it runs.
 
     Batches: Mappings (type kept, e.g. OrderedDict, defaultdict), namedtuples,
     tuples, lists, dataclasses (frozen ones too; torch's DataLoader skips them)

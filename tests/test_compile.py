@@ -1,0 +1,90 @@
+"""torch.compile(fullgraph=True) of code that calls pinxfer.empty and pinxfer.pin_memory (CPU:
+the ops run their real kernels, so the results are real pool tensors; the GPU side of compile,
+to_device, is in test_graphs_gpu.py). Traced, pin_memory always copies: a graph cannot branch on
+whether its input is pinned when it runs (csrc/README.md, "pinxfer's own calls under capture")."""
+
+from __future__ import annotations
+
+import os
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import pinxfer
+from tests import fresh
+
+REPO = str(Path(__file__).resolve().parent.parent)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def compiled(fn, backend: str = "aot_eager"):
+    return torch.compile(fn, fullgraph=True, backend=backend)
+
+
+def test_empty_traces_in_a_fresh_process():
+    """The first pinxfer call of a process can be a traced one: empty used to read the build
+    (a pybind call dynamo cannot trace) before it asked whether it was being traced."""
+    code = """
+        import torch, pinxfer
+        from pinxfer import _ops
+        assert not _ops.torch_cuda_ready  # nothing has pinned yet in this process
+        f = torch.compile(lambda: pinxfer.empty(4, 4, dtype=torch.int32), fullgraph=True,
+                          backend="aot_eager")
+        out = f()
+        assert out.shape == (4, 4) and out.dtype == torch.int32, out
+        assert pinxfer.is_pool_tensor(out)
+        print("ok")
+    """
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PINXFER_")}
+    run = fresh.run(textwrap.dedent(code), env=env, cwd=REPO, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stdout + run.stderr
+
+
+def test_pin_memory_of_a_tensor_traces_and_copies_every_time():
+    f = compiled(lambda t: pinxfer.pin_memory(t))
+    x = torch.randn(1000)
+    out = f(x)
+    assert torch.equal(out, x) and pinxfer.is_pool_tensor(out) and pinxfer.is_pinned(out)
+    # An already-pinned input gives a new copy (eager gives the input itself).
+    pinned = pinxfer.pin_memory(x)
+    assert pinxfer.pin_memory(pinned) is pinned
+    again = f(pinned)
+    assert again.data_ptr() != pinned.data_ptr() and torch.equal(again, x)
+
+
+def test_pin_memory_of_a_batch_traces():
+    f = compiled(lambda b: pinxfer.pin_memory(b))
+    batch = {"x": torch.randn(3, 5), "meta": [torch.arange(7), torch.tensor(2.5)]}
+    out = f(batch)
+    assert set(out) == {"x", "meta"} and len(out["meta"]) == 2
+    for got, want in ((out["x"], batch["x"]), *zip(out["meta"], batch["meta"])):
+        assert torch.equal(got, want) and pinxfer.is_pool_tensor(got)
+
+
+def test_pin_memory_traced_passes_the_gradient_through():
+    x = torch.randn(8, requires_grad=True)
+    f = compiled(lambda t: (pinxfer.pin_memory(t) * 3).sum())
+    f(x).backward()
+    assert torch.equal(x.grad, torch.full((8,), 3.0))
+
+
+def test_empty_and_pin_memory_compile_with_inductor():
+    """Inductor runs the ops as fallback kernels: the results are pool memory."""
+
+    def fn(t):
+        out = pinxfer.empty(*t.shape, dtype=t.dtype)
+        out.copy_(t)
+        return out, pinxfer.pin_memory(t)
+
+    x = torch.randn(4, 6)
+    empty_out, pinned_out = compiled(fn, backend="inductor")(x)
+    assert torch.equal(empty_out, x) and torch.equal(pinned_out, x)
+    assert pinxfer.is_pool_tensor(pinned_out)
