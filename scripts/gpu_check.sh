@@ -261,7 +261,7 @@ for where in ('before CUDA use', 'after CUDA use'):
   record test "$(status_of "$rc")"
   # The soaks the README's test command deselects (README "Tests"): stress and leak runs.
   t0=$(date +%s)
-  python3 -X faulthandler -m pytest -q -rs $xdist_off -p no:cacheprovider -m soak \
+  python3 -X faulthandler -m pytest -q -rfEs $xdist_off -p no:cacheprovider -m soak \
     ${kexpr:+-k "$kexpr"} tests > /tmp/pinxfer_soak.log 2>&1
   rc=$?
   tail -15 /tmp/pinxfer_soak.log
@@ -339,7 +339,7 @@ if want memcheck; then
     cmd=("${nocache[@]}" timeout -k 30 "${MEMCHECK_TIMEOUT:-540}"
          "$cs" --tool memcheck --error-exitcode 1 --target-processes all
          --report-api-errors "${MEMCHECK_API_ERRORS:-no}" ${MEMCHECK_FLAGS:-}
-         python3 -X faulthandler -m pytest -q -rs ${MEMCHECK_PYTEST_ARGS--x} $xdist_off
+         python3 -X faulthandler -m pytest -q -rfEs ${MEMCHECK_PYTEST_ARGS--x} $xdist_off
          -p no:cacheprovider ${mk:+-k "$mk"}
          tests/test_transfer_gpu.py tests/test_allocator_gpu.py)
     echo "${cmd[*]}"
