@@ -878,3 +878,67 @@ def test_pin_call_trace_is_recorded_only_while_tracing():
     assert isinstance(trace["on_team"], bool)
     pinxfer.pin_memory(torch.randn(1 << 18))
     assert native._last_pin_call_trace() == trace
+
+
+# ---- resize_: pool tensors resize as torch's pinned tensors do (their storage's allocator) ----
+
+
+def _pool_counts(node: int) -> tuple[int, int, int]:
+    s = pinxfer.memory_stats(node)
+    return s["num_allocs"], s["num_frees"], s["active_blocks.current"]
+
+
+@pytest.mark.parametrize("make", ["empty", "pin_memory"])
+@pytest.mark.parametrize("node", [-1, 0])
+def test_resize_grows_from_the_same_nodes_pool_and_frees_the_old_block(make, node):
+    if node not in pinxfer.numa_nodes():
+        pytest.skip(f"no NUMA node {node} here")
+    values = torch.arange(1000, dtype=torch.float64)
+    if make == "empty":
+        t = pinxfer.empty(1000, dtype=torch.float64, numa_node=node)
+        t.copy_(values)
+    else:
+        t = pinxfer.pin_memory(values, numa_node=node)
+    kind = pinxfer.lock_kind(t)
+    allocs, frees, active = _pool_counts(node)
+    old = t.data_ptr()
+    t.resize_(1 << 18)  # 2 MiB: a new block
+    assert t.data_ptr() != old and t.numel() == 1 << 18
+    assert torch.equal(t[:1000], values)  # the old bytes, copied as torch's resize_ copies
+    assert pinxfer.is_pool_tensor(t) and pinxfer.lock_kind(t) == kind
+    assert _pool_counts(node) == (allocs + 1, frees + 1, active)  # the old block went back
+    t.resize_(10)  # shrinking keeps the block, as torch does
+    assert torch.equal(t, values[:10]) and pinxfer.is_pool_tensor(t)
+    storage = t.untyped_storage()
+    storage.resize_(1 << 22)
+    assert storage.nbytes() == 1 << 22 and pinxfer.is_pool_tensor(t)
+    assert torch.equal(t, values[:10])
+
+
+def test_resize_from_many_threads_keeps_every_byte():
+    """Real threads resizing their own pool tensors at once: each keeps its bytes, and the
+    pool ends with the blocks it started with."""
+    node = -1
+    _, _, active = _pool_counts(node)
+    errors: list[str] = []
+
+    def work(seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        t = pinxfer.pin_memory(torch.randint(0, 255, (4096,), dtype=torch.uint8, generator=g),
+                               numa_node=node)  # fmt: skip
+        want = t.clone()
+        for step in range(40):
+            n = int(torch.randint(4096, 1 << 20, (1,), generator=g))
+            t.resize_(n)
+            if not torch.equal(t[:4096], want):
+                errors.append(f"thread {seed} step {step}: bytes changed")
+                return
+            t.resize_(4096)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors, errors
+    assert _pool_counts(node)[2] == active

@@ -23,10 +23,11 @@ namespace pinxfer::ops {
 // it as pack_align (pinxfer/_ops.py's pack_offsets computes the same offsets).
 constexpr size_t kPackAlign = 256;
 
-// A CPU tensor over `data` (pool memory of `nbytes` bytes) with these sizes and
-// strides, built directly as at::detail::empty_generic does (no dispatcher
-// call). The storage is not resizable: its bytes belong to a pool block.
-at::Tensor tensor_over(c10::DataPtr data, size_t nbytes, at::IntArrayRef sizes,
+// A CPU tensor over `data` (pool memory of `nbytes` bytes, from the pool of NUMA node
+// `node`) with these sizes and strides, built directly as at::detail::empty_generic does (no
+// dispatcher call). The storage is resizable as torch's pinned storages are: resize_ takes
+// a larger block from the same node's pool and frees the old one through the pool.
+at::Tensor tensor_over(c10::DataPtr data, size_t nbytes, int node, at::IntArrayRef sizes,
                        at::IntArrayRef strides, at::ScalarType dtype);
 
 // pinxfer.empty: contiguous, uninitialised, from the pool of `numa_node`

@@ -4,6 +4,12 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <array>
+#include <atomic>
+#include <map>
+#include <mutex>
+
+#include "memory/graph_pools.h"
 #include "memory/host_allocator.h"
 #include "memory/pinned_pool.h"
 #include "memory/placement.h"
@@ -15,10 +21,58 @@
 
 namespace pinxfer::ops {
 
-at::Tensor tensor_over(c10::DataPtr data, size_t nbytes, at::IntArrayRef sizes,
+namespace {
+
+// The allocator of a pool tensor's storage: what torch's resize_ asks for a larger block
+// (resize_bytes_cpu: a block from the storage's allocator, the old bytes copied, the old block
+// freed through its deleter, so the pool's free keeps it from reuse while a recorded copy may
+// read it). Blocks come from the pool of the node the tensor's memory came from, looked up at
+// each allocation (a forked child has pools of its own), so that a pinxfer tensor resizes as
+// torch's pinned tensors do (their allocator is torch's host allocator).
+class NodePoolAllocator final : public c10::Allocator {
+ public:
+  explicit NodePoolAllocator(int node) : node_(node) {}
+
+  c10::DataPtr allocate(size_t n) override {
+    graph_pools::check_capture_allocation("resize_ of a pinxfer tensor");
+    return pool_for_node(node_).allocate(n);
+  }
+
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
+
+ private:
+  const int node_;
+};
+
+// One allocator a node, made on first use and leaked (storages keep a raw pointer to it).
+// Nodes -1..kMaxFastNode are answered without the lock: every pool tensor asks.
+constexpr int kMaxFastNode = 63;
+std::array<std::atomic<NodePoolAllocator*>, kMaxFastNode + 2> g_allocator_by_node{};
+
+c10::Allocator* storage_allocator_for_node(int node) {
+  const bool fast = node >= -1 && node <= kMaxFastNode;
+  if (fast) {
+    if (NodePoolAllocator* a = g_allocator_by_node[node + 1].load(std::memory_order_acquire)) {
+      return a;
+    }
+  }
+  static std::mutex mutex;
+  static auto* by_node = new std::map<int, NodePoolAllocator*>();
+  std::lock_guard<std::mutex> lock(mutex);
+  NodePoolAllocator*& a = (*by_node)[node];
+  if (a == nullptr) a = new NodePoolAllocator(node);
+  if (fast) g_allocator_by_node[node + 1].store(a, std::memory_order_release);
+  return a;
+}
+
+}  // namespace
+
+at::Tensor tensor_over(c10::DataPtr data, size_t nbytes, int node, at::IntArrayRef sizes,
                        at::IntArrayRef strides, at::ScalarType dtype) {
   c10::Storage storage(c10::Storage::use_byte_size_t(), nbytes, std::move(data),
-                       /*allocator=*/nullptr, /*resizable=*/false);
+                       storage_allocator_for_node(node), /*resizable=*/true);
   at::Tensor out =
       at::detail::make_tensor<c10::TensorImpl>(std::move(storage),
                                                c10::DispatchKeySet(c10::DispatchKey::CPU),
@@ -39,7 +93,7 @@ at::Tensor pool_empty(at::IntArrayRef size, at::ScalarType dtype,
                     "torch._empty_affine_quantized and pinxfer.pin_memory on it.");
   const size_t nbytes = checked_tensor_bytes(size, c10::elementSize(dtype), "pinxfer.empty");
   const int node = resolve_numa_node(numa_node, "pinxfer.empty");
-  return tensor_over(pool_for_node(node).allocate(nbytes), nbytes, size,
+  return tensor_over(pool_for_node(node).allocate(nbytes), nbytes, node, size,
                      c10::contiguous_strides(size), dtype);
 }
 

@@ -247,7 +247,7 @@ at::Tensor pin_memory_copy(const at::Tensor& self, std::optional<int64_t> numa_n
   // resolved values, as torch's does.
   const auto allocate_out = [&] {
     return tensor_over(pool_for_node(node).allocate(nbytes, PinnedPool::Use::kWrittenNow), nbytes,
-                       self.sizes(), strides, self.scalar_type());
+                       node, self.sizes(), strides, self.scalar_type());
   };
   if (nbytes == 0 || self.numel() == 0) return allocate_out();
   const auto checked = tracing ? TraceClock::now() : TraceClock::time_point{};
