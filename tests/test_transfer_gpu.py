@@ -252,6 +252,46 @@ def test_parked_helpers_do_not_hold_the_transfer(nbytes):
     _check(pinxfer.to_device(want), want)
 
 
+def _free_storage_bytes(x: torch.Tensor) -> None:
+    x.untyped_storage().resize_(0)
+
+
+def _move_storage_to_shared_memory(x: torch.Tensor) -> None:
+    x.share_memory_()
+
+
+@pytest.mark.parametrize("nbytes", [8 * MiB, 40 * MiB])  # one block; 40 MiB is always mmapped
+@pytest.mark.parametrize(
+    "free_source", [_free_storage_bytes, _move_storage_to_shared_memory], ids=["resize", "share"]
+)
+def test_source_storage_freed_after_to_device_returns(nbytes, free_source):
+    """A caller may free a pageable source's bytes as soon as to_device returns while its
+    Storage lives on: a storage resize_ and share_memory_() swap the storage's memory and
+    free the old at once. A copy helper the scheduler parked mid-piece (simulated: every
+    helper sleeps 30 ms after its claim) must not read the source after the call returned:
+    before session 32 it did, reading freed memory (a fault when the allocator unmapped it).
+    The caller now returns once no helper reads the source, and the copy is exact."""
+    x = _random_bytes(nbytes, seed=nbytes + 1)
+    want = x.clone()
+    time.sleep(0.2)  # torch's team asleep, so pool helpers stage (as in the test above)
+    pinxfer._C._set_helper_stall_us(30_000)
+    try:
+        y = pinxfer.to_device(x)
+        trace = pinxfer._C._last_single_block_trace()
+        free_source(x)
+        del x
+        gc.collect()
+        time.sleep(0.1)  # a helper left reading would run now, on the freed bytes
+        torch.cuda.synchronize()
+        _check(y, want)
+        # The helpers claimed pieces and stalled: the caller stole them and then waited for
+        # the stalled helpers to leave the source before it returned.
+        assert trace["stolen"] > 0
+        assert trace["reader_wait_us"] > 0
+    finally:
+        pinxfer._C._set_helper_stall_us(0)
+
+
 def test_chunk_timeline_covers_every_chunk_in_order():
     """The diagnostic chunk timeline (benchmarks/diag_chunk_timeline.py) of a single-block
     to_device: one entry per DMA span, the spans whole chunks of the plan that cover the

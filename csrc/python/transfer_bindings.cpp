@@ -73,6 +73,7 @@ pybind11::dict single_block_trace_dict(const transfer::SingleBlockTrace& t) {
   d["gate_us"] = t.gate_us;
   d["gate_queries"] = t.gate_queries;
   d["queue_us"] = t.queue_us;
+  d["reader_wait_us"] = t.reader_wait_us;
   return d;
 }
 

@@ -123,6 +123,8 @@ struct SingleBlockTrace {
   double gate_us = 0;             // ... asking the SpanGate (event queries)
   int64_t gate_queries = 0;       // event queries the gate made
   double queue_us = 0;            // ... queueing spans (cudaMemcpyAsync, the span's event)
+  double reader_wait_us = 0;      // ... waiting, at the end, for helpers still reading the
+                                  // source (parked mid-piece; their pieces were stolen)
 };
 SingleBlockTrace last_single_block_trace();
 
