@@ -1,11 +1,6 @@
 #include "memory/pool_registry.h"
 
-#include <array>
-#include <atomic>
 #include <cstdlib>
-#include <map>
-#include <mutex>
-#include <new>
 
 #include "memory/graph_pools.h"
 #include "memory/host_resource.h"
@@ -13,6 +8,7 @@
 #include "memory/pinned_pool.h"
 #include "runtime/cuda_runtime.h"
 #include "runtime/fork.h"
+#include "runtime/node_registry.h"
 #include "runtime/settings.h"
 
 namespace pinxfer {
@@ -52,22 +48,12 @@ LimitingResource* make_pinned_cap() {
 }
 LimitingResource* const g_pinned_cap = make_pinned_cap();
 
-std::mutex g_pools_mutex;
-// Leaked on purpose (safe at exit). LOCK: g_pools_mutex
-std::map<int, PinnedPool*>* g_pools = new std::map<int, PinnedPool*>();
-// Lock-free lookup for the usual nodes (slot node + 1); a pool, once made,
-// lives for the process, so a published pointer never dangles. Cleared in a
-// forked child together with g_pools.
-constexpr int kMaxFastNode = 63;
-std::array<std::atomic<PinnedPool*>, kMaxFastNode + 2> g_pool_by_node{};
-
+NodeRegistry<PinnedPool> g_pools;
 void pools_child_after_fork() {
   // Abandon the parent's pools: their locks may be held by threads that do
   // not exist in the child, and their memory is registered with the parent's
   // CUDA context. The child starts empty and (cuda_usable() is false) mlocks.
-  new (&g_pools_mutex) std::mutex();
-  g_pools = new std::map<int, PinnedPool*>();
-  for (auto& slot : g_pool_by_node) slot.store(nullptr);
+  g_pools.forget_after_fork();
   g_pinned_cap->forget_reserved_after_fork();
 }
 
@@ -80,30 +66,10 @@ struct PoolForkHandlerInstaller {
 }  // namespace
 
 PinnedPool& pool_for_node(int numa_node) {
-  // Every allocation asks: nodes -1..kMaxFastNode are answered without the lock.
-  const bool cached = numa_node >= -1 && numa_node <= kMaxFastNode;
-  if (cached) {
-    if (PinnedPool* pool = g_pool_by_node[numa_node + 1].load(std::memory_order_acquire)) {
-      return *pool;
-    }
-  }
-  std::lock_guard<std::mutex> lock(g_pools_mutex);
-  auto it = g_pools->find(numa_node);
-  PinnedPool* pool = it != g_pools->end() ? it->second : nullptr;
-  if (pool == nullptr) {
-    pool = new PinnedPool(numa_node, *g_pinned_cap);
-    g_pools->emplace(numa_node, pool);
-  }
-  if (cached) g_pool_by_node[numa_node + 1].store(pool, std::memory_order_release);
-  return *pool;
+  return g_pools.get(numa_node, [](int node) { return new PinnedPool(node, *g_pinned_cap); });
 }
 
-std::vector<PinnedPool*> all_pools() {
-  std::lock_guard<std::mutex> lock(g_pools_mutex);
-  std::vector<PinnedPool*> out;
-  for (auto& [node, pool] : *g_pools) out.push_back(pool);
-  return out;
-}
+std::vector<PinnedPool*> all_pools() { return g_pools.all(); }
 
 PinnedPool* PinnedPool::owner_of(void* ctx) {
   for (PinnedPool* pool : all_pools()) {

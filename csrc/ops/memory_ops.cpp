@@ -4,11 +4,6 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
-#include <array>
-#include <atomic>
-#include <map>
-#include <mutex>
-
 #include "memory/graph_pools.h"
 #include "memory/host_allocator.h"
 #include "memory/pinned_pool.h"
@@ -17,6 +12,7 @@
 #include "ops/kernels.h"
 #include "runtime/checked_size.h"
 #include "runtime/cuda_runtime.h"
+#include "runtime/node_registry.h"
 #include "runtime/numa.h"
 
 namespace pinxfer::ops {
@@ -46,25 +42,12 @@ class NodePoolAllocator final : public c10::Allocator {
   const int node_;
 };
 
-// One allocator a node, made on first use and leaked (storages keep a raw pointer to it).
-// Nodes -1..kMaxFastNode are answered without the lock: every pool tensor asks.
-constexpr int kMaxFastNode = 63;
-std::array<std::atomic<NodePoolAllocator*>, kMaxFastNode + 2> g_allocator_by_node{};
+// One allocator a node (storages keep a raw pointer to it). Not forgotten in a forked child:
+// an allocator holds no lock and asks for the child's pool at each allocation.
+NodeRegistry<NodePoolAllocator> g_storage_allocators;
 
 c10::Allocator* storage_allocator_for_node(int node) {
-  const bool fast = node >= -1 && node <= kMaxFastNode;
-  if (fast) {
-    if (NodePoolAllocator* a = g_allocator_by_node[node + 1].load(std::memory_order_acquire)) {
-      return a;
-    }
-  }
-  static std::mutex mutex;
-  static auto* by_node = new std::map<int, NodePoolAllocator*>();
-  std::lock_guard<std::mutex> lock(mutex);
-  NodePoolAllocator*& a = (*by_node)[node];
-  if (a == nullptr) a = new NodePoolAllocator(node);
-  if (fast) g_allocator_by_node[node + 1].store(a, std::memory_order_release);
-  return a;
+  return &g_storage_allocators.get(node, [](int n) { return new NodePoolAllocator(n); });
 }
 
 }  // namespace

@@ -11,7 +11,6 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdlib>
-#include <map>
 #include <string>
 #include <system_error>
 #include <thread>
@@ -20,6 +19,7 @@
 #include <c10/util/SmallVector.h>
 
 #include "runtime/fork.h"
+#include "runtime/node_registry.h"
 #include "runtime/settings.h"
 #include "runtime/steady_time.h"
 #include "runtime/thread_budget.h"
@@ -567,17 +567,13 @@ int default_spin_us() { return settings().spin_us; }
 bool default_spin_adaptive() { return settings().spin_adaptive; }
 
 namespace {
-std::mutex g_pools_mutex;
-// Leaked on purpose: worker threads must not be joined during static
-// destruction at interpreter exit. LOCK: g_pools_mutex
-std::map<int, ThreadPool*>* g_pools = new std::map<int, ThreadPool*>();
+// Leaked with their pools: worker threads must not be joined during static destruction at
+// interpreter exit.
+NodeRegistry<ThreadPool> g_pools;
 
-void child_after_fork() {
-  // The child has no worker threads; the old pools' mutexes may have been held
-  // by threads that no longer exist. Forget them (leaked) and start over.
-  new (&g_pools_mutex) std::mutex();
-  g_pools = new std::map<int, ThreadPool*>();
-}
+// The child has no worker threads; the old pools' mutexes may have been held by threads that
+// no longer exist. Forget them (leaked) and start over.
+void child_after_fork() { g_pools.forget_after_fork(); }
 
 struct ForkHandlerInstaller {
   ForkHandlerInstaller() {
@@ -587,19 +583,16 @@ struct ForkHandlerInstaller {
 }  // namespace
 
 ThreadPool& thread_pool_for_node(int numa_node) {
-  std::lock_guard<std::mutex> lock(g_pools_mutex);
-  auto it = g_pools->find(numa_node);
-  if (it != g_pools->end()) return *it->second;
-  std::vector<int> cpus;
-  if (numa_node >= 0) cpus = node_cpus(numa_node, sysfs_root());
-  // The node's share of the process's one budget, on the node's CPUs that the
-  // process may use (node_pool_plan() in runtime/thread_budget.h says why).
-  const Settings& s = settings();
-  const NodePoolPlan plan =
-      node_pool_plan(default_num_threads(), cpus, s.cpus.affinity_ids, s.copy_threads_from_env);
-  auto* pool = new ThreadPool(plan.threads, plan.cpus);
-  g_pools->emplace(numa_node, pool);
-  return *pool;
+  return g_pools.get(numa_node, [](int node) {
+    std::vector<int> cpus;
+    if (node >= 0) cpus = node_cpus(node, sysfs_root());
+    // The node's share of the process's one budget, on the node's CPUs that the
+    // process may use (node_pool_plan() in runtime/thread_budget.h says why).
+    const Settings& s = settings();
+    const NodePoolPlan plan =
+        node_pool_plan(default_num_threads(), cpus, s.cpus.affinity_ids, s.copy_threads_from_env);
+    return new ThreadPool(plan.threads, plan.cpus);
+  });
 }
 
 }  // namespace pinxfer
