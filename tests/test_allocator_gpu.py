@@ -71,6 +71,44 @@ def test_block_not_reused_while_a_slow_copy_on_another_stream_reads_it():
     assert c.data_ptr() in (ptr,) or pinxfer.memory_stats()["pending_blocks.current"] == 0
 
 
+@pytest.mark.parametrize("grow", [True, False], ids=["grow", "shrink"])
+def test_resize_keeps_the_old_block_from_reuse_behind_its_copy(grow):
+    """A pool tensor's storage resizes as torch's pinned ones do (session 31): resize_ takes a
+    new block from the pool, copies the bytes both hold and frees the old block through the
+    pool. A copy on another stream still reading the old block keeps it out of the pool until
+    that copy is done; the new memory is pinned for CUDA and sends as a pinned source."""
+    side = torch.cuda.Stream()
+    a = pinxfer.empty(8 * MiB, dtype=torch.uint8)
+    a.copy_(torch.randint(0, 256, (8 * MiB,), dtype=torch.uint8))
+    expected = a.clone()
+    old_ptr = a.data_ptr()
+    dev = torch.empty(8 * MiB, dtype=torch.uint8, device="cuda")
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(SLEEP_CYCLES)  # the copy below starts ~1 s from now
+        dev.copy_(a, non_blocking=True)
+        pinxfer.record_stream(a, side)
+    new_bytes = 12 * MiB if grow else 3 * MiB
+    a.untyped_storage().resize_(new_bytes)  # the old block is freed behind the queued copy
+    assert a.data_ptr() != old_ptr and a.untyped_storage().nbytes() == new_bytes
+    assert pinxfer.is_pool_tensor(a) and a.is_pinned()
+    assert pinxfer.lock_kind(a) == "cuda_registered"
+    assert pinxfer.memory_stats()["pending_blocks.current"] >= 1
+    kept = min(new_bytes, 8 * MiB)
+    resized = torch.empty(0, dtype=torch.uint8).set_(a.untyped_storage())
+    assert torch.equal(resized[:kept], expected[:kept])
+    others = [pinxfer.empty(8 * MiB, dtype=torch.uint8) for _ in range(3)]
+    for o in others:
+        assert o.data_ptr() != old_ptr, "a block was handed out while a copy could still read it"
+        o.fill_(0xEE)  # scribbling on new blocks must not reach the queued copy
+    side.synchronize()
+    assert torch.equal(dev.cpu(), expected)
+    # The resized tensor is a pinned source: one DMA, exact bytes.
+    resized.copy_(torch.randint(0, 256, (new_bytes,), dtype=torch.uint8))
+    sent = pinxfer.to_device(resized)
+    torch.cuda.synchronize()
+    assert torch.equal(sent.cpu(), resized)
+
+
 @pytest.mark.parametrize("nbytes", [64 * KiB, 4 * MiB], ids=["fence_batch", "own_event"])
 def test_free_without_record_is_fenced_on_the_current_stream(nbytes):
     # A small block waits in its stream's fence batch, a large one for an event of its own:
