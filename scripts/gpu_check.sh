@@ -61,7 +61,9 @@
 #   MEMCHECK_TIMEOUT      seconds for the memcheck step (default 540)
 #   MEMCHECK_K            pytest -k expression under memcheck
 #   MEMCHECK_SKIP_TIMING  1: deselect the tests that assert a copy is still queued behind a
-#                         sleep kernel (in case the sanitizer serialises launches)
+#                         sleep kernel (in case the sanitizer serialises launches). With every
+#                         test in (H200, session 32), only test_cap_waits_for_in_flight_copies_
+#                         before_out_of_memory failed under memcheck, with 0 memcheck errors
 #   MEMCHECK_PYTEST_ARGS  pytest options under memcheck (default "-x")
 #   MEMCHECK_API_ERRORS   compute-sanitizer --report-api-errors value (default "no": torch
 #                         and pinxfer check every CUDA return code themselves)
