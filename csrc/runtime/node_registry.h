@@ -69,7 +69,7 @@ class NodeRegistry {
  private:
   static constexpr int kMaxFastNode = 63;
   std::mutex mutex_;
-  std::map<int, T*>* by_node_ = nullptr;  // leaked with its objects. LOCK: mutex_
+  std::map<int, T*>* by_node_ = nullptr;                  // leaked with its objects. LOCK: mutex_
   std::array<std::atomic<T*>, kMaxFastNode + 2> fast_{};  // slot node + 1
 };
 
