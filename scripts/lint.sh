@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The style checks CI runs (.ci/run): ruff's lint rules and formatting (pyproject.toml),
 # clang-format over csrc/ (.clang-format), and no trailing whitespace or missing final
-# newline in tracked text files. Changes nothing; fails on any finding, after running
-# every check. scripts/format.sh fixes most findings.
+# newline in text files. Files: the tracked ones and new ones git does not ignore. Changes
+# nothing; fails on any finding, after running every check. scripts/format.sh fixes most.
 #
 #   bash scripts/lint.sh
 #
@@ -36,7 +36,7 @@ cxx_files | xargs -0 "$CLANG_FORMAT" --dry-run -Werror -- || failed+=("clang-for
 # Recorded benchmark output (benchmarks/results/) is kept byte for byte as it was written.
 echo "lint: whitespace"
 text_files() {
-  git ls-files -z -- . ':!benchmarks/results/' | xargs -0 grep -IlZ '' -- 2>/dev/null
+  repo_files . ':!benchmarks/results/' | xargs -0 grep -IlZ '' -- 2>/dev/null
 }
 if text_files | xargs -0 grep -n -E '[[:space:]]+$' --; then
   echo "lint: trailing whitespace on the lines above" >&2

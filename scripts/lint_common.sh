@@ -47,6 +47,9 @@ require_pinned() {
   fi
 }
 
-# Tracked files, NUL-separated: C++ of csrc/ (clang-format) and Python (ruff).
-cxx_files() { git ls-files -z -- 'csrc/*.cpp' 'csrc/*.h' 'csrc/*.cu' 'csrc/*.cuh'; }
-python_files() { git ls-files -z -- '*.py'; }
+# The files a commit could hold, NUL-separated: tracked ones and new ones git does not
+# ignore (a new file is checked before its first commit, not after it reached CI).
+repo_files() { git ls-files -z --cached --others --exclude-standard -- "$@"; }
+# C++ of csrc/ (clang-format) and Python (ruff).
+cxx_files() { repo_files 'csrc/*.cpp' 'csrc/*.h' 'csrc/*.cu' 'csrc/*.cuh'; }
+python_files() { repo_files '*.py'; }
