@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Rewrites the sources (tracked, and new ones git does not ignore) into the project's style:
 # ruff's safe fixes (imports sorted, pyupgrade, ... as configured in pyproject.toml), ruff
-# format, then clang-format (.clang-format) over csrc/. Afterwards scripts/lint.sh passes unless a finding needs a person (ruff lists
-# it: a too-long string or comment, an ambiguous name, ...).
+# format, then clang-format (.clang-format) over csrc/. Afterwards scripts/lint.sh passes
+# unless a finding needs a person (ruff lists it: a too-long string or comment, an ambiguous
+# name, ...).
 #
 #   bash scripts/format.sh
 #
