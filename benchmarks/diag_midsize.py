@@ -14,6 +14,11 @@ every timed pinxfer.to_device call, keeps:
                  helpers staged, pieces stolen, when the first helper claimed a piece, when
                  the caller ran out of pieces to claim, whether it ran on torch's awake
                  intra-op team (csrc/runtime/torch_team.h)
+  after          the way timed just before this call's untimed twin (what it left behind:
+                 torch's team spinning, the caches)
+
+and the same for every timed pinxfer.to_device of the cell's batch (to_device_batch_calls: the
+trace is its large leaf's, sent by the same pipeline; the small leaves go packed beside it),
 
 and for every timed pinxfer.pin_memory call (pin_memory_calls) its wall time and its steps in
 C++ (pinxfer._C._last_pin_call_trace(): pinned check, checks, setup with the team probe,
@@ -105,8 +110,9 @@ def measure(sizes: list[int], rounds: int, pinxfer_only: bool, copy_probes: bool
             sync()
         times: dict[str, list[float]] = {w: [] for w in ways}
         call_us: dict[str, list[float]] = {w: [] for w in ways}  # the call, without its sync
-        traces: list[dict] = []
+        traces: dict[str, list[dict]] = {"to_device": [], "to_device_batch": []}
         pin_traces: list[dict] = []
+        previous = None  # the way timed last, in this cell
         same_block: dict[str, list[bool]] = {
             w: []
             for w in ("pin_memory", "torch_pin", "pool_empty_copy", "torch_empty_copy")
@@ -148,11 +154,13 @@ def measure(sizes: list[int], rounds: int, pinxfer_only: bool, copy_probes: bool
                         }
                         | {k2: round(float(v), 1) for k2, v in steps.items()}
                     )
-                if name == "to_device":
+                if name in traces:
                     trace = dict(pinxfer._C._last_single_block_trace())
-                    traces.append(
+                    traces[name].append(
                         {
                             "wall_us": round(wall, 1),
+                            "call_us": round(call_us[name][-1], 1),
+                            "after": previous,
                             "preempted": sw1 - sw0,
                             "pool_misses": pinxfer.memory_stats()["num_cache_misses"]
                             - stats0["num_cache_misses"],
@@ -162,6 +170,7 @@ def measure(sizes: list[int], rounds: int, pinxfer_only: bool, copy_probes: bool
                             },
                         }
                     )
+                previous = name
         cell = {
             w: {
                 "median_us": round(statistics.median(v), 1),
@@ -170,8 +179,9 @@ def measure(sizes: list[int], rounds: int, pinxfer_only: bool, copy_probes: bool
             }
             for w, v in times.items()
         }
-        slow = [tr for tr in traces if tr["wall_us"] > 2 * cell["to_device"]["min_us"]]
-        cell["to_device_calls"] = traces
+        slow = [tr for tr in traces["to_device"] if tr["wall_us"] > 2 * cell["to_device"]["min_us"]]
+        cell["to_device_calls"] = traces["to_device"]
+        cell["to_device_batch_calls"] = traces["to_device_batch"]
         cell["pin_memory_calls"] = pin_traces
         cell["same_block_share"] = {
             w: round(sum(v) / len(v), 2) if v else None for w, v in same_block.items()
@@ -231,6 +241,22 @@ def report(variant: str, cells: dict[str, Any]) -> str:
                 f"stolen {med('stolen'):.0f}, on torch's team "
                 f"{sum(c['trace']['on_torch_team'] for c in calls)}"
             )
+        batch_calls = cell.get("to_device_batch_calls", [])
+        if batch_calls:
+            lines.append(f"{'':21}to_device_batch by the way timed before it (median wall us, n):")
+            by_after: dict[str, list[dict]] = {}
+            for c in batch_calls:
+                by_after.setdefault(str(c["after"]), []).append(c)
+            for after, group in sorted(by_after.items()):
+                med = lambda key, g=group: statistics.median(c["trace"][key] for c in g)  # noqa: E731
+                lines.append(
+                    f"{'':23}after {after:20} {statistics.median(c['wall_us'] for c in group):6.0f}"
+                    f" (n {len(group)}; call {statistics.median(c['call_us'] for c in group):.0f},"
+                    f" leaf total {med('total_us'):.0f}, first DMA {med('first_queued_us'):.0f},"
+                    f" setup {med('setup_us'):.0f}, on team "
+                    f"{sum(c['trace']['on_torch_team'] for c in group)}, preempted "
+                    f"{sum(1 for c in group if c['preempted'])})"
+                )
         pins = cell["pin_memory_calls"]
         if pins:
             steps = [k for k in pins[0] if k != "preempted"]

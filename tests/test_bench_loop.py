@@ -197,15 +197,27 @@ def test_diag_midsize_report_reads_every_field_its_measure_writes():
         "pieces": 104,
         "stolen": 0,
         "on_torch_team": True,
+        "total_us": 70.0,
+        "first_queued_us": 20.0,
+        "setup_us": 15.0,
     }
-    calls = [
-        {"wall_us": w, "preempted": 0, "pool_misses": 0, "trace": trace} for w in (250.0, 600.0)
-    ]
+
+    def calls_after(walls, afters):
+        return [
+            {"wall_us": w, "call_us": w - 30, "after": a, "preempted": 0, "pool_misses": 0}
+            | {"trace": trace}
+            for w, a in zip(walls, afters, strict=True)
+        ]
+
+    calls = calls_after((250.0, 600.0), (None, "torch_pin"))
     cell = {
         "to_device": way(250.0),
         "torch_pin": way(90.0),
         "pin_memory": way(110.0),
         "to_device_calls": calls,
+        "to_device_batch_calls": calls_after(
+            (140.0, 160.0, 70.0), ("torch_pin", "torch_pin", None)
+        ),
         "pin_memory_calls": [{"wall_us": 110.0, "preempted": 0, "copy_us": 78.0}],
         "same_block_share": {"pin_memory": 1.0, "torch_pin": 1.0},
         "slow_calls": 1,
@@ -217,6 +229,9 @@ def test_diag_midsize_report_reads_every_field_its_measure_writes():
     assert "to_device 250/245 (call 230)" in text
     assert "pin_memory (t.pin_memory 90 us)" in text and "copy_us 78.0" in text
     assert "slow 1/2" in text and text.count("slow call:") == 1
+    # The batch's calls grouped by the way timed before each: the median of each group.
+    assert "after torch_pin" in text and " 150 (n 2; call 120, leaf total 70" in text
+    assert "after None" in text and " 70 (n 1;" in text
     only = {k: v for k, v in cell.items() if k not in ("torch_pin", "pin_memory")}
     only["pin_memory_calls"] = []  # the pinxfer_only variant: to_device alone
     assert "to_device 250/245" in diag_midsize.report("pinxfer_only", {"8MiB": only})
