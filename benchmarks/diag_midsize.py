@@ -35,7 +35,7 @@ Each variant runs in a child process with the environment it names:
   team_off       PINXFER_TORCH_TEAM=off (pinxfer's copies never on torch's team)
 
     python benchmarks/diag_midsize.py [--json PATH] [--sizes 1M,8M,32M] [--rounds 15]
-        [--variants default,team_off] [--copy-probes]
+        [--variants default,team_off] [--copy-probes] [--batch-parts]
 """
 
 from __future__ import annotations
@@ -90,7 +90,20 @@ def copy_probe_ways(pinxfer, t: torch.Tensor) -> dict:
     }
 
 
-def measure(sizes: list[int], rounds: int, pinxfer_only: bool, copy_probes: bool) -> dict:
+def batch_part_ways(pinxfer, batch: dict, dev: torch.device) -> dict:
+    """--batch-parts: the batch's two sends alone, in the same rounds: its large leaf ("x",
+    sent by the pipeline) and its small leaves ("y" and the two scalars, packed into one
+    copy). Their sum against the batch tells the sends from what lies around them."""
+    small = {"y": batch["y"], "meta": batch["meta"]}
+    return {
+        "batch_leaf": lambda: pinxfer.to_device(batch["x"], dev),
+        "batch_pack": lambda: pinxfer.to_device(small, dev),
+    }
+
+
+def measure(
+    sizes: list[int], rounds: int, pinxfer_only: bool, copy_probes: bool, batch_parts: bool = False
+) -> dict:
     import pinxfer
 
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -100,9 +113,12 @@ def measure(sizes: list[int], rounds: int, pinxfer_only: bool, copy_probes: bool
     for nbytes in sizes:
         t = torch.randn(nbytes // 4)
         pinned = t.pin_memory()
-        ways = call_ways(pinxfer, t, pinned, make_batch(nbytes), dev)
+        batch = make_batch(nbytes)
+        ways = call_ways(pinxfer, t, pinned, batch, dev)
         if copy_probes:
             ways |= copy_probe_ways(pinxfer, t)
+        if batch_parts:
+            ways |= batch_part_ways(pinxfer, batch, dev)
         if pinxfer_only:
             ways = {"to_device": ways["to_device"]}
         for fn in ways.values():  # warm-up
@@ -111,6 +127,8 @@ def measure(sizes: list[int], rounds: int, pinxfer_only: bool, copy_probes: bool
         times: dict[str, list[float]] = {w: [] for w in ways}
         call_us: dict[str, list[float]] = {w: [] for w in ways}  # the call, without its sync
         traces: dict[str, list[dict]] = {"to_device": [], "to_device_batch": []}
+        if batch_parts:
+            traces["batch_leaf"] = []
         pin_traces: list[dict] = []
         previous = None  # the way timed last, in this cell
         same_block: dict[str, list[bool]] = {
@@ -182,6 +200,8 @@ def measure(sizes: list[int], rounds: int, pinxfer_only: bool, copy_probes: bool
         slow = [tr for tr in traces["to_device"] if tr["wall_us"] > 2 * cell["to_device"]["min_us"]]
         cell["to_device_calls"] = traces["to_device"]
         cell["to_device_batch_calls"] = traces["to_device_batch"]
+        if batch_parts:
+            cell["batch_leaf_calls"] = traces["batch_leaf"]
         cell["pin_memory_calls"] = pin_traces
         cell["same_block_share"] = {
             w: round(sum(v) / len(v), 2) if v else None for w, v in same_block.items()
@@ -282,6 +302,11 @@ def main() -> None:
         help="add torch's copy_ into a kept pool block, a kept torch block and a new pool block "
         "to the rounds",
     )
+    ap.add_argument(
+        "--batch-parts",
+        action="store_true",
+        help="add the batch's large leaf alone and its packed small leaves alone to the rounds",
+    )
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     sizes = parse_sizes(args.sizes)
@@ -290,7 +315,15 @@ def main() -> None:
         return
     if args.child:
         print(
-            json.dumps(measure(sizes, args.rounds, args.child == "pinxfer_only", args.copy_probes))
+            json.dumps(
+                measure(
+                    sizes,
+                    args.rounds,
+                    args.child == "pinxfer_only",
+                    args.copy_probes,
+                    args.batch_parts,
+                )
+            )
         )
         return
     result: dict[str, Any] = {
@@ -304,7 +337,8 @@ def main() -> None:
         cells = run_child(
             __file__,
             ["--child", variant, "--sizes", args.sizes, "--rounds", str(args.rounds)]
-            + (["--copy-probes"] if args.copy_probes else []),
+            + (["--copy-probes"] if args.copy_probes else [])
+            + (["--batch-parts"] if args.batch_parts else []),
             VARIANTS[variant],
         )
         result["variants"][variant] = cells
