@@ -357,16 +357,19 @@ struct SingleBlock {
     }
   }
 
-  // Returns once no helper reads the source, now or later (the caller's last step, and its
-  // step on an error): pieces still free are closed to helpers (kFree -> kStolen, not
-  // staged: on the normal path none is left), then the caller waits for every helper that
-  // claimed a piece to finish reading it. Returns the microseconds it waited.
-  double close_source() {
+  // On an error, before close_source: pieces still free are closed to helpers (kFree ->
+  // kStolen, not staged). On the normal path every piece is final by then: nothing to close.
+  void close_free_pieces() {
     for (size_t p = 0; p < plan.pieces.size(); ++p) {
       uint8_t expected = kFree;
-      if (state[p].load(std::memory_order_acquire) != kFree) continue;
       state[p].compare_exchange_strong(expected, kStolen, std::memory_order_seq_cst);
     }
+  }
+
+  // Returns once no helper reads the source, now or later (the caller's last step): with no
+  // piece free, no helper can claim one; the caller waits for every helper that claimed one
+  // to finish reading it. Returns the microseconds it waited.
+  double close_source() {
     if (source_readers.load(std::memory_order_seq_cst) == 0) return 0;
     // A reader is a helper inside a piece: a running one leaves within a piece's copy, a
     // parked one when the scheduler runs it again, so spin briefly, then yield the core.
@@ -628,6 +631,7 @@ void single_block_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex 
     }
   } catch (...) {
     threads.withdraw(offer);
+    sb->close_free_pieces();
     (void)sb->close_source();
     // Nothing more is queued; what was queued reads the block and spares, which go back
     // to the pool marked by the stream (the block when the last helper leaves).
