@@ -47,17 +47,24 @@ def test_h2d_and_d2h_round_trip_random_data(nbytes):
     assert torch.equal(back, src)
 
 
-def test_block_not_reused_while_a_slow_copy_on_another_stream_reads_it():
+def _slow_copy_of_a_random_block(nbytes: int):
+    """A pool tensor of random bytes and a copy of it to the GPU, queued on a side stream
+    behind a ~1 s sleep and recorded there: (tensor, its bytes, the copy's target, stream)."""
     side = torch.cuda.Stream()
-    a = pinxfer.empty(8 * MiB, dtype=torch.uint8)
-    a.copy_(torch.randint(0, 256, (8 * MiB,), dtype=torch.uint8))
+    a = pinxfer.empty(nbytes, dtype=torch.uint8)
+    a.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8))
     expected = a.clone()
-    ptr = a.data_ptr()
-    dev = torch.empty(8 * MiB, dtype=torch.uint8, device="cuda")
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     with torch.cuda.stream(side):
         torch.cuda._sleep(SLEEP_CYCLES)  # the copy below starts ~1 s from now
         dev.copy_(a, non_blocking=True)
         pinxfer.record_stream(a, side)
+    return a, expected, dev, side
+
+
+def test_block_not_reused_while_a_slow_copy_on_another_stream_reads_it():
+    a, expected, dev, side = _slow_copy_of_a_random_block(8 * MiB)
+    ptr = a.data_ptr()
     del a  # freed while the copy is still queued behind the sleep
     s = pinxfer.memory_stats()
     assert s["pending_blocks.current"] == 1
@@ -77,16 +84,8 @@ def test_resize_keeps_the_old_block_from_reuse_behind_its_copy(grow):
     new block from the pool, copies the bytes both hold and frees the old block through the
     pool. A copy on another stream still reading the old block keeps it out of the pool until
     that copy is done; the new memory is pinned for CUDA and sends as a pinned source."""
-    side = torch.cuda.Stream()
-    a = pinxfer.empty(8 * MiB, dtype=torch.uint8)
-    a.copy_(torch.randint(0, 256, (8 * MiB,), dtype=torch.uint8))
-    expected = a.clone()
+    a, expected, dev, side = _slow_copy_of_a_random_block(8 * MiB)
     old_ptr = a.data_ptr()
-    dev = torch.empty(8 * MiB, dtype=torch.uint8, device="cuda")
-    with torch.cuda.stream(side):
-        torch.cuda._sleep(SLEEP_CYCLES)  # the copy below starts ~1 s from now
-        dev.copy_(a, non_blocking=True)
-        pinxfer.record_stream(a, side)
     new_bytes = 12 * MiB if grow else 3 * MiB
     a.untyped_storage().resize_(new_bytes)  # the old block is freed behind the queued copy
     assert a.data_ptr() != old_ptr and a.untyped_storage().nbytes() == new_bytes
