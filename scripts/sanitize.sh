@@ -36,9 +36,11 @@ PY="$(python3 -c 'import sys; print(sys.executable)')"
 # Issue 27: the bad-input tests and the fuzz suite's short profile run under the
 # sanitizers too, so an overflow or use-after-free on an error path is a report.
 # tests/test_serial_jobs.py: the queue of prefetch's batch sender (CUDA-free protocol).
+# tests/test_piece_claims.py: the claims, steals and source close of to_device's single-block
+# path (CUDA-free protocol; a late read of a freed source is a report under ASan).
 # tests/test_torch_team.py: host copies on torch's OpenMP team (skipped under TSan, which
 # cannot see libgomp's barriers; its subprocesses inherit the sanitizer).
-TESTS="${PINXFER_SANITIZE_TESTS:-tests/test_pool_stress.py tests/test_serial_jobs.py tests/test_allocator.py tests/test_pin_memory.py tests/test_limits.py tests/test_fuzz.py tests/test_torch_team.py}"
+TESTS="${PINXFER_SANITIZE_TESTS:-tests/test_pool_stress.py tests/test_serial_jobs.py tests/test_piece_claims.py tests/test_allocator.py tests/test_pin_memory.py tests/test_limits.py tests/test_fuzz.py tests/test_torch_team.py}"
 
 echo "== pinxfer sanitizer job: $MODE, in $WORK"
 # A fresh copy of the tree; $WORK/src/build survives a rerun in the same

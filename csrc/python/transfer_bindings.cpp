@@ -8,6 +8,7 @@
 #include "ops/kernels.h"
 #include "python/bindings.h"
 #include "transfer/chunk_plan.h"
+#include "transfer/piece_claims.h"
 #if PINXFER_WITH_CUDA
 #include "ops/cuda/batch_sender.h"
 #include "transfer/cuda/pipeline.h"
@@ -174,6 +175,15 @@ void bind_transfer(pybind11::module_& m) {
       },
       "TEST-ONLY: _leaf_sent_apart(sizes) -> int: which of a batch's small leaves (bytes, in "
       "order) to_device sends apart from the others' pack (-1: none)");
+  m.def("_piece_claims_self_test", wrap_pybind_function_no_gil(&transfer::piece_claims_self_test),
+        pybind11::arg("seed"), pybind11::arg("helpers"), pybind11::arg("rounds"),
+        pybind11::arg("stall_us"), pybind11::arg("fail_every") = 0,
+        "TEST-ONLY: _piece_claims_self_test(seed, helpers, rounds, stall_us, fail_every=0) -> "
+        "[pieces staged by helpers, pieces stolen, rounds whose close waited]: single-block "
+        "transfers through the claim/steal/close protocol of to_device (transfer/piece_claims.h) "
+        "with real copy threads, some parked `stall_us` after a claim, the DMAs replaced by host "
+        "copies; raises on a byte sent wrong, a piece not final or a helper reading a source "
+        "after close_source");
 #if PINXFER_WITH_CUDA
   bind_batch_sender(m);
   m.def("copy_stream", wrap_pybind_function_no_gil(&ops::copy_stream_of),

@@ -22,6 +22,7 @@
 #include "transfer/chunk_plan.h"
 #include "transfer/cuda/copy_streams.h"
 #include "transfer/cuda/source_use.h"
+#include "transfer/piece_claims.h"
 #include "transfer/stage_copy.h"
 
 namespace pinxfer::transfer {
@@ -161,35 +162,15 @@ struct Pipeline {
 };
 
 // The single-block path (plan.ring == 0: the whole tensor staged in one block), where the
-// caller never waits for a helper that the scheduler has parked.
-//
-// Why: right after a torch CPU op, torch's OpenMP team spins on every core for milliseconds;
-// woken copy threads then share cores with it, and a helper descheduled in the middle of a
-// piece held the whole transfer for a scheduler slice (H100, bench_loop: 8 MiB back to back
-// 1.3-2.8 ms median against 0.26 ms with OMP_NUM_THREADS=1). So:
-//   * helpers only stage pieces (no CUDA call): claim a piece (kFree -> kClaimed), copy it,
-//     publish it (kClaimed -> kDone) and count it off its chunk;
-//   * the caller stages pieces too, queues every chunk's DMA, in order, as soon as its
-//     pieces are all final, and, once no piece is left to claim, waits for the pieces in
-//     flight at most twice its own time per piece; then it steals the rest (kClaimed or
-//     kFree -> kStolen), stages each again into a spare block of its own and sends that
-//     piece from there. A helper whose piece was stolen finds kStolen when it publishes and
-//     does nothing more: its bytes land in a region of the block no DMA reads.
-//   * the state is shared (shared_ptr) by the caller and the helpers, so the block lives
-//     until the last helper has left, however late; the block goes back to the pool marked
-//     as read by the stream (the pool's event FIFO keeps it from reuse until the DMAs are
-//     done), spares likewise.
-//   * the caller returns only once no helper can read the source any more (close_source):
-//     every piece is final, so no helper can claim one, and every helper that claimed one
-//     has finished reading it. The caller does wait for a parked helper here, after its DMAs
-//     are queued (17 of 2,363 calls traced by diag_midsize stole a piece): what a caller may do
-//     with a pageable source once to_device returns includes freeing its bytes while the Storage
-//     lives on (`resize_`, `untyped_storage().resize_(0)`, `share_memory_()` all swap the
-//     storage's memory and free the old), so holding the Storage alone did not keep a late
-//     helper from reading freed, possibly unmapped, memory.
+// caller never waits for a helper that the scheduler has parked: who stages each piece, the
+// steals and when the source may be let go are PieceClaims' (transfer/piece_claims.h says
+// why and how; CUDA-free, so it runs under TSan and ASan). Here the caller sends the chunks
+// (SpanGate) and the state is shared (shared_ptr) by the caller and the helpers, so the
+// block lives until the last helper has left, however late; the block goes back to the pool
+// marked as read by the stream (the pool's event FIFO keeps it from reuse until the DMAs are
+// done), spares likewise.
 // A ring (plan.ring > 0: larger than num_buffers chunks) keeps the Pipeline above: its slots
 // are refilled within the transfer, so a late helper's bytes could land in a later chunk.
-enum PieceState : uint8_t { kFree, kClaimed, kDone, kStolen };
 
 std::atomic<uint64_t> g_stolen_pieces{0};
 thread_local SingleBlockTrace t_last_trace;  // last_single_block_trace()
@@ -258,31 +239,25 @@ struct ChunkTimelineRecorder {
 thread_local ChunkTimelineRecorder t_chunk_timeline;
 
 struct SingleBlock {
+  SingleBlock(c10::cuda::CUDAStream s, ChunkPlan p) : plan(std::move(p)), claims(plan), stream(s) {}
+  SingleBlock(const SingleBlock&) = delete;
+  SingleBlock& operator=(const SingleBlock&) = delete;
+
   const char* src = nullptr;
   char* dst = nullptr;
   size_t nbytes = 0;
-  ChunkPlan plan;
+  const ChunkPlan plan;
+  PieceClaims claims;  // of plan's pieces
   StagePolicy policy;
   c10::DeviceIndex device = 0;
   c10::cuda::CUDAStream stream;
   PinnedPool* pool = nullptr;
   c10::DataPtr block;
-  std::unique_ptr<std::atomic<uint8_t>[]> state;  // PieceState of each piece
-  std::unique_ptr<std::atomic<size_t>[]> left;    // pieces of each chunk not yet final
-  std::vector<size_t> first_piece;                // of each chunk, and pieces.size() last
-  std::atomic<size_t> next_piece{0};
-  // Helpers that may be reading the source: counted before a claim is tried, so that once
-  // no piece is free, zero here means no helper reads the source now or later.
-  std::atomic<int> source_readers{0};
   // For the trace (last_single_block_trace): when the call began, when the first helper
   // claimed a piece (ns after `started`, -1: none yet), and the pieces helpers published.
   std::chrono::steady_clock::time_point started;
   std::atomic<int64_t> first_claim_ns{-1};
   std::atomic<int64_t> helper_pieces{0};
-
-  explicit SingleBlock(c10::cuda::CUDAStream s) : stream(s) {}
-  SingleBlock(const SingleBlock&) = delete;
-  SingleBlock& operator=(const SingleBlock&) = delete;
 
   // The last participant out returns the block (a late helper, possibly), marked as read
   // by the stream. A destructor must not throw: if the device cannot be set (the process
@@ -304,84 +279,29 @@ struct SingleBlock {
     stage_copy(into, src + piece.begin, piece.end - piece.begin,
                policy.kind_for(plan.bounds[piece.chunk + 1], nbytes));
   }
-
-  // Claims piece p if it is still free (kFree -> kClaimed), stages it and publishes it
-  // (kDone), counting it off its chunk; false if another thread had taken it. For pieces
-  // nobody steals from their stager: the caller's own (it is the only thief) and those of
-  // torch's team (no steals there). A pool helper publishes with a CAS instead (help()).
-  bool claim_and_stage(size_t p) {
-    uint8_t expected = kFree;
-    if (!state[p].compare_exchange_strong(expected, kClaimed, std::memory_order_acq_rel)) {
-      return false;
-    }
+  void stage_in_block(size_t p) const {
     stage(p, static_cast<char*>(block.get()) + plan.pieces[p].begin);
-    state[p].store(kDone, std::memory_order_release);
-    // acq_rel: whoever queues the chunk, seeing its count reach zero, sees these bytes.
-    left[plan.pieces[p].chunk].fetch_sub(1, std::memory_order_acq_rel);
-    return true;
   }
 
-  // A helper's share: pieces claimed in order until none are left. No CUDA call, no throw.
+  // A pool helper's share (PieceClaims::help). No CUDA call, no throw.
   void help() {
-    for (;;) {
-      const size_t p = next_piece.fetch_add(1, std::memory_order_relaxed);
-      if (p >= plan.pieces.size()) return;
-      // seq_cst with the claim below and close_source's loads: a caller that reads zero
-      // readers after the last free piece was taken cannot miss a helper about to read.
-      source_readers.fetch_add(1, std::memory_order_seq_cst);
-      uint8_t expected = kFree;
-      if (!state[p].compare_exchange_strong(expected, kClaimed, std::memory_order_seq_cst)) {
-        source_readers.fetch_sub(1, std::memory_order_release);
-        continue;  // the caller stole it before this helper started it
-      }
-      if (first_claim_ns.load(std::memory_order_relaxed) < 0) {
-        int64_t none = -1;
-        first_claim_ns.compare_exchange_strong(none,
-                                               std::chrono::duration_cast<std::chrono::nanoseconds>(
-                                                   std::chrono::steady_clock::now() - started)
-                                                   .count(),
-                                               std::memory_order_relaxed);
-      }
-      if (const int64_t stall = g_helper_stall_us.load(std::memory_order_relaxed)) {
-        std::this_thread::sleep_for(std::chrono::microseconds(stall));
-      }
-      stage(p, static_cast<char*>(block.get()) + plan.pieces[p].begin);
-      // release: the caller, reading zero readers, sees this piece's reads of the source done.
-      source_readers.fetch_sub(1, std::memory_order_release);
-      expected = kClaimed;
-      // acq_rel: the caller, seeing the chunk's count reach zero, sees these bytes.
-      if (state[p].compare_exchange_strong(expected, kDone, std::memory_order_acq_rel)) {
-        left[plan.pieces[p].chunk].fetch_sub(1, std::memory_order_acq_rel);
-        helper_pieces.fetch_add(1, std::memory_order_relaxed);
-      }
-    }
-  }
-
-  // On an error, before close_source: pieces still free are closed to helpers (kFree ->
-  // kStolen, not staged). On the normal path every piece is final by then: nothing to close.
-  void close_free_pieces() {
-    for (size_t p = 0; p < plan.pieces.size(); ++p) {
-      uint8_t expected = kFree;
-      state[p].compare_exchange_strong(expected, kStolen, std::memory_order_seq_cst);
-    }
-  }
-
-  // Returns once no helper reads the source, now or later (the caller's last step): with no
-  // piece free, no helper can claim one; the caller waits for every helper that claimed one
-  // to finish reading it. Returns the microseconds it waited.
-  double close_source() {
-    if (source_readers.load(std::memory_order_seq_cst) == 0) return 0;
-    // A reader is a helper inside a piece: a running one leaves within a piece's copy, a
-    // parked one when the scheduler runs it again, so spin briefly, then yield the core.
-    const auto waiting = std::chrono::steady_clock::now();
-    for (unsigned i = 1; source_readers.load(std::memory_order_acquire) != 0; ++i) {
-      if (i < 256) {
-        cpu_relax();
-      } else {
-        std::this_thread::sleep_for(std::chrono::microseconds(10));
-      }
-    }
-    return us_between(waiting, std::chrono::steady_clock::now());
+    const int64_t published = claims.help(
+        [this](size_t) {
+          if (first_claim_ns.load(std::memory_order_relaxed) < 0) {
+            int64_t none = -1;
+            first_claim_ns.compare_exchange_strong(
+                none,
+                std::chrono::duration_cast<std::chrono::nanoseconds>(
+                    std::chrono::steady_clock::now() - started)
+                    .count(),
+                std::memory_order_relaxed);
+          }
+          if (const int64_t stall = g_helper_stall_us.load(std::memory_order_relaxed)) {
+            std::this_thread::sleep_for(std::chrono::microseconds(stall));
+          }
+        },
+        [this](size_t p) { stage_in_block(p); });
+    helper_pieces.fetch_add(published, std::memory_order_relaxed);
   }
 };
 
@@ -391,10 +311,10 @@ struct SingleBlock {
 size_t stage_every(SingleBlock& sb, size_t first, size_t step, bool helper,
                    const std::function<void(std::chrono::steady_clock::time_point)>& after_each) {
   size_t staged = 0;
-  for (size_t p = first; p < sb.plan.pieces.size(); p += step) {
-    if (sb.state[p].load(std::memory_order_relaxed) != kFree) continue;
+  for (size_t p = first; p < sb.claims.pieces(); p += step) {
+    if (!sb.claims.free(p)) continue;
     const auto staging = std::chrono::steady_clock::now();
-    if (!sb.claim_and_stage(p)) continue;
+    if (!sb.claims.claim_and_stage(p, [&sb](size_t q) { sb.stage_in_block(q); })) continue;
     if (helper) sb.helper_pieces.fetch_add(1, std::memory_order_relaxed);
     ++staged;
     if (after_each) after_each(staging);
@@ -410,8 +330,8 @@ void queue_single_block_span(const SingleBlock& sb, size_t first, size_t last,
   const char* block = static_cast<const char*>(sb.block.get());
   const cudaStream_t stream = sb.stream.stream();
   size_t run = sb.plan.bounds[first];  // start of the run of block bytes not yet queued
-  for (size_t p = sb.first_piece[first]; p < sb.first_piece[last]; ++p) {
-    if (sb.state[p].load(std::memory_order_acquire) != kStolen) continue;
+  for (size_t p = sb.claims.first_piece(first); p < sb.claims.first_piece(last); ++p) {
+    if (!sb.claims.stolen(p)) continue;
     const auto& piece = sb.plan.pieces[p];
     if (run < piece.begin) {
       C10_CUDA_CHECK(cudaMemcpyAsync(sb.dst + run, block + run, piece.begin - run,
@@ -478,8 +398,9 @@ void single_block_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex 
                        const c10::cuda::CUDAStream& stream, ChunkPlan plan, StagePolicy policy,
                        PinnedPool& pool, ThreadPool& threads, const CopyCrew& crew) {
   using Clock = std::chrono::steady_clock;
-  auto sb = std::make_shared<SingleBlock>(stream);
-  sb->started = Clock::now();
+  const auto started = Clock::now();
+  auto sb = std::make_shared<SingleBlock>(stream, std::move(plan));
+  sb->started = started;
   auto us_since_start = [&sb](Clock::time_point t) { return us_between(sb->started, t); };
   SingleBlockTrace trace;
   trace.setup_us = us_between(crew.mustered, sb->started);
@@ -489,21 +410,12 @@ void single_block_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex 
   sb->src = static_cast<const char*>(src.const_data_ptr());
   sb->dst = static_cast<char*>(out.data_ptr());
   sb->nbytes = src.nbytes();
-  sb->plan = std::move(plan);
   sb->policy = policy;
   sb->device = device;
   sb->pool = &pool;
   const auto& pieces = sb->plan.pieces;
   const size_t chunks = sb->plan.num_chunks();
-  sb->state.reset(new std::atomic<uint8_t>[pieces.size()]);
-  sb->left.reset(new std::atomic<size_t>[chunks]);
-  for (size_t p = 0; p < pieces.size(); ++p) sb->state[p].store(kFree);
-  for (size_t c = 0; c < chunks; ++c) sb->left[c].store(0);
-  sb->first_piece.assign(chunks + 1, pieces.size());
-  for (size_t p = pieces.size(); p-- > 0;) {
-    sb->left[pieces[p].chunk].fetch_add(1, std::memory_order_relaxed);
-    sb->first_piece[pieces[p].chunk] = p;
-  }
+  PieceClaims& claims = sb->claims;
   sb->block = pool.allocate(sb->nbytes);
   trace.alloc_us = us_since_start(Clock::now());
 
@@ -527,7 +439,7 @@ void single_block_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex 
   // has enough queued and more chunks are to come (SpanGate).
   auto queue_ready = [&] {
     size_t ready = queued;
-    while (ready < chunks && sb->left[ready].load(std::memory_order_acquire) == 0) ++ready;
+    while (ready < chunks && claims.chunk_final(ready)) ++ready;
     if (ready == queued) return;
     if (ready < chunks) {
       const auto asked = Clock::now();
@@ -557,21 +469,20 @@ void single_block_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex 
   // The caller's share, queueing chunks as they complete; returns the pieces it staged.
   auto caller_share = [&] {
     size_t own = 0;
-    for (;;) {
-      const size_t p = sb->next_piece.fetch_add(1, std::memory_order_relaxed);
-      if (p >= pieces.size()) return own;
+    for (size_t p = claims.take_next(); p < claims.pieces(); p = claims.take_next()) {
       const auto staging = Clock::now();
-      if (!sb->claim_and_stage(p)) continue;
+      if (!claims.claim_and_stage(p, [&sb](size_t q) { sb->stage_in_block(q); })) continue;
       note_own_piece(staging);
       ++own;
       queue_ready();
     }
+    return own;
   };
   if (offer && g_helper_stall_us.load(std::memory_order_relaxed) > 0) {
     // Test hook on: a helper claims the first piece before the caller starts, so that a
     // stalled helper is there to be stolen from whatever the scheduler does.
     const auto until = Clock::now() + std::chrono::seconds(1);
-    while (sb->next_piece.load(std::memory_order_relaxed) == 0 && Clock::now() < until) {
+    while (claims.none_taken() && Clock::now() < until) {
       std::this_thread::yield();
     }
   }
@@ -601,38 +512,32 @@ void single_block_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex 
       queue_ready();  // every piece is final once the team has joined
       TORCH_INTERNAL_ASSERT(queued == chunks, "pinxfer: a chunk left unsent after the join");
     } else {
-      const auto started = Clock::now();
+      const auto own_started = Clock::now();
       const size_t own = caller_share();
       // The pieces in flight: a running helper finishes one within about a piece's time.
       const auto waited = Clock::now();
       trace.own_pieces = static_cast<int64_t>(own);
       trace.own_done_us = us_since_start(waited);
-      const auto per_piece = (waited - started) / std::max<size_t>(own, 1);
+      const auto per_piece = (waited - own_started) / std::max<size_t>(own, 1);
       const auto patience = std::max<Clock::duration>(2 * per_piece, std::chrono::microseconds(20));
-      for (unsigned i = 1; queued < chunks; ++i) {
-        queue_ready();
-        if (queued == chunks) break;
-        cpu_relax();
-        if (i % 64 != 0 || Clock::now() - waited < patience) continue;
-        // Parked helpers: stage their pieces again, into spares, and send them from there.
-        for (size_t p = sb->first_piece[queued]; p < pieces.size(); ++p) {
-          uint8_t expected = sb->state[p].load(std::memory_order_acquire);
-          if (expected == kDone || expected == kStolen) continue;
-          if (!sb->state[p].compare_exchange_strong(expected, kStolen, std::memory_order_acq_rel)) {
-            continue;  // published meanwhile
-          }
-          spares[p] = pool.allocate(pieces[p].end - pieces[p].begin);
-          sb->stage(p, static_cast<char*>(spares[p].get()));
-          sb->left[pieces[p].chunk].fetch_sub(1, std::memory_order_acq_rel);
-          g_stolen_pieces.fetch_add(1, std::memory_order_relaxed);
-          ++trace.stolen;
-        }
-      }
+      // Parked helpers' pieces are staged again into spares and sent from there.
+      const size_t stolen = claims.finish_after_own_share(
+          patience,
+          [&] {
+            queue_ready();
+            return queued;
+          },
+          [&](size_t p) {
+            spares[p] = pool.allocate(pieces[p].end - pieces[p].begin);
+            sb->stage(p, static_cast<char*>(spares[p].get()));
+          });
+      g_stolen_pieces.fetch_add(stolen, std::memory_order_relaxed);
+      trace.stolen = static_cast<int64_t>(stolen);
     }
   } catch (...) {
     threads.withdraw(offer);
-    sb->close_free_pieces();
-    (void)sb->close_source();
+    claims.close_free_pieces();
+    (void)claims.close_source();
     // Nothing more is queued; what was queued reads the block and spares, which go back
     // to the pool marked by the stream (the block when the last helper leaves).
     for (auto& sp : spares) {
@@ -641,7 +546,7 @@ void single_block_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex 
     throw;
   }
   threads.withdraw(offer);
-  trace.reader_wait_us = sb->close_source();
+  trace.reader_wait_us = claims.close_source();
   for (auto& sp : spares) {
     if (sp.get_context()) pool.record_stream(sp.get_context(), stream.unwrap());
   }
