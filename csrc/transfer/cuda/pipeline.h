@@ -11,8 +11,9 @@
 //   (consecutive staged chunks as one DMA while the engine has enough queued) and,
 //   when a helper has not finished a claimed piece in time (parked by the
 //   scheduler), stages that piece again into a spare block and sends it from
-//   there. The block and the source stay alive (shared) until the last helper
-//   has left. pipeline.cpp, "The single-block path", says why and how.
+//   there. The block stays alive (shared) until the last helper has left; the
+//   call returns once no helper reads the source. The claims, steals and that
+//   close are PieceClaims' (transfer/piece_claims.h says why and how).
 // * a ring: the thread that finishes the last piece of a chunk queues its
 //   cudaMemcpyAsync on the copy stream and records the slot's event. A thread
 //   about to write into a ring slot first waits until the slot's previous
