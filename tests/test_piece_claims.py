@@ -28,10 +28,13 @@ def _self_test(seed, helpers, rounds, stall_us, fail_every=0):
 
 @pytest.mark.parametrize("helpers", [1, 3, 8])
 def test_parked_helpers_are_stolen_from_and_waited_for(helpers):
-    # A helper parks 300 us after about one claim in four: longer than the caller's patience
-    # (twice its own time a piece, at least 20 us), so the caller steals those pieces, and
-    # then waits at close for the parked helper that still reads the source.
-    helper_pieces, stolen, waited_rounds = _self_test(7, helpers, 40, 300)
+    # A helper parks 20 ms after about one claim in four: far longer than the caller's
+    # patience (twice its own time a piece, at least 20 us) and its whole share, under TSan
+    # too, so the caller steals those pieces and then waits at close for the parked helper
+    # that still reads the source. (Parked 300 us, a TSan build's slow copies outlasted the
+    # park: the helper was copying, not parked, when its piece was stolen, and no close
+    # waited in 40 rounds with one helper.)
+    helper_pieces, stolen, waited_rounds = _self_test(7, helpers, 20, 20_000)
     assert helper_pieces > 0, "no helper staged a piece: the protocol ran on the caller alone"
     assert stolen > 0, "no piece was stolen although helpers parked 300 us"
     assert waited_rounds > 0, "close_source never waited for a parked reader"
