@@ -65,7 +65,7 @@ class PieceClaims {
   // Whether no thread has taken a piece yet (a test hook waits for a helper's claim).
   bool none_taken() const { return next_.load(std::memory_order_relaxed) == 0; }
   // Whether piece p is still free (a hint: it may be claimed right after).
-  bool free(size_t p) const { return state_[p].load(std::memory_order_relaxed) == kFree; }
+  bool is_free(size_t p) const { return state_[p].load(std::memory_order_relaxed) == kFree; }
   State state(size_t p) const {
     return static_cast<State>(state_[p].load(std::memory_order_acquire));
   }

@@ -312,7 +312,7 @@ size_t stage_every(SingleBlock& sb, size_t first, size_t step, bool helper,
                    const std::function<void(std::chrono::steady_clock::time_point)>& after_each) {
   size_t staged = 0;
   for (size_t p = first; p < sb.claims.pieces(); p += step) {
-    if (!sb.claims.free(p)) continue;
+    if (!sb.claims.is_free(p)) continue;
     const auto staging = std::chrono::steady_clock::now();
     if (!sb.claims.claim_and_stage(p, [&sb](size_t q) { sb.stage_in_block(q); })) continue;
     if (helper) sb.helper_pieces.fetch_add(1, std::memory_order_relaxed);
