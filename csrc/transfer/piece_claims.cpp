@@ -79,6 +79,7 @@ struct Round {
     const auto& piece = plan.pieces[p];
     std::memcpy(into, src + piece.begin, piece.end - piece.begin);
   }
+  void stage_in_block(size_t p) const { stage(p, block.get() + plan.pieces[p].begin); }
 };
 
 }  // namespace
@@ -130,7 +131,7 @@ std::vector<int64_t> piece_claims_self_test(int64_t seed, int64_t helpers, int64
         };
         const auto stage_counting_late_reads = [&](size_t p) {
           if (rd.let_go.load(std::memory_order_acquire)) late_reads->fetch_add(1);
-          rd.stage(p, rd.block.get() + rd.plan.pieces[p].begin);
+          rd.stage_in_block(p);
           if (rd.let_go.load(std::memory_order_acquire)) late_reads->fetch_add(1);
         };
         helper_pieces->fetch_add(rd.claims.help(park_sometimes, stage_counting_late_reads));
@@ -154,24 +155,18 @@ std::vector<int64_t> piece_claims_self_test(int64_t seed, int64_t helpers, int64
         }
         return sent;
       };
-      auto stage_own = [&](size_t p) {
-        round->stage(p, round->block.get() + round->plan.pieces[p].begin);
-      };
       bool failed = false;
       try {
-        const auto started = std::chrono::steady_clock::now();
-        size_t own = 0;
-        for (size_t p = claims.take_next(); p < claims.pieces(); p = claims.take_next()) {
-          if (!claims.claim_and_stage(p, stage_own)) continue;
-          ++own;
-          if (fails) throw std::runtime_error("a round failed on purpose");
-          send_ready();
-        }
-        const auto per_piece =
-            (std::chrono::steady_clock::now() - started) / std::max<size_t>(own, 1);
+        const auto own_started = std::chrono::steady_clock::now();
+        const size_t own =
+            claims.stage_own_share([&](size_t p) { round->stage_in_block(p); },
+                                   [&](std::chrono::steady_clock::time_point) {
+                                     if (fails)
+                                       throw std::runtime_error("a round failed on purpose");
+                                     send_ready();
+                                   });
         const auto patience =
-            std::max<std::chrono::steady_clock::duration>(2 * per_piece,
-                                                          std::chrono::microseconds(20));
+            PieceClaims::patience(std::chrono::steady_clock::now() - own_started, own);
         stolen +=
             static_cast<int64_t>(claims.finish_after_own_share(patience, send_ready, [&](size_t p) {
               const auto& piece = round->plan.pieces[p];

@@ -35,6 +35,7 @@
 // and close_source from the caller alone.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstddef>
@@ -90,6 +91,31 @@ class PieceClaims {
     state_[p].store(kDone, std::memory_order_release);
     count_off(p);
     return true;
+  }
+
+  // The caller's share: pieces taken in order, each claimed and staged by stage(p) while it is
+  // still free, and after_each(when its staging began) after each (the caller sends chunks
+  // there). Returns the pieces it staged.
+  template <class Stage, class AfterEach>
+  size_t stage_own_share(Stage&& stage, AfterEach&& after_each) {
+    size_t own = 0;
+    for (size_t p = take_next(); p < pieces(); p = take_next()) {
+      const auto staging = std::chrono::steady_clock::now();
+      if (!claim_and_stage(p, stage)) continue;
+      ++own;
+      after_each(staging);
+    }
+    return own;
+  }
+
+  // How long the caller, its share done, waits for the pieces in flight before it steals them
+  // (finish_after_own_share): a running helper finishes one within about a piece's time, so
+  // twice the caller's own time per piece, and at least 20 us.
+  static std::chrono::steady_clock::duration patience(std::chrono::steady_clock::duration own_time,
+                                                      size_t own_pieces) {
+    const auto per_piece = own_time / std::max<size_t>(own_pieces, 1);
+    return std::max<std::chrono::steady_clock::duration>(2 * per_piece,
+                                                         std::chrono::microseconds(20));
   }
 
   // A helper's share: pieces claimed in order until none are left; on_claim(p) right after

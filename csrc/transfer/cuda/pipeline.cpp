@@ -466,18 +466,12 @@ void single_block_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex 
     trace.own_stage_us += us_between(staging, done);
     if (trace.first_own_done_us < 0) trace.first_own_done_us = us_since_start(done);
   };
-  // The caller's share, queueing chunks as they complete; returns the pieces it staged.
-  auto caller_share = [&] {
-    size_t own = 0;
-    for (size_t p = claims.take_next(); p < claims.pieces(); p = claims.take_next()) {
-      const auto staging = Clock::now();
-      if (!claims.claim_and_stage(p, [&sb](size_t q) { sb->stage_in_block(q); })) continue;
-      note_own_piece(staging);
-      ++own;
-      queue_ready();
-    }
-    return own;
+  // After each piece the caller staged: its account in the trace, then the chunks now ready.
+  const auto after_own = [&](Clock::time_point staging) {
+    note_own_piece(staging);
+    queue_ready();
   };
+  const auto stage_in_block = [&sb](size_t p) { sb->stage_in_block(p); };
   if (offer && g_helper_stall_us.load(std::memory_order_relaxed) > 0) {
     // Test hook on: a helper claims the first piece before the caller starts, so that a
     // stalled helper is there to be stolen from whatever the scheduler does.
@@ -500,10 +494,6 @@ void single_block_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex 
           stage_every(*sb, member, members, /*helper=*/true, nullptr);
           return;
         }
-        const auto after_own = [&](Clock::time_point staging) {
-          note_own_piece(staging);
-          queue_ready();
-        };
         own += stage_every(*sb, 0, members, /*helper=*/false, after_own);
         own += stage_every(*sb, 0, 1, /*helper=*/false, after_own);
       });
@@ -513,16 +503,13 @@ void single_block_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex 
       TORCH_INTERNAL_ASSERT(queued == chunks, "pinxfer: a chunk left unsent after the join");
     } else {
       const auto own_started = Clock::now();
-      const size_t own = caller_share();
-      // The pieces in flight: a running helper finishes one within about a piece's time.
-      const auto waited = Clock::now();
+      const size_t own = claims.stage_own_share(stage_in_block, after_own);
+      const auto own_done = Clock::now();
       trace.own_pieces = static_cast<int64_t>(own);
-      trace.own_done_us = us_since_start(waited);
-      const auto per_piece = (waited - own_started) / std::max<size_t>(own, 1);
-      const auto patience = std::max<Clock::duration>(2 * per_piece, std::chrono::microseconds(20));
+      trace.own_done_us = us_since_start(own_done);
       // Parked helpers' pieces are staged again into spares and sent from there.
       const size_t stolen = claims.finish_after_own_share(
-          patience,
+          PieceClaims::patience(own_done - own_started, own),
           [&] {
             queue_ready();
             return queued;
