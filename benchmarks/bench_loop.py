@@ -952,6 +952,36 @@ class Bench:
                 times[name].append(sample(fns[name]))
         return {k: summarize(v, 1) for k, v in times.items()}
 
+    def installed_vs_own(self, calls: int, reps: int) -> tuple[dict, dict]:
+        """µs per torch.empty(16 KiB, pin_memory=True) with torch's own host allocator and
+        with pinxfer.install()ed, alternated within the rounds (balanced_rounds) as every other
+        pair in this table: the row compares two figures of about 1.5 µs, and measured one
+        after the other a host that drifts between them is read as the allocator's cost (the
+        session-33 table had 1.30x on a path that measured 0.98x in session 31)."""
+        px = self.px
+        torch_fn = lambda: torch.empty(16384, pin_memory=True)  # noqa: E731
+
+        def sample(installed: bool) -> float:
+            if installed:
+                px.install()
+            try:
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    out = torch_fn()
+                    del out
+                return (time.perf_counter() - t0) / calls
+            finally:
+                if installed:
+                    px.uninstall()
+
+        sample(False)  # each allocator's cache warm before the rounds
+        sample(True)
+        times: dict[str, list[float]] = {"torch": [], "torch_installed": []}
+        for order in balanced_rounds(list(times), reps):
+            for name in order:
+                times[name].append(sample(name == "torch_installed"))
+        return summarize(times["torch"], 1), summarize(times["torch_installed"], 1)
+
     def small_rows(self) -> tuple[list[dict], dict]:
         px, dev = self.px, self.dev
         q = self.args.quick
@@ -1108,14 +1138,7 @@ class Bench:
         )
 
         # last: with install(), torch's own pinned allocation
-        torch_fn = lambda: torch.empty(16384, pin_memory=True)  # noqa: E731
-        before = self.per_call({"torch": torch_fn}, calls, reps, sync=False)["torch"]
-        px.install()
-        try:
-            after = self.per_call({"torch_installed": torch_fn}, calls, reps, sync=False)
-        finally:
-            px.uninstall()
-        after = after["torch_installed"]
+        before, after = self.installed_vs_own(calls, reps)
         raw["installed_empty_16k"] = {"torch": before, "torch_installed": after}
         add(
             "install: torch.empty 16k",

@@ -101,6 +101,26 @@ def batch_part_ways(pinxfer, batch: dict, dev: torch.device) -> dict:
     }
 
 
+def call_split(way: str, t0_ns: int, end_ns: int, leaf: dict, pack: dict) -> dict:
+    """Where one traced batch call went, in µs, from the traces' stamps on
+    time.perf_counter_ns's clock: Python before the first C++ step, the large leaf's send (from
+    its crew's muster to the end of its pipeline), the steps between the leaf and the pack, the
+    pack (its op's entry to its end), and Python after it. batch_pack has no leaf."""
+    pack_begin = pack["entered_ns"]
+    pack_end = pack_begin + pack["total_us"] * 1e3
+    split: dict[str, float] = {}
+    if way == "batch_pack":
+        split["py_before_us"] = (pack_begin - t0_ns) / 1e3
+    else:
+        leaf_end = leaf["mustered_ns"] + (leaf["setup_us"] + leaf["total_us"]) * 1e3
+        split["py_before_us"] = (leaf["mustered_ns"] - t0_ns) / 1e3
+        split["leaf_us"] = (leaf_end - leaf["mustered_ns"]) / 1e3
+        split["between_us"] = (pack_begin - leaf_end) / 1e3
+    split["pack_us"] = pack["total_us"]
+    split["py_after_us"] = (end_ns - pack_end) / 1e3
+    return {k: round(v, 1) for k, v in split.items()}
+
+
 def measure(
     sizes: list[int], rounds: int, pinxfer_only: bool, copy_probes: bool, batch_parts: bool = False
 ) -> dict:
@@ -129,6 +149,7 @@ def measure(
         traces: dict[str, list[dict]] = {"to_device": [], "to_device_batch": []}
         if batch_parts:
             traces["batch_leaf"] = []
+            traces["batch_pack"] = []
         pin_traces: list[dict] = []
         previous = None  # the way timed last, in this cell
         same_block: dict[str, list[bool]] = {
@@ -145,9 +166,11 @@ def measure(
                 sync()
                 stats0 = pinxfer.memory_stats()
                 sw0 = involuntary_switches()
+                t0_ns = time.perf_counter_ns()
                 t0 = time.perf_counter()
                 res = fn()
                 t_call = time.perf_counter()
+                t_call_ns = time.perf_counter_ns()
                 sync()
                 wall = (time.perf_counter() - t0) * 1e6
                 call_us[name].append((t_call - t0) * 1e6)
@@ -174,8 +197,17 @@ def measure(
                     )
                 if name in traces:
                     trace = dict(pinxfer._C._last_single_block_trace())
+                    pack = dict(pinxfer._C._last_pack_trace())
                     traces[name].append(
-                        {
+                        (
+                            {
+                                "pack": {k2: round(v, 1) for k2, v in pack.items()},
+                                "split": call_split(name, t0_ns, t_call_ns, trace, pack),
+                            }
+                            if name in ("to_device_batch", "batch_pack")
+                            else {}
+                        )
+                        | {
                             "wall_us": round(wall, 1),
                             "call_us": round(call_us[name][-1], 1),
                             "after": previous,
@@ -202,6 +234,7 @@ def measure(
         cell["to_device_batch_calls"] = traces["to_device_batch"]
         if batch_parts:
             cell["batch_leaf_calls"] = traces["batch_leaf"]
+            cell["batch_pack_calls"] = traces["batch_pack"]
         cell["pin_memory_calls"] = pin_traces
         cell["same_block_share"] = {
             w: round(sum(v) / len(v), 2) if v else None for w, v in same_block.items()
@@ -277,6 +310,27 @@ def report(variant: str, cells: dict[str, Any]) -> str:
                     f"{sum(c['trace']['on_torch_team'] for c in group)}, preempted "
                     f"{sum(1 for c in group if c['preempted'])})"
                 )
+        for way in ("to_device_batch", "batch_pack"):
+            calls_of_way = cell.get(f"{way}_calls", [])
+            if not calls_of_way or "split" not in calls_of_way[0]:
+                continue
+            parts = ", ".join(
+                f"{k} {statistics.median(c['split'][k] for c in calls_of_way):.1f}"
+                for k in calls_of_way[0]["split"]
+            )
+            steps = ", ".join(
+                f"{k} {statistics.median(c['pack'][k] for c in calls_of_way):.1f}"
+                for k in (
+                    "checked_us",
+                    "output_us",
+                    "block_us",
+                    "staged_us",
+                    "queued_us",
+                    "returned_us",
+                    "total_us",
+                )
+            )
+            lines.append(f"{'':21}{way} split (median us): {parts}; pack steps: {steps}")
         pins = cell["pin_memory_calls"]
         if pins:
             steps = [k for k in pins[0] if k != "preempted"]

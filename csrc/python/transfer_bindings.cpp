@@ -205,6 +205,29 @@ void bind_transfer(pybind11::module_& m) {
       "muster on the monotonic clock of time.perf_counter_ns; probed_us, checked_us, "
       "streams_us, output_us, entry_us: the op's steps from the muster; own_stage_us, gate_us, "
       "queue_us: the caller's time staging, asking the span gate, queueing spans)");
+  m.def(
+      "_last_pack_trace",
+      [] {
+        const transfer::PackTrace t = transfer::last_pack_trace();
+        pybind11::dict d;
+        d["nbytes"] = t.nbytes;
+        d["tensors"] = t.tensors;
+        d["entered_ns"] = t.entered_ns;
+        d["checked_us"] = t.checked_us;
+        d["output_us"] = t.output_us;
+        d["block_us"] = t.block_us;
+        d["staged_us"] = t.staged_us;
+        d["queued_us"] = t.queued_us;
+        d["returned_us"] = t.returned_us;
+        d["total_us"] = t.total_us;
+        return d;
+      },
+      "DIAGNOSTIC: _last_pack_trace() -> dict: what this thread's last packed copy (a batch's "
+      "small leaves, or to_device_packed) did, in microseconds from the op's entry "
+      "(entered_ns: on time.perf_counter_ns's clock): checked_us (device, capture check, "
+      "sources, streams), output_us (device output), block_us (pinned block from the pool), "
+      "staged_us (bytes copied in; -1 when copy threads packed them), queued_us (DMAs), "
+      "returned_us (block back to the pool), total_us (views made)");
   m.def("_set_chunk_timeline", &transfer::set_chunk_timeline,
         "DIAGNOSTIC: _set_chunk_timeline(on): this process's single-block to_device "
         "transfers record a timing event per DMA span (read by _last_chunk_timeline)");

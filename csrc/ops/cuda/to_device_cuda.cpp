@@ -9,6 +9,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <chrono>
 #include <vector>
 
 #include "ops/kernels.h"
@@ -186,6 +187,8 @@ PackedOnDevice pack_to_device(at::TensorList tensors, c10::Device device, bool w
                               LargeCopies large) {
   // With views this is pinxfer.to_device of a batch (the fast call): errors name that.
   const char* op = want_views ? "to_device" : "to_device_packed";
+  transfer::PackSteps steps;  // for the diagnostic trace (transfer::last_pack_trace)
+  steps.entered = std::chrono::steady_clock::now();
   check_cuda_usable(op);
   const c10::DeviceIndex index = resolve_device(device, op);
   c10::cuda::CUDAGuard guard(index);
@@ -207,12 +210,14 @@ PackedOnDevice pack_to_device(at::TensorList tensors, c10::Device device, bool w
   const bool on_current =
       total <= transfer::kCurrentStreamBytes || large == LargeCopies::kCurrentStream;
   const c10::cuda::CUDAStream copy = on_current ? cur : copy_stream_for(index);
+  steps.checked = std::chrono::steady_clock::now();
   PackedOnDevice result;
   result.packed = transfer::empty_on_stream(
       {static_cast<int64_t>(total)},
       at::TensorOptions().device(c10::Device(c10::kCUDA, index)).dtype(at::kByte), copy);
+  steps.output_made = std::chrono::steady_clock::now();
   if (total > 0) {
-    transfer::packed_copy(srcs, offsets, total, result.packed, index, copy);
+    transfer::packed_copy(srcs, offsets, total, result.packed, index, copy, steps);
     if (!on_current) transfer::hand_over(result.packed, copy, cur);
   }
   if (want_views) {
@@ -222,6 +227,7 @@ PackedOnDevice pack_to_device(at::TensorList tensors, c10::Device device, bool w
       result.views.push_back(slice_as(result.packed, offsets[i], srcs[i]));
     }
   }
+  transfer::record_pack_trace(steps, total, srcs.size());
   return result;
 }
 

@@ -692,11 +692,13 @@ void direct_copy(const at::Tensor& src, at::Tensor& out, const c10::cuda::CUDASt
 
 void packed_copy(const std::vector<at::Tensor>& srcs, const std::vector<size_t>& offsets,
                  size_t total, at::Tensor& packed, c10::DeviceIndex device,
-                 const c10::cuda::CUDAStream& stream) {
+                 const c10::cuda::CUDAStream& stream, PackSteps& steps) {
+  using Clock = std::chrono::steady_clock;
   const int node = numa_node_for_device(device);
   PinnedPool& pool = pool_for_node(node);
   std::vector<c10::DataPtr> staging;
   staging.push_back(pool.allocate(total));
+  steps.block_taken = Clock::now();
   char* base = static_cast<char*>(staging[0].get());
   {
     Range range("pinxfer::stage");
@@ -732,19 +734,21 @@ void packed_copy(const std::vector<at::Tensor>& srcs, const std::vector<size_t>&
       const size_t end = g + 1 < groups ? group_begin[g + 1] : srcs.size();
       left[g].store(end - group_begin[g], std::memory_order_relaxed);
     }
+    const bool serial = total <= kSerialBytes;  // else on the node's copy threads
     auto pack_and_send = [&](size_t begin, size_t end) {
       for (size_t i = begin; i < end; ++i) {
         pack(i, i + 1);
         // acq_rel: the thread that queues the group sees every tensor's bytes.
         if (left[group_of[i]].fetch_sub(1, std::memory_order_acq_rel) != 1) continue;
         const auto [lo, hi] = group_bytes(group_of[i]);
+        if (serial && hi == total) steps.staged = Clock::now();
         Range range("pinxfer::h2d");
         C10_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(packed.data_ptr()) + lo, base + lo,
                                        hi - lo, cudaMemcpyHostToDevice, stream.stream()));
       }
     };
     try {
-      if (total <= kSerialBytes) {
+      if (serial) {
         pack_and_send(0, srcs.size());
       } else {
         // Grain: about 64 KiB of average payload per claim.
@@ -759,7 +763,39 @@ void packed_copy(const std::vector<at::Tensor>& srcs, const std::vector<size_t>&
       throw;
     }
   }
+  steps.queued = Clock::now();
   return_staging(staging, pool, stream);
+  steps.returned = Clock::now();
 }
+
+namespace {
+thread_local PackTrace t_last_pack_trace;  // last_pack_trace()
+}  // namespace
+
+void record_pack_trace(const PackSteps& steps, size_t nbytes, size_t tensors) {
+  auto since_entry = [&steps](std::chrono::steady_clock::time_point t) {
+    return us_between(steps.entered, t);
+  };
+  PackTrace trace;
+  trace.nbytes = static_cast<int64_t>(nbytes);
+  trace.tensors = static_cast<int64_t>(tensors);
+  trace.entered_ns =
+      std::chrono::duration_cast<std::chrono::nanoseconds>(steps.entered.time_since_epoch())
+          .count();
+  trace.checked_us = since_entry(steps.checked);
+  trace.output_us = since_entry(steps.output_made);
+  if (nbytes > 0) {  // else no copy ran
+    trace.block_us = since_entry(steps.block_taken);
+    if (steps.staged != std::chrono::steady_clock::time_point{}) {
+      trace.staged_us = since_entry(steps.staged);
+    }
+    trace.queued_us = since_entry(steps.queued);
+    trace.returned_us = since_entry(steps.returned);
+  }
+  trace.total_us = since_entry(std::chrono::steady_clock::now());
+  t_last_pack_trace = trace;
+}
+
+PackTrace last_pack_trace() { return t_last_pack_trace; }
 
 }  // namespace pinxfer::transfer

@@ -153,11 +153,36 @@ void set_helper_stall_us(int64_t us);
 // Copies a DMA-readable (pinned) source with one DMA, and tells its owner.
 void direct_copy(const at::Tensor& src, at::Tensor& out, const c10::cuda::CUDAStream& stream);
 
+// The steps of one packed copy (pack_to_device: a batch's small leaves), stamped as they
+// end, for PackTrace. The op stamps its own; packed_copy stamps the staging's.
+struct PackSteps {
+  std::chrono::steady_clock::time_point entered;      // the op's entry
+  std::chrono::steady_clock::time_point checked;      // device, capture check, sources, streams
+  std::chrono::steady_clock::time_point output_made;  // the device output allocated
+  std::chrono::steady_clock::time_point block_taken;  // the pinned block from the pool
+  std::chrono::steady_clock::time_point staged;       // every tensor copied in (serial packs)
+  std::chrono::steady_clock::time_point queued;       // the DMAs queued
+  std::chrono::steady_clock::time_point returned;     // the block handed back to the pool
+};
+
 // Copies each src to packed[offsets[i]:] with one staging block and one DMA; the
 // padding between tensors (up to the next offset, or total) is zero, so the
-// packed bytes are a function of the inputs alone.
+// packed bytes are a function of the inputs alone. Stamps `steps`' staging steps.
 void packed_copy(const std::vector<at::Tensor>& srcs, const std::vector<size_t>& offsets,
                  size_t total, at::Tensor& packed, c10::DeviceIndex device,
-                 const c10::cuda::CUDAStream& stream);
+                 const c10::cuda::CUDAStream& stream, PackSteps& steps);
+
+// What the calling thread's last packed copy did (a diagnostic for benchmarks/diag_midsize.py
+// --batch-parts: where a batch's pack of small leaves spends its time, as the single-block
+// trace does for its large leaf). Times are microseconds from the op's entry.
+struct PackTrace {
+  int64_t nbytes = 0, tensors = 0;
+  int64_t entered_ns = 0;  // the op's entry on the steady clock (time.perf_counter_ns)
+  double checked_us = 0, output_us = 0, block_us = 0, staged_us = -1, queued_us = 0,
+         returned_us = 0;
+  double total_us = 0;  // the op's end (views made)
+};
+void record_pack_trace(const PackSteps& steps, size_t nbytes, size_t tensors);
+PackTrace last_pack_trace();
 
 }  // namespace pinxfer::transfer
