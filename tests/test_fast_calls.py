@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import os
 import random
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,10 +19,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import pinxfer
 from pinxfer import _batch, _ops
+from tests import fresh
 
 from .conftest import requires_cuda
 
 ops = torch.ops.pinxfer
+REPO = str(Path(__file__).resolve().parent.parent)
 
 
 def test_fast_pin_matches_the_operator_bit_for_bit():
@@ -129,13 +134,19 @@ def test_plain_calls_answer_none_exactly_where_the_operator_must_run():
     ):
         assert not (isinstance(leaf, torch.Tensor) and _ops.plain_dense_cpu(leaf))
         assert _ops.fast.pin_memory_if_plain(leaf, None, 0, True) is None, repr(leaf)
+        assert _ops.fast.pin_memory_hot(leaf) is None, repr(leaf)
     for mode in (Record, Watch):
         with mode():
             assert _ops.fast.pin_memory_if_plain(torch.ones(3), None, 0, True) is None
+            assert _ops.fast.pin_memory_hot(torch.ones(3)) is None
             assert _ops.fast.empty_if_eager([3], torch.float32, None) is None
     x = torch.randn(5, 2).t()
     y = _ops.fast.pin_memory_if_plain(x, None, 0, True)
     assert y is not None and torch.equal(y, x) and y.stride() == x.stride()
+    pinxfer.pin_memory(torch.ones(1))  # torch's CUDA state as pinning leaves it: the hot call open
+    hot = _ops.fast.pin_memory_hot(x)
+    assert hot is not None and torch.equal(hot, x) and hot.stride() == x.stride()
+    assert pinxfer.is_pool_tensor(hot) and _ops.fast.pin_memory_hot(hot) is hot
     # empty_if_eager takes empty(*size)'s sizes and declines what pinxfer.empty must check
     for sizes in ((3, 4), ([3, 4],), (torch.Size([3, 4]),)):
         assert _ops.fast.empty_if_eager(sizes, None, None).shape == (3, 4)
@@ -323,3 +334,33 @@ def test_to_device_packed_fake_has_the_packed_length():
     with FakeTensorMode(allow_non_fake_inputs=True):
         out = ops.to_device_packed(tensors, torch.device("cuda", 0))
     assert out.dtype == torch.uint8 and out.shape == (512,) and out.device.type == "cuda"
+
+
+def test_pin_memory_hot_call_opens_once_torch_cuda_is_ready_and_never_in_a_forked_child():
+    """pinxfer.pin_memory(x) goes straight to C++ (pin_memory_hot) only where the Python path
+    would have done nothing more: after ensure_torch_cuda (the first pin initialises torch's
+    CUDA state where CUDA is usable; before it the hot call declines, so that first pin
+    still does) and outside a forked child (where Python asks torch whether CUDA may be
+    queried). A fresh process for the first, a fork of it for the second."""
+    code = """
+        import os, torch, pinxfer
+        from pinxfer import _ops
+        x = torch.randn(1000)
+        assert _ops.fast.pin_memory_hot(x) is None, "open before the first pin"
+        first = pinxfer.pin_memory(x)
+        assert _ops.torch_cuda_ready
+        if _ops.build_info().cuda_usable:
+            assert torch.cuda.is_initialized() and first.is_pinned()
+        hot = _ops.fast.pin_memory_hot(x)
+        assert hot is not None and torch.equal(hot, x) and pinxfer.is_pool_tensor(hot)
+        pid = os.fork()
+        if pid == 0:
+            ok = _ops.fast.pin_memory_hot(x) is None and torch.equal(pinxfer.pin_memory(x), x)
+            os._exit(0 if ok else 3)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, status
+        print("ok")
+    """
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PINXFER_")}
+    run = fresh.run(textwrap.dedent(code), env=env, cwd=REPO, timeout=120)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stdout + run.stderr

@@ -26,10 +26,12 @@
 #include <torch/csrc/profiler/orchestration/observer.h>
 #include <torch/extension.h>
 
+#include <atomic>
 #include <optional>
 
 #include "ops/kernels.h"
 #include "python/bindings.h"
+#include "runtime/fork.h"
 
 namespace pinxfer::python {
 
@@ -83,6 +85,34 @@ bool parse_node(const char* fn, PyObject* obj, std::optional<int64_t>& out) {
   return true;
 }
 
+// The hot call's gate (pin_memory_hot): pinxfer/_ops.py's ensure_torch_cuda has
+// run in this process (it initialises torch's CUDA state where CUDA is usable, as torch's own
+// pinning does, and then marks it here), and this is not a forked child (where Python asks
+// torch whether CUDA may be queried: _ops.in_bad_fork). Until both hold the hot call answers
+// None and pinxfer's Python takes the call.
+std::atomic<bool> g_torch_cuda_ready{false};
+
+bool hot_calls_open() {
+  return g_torch_cuda_ready.load(std::memory_order_relaxed) && fork_generation() == 0;
+}
+
+PyObject* mark_torch_cuda_ready(PyObject* /*module*/, PyObject* /*unused*/) {
+  g_torch_cuda_ready.store(true, std::memory_order_relaxed);
+  Py_RETURN_NONE;
+}
+
+// pin_or_self's result for a plain tensor, without the GIL while it copies. An already pinned
+// tensor comes back as itself: THPVariable_Wrap returns the Python object it already has.
+PyObject* pinned_or_self(const at::Tensor& t, std::optional<int64_t> node, int64_t threads,
+                         bool ask_torch) {
+  at::Tensor out;
+  {
+    pybind11::gil_scoped_release no_gil;
+    out = ops::pin_or_self(t, node, threads, ask_torch);
+  }
+  return THPVariable_Wrap(std::move(out));
+}
+
 // pin_memory_if_plain(tensor, numa_node, num_threads, ask_torch): pin_or_self's result, or
 // None where the operator must run (see the top of this file).
 PyObject* pin_memory_if_plain(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
@@ -96,15 +126,22 @@ PyObject* pin_memory_if_plain(PyObject* /*module*/, PyObject* const* args, Py_ss
   if (!parse_node(fn, args[1], node) || !parse_int(fn, "num_threads", args[2], threads)) {
     return nullptr;
   }
-  const bool ask_torch = args[3] == Py_True;
-  at::Tensor out;
-  {
-    pybind11::gil_scoped_release no_gil;
-    out = ops::pin_or_self(*t, node, threads, ask_torch);
-  }
-  // An already pinned tensor comes back as itself: THPVariable_Wrap returns the Python
-  // object the tensor already has.
-  return THPVariable_Wrap(std::move(out));
+  return pinned_or_self(*t, node, threads, /*ask_torch=*/args[3] == Py_True);
+  END_HANDLE_TH_ERRORS
+}
+
+// pin_memory_hot(obj): pinxfer.pin_memory(obj) with every argument at its default, or None
+// where pinxfer's Python must take it (hot_calls_open, and pin_memory_if_plain's None). The
+// call a training loop makes, from the shortest Python path: pinxfer/pin.py's general
+// path cost that call about 0.1-0.2 µs more than this path does (the project's 2-core
+// machine), as much as pinxfer.pin_memory of 64 KiB trailed x.pin_memory() by (issue 22's
+// small-call row, 4.39 against 4.26 µs on the H200, session 34). The one check left in
+// Python is is_compiling() (the top of this file says why).
+PyObject* pin_memory_hot(PyObject* /*module*/, PyObject* obj) {
+  HANDLE_TH_ERRORS
+  const at::Tensor* t = plain_dense_cpu(obj);
+  if (t == nullptr || !hot_calls_open() || !no_mode_active()) Py_RETURN_NONE;
+  return pinned_or_self(*t, std::nullopt, 0, /*ask_torch=*/true);
   END_HANDLE_TH_ERRORS
 }
 
@@ -200,6 +237,12 @@ PyMethodDef g_plain_calls[] = {
      "pin_memory_if_plain(tensor, numa_node, num_threads, ask_torch): the tensor itself if "
      "pinned, else a pinned copy; None if the tensor is not a plain dense CPU tensor or a "
      "mode is active (then take the operator)"},
+    {"pin_memory_hot", &pin_memory_hot, METH_O,
+     "pin_memory_hot(obj): pinxfer.pin_memory(obj) with default arguments; None where "
+     "pinxfer's Python must take it (before mark_torch_cuda_ready, in a forked child, not a "
+     "plain dense CPU tensor, a mode active)"},
+    {"mark_torch_cuda_ready", &mark_torch_cuda_ready, METH_NOARGS,
+     "mark_torch_cuda_ready(): pinxfer._ops.ensure_torch_cuda has run (opens pin_memory_hot)"},
     {"empty_if_eager", reinterpret_cast<PyCFunction>(reinterpret_cast<void*>(&empty_if_eager)),
      METH_FASTCALL,
      "empty_if_eager(sizes, dtype, numa_node): a contiguous pool tensor; None if a mode is "
