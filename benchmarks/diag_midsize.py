@@ -35,7 +35,11 @@ Each variant runs in a child process with the environment it names:
   team_off       PINXFER_TORCH_TEAM=off (pinxfer's copies never on torch's team)
 
     python benchmarks/diag_midsize.py [--json PATH] [--sizes 1M,8M,32M] [--rounds 15]
-        [--variants default,team_off] [--copy-probes] [--batch-parts]
+        [--variants default,team_off] [--copy-probes] [--batch-parts] [--gap b2b|sleep|gpu]
+
+--gap puts bench_loop's idle gap (a 20 ms sleep, or a 20 ms GPU kernel the host waits on)
+between each untimed call and its timed one, so the traces show the steps of a call that
+follows a training step.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ import resource
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -54,7 +59,7 @@ from _child import run_child
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_loop import balanced_rounds, call_ways, parse_sizes, size_label
+from bench_loop import GAP_S, balanced_rounds, call_ways, gpu_sleep_cycles, parse_sizes, size_label
 from diag_batch import make_batch
 
 VARIANTS: dict[str, dict[str, str]] = {
@@ -109,7 +114,8 @@ def call_split(way: str, t0_ns: int, end_ns: int, leaf: dict, pack: dict) -> dic
     pack_begin = pack["entered_ns"]
     pack_end = pack_begin + pack["total_us"] * 1e3
     split: dict[str, float] = {}
-    if way == "batch_pack":
+    # A batch of small leaves alone is one pack: the single-block trace is an earlier call's.
+    if way == "batch_pack" or leaf["mustered_ns"] < t0_ns:
         split["py_before_us"] = (pack_begin - t0_ns) / 1e3
     else:
         leaf_end = leaf["mustered_ns"] + (leaf["setup_us"] + leaf["total_us"]) * 1e3
@@ -121,13 +127,36 @@ def call_split(way: str, t0_ns: int, end_ns: int, leaf: dict, pack: dict) -> dic
     return {k: round(v, 1) for k, v in split.items()}
 
 
+def gap_before_timed_call(gap: str, sync) -> Callable[[], None]:
+    """What comes between a way's untimed call and its timed one: nothing (``b2b``, as
+    bench_loop's back-to-back cells), a 20 ms sleep (``sleep``) or a 20 ms GPU kernel the host
+    waits on (``gpu``): bench_loop's three patterns (GAP_S, gpu_sleep_cycles)."""
+    if gap == "b2b":
+        return lambda: None
+    if gap == "sleep":
+        return lambda: time.sleep(GAP_S)
+    cycles = gpu_sleep_cycles(GAP_S, sync)
+
+    def gpu_gap() -> None:
+        torch.cuda._sleep(cycles)
+        sync()
+
+    return gpu_gap
+
+
 def measure(
-    sizes: list[int], rounds: int, pinxfer_only: bool, copy_probes: bool, batch_parts: bool = False
+    sizes: list[int],
+    rounds: int,
+    pinxfer_only: bool,
+    copy_probes: bool,
+    batch_parts: bool = False,
+    gap: str = "b2b",
 ) -> dict:
     import pinxfer
 
     dev = torch.device("cuda", torch.cuda.current_device())
     sync = torch.cuda.synchronize
+    before_timed = gap_before_timed_call(gap, sync)
     out: dict[str, Any] = {}
     pinxfer._C._trace_team_regions(True)  # _last_pin_call_trace() is recorded only then
     for nbytes in sizes:
@@ -164,6 +193,7 @@ def measure(
                 untimed_at = untimed.data_ptr() if name in same_block else 0
                 del untimed
                 sync()
+                before_timed()
                 stats0 = pinxfer.memory_stats()
                 sw0 = involuntary_switches()
                 t0_ns = time.perf_counter_ns()
@@ -361,6 +391,13 @@ def main() -> None:
         action="store_true",
         help="add the batch's large leaf alone and its packed small leaves alone to the rounds",
     )
+    ap.add_argument(
+        "--gap",
+        default="b2b",
+        choices=("b2b", "sleep", "gpu"),
+        help="before each timed call (after its untimed twin): nothing, a 20 ms sleep, or a "
+        "20 ms GPU kernel the host waits on (bench_loop's patterns; default b2b)",
+    )
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     sizes = parse_sizes(args.sizes)
@@ -376,11 +413,13 @@ def main() -> None:
                     args.child == "pinxfer_only",
                     args.copy_probes,
                     args.batch_parts,
+                    args.gap,
                 )
             )
         )
         return
     result: dict[str, Any] = {
+        "gap": args.gap,
         "torch": torch.__version__,
         "gpu": torch.cuda.get_device_name(),
         "variants": {},
@@ -391,6 +430,7 @@ def main() -> None:
         cells = run_child(
             __file__,
             ["--child", variant, "--sizes", args.sizes, "--rounds", str(args.rounds)]
+            + ["--gap", args.gap]
             + (["--copy-probes"] if args.copy_probes else [])
             + (["--batch-parts"] if args.batch_parts else []),
             VARIANTS[variant],
