@@ -98,11 +98,26 @@ def copy_probe_ways(pinxfer, t: torch.Tensor) -> dict:
 def batch_part_ways(pinxfer, batch: dict, dev: torch.device) -> dict:
     """--batch-parts: the batch's two sends alone, in the same rounds: its large leaf ("x",
     sent by the pipeline) and its small leaves ("y" and the two scalars, packed into one
-    copy). Their sum against the batch tells the sends from what lies around them."""
+    copy). Their sum against the batch tells the sends from what lies around them. And the
+    batch sent by to_device's Python batch path (batch_python)."""
+    from pinxfer import _ops
+    from pinxfer._plain import plain_batch, rebuilt_batch
+    from pinxfer.transfer import DEFAULT_CHUNK_BYTES, DEFAULT_NUM_BUFFERS
+
+    def batch_in_python() -> dict:
+        # to_device's batch path before session 34 (its Python walk, binding and rebuild),
+        # beside the one C call that now takes this batch (to_device_batch_if_plain).
+        leaves, layout = plain_batch(batch)
+        sent = _ops.fast.send_batch_leaves(
+            leaves, dev, DEFAULT_CHUNK_BYTES, DEFAULT_NUM_BUFFERS, "auto"
+        )
+        return rebuilt_batch(batch, layout, sent)
+
     small = {"y": batch["y"], "meta": batch["meta"]}
     return {
         "batch_leaf": lambda: pinxfer.to_device(batch["x"], dev),
         "batch_pack": lambda: pinxfer.to_device(small, dev),
+        "batch_python": batch_in_python,
     }
 
 
@@ -179,6 +194,7 @@ def measure(
         if batch_parts:
             traces["batch_leaf"] = []
             traces["batch_pack"] = []
+            traces["batch_python"] = []
         pin_traces: list[dict] = []
         previous = None  # the way timed last, in this cell
         same_block: dict[str, list[bool]] = {
@@ -234,7 +250,7 @@ def measure(
                                 "pack": {k2: round(v, 1) for k2, v in pack.items()},
                                 "split": call_split(name, t0_ns, t_call_ns, trace, pack),
                             }
-                            if name in ("to_device_batch", "batch_pack")
+                            if name in ("to_device_batch", "batch_pack", "batch_python")
                             else {}
                         )
                         | {
@@ -265,6 +281,7 @@ def measure(
         if batch_parts:
             cell["batch_leaf_calls"] = traces["batch_leaf"]
             cell["batch_pack_calls"] = traces["batch_pack"]
+            cell["batch_python_calls"] = traces["batch_python"]
         cell["pin_memory_calls"] = pin_traces
         cell["same_block_share"] = {
             w: round(sum(v) / len(v), 2) if v else None for w, v in same_block.items()
@@ -340,7 +357,7 @@ def report(variant: str, cells: dict[str, Any]) -> str:
                     f"{sum(c['trace']['on_torch_team'] for c in group)}, preempted "
                     f"{sum(1 for c in group if c['preempted'])})"
                 )
-        for way in ("to_device_batch", "batch_pack"):
+        for way in ("to_device_batch", "batch_python", "batch_pack"):
             calls_of_way = cell.get(f"{way}_calls", [])
             if not calls_of_way or "split" not in calls_of_way[0]:
                 continue

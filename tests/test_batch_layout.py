@@ -7,11 +7,13 @@ pin_memory test's pinning (real page-locked memory, as the README tests pin)."""
 from __future__ import annotations
 
 import collections
+import random
 from typing import Any
 
 import pytest
 import torch
 
+from pinxfer import _C
 from pinxfer._batch import map_tensors, tensors_in
 from pinxfer._plain import plain_batch, rebuilt_batch
 
@@ -56,26 +58,26 @@ def check_against_walker(batch: Any, min_leaves: int = 1) -> Any:
     return layout
 
 
-@pytest.mark.parametrize(
-    ("batch", "layout"),
-    [
-        ({"x": t(), "y": t(2)}, True),
-        ([t(), t()], True),
-        ((t(), t(3)), True),
-        ({"x": t(), "meta": [t(1), t(1)]}, (-1, 2)),  # bench_loop's batch
-        ({"x": t(), "pair": (t(1), t(2))}, (-1, 2)),
-        ([t(), [t(), t()], (t(),)], (-1, 2, 1)),
-        ({"x": t(), "none": []}, (-1, 0)),
-        ({"x": t(), "empty": ()}, (-1, 0)),
-        ({"x": t(), "name": "a"}, False),  # a value that is not a tensor
-        ({"x": t(), "ids": [t(), 3]}, False),  # a list with a non-tensor item
-        ({"x": t(), "deep": [[t()]]}, False),  # two levels down
-        ({"x": t(), "pair": Pair(t(), t())}, False),  # a namedtuple value
-        (collections.OrderedDict(x=t(), y=[t()]), False),  # not exactly a dict
-        (Pair(t(), [t()]), False),
-        ({"nested": {"a": t(), "b": t()}}, False),
-    ],
-)
+LAYOUT_CASES = [
+    ({"x": t(), "y": t(2)}, True),
+    ([t(), t()], True),
+    ((t(), t(3)), True),
+    ({"x": t(), "meta": [t(1), t(1)]}, (-1, 2)),  # bench_loop's batch
+    ({"x": t(), "pair": (t(1), t(2))}, (-1, 2)),
+    ([t(), [t(), t()], (t(),)], (-1, 2, 1)),
+    ({"x": t(), "none": []}, (-1, 0)),
+    ({"x": t(), "empty": ()}, (-1, 0)),
+    ({"x": t(), "name": "a"}, False),  # a value that is not a tensor
+    ({"x": t(), "ids": [t(), 3]}, False),  # a list with a non-tensor item
+    ({"x": t(), "deep": [[t()]]}, False),  # two levels down
+    ({"x": t(), "pair": Pair(t(), t())}, False),  # a namedtuple value
+    (collections.OrderedDict(x=t(), y=[t()]), False),  # not exactly a dict
+    (Pair(t(), [t()]), False),
+    ({"nested": {"a": t(), "b": t()}}, False),
+]
+
+
+@pytest.mark.parametrize(("batch", "layout"), LAYOUT_CASES)
 def test_layout_and_results_agree_with_the_walker(batch, layout):
     assert check_against_walker(batch) == layout
 
@@ -149,3 +151,84 @@ def test_pin_memory_of_a_plain_batch_that_fails_names_the_tensor(fresh_pool):
     with pytest.raises(torch.OutOfMemoryError, match=r"cannot pin batch\['meta'\]\[1\]"):
         pinxfer.pin_memory(batch)
     assert pinxfer.memory_stats()["num_ooms"] == 2
+
+
+def check_one_call_batch(batch: Any) -> None:
+    """_C._rebuilt_plain_batch walks and rebuilds a batch as to_device's one-call batch path
+    does (to_device_batch_if_plain, csrc/python/plain_calls.cpp): it must take exactly the
+    batches plain_batch takes without the walker (two tensors or more), and rebuild each
+    one as rebuilt_batch does, every result in its tensor's place."""
+    got = _C._rebuilt_plain_batch(batch)
+    plain = plain_batch(batch, walk=False)
+    if plain is None:
+        assert got is None, batch
+        return
+    assert got is not None, batch
+    leaves, layout = plain
+    want = rebuilt_batch(batch, layout, leaves)
+    got_leaves, want_leaves = tensors_in(got), tensors_in(want)
+    # Same containers, keys and order; each result a new tensor equal to its own source.
+    it = iter(want_leaves)
+    assert_same_structure(map_tensors(got, lambda _x: next(it)), want)
+    assert len(got_leaves) == len(want_leaves)
+    for a, b in zip(got_leaves, want_leaves):
+        assert a is not b and torch.equal(a, b)
+
+
+@pytest.mark.parametrize(("batch", "layout"), LAYOUT_CASES)
+def test_one_call_batch_takes_and_rebuilds_what_plain_batch_does(batch, layout):
+    check_one_call_batch(batch)
+
+
+def test_one_call_batch_refuses_what_plain_batch_refuses():
+    grad = t().requires_grad_()
+
+    class Sub(torch.Tensor):
+        pass
+
+    for batch in (
+        {"x": t(), "meta": [grad]},
+        {"x": grad, "y": t()},
+        [t(), [t(), grad]],
+        [t(), t().as_subclass(Sub)],
+        {"x": t(), "meta": []},  # one tensor
+        {"x": t()},
+        [],
+        {},
+        t(),
+        "text",
+        {"x": t(), "y": torch.empty(2, device="meta")},
+    ):
+        assert _C._rebuilt_plain_batch(batch) is None, batch
+        check_one_call_batch(batch)
+
+
+def test_one_call_batch_agrees_with_plain_batch_on_random_batches():
+    """Random flat, one-level and deeper batches of tensors, lists, tuples and other leaves."""
+    rng = random.Random(7)
+
+    def leaf():
+        r = rng.random()
+        if r < 0.93:
+            return t(rng.randint(0, 5))
+        return rng.choice(["a", 3, None, t().requires_grad_()])
+
+    def value(depth: int):
+        r = rng.random()
+        if r < 0.5 or depth > 1:
+            return leaf()
+        kind = rng.choice([list, list, tuple, tuple, dict, Pair])
+        n = 2 if kind is Pair else rng.randint(0, 4)
+        items = [value(depth + 1) for _ in range(n)]
+        if kind is dict:
+            return {f"k{rng.randint(0, 99)}": v for v in items}
+        return kind(*items) if kind is Pair else kind(items)
+
+    taken = 0
+    for _ in range(400):
+        top = rng.choice([dict, list, tuple])
+        values = [value(1) for _ in range(rng.randint(0, 5))]
+        batch = {f"v{i}": v for i, v in enumerate(values)} if top is dict else top(values)
+        check_one_call_batch(batch)
+        taken += _C._rebuilt_plain_batch(batch) is not None
+    assert 40 < taken < 360, taken  # both answers were exercised

@@ -28,6 +28,7 @@
 
 #include <atomic>
 #include <optional>
+#include <vector>
 
 #include "ops/kernels.h"
 #include "python/bindings.h"
@@ -230,6 +231,160 @@ PyObject* to_device_if_plain(PyObject* /*module*/, PyObject* const* args, Py_ssi
 }
 #endif
 
+// A batch that to_device_batch_if_plain takes: exactly a dict, list or tuple whose values are
+// plain dense CPU tensors or exactly lists / tuples of them (a collated batch with a list
+// field), at least two tensors in all: pinxfer/_plain.py's plain_batch with layouts True and
+// one level (the batch walker's batches stay in Python). What the rebuilt batch needs is
+// kept here with references of its own, so a batch another thread changes while the copies
+// run without the GIL cannot mislead the rebuild.
+class PlainBatch {
+ public:
+  // False (no Python error set) for any other object.
+  bool take(PyObject* obj) {
+    if (PyDict_CheckExact(obj)) {
+      PyObject *key = nullptr, *value = nullptr;
+      Py_ssize_t pos = 0;
+      while (PyDict_Next(obj, &pos, &key, &value)) {
+        if (!take_value(value)) return false;
+        keys_.emplace_back(pybind11::reinterpret_borrow<pybind11::object>(key));
+      }
+    } else if (PyList_CheckExact(obj) || PyTuple_CheckExact(obj)) {
+      const Py_ssize_t n = PySequence_Fast_GET_SIZE(obj);
+      PyObject** items = PySequence_Fast_ITEMS(obj);
+      for (Py_ssize_t i = 0; i < n; ++i) {
+        if (!take_value(items[i])) return false;
+      }
+    } else {
+      return false;
+    }
+    top_ = Py_TYPE(obj);
+    return leaves_.size() >= 2;
+  }
+
+  const std::vector<at::Tensor>& leaves() const { return leaves_; }
+
+  // The batch again, each tensor replaced by its result, in order (a new reference; nullptr
+  // with a Python error set if an allocation fails).
+  PyObject* rebuilt(std::vector<at::Tensor>&& results) const {
+    TORCH_INTERNAL_ASSERT(results.size() == leaves_.size(), "pinxfer: ", results.size(),
+                          " results for ", leaves_.size(), " tensors");
+    size_t next = 0;
+    auto wrap_next = [&]() { return THPVariable_Wrap(std::move(results[next++])); };
+    pybind11::list values(static_cast<Py_ssize_t>(values_.size()));
+    for (size_t v = 0; v < values_.size(); ++v) {
+      const Value& value = values_[v];
+      PyObject* item = nullptr;
+      if (value.count < 0) {
+        item = wrap_next();
+      } else {
+        item = value.is_list ? PyList_New(value.count) : PyTuple_New(value.count);
+        for (Py_ssize_t i = 0; item != nullptr && i < value.count; ++i) {
+          PyObject* leaf = wrap_next();
+          if (leaf == nullptr) {
+            Py_CLEAR(item);
+          } else if (value.is_list) {
+            PyList_SET_ITEM(item, i, leaf);
+          } else {
+            PyTuple_SET_ITEM(item, i, leaf);
+          }
+        }
+      }
+      if (item == nullptr) return nullptr;
+      PyList_SET_ITEM(values.ptr(), static_cast<Py_ssize_t>(v), item);
+    }
+    if (top_ == &PyList_Type) return values.release().ptr();
+    if (top_ == &PyTuple_Type) return PyList_AsTuple(values.ptr());
+    pybind11::dict out;
+    for (size_t v = 0; v < keys_.size(); ++v) {
+      out[keys_[v]] = values[static_cast<Py_ssize_t>(v)];
+    }
+    return out.release().ptr();
+  }
+
+ private:
+  struct Value {
+    Py_ssize_t count = -1;  // -1: a tensor; else the length of its list / tuple
+    bool is_list = false;
+  };
+
+  bool take_leaf(PyObject* obj) {
+    const at::Tensor* t = plain_dense_cpu(obj);
+    if (t == nullptr) return false;
+    leaves_.push_back(*t);
+    return true;
+  }
+
+  bool take_value(PyObject* value) {
+    if (PyList_CheckExact(value) || PyTuple_CheckExact(value)) {
+      const Py_ssize_t n = PySequence_Fast_GET_SIZE(value);
+      PyObject** items = PySequence_Fast_ITEMS(value);
+      for (Py_ssize_t i = 0; i < n; ++i) {
+        if (!take_leaf(items[i])) return false;
+      }
+      values_.push_back({n, PyList_CheckExact(value) != 0});
+      return true;
+    }
+    if (!take_leaf(value)) return false;
+    values_.push_back({});
+    return true;
+  }
+
+  PyTypeObject* top_ = nullptr;
+  std::vector<at::Tensor> leaves_;
+  std::vector<Value> values_;
+  std::vector<pybind11::object> keys_;  // a dict's keys, in order
+};
+
+// TEST-ONLY _rebuilt_plain_batch(batch): the batch rebuilt around clones of its tensors, or
+// None where to_device_batch_if_plain declines it: PlainBatch's walk and rebuild on the CPU
+// (tests/test_fast_calls.py holds them to plain_batch and rebuilt_batch, which stay the
+// definition).
+PyObject* rebuilt_plain_batch(PyObject* /*module*/, PyObject* obj) {
+  HANDLE_TH_ERRORS
+  PlainBatch batch;
+  if (!batch.take(obj)) Py_RETURN_NONE;
+  std::vector<at::Tensor> clones;
+  for (const at::Tensor& t : batch.leaves()) clones.push_back(t.clone());
+  return batch.rebuilt(std::move(clones));
+  END_HANDLE_TH_ERRORS
+}
+
+#if PINXFER_WITH_CUDA
+// to_device_batch_if_plain(batch, device, chunk_bytes, num_buffers): the batch rebuilt around
+// send_batch_leaves' results with "auto" staging, or None where pinxfer's Python must take it
+// (not a PlainBatch, a mode active, the profiler running). pinxfer.to_device of a collated
+// batch in one C call: plain_batch, the binding's conversions and rebuilt_batch cost that
+// call about 3.5 µs of Python on the project's 2-core machine, and Python's steps run several
+// times slower after an idle gap (csrc/README.md, "Host steps").
+PyObject* to_device_batch_if_plain(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  constexpr const char* fn = "to_device_batch_if_plain";
+  if (!check_arity(fn, nargs, 4)) return nullptr;
+  if (!no_mode_active() || torch::profiler::impl::profilerEnabled()) Py_RETURN_NONE;
+  if (!THPDevice_Check(args[1])) {
+    PyErr_Format(PyExc_TypeError, "pinxfer._C.%s: device must be a torch.device, got %s", fn,
+                 Py_TYPE(args[1])->tp_name);
+    return nullptr;
+  }
+  int64_t chunk_bytes = 0, num_buffers = 0;
+  if (!parse_int(fn, "chunk_bytes", args[2], chunk_bytes) ||
+      !parse_int(fn, "num_buffers", args[3], num_buffers)) {
+    return nullptr;
+  }
+  PlainBatch batch;
+  if (!batch.take(args[0])) Py_RETURN_NONE;
+  const c10::Device device = reinterpret_cast<THPDevice*>(args[1])->device;
+  std::vector<at::Tensor> results;
+  {
+    pybind11::gil_scoped_release no_gil;
+    results = ops::send_batch_leaves(batch.leaves(), device,
+                                     ops::staging_options(chunk_bytes, num_buffers, "auto", -1));
+  }
+  return batch.rebuilt(std::move(results));
+  END_HANDLE_TH_ERRORS
+}
+#endif
+
 // METH_FASTCALL: the arguments arrive as a C array, with no tuple built and no parser.
 PyMethodDef g_plain_calls[] = {
     {"pin_memory_if_plain",
@@ -241,6 +396,9 @@ PyMethodDef g_plain_calls[] = {
      "pin_memory_hot(obj): pinxfer.pin_memory(obj) with default arguments; None where "
      "pinxfer's Python must take it (before mark_torch_cuda_ready, in a forked child, not a "
      "plain dense CPU tensor, a mode active)"},
+    {"_rebuilt_plain_batch", &rebuilt_plain_batch, METH_O,
+     "TEST-ONLY _rebuilt_plain_batch(batch): the batch rebuilt around clones of its tensors, "
+     "or None where to_device_batch_if_plain declines it"},
     {"mark_torch_cuda_ready", &mark_torch_cuda_ready, METH_NOARGS,
      "mark_torch_cuda_ready(): pinxfer._ops.ensure_torch_cuda has run (opens pin_memory_hot)"},
     {"empty_if_eager", reinterpret_cast<PyCFunction>(reinterpret_cast<void*>(&empty_if_eager)),
@@ -253,6 +411,13 @@ PyMethodDef g_plain_calls[] = {
      "to_device_if_plain(tensor, device, chunk_bytes, num_buffers): the tensor on the CUDA "
      "device (\"auto\" staging); None if the tensor is not a plain dense CPU tensor, a mode "
      "is active or torch's profiler runs (then take the operator)"},
+    {"to_device_batch_if_plain",
+     reinterpret_cast<PyCFunction>(reinterpret_cast<void*>(&to_device_batch_if_plain)),
+     METH_FASTCALL,
+     "to_device_batch_if_plain(batch, device, chunk_bytes, num_buffers): a dict, list or tuple "
+     "of plain dense CPU tensors (or of exact lists / tuples of them, two tensors at least) "
+     "rebuilt around its tensors on the CUDA device, as to_device sends a batch; None for any "
+     "other batch, or while a mode is active or torch's profiler runs"},
 #endif
     {nullptr, nullptr, 0, nullptr},
 };
