@@ -1,11 +1,11 @@
 // The hottest fast calls as bare CPython functions (METH_FASTCALL): pin_memory of one
-// tensor, to_device of one tensor, empty. pinxfer's Python calls them for every small
-// pin, transfer and allocation of a training loop, where a call costs a few microseconds
-// and torch's own (x.pin_memory(), x.to(), torch.empty) reach C++ through a parser of a
-// few hundred nanoseconds. Through pybind11 (fast_calls.cpp) the same kernels cost more:
-// its overload dispatch and argument casters, and before the call the Python checks that a
-// fast call may be taken (plain_dense_cpu and eager() in pinxfer/_ops.py: about 0.7 µs on
-// the H100 host, more than the rest of pinxfer's Python).
+// tensor, to_device of one tensor or of a collated batch, empty. pinxfer's Python calls them for
+// every small pin, transfer and allocation of a training loop, where a call costs a few
+// microseconds and torch's own (x.pin_memory(), x.to(), torch.empty) reach C++ through a parser of
+// a few hundred nanoseconds. Through pybind11 (fast_calls.cpp) the same kernels cost more: its
+// overload dispatch and argument casters, and before the call the Python checks that a fast call
+// may be taken (plain_dense_cpu and eager() in pinxfer/_ops.py: about 0.7 µs on the H100 host, more
+// than the rest of pinxfer's Python).
 //
 // So these take the checks into C++ and answer None where the dispatcher matters (the
 // tensor is not a plain dense CPU tensor that needs no grad, a __torch_function__ or
