@@ -14,7 +14,7 @@
 #   PINXFER_STRESS_SECONDS   passed to tests/test_pool_stress.py (its default: 2)
 #   PINXFER_SANITIZE_DIR     where to build and keep logs (default: a new mktemp dir, whose
 #                            scratch build is removed after a clean job; its logs stay)
-#   PINXFER_SANITIZE_TESTS   test files to run (default: the three named above)
+#   PINXFER_SANITIZE_TESTS   test files to run (default: the ones named below)
 #   PINXFER_SANITIZE_MARKS   pytest -m expression (default "not build": the soak-marked
 #                            stress tests run here, unlike in the plain test command)
 # Exit status: non-zero on a failed build, a failed test, or any sanitizer report
@@ -40,7 +40,10 @@ PY="$(python3 -c 'import sys; print(sys.executable)')"
 # path (CUDA-free protocol; a late read of a freed source is a report under ASan).
 # tests/test_torch_team.py: host copies on torch's OpenMP team (skipped under TSan, which
 # cannot see libgomp's barriers; its subprocesses inherit the sanitizer).
-TESTS="${PINXFER_SANITIZE_TESTS:-tests/test_pool_stress.py tests/test_serial_jobs.py tests/test_piece_claims.py tests/test_allocator.py tests/test_pin_memory.py tests/test_limits.py tests/test_fuzz.py tests/test_torch_team.py}"
+# tests/test_batch_layout.py: to_device's one-call batch walk and rebuild in C
+# (python/plain_calls.cpp's PlainBatch: references it holds across the GIL release; a
+# reference count off by one is a use-after-free under ASan).
+TESTS="${PINXFER_SANITIZE_TESTS:-tests/test_pool_stress.py tests/test_serial_jobs.py tests/test_piece_claims.py tests/test_allocator.py tests/test_pin_memory.py tests/test_limits.py tests/test_fuzz.py tests/test_torch_team.py tests/test_batch_layout.py}"
 
 echo "== pinxfer sanitizer job: $MODE, in $WORK"
 # A fresh copy of the tree; $WORK/src/build survives a rerun in the same
