@@ -198,6 +198,30 @@ PyObject* empty_if_eager(PyObject* /*module*/, PyObject* const* args, Py_ssize_t
 }
 
 #if PINXFER_WITH_CUDA
+// The send calls' arguments after the first: (device, chunk_bytes, num_buffers), as the device
+// and "auto" staging options.
+struct SendArguments {
+  c10::Device device;
+  transfer::StagingOptions options;
+};
+
+// args[1..3] of to_device_if_plain and to_device_batch_if_plain; nullopt with a TypeError set
+// (naming fn and the argument) where one is not what it must be.
+std::optional<SendArguments> parse_send_arguments(const char* fn, PyObject* const* args) {
+  if (!THPDevice_Check(args[1])) {
+    PyErr_Format(PyExc_TypeError, "pinxfer._C.%s: device must be a torch.device, got %s", fn,
+                 Py_TYPE(args[1])->tp_name);
+    return std::nullopt;
+  }
+  int64_t chunk_bytes = 0, num_buffers = 0;
+  if (!parse_int(fn, "chunk_bytes", args[2], chunk_bytes) ||
+      !parse_int(fn, "num_buffers", args[3], num_buffers)) {
+    return std::nullopt;
+  }
+  return SendArguments{reinterpret_cast<THPDevice*>(args[1])->device,
+                       ops::staging_options(chunk_bytes, num_buffers, "auto", -1)};
+}
+
 // to_device_if_plain(tensor, device, chunk_bytes, num_buffers): send_to_device's result
 // with "auto" staging, or None where the operator must run, or while torch's profiler
 // runs (pinxfer/transfer.py then brackets the call with its range).
@@ -209,22 +233,12 @@ PyObject* to_device_if_plain(PyObject* /*module*/, PyObject* const* args, Py_ssi
   if (t == nullptr || !no_mode_active() || torch::profiler::impl::profilerEnabled()) {
     Py_RETURN_NONE;
   }
-  if (!THPDevice_Check(args[1])) {
-    PyErr_Format(PyExc_TypeError, "pinxfer._C.%s: device must be a torch.device, got %s", fn,
-                 Py_TYPE(args[1])->tp_name);
-    return nullptr;
-  }
-  const c10::Device device = reinterpret_cast<THPDevice*>(args[1])->device;
-  int64_t chunk_bytes = 0, num_buffers = 0;
-  if (!parse_int(fn, "chunk_bytes", args[2], chunk_bytes) ||
-      !parse_int(fn, "num_buffers", args[3], num_buffers)) {
-    return nullptr;
-  }
+  std::optional<SendArguments> send = parse_send_arguments(fn, args);
+  if (!send) return nullptr;
   at::Tensor out;
   {
     pybind11::gil_scoped_release no_gil;
-    out =
-        ops::send_to_device(*t, device, ops::staging_options(chunk_bytes, num_buffers, "auto", -1));
+    out = ops::send_to_device(*t, send->device, send->options);
   }
   return THPVariable_Wrap(std::move(out));
   END_HANDLE_TH_ERRORS
@@ -361,24 +375,14 @@ PyObject* to_device_batch_if_plain(PyObject* /*module*/, PyObject* const* args, 
   constexpr const char* fn = "to_device_batch_if_plain";
   if (!check_arity(fn, nargs, 4)) return nullptr;
   if (!no_mode_active() || torch::profiler::impl::profilerEnabled()) Py_RETURN_NONE;
-  if (!THPDevice_Check(args[1])) {
-    PyErr_Format(PyExc_TypeError, "pinxfer._C.%s: device must be a torch.device, got %s", fn,
-                 Py_TYPE(args[1])->tp_name);
-    return nullptr;
-  }
-  int64_t chunk_bytes = 0, num_buffers = 0;
-  if (!parse_int(fn, "chunk_bytes", args[2], chunk_bytes) ||
-      !parse_int(fn, "num_buffers", args[3], num_buffers)) {
-    return nullptr;
-  }
+  std::optional<SendArguments> send = parse_send_arguments(fn, args);
+  if (!send) return nullptr;
   PlainBatch batch;
   if (!batch.take(args[0])) Py_RETURN_NONE;
-  const c10::Device device = reinterpret_cast<THPDevice*>(args[1])->device;
   std::vector<at::Tensor> results;
   {
     pybind11::gil_scoped_release no_gil;
-    results = ops::send_batch_leaves(batch.leaves(), device,
-                                     ops::staging_options(chunk_bytes, num_buffers, "auto", -1));
+    results = ops::send_batch_leaves(batch.leaves(), send->device, send->options);
   }
   return batch.rebuilt(std::move(results));
   END_HANDLE_TH_ERRORS
