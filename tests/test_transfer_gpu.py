@@ -1120,6 +1120,26 @@ def test_sender_workers_hand_every_batch_over_whole(workers):
         assert got["overlapped"] >= 1, got
 
 
+def test_batch_sender_initialises_torch_cuda_before_its_threads_use_it():
+    """The sender's threads make CUDA calls of their own from their first job. torch's
+    Python lazy init (torch.cuda._lazy_init: it dlopens NVML) running on the caller's thread
+    at the same time deadlocked in the dynamic loader's locks: test_sender_workers_hand_
+    every_batch_over_whole's child with three workers, whose first torch.cuda call comes
+    after its submits, hung in 6 of 66 fresh processes (H200). batch_sender() now runs
+    torch's lazy init first, on the caller's thread, in a fresh process as in this one."""
+    got = last_json(
+        run_child(
+            """
+            import json, torch, pinxfer
+            before = torch.cuda.is_initialized()
+            pinxfer._C.batch_sender(torch.device("cuda", 0))
+            print(json.dumps(dict(before=before, after=torch.cuda.is_initialized())))
+            """
+        )
+    )
+    assert got == {"before": False, "after": True}
+
+
 def test_sender_copies_do_not_queue_on_the_copy_stream():
     """The sender sends every copy of a batch on its worker's own stream, a pipelined leaf
     (8 MiB) and a pack past 256 KiB too, not on the device's copy stream: with that stream

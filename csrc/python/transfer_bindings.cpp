@@ -10,6 +10,8 @@
 #include "transfer/chunk_plan.h"
 #include "transfer/piece_claims.h"
 #if PINXFER_WITH_CUDA
+#include <torch/csrc/utils/device_lazy_init.h>
+
 #include "ops/cuda/batch_sender.h"
 #include "transfer/cuda/pipeline.h"
 #endif
@@ -145,6 +147,14 @@ void bind_batch_sender(pybind11::module_& m) {
           TORCH_CHECK_VALUE(device.is_cuda() && device.has_index(),
                             "pinxfer: batch_sender needs a CUDA device with an index, got ",
                             device);
+          // torch's own lazy CUDA init (torch.cuda._lazy_init, run here with the GIL held)
+          // before the sender's threads make CUDA calls of their own. Left to happen later,
+          // it ran on the caller's thread while the workers made their first CUDA calls:
+          // its dlopen of NVML and the workers' first calls into the driver deadlocked in
+          // the dynamic loader's locks, every thread asleep (H200: 6 of 66 fresh processes
+          // of test_sender_workers_hand_every_batch_over_whole's child with three workers,
+          // session 35). A forked child gets torch's clear error here.
+          torch::utils::device_lazy_init(at::kCUDA);
           return &ops::batch_sender_for(device.index());
         }),
         py::return_value_policy::reference,
