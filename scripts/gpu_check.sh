@@ -263,7 +263,10 @@ for where in ('before CUDA use', 'after CUDA use'):
   fi
   echo "PYTEST EXIT $rc"
   echo "tests: $(( $(date +%s) - t0 )) s"
-  record test "$(status_of "$rc")"
+  # The failed tests' ids in the summary (and env.txt), which a caller keeps when the log's
+  # tail is cut: session 35 lost a timed-out test's name that way.
+  failed_ids=$(grep -E "^(FAILED|ERROR) " /tmp/pinxfer_pytest.log | cut -d' ' -f2 | head -5 | paste -sd' ' -)
+  record test "$(status_of "$rc")${failed_ids:+: $failed_ids}"
   # The soaks the README's test command deselects (README "Tests"): stress and leak runs.
   t0=$(date +%s)
   python3 -X faulthandler -m pytest -q -rfEs $xdist_off -p no:cacheprovider -m soak \

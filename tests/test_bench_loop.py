@@ -269,3 +269,22 @@ def test_diag_write_target_times_each_target_and_reports_where_it_lies():
     text = diag.report({"256KiB src+64": cell})
     assert text.splitlines()[0].startswith("256KiB src+64  (source mod 4K ")
     assert all(name in text for name in dsts) and "x1.00" in text
+
+
+def test_diag_small_route_packs_the_batch_bytes_in_leaf_order():
+    """benchmarks/diag_small_route.py's packed_pageable / packed_pinned ways send one buffer
+    that stands for the batch: its bytes must be exactly the leaves', in the batch's order."""
+    import torch
+
+    route = benchmark_module("diag_small_route")
+    make_batch = benchmark_module("diag_batch").make_batch
+    for nbytes in (4096, 65536, 1 << 20):
+        batch = make_batch(nbytes)
+        packed = route.packed_bytes(batch)
+        leaves = [batch["x"], batch["y"], *batch["meta"]]
+        assert packed.dtype == torch.uint8 and packed.numel() == sum(t.nbytes for t in leaves)
+        at = 0
+        for leaf in leaves:
+            part = packed[at : at + leaf.nbytes].view(leaf.dtype).reshape(leaf.shape)
+            assert torch.equal(part, leaf)
+            at += leaf.nbytes
