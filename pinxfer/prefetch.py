@@ -834,7 +834,14 @@ def _prefetch_device(device: DeviceLike | None) -> torch.device:
     requested = _requested_device(device)
     if requested.type not in ("cuda", "cpu"):
         raise ValueError(f"pinxfer.prefetch: expected a CUDA device or 'cpu', got {requested}")
-    return _check.device(requested, "prefetch", " Pass device='cpu' to prefetch on the host only.")
+    dev = _check.device(requested, "prefetch", " Pass device='cpu' to prefetch on the host only.")
+    if dev.type == "cuda":
+        # torch's CUDA state made here, on the caller's thread, before a pass's other threads
+        # (the producer thread, the C++ sender's workers) make CUDA calls: torch's lazy init
+        # on one thread beside another's first CUDA calls deadlocked (csrc/README.md, "The
+        # sender road", session 35). A device with an index asks torch nothing above.
+        _ops.ensure_torch_cuda()
+    return dev
 
 
 def _slots_by_default(

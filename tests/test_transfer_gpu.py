@@ -1140,6 +1140,29 @@ def test_batch_sender_initialises_torch_cuda_before_its_threads_use_it():
     assert got == {"before": False, "after": True}
 
 
+@pytest.mark.parametrize("producer", ["caller", "thread"])
+def test_prefetch_initialises_torch_cuda_before_its_pass_starts(producer):
+    """pinxfer.prefetch given a device with an index asks torch nothing while it resolves it,
+    and a pass's other threads (the producer thread, the sender's workers) then made the
+    process's first CUDA calls beside the caller's torch.cuda calls (the deadlock of
+    test_batch_sender_initialises_torch_cuda_before_its_threads_use_it). Making the prefetch
+    makes torch's CUDA state, on the caller's thread."""
+    got = last_json(
+        run_child(
+            f"""
+            import json, torch, pinxfer
+            before = torch.cuda.is_initialized()
+            p = pinxfer.prefetch([torch.ones(4)] * 3, device=torch.device("cuda", 0),
+                                 producer={producer!r})
+            made = torch.cuda.is_initialized()
+            sums = [b.sum().item() for b in p]
+            print(json.dumps(dict(before=before, made=made, sums=sums)))
+            """
+        )
+    )
+    assert got == {"before": False, "made": True, "sums": [4.0, 4.0, 4.0]}
+
+
 def test_sender_copies_do_not_queue_on_the_copy_stream():
     """The sender sends every copy of a batch on its worker's own stream, a pipelined leaf
     (8 MiB) and a pack past 256 KiB too, not on the device's copy stream: with that stream
