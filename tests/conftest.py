@@ -203,20 +203,61 @@ def drop_cap_ipc_lock():
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_child(code: str, *, env=None, prefix=(), timeout=120) -> subprocess.CompletedProcess:
-    """Runs `code` in a fresh interpreter from the repository root (so it imports
-    this checkout's pinxfer); a hang fails through the timeout."""
+def child_env(env=None) -> dict:
+    """The environment of a child interpreter that imports this checkout's pinxfer."""
     full_env = dict(os.environ)
     full_env.update(env or {})
     full_env["PYTHONPATH"] = _REPO + os.pathsep + full_env.get("PYTHONPATH", "")
+    return full_env
+
+
+def run_child(code: str, *, env=None, prefix=(), timeout=120) -> subprocess.CompletedProcess:
+    """Runs `code` in a fresh interpreter from the repository root (so it imports
+    this checkout's pinxfer); a hang fails through the timeout."""
     return subprocess.run(
         [*prefix, sys.executable, "-c", textwrap.dedent(code)],
         cwd=_REPO,
-        env=full_env,
+        env=child_env(env),
         capture_output=True,
         text=True,
         timeout=timeout,
     )
+
+
+def start_child(code: str, *, env=None) -> subprocess.Popen:
+    """`code` started in a fresh interpreter as run_child runs it, without waiting for it
+    (several at once); its output is read with communicate()."""
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        cwd=_REPO,
+        env=child_env(env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def thread_states(pid: int) -> str:
+    """One line per thread of process `pid` from /proc: its id, name, scheduler state and
+    wait channel, and the system call it is in (a hung child's threads, for a failure)."""
+    lines = []
+    for tid in sorted(os.listdir(f"/proc/{pid}/task"), key=int):
+        base = f"/proc/{pid}/task/{tid}"
+        fields = []
+        for name in ("comm", "wchan", "syscall"):
+            try:
+                with open(f"{base}/{name}") as f:
+                    fields.append(f.read().strip())
+            except OSError:
+                fields.append("?")
+        try:
+            with open(f"{base}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            state = "?"
+        comm, wchan, syscall = fields
+        lines.append(f"{tid} {comm} state={state} wchan={wchan} syscall={syscall[:60]}")
+    return "\n".join(lines)
 
 
 def last_json(out: subprocess.CompletedProcess) -> dict:

@@ -11,6 +11,9 @@ import collections
 import dataclasses
 import gc
 import itertools
+import json
+import subprocess
+import textwrap
 import threading
 import time
 
@@ -19,7 +22,7 @@ import torch
 
 import pinxfer
 
-from .conftest import benchmark_module, last_json, run_child
+from .conftest import benchmark_module, last_json, run_child, start_child, thread_states
 
 pytestmark = pytest.mark.gpu
 
@@ -1138,6 +1141,41 @@ def test_batch_sender_initialises_torch_cuda_before_its_threads_use_it():
         )
     )
     assert got == {"before": False, "after": True}
+
+
+@pytest.mark.soak
+def test_fresh_senders_never_hang_beside_torch_cuda_calls():
+    """The deadlock above as it was found: _WORKERS_CHILD (the sender made, twelve batches
+    submitted, then the process's first torch.cuda call) with three workers, in 24 fresh
+    processes, 6 at a time. Before batch_sender() ran torch's lazy init first, 6 of 66 such
+    processes hung (H200); after, 0 of 72. A child still running after 60 s is a hang: the
+    failure shows its threads' states and its Python stacks (faulthandler on SIGUSR1)."""
+    import signal
+
+    code = (
+        "import faulthandler, signal\n"
+        "faulthandler.register(signal.SIGUSR1, all_threads=True)\n"
+        + textwrap.dedent(_WORKERS_CHILD)
+    )
+    hangs, failed = [], []
+    for _ in range(4):
+        children = [start_child(code, env={"PINXFER_SENDER_WORKERS": "3"}) for _ in range(6)]
+        deadline = time.monotonic() + 60
+        for child in children:
+            try:
+                out, err = child.communicate(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                states = thread_states(child.pid)
+                child.send_signal(signal.SIGUSR1)  # the Python stacks, to its stderr
+                time.sleep(1)
+                child.kill()
+                out, err = child.communicate()
+                hangs.append(f"{states}\n{err[-3000:]}")
+                continue
+            if child.returncode != 0 or not json.loads(out.strip().splitlines()[-1])["ok"]:
+                failed.append(f"exit {child.returncode}\n{out[-1000:]}\n{err[-3000:]}")
+    assert not hangs, f"{len(hangs)} of 24 children hung; the first:\n{hangs[0]}"
+    assert not failed, f"{len(failed)} of 24 children failed; the first:\n{failed[0]}"
 
 
 @pytest.mark.parametrize("producer", ["caller", "thread"])
