@@ -47,6 +47,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_loop import GAP_S, balanced_rounds, gpu_sleep_cycles, parse_sizes, size_label
 from diag_batch import make_batch
+from diag_midsize import gap_before_timed_call
 
 
 def packed_bytes(batch: dict) -> torch.Tensor:
@@ -74,23 +75,10 @@ def route_ways(pinxfer, nbytes: int, dev: torch.device) -> dict[str, Callable[[]
     }
 
 
-def gap_call(gap: str, cycles: int, sync: Callable[[], None]) -> Callable[[], None]:
-    if gap == "b2b":
-        return lambda: None
-    if gap == "sleep":
-        return lambda: time.sleep(GAP_S)
-
-    def gpu_gap() -> None:
-        torch.cuda._sleep(cycles)
-        sync()
-
-    return gpu_gap
-
-
-def measure_gap(pinxfer, sizes: list[int], rounds: int, gap: str, cycles: int) -> dict:
+def measure_gap(pinxfer, sizes: list[int], rounds: int, gap: str) -> dict:
     dev = torch.device("cuda", torch.cuda.current_device())
     sync = torch.cuda.synchronize
-    before = gap_call(gap, cycles, sync)
+    before = gap_before_timed_call(gap, sync)
     out: dict[str, Any] = {}
     for nbytes in sizes:
         ways = route_ways(pinxfer, nbytes, dev)
@@ -163,7 +151,7 @@ def main() -> None:
         "queued_return_us": queued_return(pinxfer, sizes, 5, cycles),
     }
     for gap in args.gaps.split(","):
-        result[gap] = measure_gap(pinxfer, sizes, args.rounds, gap, cycles)
+        result[gap] = measure_gap(pinxfer, sizes, args.rounds, gap)
     print(json.dumps(result, indent=1))
     if args.json:
         with open(args.json, "w") as f:
