@@ -328,11 +328,17 @@ def _event_after(ids: tuple) -> torch.cuda.Event:
 _HAS_SENDER = hasattr(_ops.fast, "BatchSender")
 
 
+#: _Sent.layout of a batch the sender took apart itself (submit_batch_if_plain): take_batch
+#: rebuilds it in C++.
+_TAKEN_APART_IN_C = "taken apart in C++"
+
+
 class _Sent(NamedTuple):
     """A batch of plain CPU tensors its pass's BatchSender is sending (the caller's road)."""
 
     batch: Any  # the source batch: referenced until taken, as the lease held it
-    layout: Layout | None  # plain_batch's: how the results go back; None: a bare tensor
+    # plain_batch's: how the results go back; None: a bare tensor; _TAKEN_APART_IN_C
+    layout: Layout | str | None
     ticket: Any  # the sender's _SendTicket
     step: int  # the batch's number in the pass
 
@@ -492,26 +498,39 @@ class _CallerPass:
         return plain_batch(batch, min_leaves=1)
 
     def _submit(self, batch: Any, step: int) -> _Sent | None:
-        """Gives a batch of plain CPU tensors to the pass's sender; None for any other batch."""
+        """Gives a batch of plain CPU tensors to the pass's sender; None for any other batch.
+        A collated batch is taken apart by the sender's binding (submit_batch_if_plain) and
+        rebuilt by take_batch, in C++: the Python walk and rebuild cost a small batch's step
+        a few microseconds (to_device's one C call, csrc/README.md, session 34)."""
+        if self.sender is None:
+            self.sender = _ops.fast.batch_sender(self.device)
+        chunk_bytes, num_buffers = self.to.chunk_bytes, self.to.num_buffers
+        ticket = self.sender.submit_batch_if_plain(batch, chunk_bytes, num_buffers)
+        if ticket is not None:
+            return _Sent(batch, _TAKEN_APART_IN_C, ticket, step)
         plain = self._plain_leaves(batch)
         if plain is None:
             return None
         leaves, layout = plain
-        if self.sender is None:
-            self.sender = _ops.fast.batch_sender(self.device)
-        ticket = self.sender.submit(leaves, self.to.chunk_bytes, self.to.num_buffers)
+        ticket = self.sender.submit(leaves, chunk_bytes, num_buffers)
         return _Sent(batch, layout, ticket, step)
 
     def _take(self, sent: _Sent) -> tuple:
         """A batch from the sender, safe on the current stream: (_ITEM, batch on the device,
         None), or (_ERROR, err, None) once no copy reads the batch any more."""
+        whole = sent.layout is _TAKEN_APART_IN_C
         try:
             with profiler_range("pinxfer::prefetch::wait"):
-                results = self.sender.take(sent.ticket)
+                if whole:
+                    results = self.sender.take_batch(sent.ticket)
+                else:
+                    results = self.sender.take(sent.ticket)
         except Exception as err:  # noqa: BLE001 - re-raised in the consumer at this step
             torch.cuda.synchronize(self.device)  # no copy may still read the batch
             _note(err, f"raised while pinxfer.prefetch transferred batch {sent.step}")
             return (_ERROR, err, None)
+        if whole:
+            return (_ITEM, results, None)
         if sent.layout is None:
             return (_ITEM, results[0], None)
         return (_ITEM, rebuilt_batch(sent.batch, sent.layout, results), None)

@@ -1328,6 +1328,54 @@ def test_sender_road_interrupt_in_the_source_settles_the_batch_being_taken():
     assert sender.taken - taken == 1 + len(batches) - 1
 
 
+def test_sender_takes_a_collated_batch_apart_and_rebuilds_it():
+    """submit_batch_if_plain / take_batch (prefetch's step, each in one C call): a dict with a
+    list field and a tuple come back with their type, keys, order and every value, on the
+    device, the sources rewritten as soon as taken; a batch the C walk does not take gives
+    None (prefetch then takes Python's path); take_batch refuses submit()'s tickets."""
+    chunk, nbuf = pinxfer.transfer.DEFAULT_CHUNK_BYTES, pinxfer.transfer.DEFAULT_NUM_BUFFERS
+    dev = torch.device("cuda", torch.cuda.current_device())
+    sender = pinxfer._C.batch_sender(dev)
+    g = torch.Generator().manual_seed(3)
+    batch = {
+        "x": torch.randn(3000, 700, generator=g),  # 8 MiB: a pipelined leaf
+        "y": torch.arange(300),
+        "meta": [torch.tensor(1), torch.tensor(2.5)],
+    }
+    pair = (torch.randn(64, generator=g), torch.ones(3, 3, dtype=torch.float16))
+    want = (
+        {k: v.clone() if k != "meta" else [m.clone() for m in v] for k, v in batch.items()},
+        tuple(t.clone() for t in pair),
+    )
+    tickets = [sender.submit_batch_if_plain(b, chunk, nbuf) for b in (batch, pair)]
+    assert all(t is not None for t in tickets)
+    got_batch = sender.take_batch(tickets[0])
+    for t in (batch["x"], batch["y"], *batch["meta"]):
+        t.zero_()  # taken: the copies read the sources before
+    got_pair = sender.take_batch(tickets[1])
+    assert type(got_batch) is dict and list(got_batch) == ["x", "y", "meta"]
+    assert type(got_batch["meta"]) is list and len(got_batch["meta"]) == 2
+    for k in ("x", "y"):
+        assert got_batch[k].device == dev and torch.equal(got_batch[k].cpu(), want[0][k])
+    for m, w in zip(got_batch["meta"], want[0]["meta"]):
+        assert m.device == dev and torch.equal(m.cpu(), w)
+    assert type(got_pair) is tuple and len(got_pair) == 2
+    assert all(torch.equal(a.cpu(), b) for a, b in zip(got_pair, want[1]))
+    declined = [
+        torch.ones(4),  # a bare tensor
+        [torch.ones(4)],  # one tensor
+        {"a": {"b": torch.ones(2), "c": torch.ones(2)}},  # two levels
+        [torch.nn.Parameter(torch.ones(2)), torch.ones(2)],  # needs grad
+        [torch.ones(2, device=dev), torch.ones(2)],  # not on the CPU
+    ]
+    for b in declined:
+        assert sender.submit_batch_if_plain(b, chunk, nbuf) is None, b
+    ticket = sender.submit([torch.ones(4), torch.ones(5)], chunk, nbuf)
+    with pytest.raises(RuntimeError, match="take_batch"):
+        sender.take_batch(ticket)
+    assert [t.numel() for t in sender.take(ticket)] == [4, 5]
+
+
 def test_sender_in_a_forked_child_is_the_childs_own():
     """A forked child does not inherit the parent's sender (its thread is not there: a
     batch submitted to it would wait forever). The child's sender fails the batch with

@@ -34,4 +34,9 @@ void bind_plain_calls(pybind11::module_& m);
 // the tensor lives as long as obj.
 const at::Tensor* plain_dense_cpu(PyObject* obj);
 
+// No __torch_dispatch__ or __torch_function__ mode is active on this thread: what
+// torch._C._len_torch_dispatch_stack() and torch._C._is_torch_function_mode_enabled()
+// answer in pinxfer/_ops.py's eager().
+bool no_mode_active();
+
 }  // namespace pinxfer::python

@@ -10,9 +10,11 @@
 #include "transfer/chunk_plan.h"
 #include "transfer/piece_claims.h"
 #if PINXFER_WITH_CUDA
+#include <torch/csrc/profiler/orchestration/observer.h>
 #include <torch/csrc/utils/device_lazy_init.h>
 
 #include "ops/cuda/batch_sender.h"
+#include "python/plain_batch.h"
 #include "transfer/cuda/pipeline.h"
 #endif
 
@@ -44,6 +46,9 @@ std::tuple<std::vector<int64_t>, std::vector<int64_t>, int64_t, int64_t, int64_t
 // A job of a BatchSender as Python holds it (the job's type is the sender's own).
 struct SendTicket {
   std::shared_ptr<ops::BatchSender::Job> job;
+  // submit_batch_if_plain's: the batch's layout, to rebuild it at take_batch (destroyed with
+  // the ticket, a Python object, so under the GIL); null for submit()'s tickets.
+  std::shared_ptr<PlainBatch> batch;
 };
 
 // A SingleBlockTrace as a dict (_last_single_block_trace, BatchSender._job_traces).
@@ -105,6 +110,39 @@ void bind_batch_sender(pybind11::module_& m) {
            }),
            "take(ticket) -> list[Tensor]: the sent tensors, usable on the current stream "
            "(waits for the send; raises what it raised)")
+      .def("submit_batch_if_plain",
+           torch::wrap_pybind_function([](ops::BatchSender& sender, py::handle batch,
+                                          int64_t chunk_bytes, int64_t num_buffers) -> py::object {
+             // As to_device_batch_if_plain (plain_calls.cpp): prefetch's step takes the batch
+             // apart here and rebuilds it in take_batch, not in Python (plain_batch,
+             // rebuilt_batch and the list conversions of submit / take).
+             if (!no_mode_active() || torch::profiler::impl::profilerEnabled()) return py::none();
+             auto plain = std::make_shared<PlainBatch>();
+             if (!plain->take(batch.ptr())) return py::none();
+             return py::cast(
+                 SendTicket{sender.submit(plain->leaves(), chunk_bytes, num_buffers), plain});
+           }),
+           "submit_batch_if_plain(batch, chunk_bytes, num_buffers) -> ticket | None: submit() of "
+           "a batch to_device_batch_if_plain would take (a dict, list or tuple of plain dense "
+           "CPU tensors or of exact lists / tuples of them, two tensors at least), taken with "
+           "take_batch(); None for any other batch, or while a mode is active or torch's "
+           "profiler runs")
+      .def("take_batch",
+           torch::wrap_pybind_function([](ops::BatchSender& sender, SendTicket& ticket) {
+             TORCH_CHECK(ticket.batch != nullptr,
+                         "pinxfer: take_batch() is for submit_batch_if_plain's tickets; take() "
+                         "takes submit()'s");
+             std::vector<at::Tensor> results;
+             {
+               py::gil_scoped_release no_gil;  // the wait, as take()
+               results = sender.take(ticket.job);
+             }
+             PyObject* out = ticket.batch->rebuilt(std::move(results));
+             if (out == nullptr) throw py::error_already_set();
+             return py::reinterpret_steal<py::object>(out);
+           }),
+           "take_batch(ticket) -> batch: take() of a submit_batch_if_plain ticket, the batch "
+           "rebuilt (same type, keys and lists) around its tensors on the device")
       .def("settle",
            torch::wrap_pybind_function_no_gil(
                [](ops::BatchSender& sender, SendTicket& ticket) { sender.settle(ticket.job); }),
