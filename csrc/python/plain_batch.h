@@ -19,8 +19,9 @@ namespace pinxfer::python {
 // collated batch with a list field), at least two tensors in all: pinxfer/_plain.py's plain_batch
 // with layouts True and one level (the batch walker's batches stay in Python). What the rebuilt
 // batch needs is kept here with references of its own, so a batch another thread changes while the
-// copies run without the GIL cannot mislead the rebuild.
-class PlainBatch {
+// copies run without the GIL cannot mislead the rebuild. Hidden, as pybind11's own types are
+// (its py::object fields would make a visible class an error).
+class __attribute__((visibility("hidden"))) PlainBatch {
  public:
   // False (no Python error set) for any other object.
   bool take(PyObject* obj) {
