@@ -221,7 +221,11 @@ class _StagedPass:
 #   Tried and dropped: choosing per step, the sender when the consumer's last step was
 #   longer than the sender's last send (with or without the hand-over's cost, or twice
 #   it): back to back 4 KiB steps were no better (0.79-0.92x), and steps at 256 KiB - 1 MiB
-#   lost what the sender gained there. Also tried before (2026-11-26): the batch sent
+#   lost what the sender gained there. Tried again with to_device's one C call (session
+#   36): small batches (<= 256 KiB) sent in next() while the consumer's steps were shorter
+#   than such a send: back to back 4 KiB 1.13 -> 0.92x the plain loop, 64 KiB 1.23 -> 1.05x
+#   (H200, csrc/README.md): the batch's DMA then sits on the consumer's stream in front of
+#   its work, where the sender's runs beside it. Also tried before (2026-11-26): the batch sent
 #   ahead from Python on the pass's own stream with an event, wait and record_stream:
 #   back to back a 4 KiB step went from 31 to 54-74 us and after a gap it was no better.
 # * The thread's road (_Pass): a producer thread sends up to ``depth`` batches ahead. It is
