@@ -1143,23 +1143,62 @@ def test_batch_sender_initialises_torch_cuda_before_its_threads_use_it():
     assert got == {"before": False, "after": True}
 
 
-@pytest.mark.soak
-def test_fresh_senders_never_hang_beside_torch_cuda_calls():
-    """The deadlock above as it was found: _WORKERS_CHILD (the sender made, twelve batches
-    submitted, then the process's first torch.cuda call) with three workers, in 24 fresh
-    processes, 6 at a time. Before batch_sender() ran torch's lazy init first, 6 of 66 such
-    processes hung (H200); after, 0 of 72. A child still running after 60 s is a hang: the
-    failure shows its threads' states and its Python stacks (faulthandler on SIGUSR1)."""
+def test_batch_sender_warms_every_worker_before_it_returns():
+    """A new sender's workers make their first CUDA calls (their streams, an event, a host
+    function: the driver's host-function thread) before batch_sender() returns, so that no
+    pass's first jobs make them beside the consumer's thread. The warm-ups are not counted
+    as submitted batches."""
+    got = last_json(
+        run_child(
+            """
+            import json, torch, pinxfer
+            sender = pinxfer._C.batch_sender(torch.device("cuda", 0))
+            print(json.dumps(dict(workers=sender.workers, warmed=sender.warmed_workers,
+                                  submitted=sender.submitted, taken=sender.taken)))
+            """,
+            env={"PINXFER_SENDER_WORKERS": "3"},
+        )
+    )
+    assert got == {"workers": 3, "warmed": 3, "submitted": 0, "taken": 0}
+
+
+# A child that loads CUDA libraries torch loads lazily (cuDNN, cuBLAS, cuSOLVER, cuFFT: each
+# a dlopen or a module load) on the main thread while the sender's workers send its first
+# batches, as a training loop's first step does beside prefetch's first jobs.
+_LAZY_LOADS_CHILD = """
+    import json, torch, pinxfer
+    from pinxfer.transfer import DEFAULT_CHUNK_BYTES, DEFAULT_NUM_BUFFERS
+    sender = pinxfer._C.batch_sender(torch.device("cuda", 0))
+    g = torch.Generator().manual_seed(3)
+    batches = [[torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)]
+               for n in [3000, 8 * 2**20, 70_000, 1 << 20, 5000, 8 * 2**20] * 2]
+    tickets = [sender.submit(list(b), DEFAULT_CHUNK_BYTES, DEFAULT_NUM_BUFFERS) for b in batches]
+    x = torch.randn(64, 64, device="cuda")
+    torch.backends.cudnn.version()
+    y = x @ x
+    z = torch.nn.functional.conv2d(x[None, None], torch.ones(1, 1, 3, 3, device="cuda"))
+    w = torch.linalg.inv(x + 64 * torch.eye(64, device="cuda"))
+    f = torch.fft.fft(x)
+    ok = all(torch.equal(t.cpu(), b[0]) for b, tk in zip(batches, tickets)
+             for t in sender.take(tk))
+    torch.cuda.synchronize()
+    print(json.dumps(dict(ok=ok)))
+"""
+
+
+def _no_child_hangs(child_code: str, env: dict, *, rounds: int = 4, at_once: int = 6) -> None:
+    """child_code in rounds x at_once fresh processes, at_once at a time; each must print a
+    JSON line with ok true. A child still running after 60 s is a hang: the failure shows
+    its threads' states and its Python stacks (faulthandler on SIGUSR1)."""
     import signal
 
     code = (
         "import faulthandler, signal\n"
-        "faulthandler.register(signal.SIGUSR1, all_threads=True)\n"
-        + textwrap.dedent(_WORKERS_CHILD)
+        "faulthandler.register(signal.SIGUSR1, all_threads=True)\n" + textwrap.dedent(child_code)
     )
     hangs, failed = [], []
-    for _ in range(4):
-        children = [start_child(code, env={"PINXFER_SENDER_WORKERS": "3"}) for _ in range(6)]
+    for _ in range(rounds):
+        children = [start_child(code, env=env) for _ in range(at_once)]
         deadline = time.monotonic() + 60
         for child in children:
             try:
@@ -1174,8 +1213,26 @@ def test_fresh_senders_never_hang_beside_torch_cuda_calls():
                 continue
             if child.returncode != 0 or not json.loads(out.strip().splitlines()[-1])["ok"]:
                 failed.append(f"exit {child.returncode}\n{out[-1000:]}\n{err[-3000:]}")
-    assert not hangs, f"{len(hangs)} of 24 children hung; the first:\n{hangs[0]}"
-    assert not failed, f"{len(failed)} of 24 children failed; the first:\n{failed[0]}"
+    total = rounds * at_once
+    assert not hangs, f"{len(hangs)} of {total} children hung; the first:\n{hangs[0]}"
+    assert not failed, f"{len(failed)} of {total} children failed; the first:\n{failed[0]}"
+
+
+@pytest.mark.soak
+def test_fresh_senders_never_hang_beside_torch_cuda_calls():
+    """The deadlock above as it was found: _WORKERS_CHILD (the sender made, twelve batches
+    submitted, then the process's first torch.cuda call) with three workers, in 24 fresh
+    processes, 6 at a time. Before batch_sender() ran torch's lazy init first, 6 of 66 such
+    processes hung (H200); after, 0 of 72."""
+    _no_child_hangs(_WORKERS_CHILD, {"PINXFER_SENDER_WORKERS": "3"})
+
+
+@pytest.mark.soak
+def test_fresh_senders_never_hang_beside_lazy_library_loads():
+    """_LAZY_LOADS_CHILD (three workers sending twelve batches while the main thread makes
+    its first cuDNN, cuBLAS, cuSOLVER and cuFFT calls) in 24 fresh processes, 6 at a time:
+    none hangs, every byte arrives."""
+    _no_child_hangs(_LAZY_LOADS_CHILD, {"PINXFER_SENDER_WORKERS": "3"})
 
 
 @pytest.mark.parametrize("producer", ["caller", "thread"])

@@ -149,6 +149,11 @@ void bind_batch_sender(pybind11::module_& m) {
            "settle(ticket): a batch that will not be taken: dropped if not started, else "
            "waited for until its copies are queued")
       .def_property_readonly("submitted", &ops::BatchSender::submitted, "batches submitted so far")
+      .def_property_readonly("workers", &ops::BatchSender::workers,
+                             "its worker threads (PINXFER_SENDER_WORKERS when it was made)")
+      .def_property_readonly("warmed_workers", &ops::BatchSender::warmed_workers,
+                             "workers that made their first CUDA calls before batch_sender() "
+                             "returned (all of them)")
       .def_property_readonly("taken", &ops::BatchSender::taken, "batches taken so far")
       .def_property_readonly("taken_landed", &ops::BatchSender::taken_landed,
                              "batches whose copies had landed when taken (no stream wait)")
@@ -193,6 +198,9 @@ void bind_batch_sender(pybind11::module_& m) {
           // of test_sender_workers_hand_every_batch_over_whole's child with three workers,
           // session 35). A forked child gets torch's clear error here.
           torch::utils::device_lazy_init(at::kCUDA);
+          // A new sender waits for its workers' first CUDA calls (BatchSender::warm_workers),
+          // which need no Python.
+          py::gil_scoped_release no_gil;
           return &ops::batch_sender_for(device.index());
         }),
         py::return_value_policy::reference,

@@ -69,6 +69,7 @@ class SerialJobs {
   void close();
 
   int64_t submitted() const { return submitted_.load(std::memory_order_relaxed); }
+  int workers() const { return static_cast<int>(workers_.size()); }
 
  private:
   enum State : int { kQueued = 0, kRunning, kDone, kFailed };

@@ -8,6 +8,7 @@
 #include <cuda_runtime_api.h>
 
 #include <atomic>
+#include <latch>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -31,6 +32,8 @@ namespace {
 // function never drops a job's last reference (a job's destructor returns an event and
 // may free tensors; a host function must not call CUDA or wait for the GIL).
 using LandedFlag = std::shared_ptr<std::atomic<bool>>;
+
+void CUDART_CB do_nothing(void*) {}
 
 void CUDART_CB mark_landed(void* flag) {
   auto* landed = static_cast<LandedFlag*>(flag);
@@ -65,6 +68,17 @@ struct BatchSender::Job : SerialJobs::Job {
   }
 };
 
+// One a worker: each waits in run() until all have started, so no worker takes two.
+struct BatchSender::WarmUp : SerialJobs::Job {
+  BatchSender* sender = nullptr;
+  std::latch* all_started = nullptr;  // the constructor's, which waits for every WarmUp
+
+  void run() override {
+    all_started->arrive_and_wait();
+    sender->warm_this_worker();
+  }
+};
+
 BatchSender::BatchSender(c10::Device device)
     : device_(device.type(), device.index()),
       landing_(landing_mode_from(settings().sender_landing)),
@@ -72,6 +86,53 @@ BatchSender::BatchSender(c10::Device device)
       jobs_(settings().spin_us, "pinxfer.prefetch's batch sender", settings().sender_workers) {
   TORCH_CHECK(device.is_cuda() && device.has_index(),
               "pinxfer: a BatchSender needs a CUDA device with an index, got ", device);
+  warm_workers();
+}
+
+void BatchSender::warm_workers() {
+  // Why: a worker's first job made the CUDA calls a thread makes the first time (the
+  // runtime's state for the thread, the stream pool, the event pool) and, at the process's
+  // first cudaLaunchHostFunc, the driver's host-function thread, while the consumer's thread
+  // went on. Session 35's hang was torch's lazy init (a dlopen) on that thread meeting these
+  // first calls in the dynamic loader's locks; batch_sender() now runs that init first, but
+  // any dlopen by the consumer during a pass's first jobs (a library torch loads lazily, a
+  // compiled kernel's module) meets the same calls. Made here, they run while the caller
+  // waits for them, before any job.
+  const int n = jobs_.workers();
+  std::latch all_started(n);
+  std::vector<std::shared_ptr<WarmUp>> warm_ups;
+  for (int w = 0; w < n; ++w) {
+    auto job = std::make_shared<WarmUp>();
+    job->sender = this;
+    job->all_started = &all_started;
+    jobs_.submit(job);
+    warm_ups.push_back(std::move(job));
+  }
+  warm_up_jobs_ = n;
+  // Every WarmUp waits for the others inside run(), so each worker runs exactly one; the
+  // latch outlives them all (each is waited for here before it goes out of scope).
+  for (const auto& job : warm_ups) jobs_.wait(job);
+  for (const auto& job : warm_ups) {
+    if (job->failed()) job->rethrow();
+  }
+}
+
+c10::cuda::CUDAStream BatchSender::worker_stream() {
+  // Per worker thread (a worker serves one sender): two workers' jobs each hand over on
+  // their own stream.
+  thread_local std::optional<c10::cuda::CUDAStream> stream;
+  if (!stream) stream = c10::cuda::getStreamFromPool(false, device_.index());
+  return *stream;
+}
+
+void BatchSender::warm_this_worker() {
+  const c10::cuda::CUDAStream stream = worker_stream();
+  c10::cuda::CUDAStreamGuard on_stream(stream);
+  const cuda::Event event = cuda::record_event(stream.unwrap());
+  cuda::release_event(event);
+  C10_CUDA_CHECK(cudaLaunchHostFunc(stream.stream(), &do_nothing, nullptr));
+  C10_CUDA_CHECK(cudaStreamSynchronize(stream.stream()));
+  warmed_.fetch_add(1, std::memory_order_relaxed);
 }
 
 std::shared_ptr<BatchSender::Job> BatchSender::submit(std::vector<at::Tensor> leaves,
@@ -146,7 +207,9 @@ bool BatchSender::event_landed(const Job& job) {
   return done;
 }
 
-int64_t BatchSender::submitted() const { return jobs_.submitted(); }
+int64_t BatchSender::submitted() const { return jobs_.submitted() - warm_up_jobs_; }
+int BatchSender::workers() const { return jobs_.workers(); }
+int64_t BatchSender::warmed_workers() const { return warmed_.load(std::memory_order_relaxed); }
 int64_t BatchSender::taken() const { return taken_.load(std::memory_order_relaxed); }
 int64_t BatchSender::taken_landed() const { return taken_landed_.load(std::memory_order_relaxed); }
 int64_t BatchSender::sent_flagged() const { return sent_flagged_.load(std::memory_order_relaxed); }
@@ -164,13 +227,10 @@ std::vector<BatchSender::JobTrace> BatchSender::job_traces() const {
 void set_sender_tracing(bool on) { g_sender_tracing.store(on, std::memory_order_relaxed); }
 
 void BatchSender::send(Job& job) {
-  // The worker's own stream, from torch's pool (made at its first job, where an error is
-  // that job's): its copies overlap the consumer's work, and a host function on it
-  // delays nobody else's copies. Per worker thread (a worker serves one sender): two
-  // workers' jobs each hand over on their own stream.
-  thread_local std::optional<c10::cuda::CUDAStream> worker_stream;
-  if (!worker_stream) worker_stream = c10::cuda::getStreamFromPool(false, device_.index());
-  c10::cuda::CUDAStreamGuard on_stream(*worker_stream);
+  // The worker's own stream (made at its warm-up): its copies overlap the consumer's work,
+  // and a host function on it delays nobody else's copies.
+  const c10::cuda::CUDAStream stream = worker_stream();
+  c10::cuda::CUDAStreamGuard on_stream(stream);
   const bool tracing = job.trace.submitted_ns != 0;
   if (tracing) job.trace.started_ns = steady_now_ns();
   try {
@@ -185,7 +245,7 @@ void BatchSender::send(Job& job) {
       job.trace.has_block = block.mustered_ns >= job.trace.started_ns;
       if (job.trace.has_block) job.trace.block = block;
     }
-    job.event = cuda::record_event(worker_stream->unwrap());
+    job.event = cuda::record_event(stream.unwrap());
     // How take() will know the copies have landed (PINXFER_SENDER_LANDING; csrc/README.md,
     // "The sender road"): a flag a host function sets (free to read after the consumer's
     // compute step, where a CUDA call on a core that was idle is slow), or the job's event
@@ -196,7 +256,7 @@ void BatchSender::send(Job& job) {
         (landing_ == LandingMode::kAuto && consumer_steps_long_.load(std::memory_order_relaxed));
     if (!with_flag) return;
     auto* flag = new LandedFlag(job.landed);
-    const cudaError_t err = cudaLaunchHostFunc(worker_stream->stream(), &mark_landed, flag);
+    const cudaError_t err = cudaLaunchHostFunc(stream.stream(), &mark_landed, flag);
     if (err != cudaSuccess) {
       delete flag;
       C10_CUDA_CHECK(err);

@@ -67,6 +67,7 @@ namespace pinxfer::ops {
 class BatchSender {
  public:
   struct Job;
+  struct WarmUp;
 
   // How take() knows a job's copies are done (PINXFER_SENDER_LANDING, read at construction):
   // kFlag: a host function queued after them sets a flag; kEvent: take() asks the job's
@@ -74,7 +75,8 @@ class BatchSender {
   // twice the spin, else the event.
   enum class LandingMode { kFlag, kEvent, kAuto };
 
-  // device: a CUDA device with an index.
+  // device: a CUDA device with an index. Returns once every worker has made its first CUDA
+  // calls (warm_workers): call it without the GIL.
   explicit BatchSender(c10::Device device);
   BatchSender(const BatchSender&) = delete;
   BatchSender& operator=(const BatchSender&) = delete;
@@ -89,7 +91,9 @@ class BatchSender {
   int64_t submitted() const;
   int64_t taken() const;
   int64_t taken_landed() const;
-  int64_t sent_flagged() const;  // jobs sent with a landing host function
+  int64_t sent_flagged() const;    // jobs sent with a landing host function
+  int workers() const;             // PINXFER_SENDER_WORKERS at construction
+  int64_t warmed_workers() const;  // workers that made their first CUDA calls (warm_workers)
 
   // DIAGNOSTIC (benchmarks/diag_sender.py --trace): what the last taken jobs did, while
   // set_sender_tracing(true) (off by default: a few clock reads and a copy per job). Times
@@ -112,11 +116,21 @@ class BatchSender {
  private:
   // One job's send, on the worker thread (Job::run).
   void send(Job& job);
+  // The calling worker's own stream, from torch's pool (made at its first call).
+  c10::cuda::CUDAStream worker_stream();
+  // The constructor's last step: one WarmUp job a worker, the constructor waiting; then no
+  // worker makes the CUDA calls that a thread, or the process, makes the first time during
+  // a job, beside whatever the consumer's thread does meanwhile (csrc/README.md, "The
+  // sender road", session 36).
+  void warm_workers();
+  // On a worker thread (WarmUp::run): its stream, an event, a host function and a wait.
+  void warm_this_worker();
   // Whether the job's copies are done (cudaEventQuery); a CUDA error raises.
   static bool event_landed(const Job& job);
 
   const c10::Device device_;
-  std::atomic<int64_t> taken_{0}, taken_landed_{0}, sent_flagged_{0};
+  std::atomic<int64_t> taken_{0}, taken_landed_{0}, sent_flagged_{0}, warmed_{0};
+  int64_t warm_up_jobs_ = 0;  // submitted by warm_workers: not counted in submitted()
   const LandingMode landing_;
   // kAuto: the consumer's last step (take to take) was longer than long_step_ns_ (twice
   // the spin), so the next job gets a host function.
