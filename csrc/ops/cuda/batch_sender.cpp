@@ -8,7 +8,7 @@
 #include <cuda_runtime_api.h>
 
 #include <atomic>
-#include <latch>
+#include <condition_variable>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -68,10 +68,32 @@ struct BatchSender::Job : SerialJobs::Job {
   }
 };
 
+namespace {
+
+// A countdown every WarmUp waits on until all have started (std::latch, which g++-12's
+// library lacks in the C++ mode torch builds with).
+struct StartBarrier {
+  std::mutex mu;
+  std::condition_variable all_here;
+  int missing;  // LOCK: mu
+
+  explicit StartBarrier(int n) : missing(n) {}
+  void arrive_and_wait() {
+    std::unique_lock<std::mutex> lock(mu);
+    if (--missing == 0) {
+      all_here.notify_all();
+      return;
+    }
+    all_here.wait(lock, [this] { return missing == 0; });
+  }
+};
+
+}  // namespace
+
 // One a worker: each waits in run() until all have started, so no worker takes two.
 struct BatchSender::WarmUp : SerialJobs::Job {
   BatchSender* sender = nullptr;
-  std::latch* all_started = nullptr;  // the constructor's, which waits for every WarmUp
+  StartBarrier* all_started = nullptr;  // the constructor's, which waits for every WarmUp
 
   void run() override {
     all_started->arrive_and_wait();
@@ -99,7 +121,7 @@ void BatchSender::warm_workers() {
   // compiled kernel's module) meets the same calls. Made here, they run while the caller
   // waits for them, before any job.
   const int n = jobs_.workers();
-  std::latch all_started(n);
+  StartBarrier all_started(n);
   std::vector<std::shared_ptr<WarmUp>> warm_ups;
   for (int w = 0; w < n; ++w) {
     auto job = std::make_shared<WarmUp>();
@@ -110,7 +132,7 @@ void BatchSender::warm_workers() {
   }
   warm_up_jobs_ = n;
   // Every WarmUp waits for the others inside run(), so each worker runs exactly one; the
-  // latch outlives them all (each is waited for here before it goes out of scope).
+  // barrier outlives them all (each is waited for here before it goes out of scope).
   for (const auto& job : warm_ups) jobs_.wait(job);
   for (const auto& job : warm_ups) {
     if (job->failed()) job->rethrow();
