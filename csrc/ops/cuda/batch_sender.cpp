@@ -70,8 +70,8 @@ struct BatchSender::Job : SerialJobs::Job {
 
 namespace {
 
-// A countdown every WarmUp waits on until all have started (std::latch, which g++-12's
-// library lacks in the C++ mode torch builds with).
+// A countdown every WarmUp waits on until all have started (std::latch is C++20; torch 2.11
+// builds extensions as C++17).
 struct StartBarrier {
   std::mutex mu;
   std::condition_variable all_here;
