@@ -34,9 +34,11 @@ void bind_plain_calls(pybind11::module_& m);
 // the tensor lives as long as obj.
 const at::Tensor* plain_dense_cpu(PyObject* obj);
 
-// No __torch_dispatch__ or __torch_function__ mode is active on this thread: what
-// torch._C._len_torch_dispatch_stack() and torch._C._is_torch_function_mode_enabled()
-// answer in pinxfer/_ops.py's eager().
-bool no_mode_active();
+// A send to the device may skip the dispatcher and pinxfer's Python: no __torch_dispatch__
+// or __torch_function__ mode is active on this thread (what pinxfer/_ops.py's eager() asks
+// torch) and torch's profiler does not run (pinxfer/transfer.py then brackets the send with
+// its range). The one check of to_device_if_plain, to_device_batch_if_plain and
+// BatchSender.submit_batch_if_plain.
+bool send_may_skip_dispatch();
 
 }  // namespace pinxfer::python

@@ -47,9 +47,20 @@ const at::Tensor* plain_dense_cpu(PyObject* obj) {
   return &t;
 }
 
+namespace {
+
+// No __torch_dispatch__ or __torch_function__ mode is active on this thread: what
+// torch._C._len_torch_dispatch_stack() and torch._C._is_torch_function_mode_enabled()
+// answer in pinxfer/_ops.py's eager().
 bool no_mode_active() {
   return c10::impl::TorchDispatchModeTLS::stack_len() == 0 &&
          !at::impl::torch_function_mode_enabled();
+}
+
+}  // namespace
+
+bool send_may_skip_dispatch() {
+  return no_mode_active() && !torch::profiler::impl::profilerEnabled();
 }
 
 namespace {
@@ -228,9 +239,7 @@ PyObject* to_device_if_plain(PyObject* /*module*/, PyObject* const* args, Py_ssi
   constexpr const char* fn = "to_device_if_plain";
   if (!check_arity(fn, nargs, 4)) return nullptr;
   const at::Tensor* t = plain_dense_cpu(args[0]);
-  if (t == nullptr || !no_mode_active() || torch::profiler::impl::profilerEnabled()) {
-    Py_RETURN_NONE;
-  }
+  if (t == nullptr || !send_may_skip_dispatch()) Py_RETURN_NONE;
   std::optional<SendArguments> send = parse_send_arguments(fn, args);
   if (!send) return nullptr;
   at::Tensor out;
@@ -268,7 +277,7 @@ PyObject* to_device_batch_if_plain(PyObject* /*module*/, PyObject* const* args, 
   HANDLE_TH_ERRORS
   constexpr const char* fn = "to_device_batch_if_plain";
   if (!check_arity(fn, nargs, 4)) return nullptr;
-  if (!no_mode_active() || torch::profiler::impl::profilerEnabled()) Py_RETURN_NONE;
+  if (!send_may_skip_dispatch()) Py_RETURN_NONE;
   std::optional<SendArguments> send = parse_send_arguments(fn, args);
   if (!send) return nullptr;
   PlainBatch batch;

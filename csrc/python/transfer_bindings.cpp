@@ -10,7 +10,6 @@
 #include "transfer/chunk_plan.h"
 #include "transfer/piece_claims.h"
 #if PINXFER_WITH_CUDA
-#include <torch/csrc/profiler/orchestration/observer.h>
 #include <torch/csrc/utils/device_lazy_init.h>
 
 #include "ops/cuda/batch_sender.h"
@@ -116,7 +115,7 @@ void bind_batch_sender(pybind11::module_& m) {
              // As to_device_batch_if_plain (plain_calls.cpp): prefetch's step takes the batch
              // apart here and rebuilds it in take_batch, not in Python (plain_batch,
              // rebuilt_batch and the list conversions of submit / take).
-             if (!no_mode_active() || torch::profiler::impl::profilerEnabled()) return py::none();
+             if (!send_may_skip_dispatch()) return py::none();
              auto plain = std::make_shared<PlainBatch>();
              if (!plain->take(batch.ptr())) return py::none();
              return py::cast(

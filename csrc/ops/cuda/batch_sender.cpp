@@ -130,7 +130,6 @@ void BatchSender::warm_workers() {
     jobs_.submit(job);
     warm_ups.push_back(std::move(job));
   }
-  warm_up_jobs_ = n;
   // Every WarmUp waits for the others inside run(), so each worker runs exactly one; the
   // barrier outlives them all (each is waited for here before it goes out of scope).
   for (const auto& job : warm_ups) jobs_.wait(job);
@@ -229,7 +228,8 @@ bool BatchSender::event_landed(const Job& job) {
   return done;
 }
 
-int64_t BatchSender::submitted() const { return jobs_.submitted() - warm_up_jobs_; }
+// Less the constructor's WarmUp jobs, one a worker.
+int64_t BatchSender::submitted() const { return jobs_.submitted() - jobs_.workers(); }
 int BatchSender::workers() const { return jobs_.workers(); }
 int64_t BatchSender::warmed_workers() const { return warmed_.load(std::memory_order_relaxed); }
 int64_t BatchSender::taken() const { return taken_.load(std::memory_order_relaxed); }

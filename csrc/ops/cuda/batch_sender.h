@@ -130,7 +130,6 @@ class BatchSender {
 
   const c10::Device device_;
   std::atomic<int64_t> taken_{0}, taken_landed_{0}, sent_flagged_{0}, warmed_{0};
-  int64_t warm_up_jobs_ = 0;  // submitted by warm_workers: not counted in submitted()
   const LandingMode landing_;
   // kAuto: the consumer's last step (take to take) was longer than long_step_ns_ (twice
   // the spin), so the next job gets a host function.
