@@ -507,6 +507,8 @@ class _CallerPass:
         rebuilt by take_batch, in C++: the Python walk and rebuild cost a small batch's step
         a few microseconds (to_device's one C call, csrc/README.md, session 34)."""
         if self.sender is None:
+            if self._plain_leaves(batch) is None:
+                return None  # no sender (nor its workers' warm-up) for batches it cannot take
             self.sender = _ops.fast.batch_sender(self.device)
         chunk_bytes, num_buffers = self.to.chunk_bytes, self.to.num_buffers
         ticket = self.sender.submit_batch_if_plain(batch, chunk_bytes, num_buffers)
