@@ -8,6 +8,18 @@ host waits on. Median / minimum microseconds.
     python benchmarks/diag_sender.py [--sizes 4K,64K,1M] [--passes 6] [--json PATH] [--no-calls]
         [--trace]
 
+A third way, "raw", makes the sender's calls of a step by hand, with no prefetch around them:
+submit_batch_if_plain of the next batch (raw_submit), take_batch of this one (raw_take), the
+synchronize (raw_sync), one batch ahead as prefetch's caller's road sends them. prefetch_step
+minus raw_step is what prefetch adds to a step around those calls (prefetch_python_us in each
+row); raw_free is the last batch's free, made before raw_step's timing. A fourth, "direct",
+calls Prefetcher.__next__ (no generator: prefetch's iterator frees the last batch inside the
+next step) and times the last batch's free (direct_free) apart from next() (direct_next).
+A fifth, "pieces", makes prefetch's own calls of a steady step on the sender road one by one
+(the last batch's free, the capture check, the lock, the source's next batch, its submit, this
+batch's take, the synchronize: pieces_<name>), so the difference between direct_next and
+raw_submit + raw_take is found piece by piece. --ways and --patterns choose what runs.
+
 Each row also has the whole step (next() and the synchronize: prefetch_step, loop_step) and
 step_ratio_median (the plain loop's median step over prefetch's; > 1: prefetch faster), and
 the pass's start: from making the iterator (prefetch(), or the plain loop's generator) to
@@ -30,13 +42,21 @@ from typing import Any
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import importlib
+
 import pinxfer
 from pinxfer import _ops
+
+prefetch_mod = importlib.import_module("pinxfer.prefetch")  # pinxfer.prefetch is the function
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_loop import batch_layout, parse_sizes, size_label
 
 GAP_S = 0.02
+#: The pieces way's steps, in order (pieces_<name>: microseconds of each).
+PIECES = ("free", "capture_check", "lock_and_item", "fetch", "submit", "take", "sync")
+CHUNK_BYTES = int(pinxfer.transfer.DEFAULT_CHUNK_BYTES)  # prefetch's defaults
+NUM_BUFFERS = int(pinxfer.transfer.DEFAULT_NUM_BUFFERS)
 
 
 def make_batch(nbytes: int, i: int) -> dict:
@@ -126,6 +146,12 @@ def main() -> int:
     ap.add_argument("--passes", type=int, default=6)
     ap.add_argument("--batches", type=int, default=16)
     ap.add_argument("--json")
+    ap.add_argument(
+        "--ways",
+        default="prefetch,loop,raw,direct,pieces",
+        help="comma list of prefetch, loop, raw, direct, pieces (prefetch and loop: the ratios)",
+    )
+    ap.add_argument("--patterns", default="b2b,sleep,gpu", help="comma list of b2b, sleep, gpu")
     ap.add_argument("--no-calls", action="store_true", help="skip the sender's calls alone")
     ap.add_argument(
         "--trace",
@@ -158,6 +184,8 @@ def main() -> int:
     for nbytes in parse_sizes(args.sizes):
         batches = [make_batch(nbytes, i) for i in range(args.batches)]
         for pattern, gap in gaps.items():
+            if pattern not in args.patterns.split(","):
+                continue
             split: dict[str, list[float]] = {
                 k: []
                 for k in (
@@ -169,8 +197,125 @@ def main() -> int:
                     "loop_sync",
                     "prefetch_first",
                     "loop_first",
+                    "raw_step",
+                    "raw_submit",
+                    "raw_take",
+                    "raw_sync",
+                    "raw_free",
+                    "direct_step",
+                    "direct_free",
+                    "direct_next",
+                    "pieces_step",
+                    *(f"pieces_{name}" for name in PIECES),
                 )
             }
+
+            def direct_pass() -> None:
+                # prefetch through Prefetcher.__next__ (no generator frame holding the last
+                # batch into the next step), the batch freed inside the step's timing.
+                if gap is not None:
+                    gap()
+                it = pinxfer.prefetch(batches, device=dev)
+                b = None
+                for i in range(len(batches)):
+                    if i and gap is not None:
+                        gap()
+                    t0 = time.perf_counter()
+                    b = None  # the last batch freed here, as the generator frees it
+                    t1 = time.perf_counter()
+                    b = next(it)
+                    t2 = time.perf_counter()
+                    sync()
+                    t3 = time.perf_counter()
+                    if i:
+                        split["direct_free"].append(t1 - t0)
+                        split["direct_next"].append(t2 - t1)
+                        split["direct_step"].append(t3 - t0)
+                    assert float(b["x"][0]) == float(i)
+                del b
+                it.close()
+
+            def pieces_pass() -> None:
+                # prefetch's steady step on the sender road taken apart: the calls that
+                # _next_of and _CallerPass._next_locked make for a batch the sender took,
+                # made here one by one with a clock between them (a copy of that path, for
+                # timing only: prefetch.py is the reference; the first batch goes through
+                # next() as usual). The pass must stay on the sender road: asserted.
+                if gap is not None:
+                    gap()
+                pf = pinxfer.prefetch(batches, device=dev, producer="caller")
+                b = next(pf)
+                p = pf._pass
+                assert isinstance(p, prefetch_mod._CallerPass) and p.sender is not None
+                for i in range(1, len(batches)):
+                    if gap is not None:
+                        gap()
+                    clock = [time.perf_counter()]
+                    b = None
+                    clock.append(time.perf_counter())  # the last batch's free
+                    prefetch_mod._refuse_under_capture(p.device)
+                    clock.append(time.perf_counter())  # the capture check
+                    assert p.consumer.acquire(blocking=False)
+                    item, p.ahead = p.ahead, None
+                    assert item[0] == prefetch_mod._SENT
+                    clock.append(time.perf_counter())  # the lock, the item ahead
+                    lease = prefetch_mod._fetch(p.leases, p.step)
+                    clock.append(time.perf_counter())  # the source's next batch, as a lease
+                    if type(lease) is tuple:  # the end: nothing to submit
+                        p.ahead = lease
+                    else:
+                        p.step += 1
+                        sent = p._submit(lease.batch, p.step - 1)
+                        assert sent is not None, "the sender declined a plain batch"
+                        p.ahead = (prefetch_mod._SENT, sent, None)
+                    clock.append(time.perf_counter())  # its submit (and the _Sent)
+                    taken = p._take(item[1])
+                    clock.append(time.perf_counter())  # this batch's take
+                    p.consumer.release()
+                    b = taken[1]
+                    sync()
+                    clock.append(time.perf_counter())
+                    for name, t0, t1 in zip(PIECES, clock, clock[1:]):
+                        split[f"pieces_{name}"].append(t1 - t0)
+                    split["pieces_step"].append(clock[-1] - clock[0])
+                    assert float(b["x"][0]) == float(i)
+                del b
+                pf.close()
+
+            def raw_pass() -> None:
+                # The caller's road's step with nothing around the sender's calls: the first
+                # batch submitted at the pass's start (prefetch sends it in next()).
+                sender = _ops.fast.batch_sender(dev)
+                if gap is not None:
+                    gap()
+                ticket = sender.submit_batch_if_plain(batches[0], CHUNK_BYTES, NUM_BUFFERS)
+                b = None
+                for i in range(len(batches)):
+                    if i and gap is not None:
+                        gap()
+                    tf = time.perf_counter()
+                    b = None  # the last batch freed (outside raw_step: raw_free)
+                    t0 = time.perf_counter()
+                    if i:
+                        split["raw_free"].append(t0 - tf)
+                    ahead = None
+                    if i + 1 < len(batches):
+                        ahead = sender.submit_batch_if_plain(
+                            batches[i + 1], CHUNK_BYTES, NUM_BUFFERS
+                        )
+                    t1 = time.perf_counter()
+                    b = sender.take_batch(ticket)
+                    t2 = time.perf_counter()
+                    sync()
+                    t3 = time.perf_counter()
+                    if i:
+                        split["raw_submit"].append(t1 - t0)
+                        split["raw_take"].append(t2 - t1)
+                        split["raw_sync"].append(t3 - t2)
+                        split["raw_step"].append(t3 - t0)
+                    assert float(b["x"][0]) == float(i)
+                    ticket = ahead
+                del b
 
             def run_pass(way: str) -> None:
                 if gap is not None:
@@ -214,27 +359,37 @@ def main() -> int:
                 for _ in it:
                     pass
 
-            run_pass("prefetch")
-            run_pass("loop")
+            ways = {
+                "prefetch": lambda: run_pass("prefetch"),
+                "loop": lambda: run_pass("loop"),
+                "raw": raw_pass,
+                "direct": direct_pass,
+                "pieces": pieces_pass,
+            }
+            names = [w for w in ways if w in args.ways.split(",")]
+            for way in names:  # warm-up
+                ways[way]()
             if args.trace:
                 sender = _ops.fast.batch_sender(dev)
                 _ops.fast._set_sender_tracing(True)
                 taken_before = sender.taken
             for p in range(args.passes):
-                for way in ("prefetch", "loop") if p % 2 == 0 else ("loop", "prefetch"):
-                    run_pass(way)
-            row = {k: stats(v) for k, v in split.items()}
+                k = p % len(names)
+                for way in names[k:] + names[:k]:  # each way first in turn
+                    ways[way]()
+            row: dict[str, Any] = {k: stats(v) for k, v in split.items() if v}
             if args.trace:
                 _ops.fast._set_sender_tracing(False)
                 traced = sender._job_traces()  # the last ones (a ring): this row's jobs
                 taken = min(sender.taken - taken_before, len(traced))
                 row.update(job_trace_stats(traced[len(traced) - taken :]))
-            row["step_ratio_median"] = (
-                row["loop_step"]["median_us"] / row["prefetch_step"]["median_us"]
-            )
-            row["first_ratio_median"] = (
-                row["loop_first"]["median_us"] / row["prefetch_first"]["median_us"]
-            )
+
+            def median_of(key: str) -> float:
+                return row[key]["median_us"] if key in row else float("nan")
+
+            row["step_ratio_median"] = median_of("loop_step") / median_of("prefetch_step")
+            row["prefetch_python_us"] = median_of("prefetch_step") - median_of("raw_step")
+            row["first_ratio_median"] = median_of("loop_first") / median_of("prefetch_first")
             result[f"{size_label(nbytes)} {pattern}"] = row
             if not args.no_calls:
                 row.update(sender_calls(dev, batches[0], gap, sync, args.passes))
@@ -242,6 +397,7 @@ def main() -> int:
                 f"{size_label(nbytes):>6} {pattern:<5} "
                 f"step loop/prefetch x{row['step_ratio_median']:.2f}  "
                 f"first x{row['first_ratio_median']:.2f}  "
+                f"prefetch's Python {row['prefetch_python_us']:.1f} us  "
                 + "  ".join(
                     f"{k} {v['median_us']:.0f}/{v['min_us']:.0f}"
                     for k, v in row.items()
