@@ -11,8 +11,9 @@ host waits on. Median / minimum microseconds.
 A third way, "raw", makes the sender's calls of a step by hand, with no prefetch around them:
 submit_batch_if_plain of the next batch (raw_submit), take_batch of this one (raw_take), the
 synchronize (raw_sync), one batch ahead as prefetch's caller's road sends them. prefetch_step
-minus raw_step is what prefetch adds to a step around those calls (prefetch_python_us in each
-row); raw_free is the last batch's free, made before raw_step's timing. A fourth, "direct",
+minus raw_step is what prefetch adds to a step around those calls (prefetch_over_raw_us in
+each row: its Python, and what else differs, such as the last batch's free inside next());
+raw_free is the last batch's free, made before raw_step's timing. A fourth, "direct",
 calls Prefetcher.__next__ (no generator: prefetch's iterator frees the last batch inside the
 next step) and times the last batch's free (direct_free) apart from next() (direct_next).
 A fifth, "pieces", makes prefetch's own calls of a steady step on the sender road one by one
@@ -218,10 +219,18 @@ def main() -> int:
                     "direct_step",
                     "direct_free",
                     "direct_next",
+                    "direct_sync",
                     "pieces_step",
                     *(f"pieces_{name}" for name in PIECES),
                 )
             }
+
+            def record(way: str, names: tuple[str, ...], clock: list[float]) -> None:
+                """A timed step: each interval of ``clock`` as <way>_<name>, the whole as
+                <way>_step."""
+                for name, t0, t1 in zip(names, clock, clock[1:]):
+                    split[f"{way}_{name}"].append(t1 - t0)
+                split[f"{way}_step"].append(clock[-1] - clock[0])
 
             def direct_pass() -> None:
                 # prefetch through Prefetcher.__next__ (no generator frame holding the last
@@ -233,17 +242,15 @@ def main() -> int:
                 for i in range(len(batches)):
                     if i and gap is not None:
                         gap()
-                    t0 = time.perf_counter()
+                    clock = [time.perf_counter()]
                     b = None  # the last batch freed here, as the generator frees it
-                    t1 = time.perf_counter()
+                    clock.append(time.perf_counter())
                     b = next(it)
-                    t2 = time.perf_counter()
+                    clock.append(time.perf_counter())
                     sync()
-                    t3 = time.perf_counter()
+                    clock.append(time.perf_counter())
                     if i:
-                        split["direct_free"].append(t1 - t0)
-                        split["direct_next"].append(t2 - t1)
-                        split["direct_step"].append(t3 - t0)
+                        record("direct", ("free", "next", "sync"), clock)
                     assert float(b["x"][0]) == float(i)
                 del b
                 it.close()
@@ -302,9 +309,7 @@ def main() -> int:
                     b = taken[1]
                     sync()
                     clock.append(time.perf_counter())
-                    for name, t0, t1 in zip(PIECES, clock, clock[1:]):
-                        split[f"pieces_{name}"].append(t1 - t0)
-                    split["pieces_step"].append(clock[-1] - clock[0])
+                    record("pieces", PIECES, clock)
                     assert float(b["x"][0]) == float(i)
                 del b
                 pf.close()
@@ -320,26 +325,23 @@ def main() -> int:
                 for i in range(len(batches)):
                     if i and gap is not None:
                         gap()
-                    tf = time.perf_counter()
+                    freed = time.perf_counter()
                     b = None  # the last batch freed (outside raw_step: raw_free)
-                    t0 = time.perf_counter()
+                    clock = [time.perf_counter()]
                     if i:
-                        split["raw_free"].append(t0 - tf)
+                        split["raw_free"].append(clock[0] - freed)
                     ahead = None
                     if i + 1 < len(batches):
                         ahead = sender.submit_batch_if_plain(
                             batches[i + 1], CHUNK_BYTES, NUM_BUFFERS
                         )
-                    t1 = time.perf_counter()
+                    clock.append(time.perf_counter())
                     b = sender.take_batch(ticket)
-                    t2 = time.perf_counter()
+                    clock.append(time.perf_counter())
                     sync()
-                    t3 = time.perf_counter()
+                    clock.append(time.perf_counter())
                     if i:
-                        split["raw_submit"].append(t1 - t0)
-                        split["raw_take"].append(t2 - t1)
-                        split["raw_sync"].append(t3 - t2)
-                        split["raw_step"].append(t3 - t0)
+                        record("raw", ("submit", "take", "sync"), clock)
                     assert float(b["x"][0]) == float(i)
                     ticket = ahead
                 del b
@@ -415,7 +417,7 @@ def main() -> int:
                 return row[key]["median_us"] if key in row else float("nan")
 
             row["step_ratio_median"] = median_of("loop_step") / median_of("prefetch_step")
-            row["prefetch_python_us"] = median_of("prefetch_step") - median_of("raw_step")
+            row["prefetch_over_raw_us"] = median_of("prefetch_step") - median_of("raw_step")
             row["first_ratio_median"] = median_of("loop_first") / median_of("prefetch_first")
             result[f"{size_label(nbytes)} {pattern}"] = row
             if not args.no_calls:
@@ -424,7 +426,7 @@ def main() -> int:
                 f"{size_label(nbytes):>6} {pattern:<5} "
                 f"step loop/prefetch x{row['step_ratio_median']:.2f}  "
                 f"first x{row['first_ratio_median']:.2f}  "
-                f"prefetch's Python {row['prefetch_python_us']:.1f} us  "
+                f"prefetch over raw {row['prefetch_over_raw_us']:.1f} us  "
                 + "  ".join(
                     f"{k} {v['median_us']:.0f}/{v['min_us']:.0f}"
                     for k, v in row.items()
