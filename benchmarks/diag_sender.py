@@ -17,11 +17,12 @@ raw_free is the last batch's free, made before raw_step's timing. A fourth, "dir
 calls Prefetcher.__next__ (no generator: prefetch's iterator frees the last batch inside the
 next step) and times the last batch's free (direct_free) apart from next() (direct_next).
 A fifth, "pieces", makes prefetch's own calls of a steady step on the sender road one by one
-(the last batch's free, the capture check, the lock, the source's next batch, the submit's C
-call and its Python, the take's profiler range, C call and Python, the synchronize:
-pieces_<name>, PIECES), so the difference between direct_next and raw_submit + raw_take is found
-piece by piece; if the pieces add up to less than direct_next, the rest is the calls between
-prefetch's functions. --ways and --patterns choose what runs.
+(the last batch's free, the capture check, the lock, the profiler check, the source's next
+batch, the submit's C call and its Python, the take's C call, the lock's release, the
+synchronize: pieces_<name>, PIECES; _CallerPass._sender_step without a profiler), so the
+difference between direct_next and raw_submit + raw_take is found piece by piece; if the
+pieces add up to less than direct_next, the rest is the calls between prefetch's functions.
+--ways and --patterns choose what runs.
 
 Each row also has the whole step (next() and the synchronize: prefetch_step, loop_step) and
 step_ratio_median (the plain loop's median step over prefetch's; > 1: prefetch faster), and
@@ -61,12 +62,12 @@ PIECES = (
     "free",
     "capture_check",
     "lock_and_item",
+    "profiling_check",
     "fetch",
     "submit_c",
     "submit_py",
-    "range_enter",
     "take_c",
-    "take_py",
+    "release",
     "sync",
 )
 CHUNK_BYTES = int(pinxfer.transfer.DEFAULT_CHUNK_BYTES)  # prefetch's defaults
@@ -257,14 +258,14 @@ def main() -> int:
 
             def pieces_pass() -> None:
                 # prefetch's steady step on the sender road taken apart: the calls that
-                # _next_of and _CallerPass._next_locked make for a batch the sender took
-                # apart in C++ (_submit and _take inlined, so their C calls are timed apart
-                # from their Python), made here one by one with a clock between them (a copy
-                # of that path, for timing only: prefetch.py is the reference; the first
-                # batch goes through next() as usual). The pass must stay on the sender road
-                # and every batch be taken apart in C++: asserted. Step i takes batch i and
-                # submits batch i + 1, so the last step's fetch ends the source: the timed
-                # steps stop one short (batches 1 to n - 2).
+                # _next_of and _CallerPass._sender_step make, without a profiler, for a batch
+                # the sender took apart in C++ (_send_lease and _submit inlined, so their C
+                # call is timed apart from their Python), one by one with a clock between
+                # them (a copy of that path, for timing only: prefetch.py is the reference;
+                # the first batch goes through next() as usual). The pass must stay on the
+                # sender road and every batch be taken apart in C++: asserted. Step i takes
+                # batch i and submits batch i + 1, so the last step's fetch ends the source:
+                # the timed steps stop one short (batches 1 to n - 2).
                 if gap is not None:
                     gap()
                 pf = pinxfer.prefetch(batches, device=dev, producer="caller")
@@ -282,31 +283,31 @@ def main() -> int:
                     assert p.consumer.acquire(blocking=False)
                     item, p.ahead = p.ahead, None
                     assert item[0] == prefetch_mod._SENT
+                    sent = item[1]
                     clock.append(time.perf_counter())  # the lock, the item ahead
-                    lease = prefetch_mod._fetch(p.leases, p.step)
+                    assert not prefetch_mod.profiling()
+                    clock.append(time.perf_counter())  # the profiler check
+                    lease = next(p.leases)
                     clock.append(time.perf_counter())  # the source's next batch, as a lease
-                    assert type(lease) is not tuple, "the pass ended early"
+                    assert type(lease) is prefetch_mod.StagedLease
+                    p.step += 1
                     ticket = p.sender.submit_batch_if_plain(
                         lease.batch, p.to.chunk_bytes, p.to.num_buffers
                     )
                     clock.append(time.perf_counter())  # the C call of _submit
                     assert ticket is not None, "the sender declined a plain batch"
-                    p.step += 1
-                    sent = prefetch_mod._Sent(
-                        lease.batch, prefetch_mod._TAKEN_APART_IN_C, ticket, p.step - 1
+                    p.ahead = (
+                        prefetch_mod._SENT,
+                        prefetch_mod._Sent(
+                            lease.batch, prefetch_mod._TAKEN_APART_IN_C, ticket, p.step - 1
+                        ),
+                        None,
                     )
-                    p.ahead = (prefetch_mod._SENT, sent, None)
-                    clock.append(time.perf_counter())  # the rest of _submit, _send_next's item
-                    wait_range = prefetch_mod.profiler_range("pinxfer::prefetch::wait")
-                    wait_range.__enter__()
-                    clock.append(time.perf_counter())  # _take's profiler range, entered
-                    results = p.sender.take_batch(item[1].ticket)
-                    clock.append(time.perf_counter())  # the C call of _take
-                    wait_range.__exit__(None, None, None)
-                    taken = (prefetch_mod._ITEM, results, None)
-                    clock.append(time.perf_counter())  # the range's exit, _take's item
+                    clock.append(time.perf_counter())  # the rest of _send_lease and _submit
+                    b = p.sender.take_batch(sent.ticket)
+                    clock.append(time.perf_counter())  # the C call of the take
                     p.consumer.release()
-                    b = taken[1]
+                    clock.append(time.perf_counter())  # the lock's release
                     sync()
                     clock.append(time.perf_counter())
                     record("pieces", PIECES, clock)

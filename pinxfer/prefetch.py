@@ -82,6 +82,7 @@ from pinxfer.transfer import (
     DEFAULT_CHUNK_BYTES,
     DEFAULT_NUM_BUFFERS,
     profiler_range,
+    profiling,
     to_device,
 )
 
@@ -254,7 +255,9 @@ PRODUCERS = ("auto", "caller", "thread")
 
 
 def _refuse_under_capture(device: torch.device | None) -> None:
-    if device is not None and torch.cuda.is_current_stream_capturing():
+    # torch.cuda.is_current_stream_capturing's own call, without its Python frame: this
+    # runs at every step of every road.
+    if device is not None and torch._C._cuda_isCurrentStreamCapturing():
         # The batch's event was recorded outside the capture: a captured
         # wait on it would not order a replay after the next transfer.
         raise RuntimeError(
@@ -272,11 +275,20 @@ def _fetch(leases: Iterator[Any], step: int) -> Any:
     try:
         with profiler_range("pinxfer::prefetch::fetch"):
             return next(leases)
-    except StopIteration:
+    except BaseException as err:  # noqa: BLE001 - _fetch_failed raises what is not an Exception
+        return _fetch_failed(err, step)
+
+
+def _fetch_failed(err: BaseException, step: int) -> tuple:
+    """What _fetch returns when the source's next() raised ``err``: (_END, None, None) for
+    its end, (_ERROR, err, None) for an error; a KeyboardInterrupt or SystemExit is
+    raised again."""
+    if isinstance(err, StopIteration):
         return (_END, None, None)
-    except Exception as err:  # noqa: BLE001 - re-raised in the consumer at this step
-        _note(err, f"raised by the source of pinxfer.prefetch at batch {step}")
-        return (_ERROR, err, None)
+    if not isinstance(err, Exception):
+        raise err
+    _note(err, f"raised by the source of pinxfer.prefetch at batch {step}")
+    return (_ERROR, err, None)
 
 
 def _send(lease: Any, to: Delivery, event_on: torch.cuda.Stream | None, step: int) -> tuple:
@@ -408,23 +420,12 @@ class _CallerPass:
         if self._finished:  # stopped by another thread meanwhile
             raise StopIteration
         item, self.ahead = (self.ahead or self._send_next()), None
-        taken = item[0] == _SENT  # the sender's: safe on the current stream once taken
-        if taken:
-            # The next batch goes to the sender before this one is taken: the sender sends
-            # it while the consumer takes this one and synchronizes (the comment block
-            # above the roads has the figures).
-            try:
-                self.ahead = self._send_next()
-            except BaseException:  # KeyboardInterrupt in the source: this one is lost
-                self.sender.settle(item[1].ticket)
-                raise
-            item = self._take(item[1])
+        if item[0] == _SENT:  # the sender's: safe on the current stream once taken
+            return self._sender_step(item[1])
         if item[0] == _ITEM:
-            first = self.step == 1
             if (
-                first
+                self.step == 1
                 and self.hand_off_large
-                and not taken
                 and not self.first_plain_sent_here
                 and _tensor_bytes(item[1]) > CALLER_SENDS_BYTES
             ):
@@ -438,21 +439,56 @@ class _CallerPass:
                 return self.threaded.next()
             out = item[1]
             now = None
-            if self.device is not None and not taken:
+            if self.device is not None:
                 now = self._current_stream()
                 if now != self.sent_on:
                     # The consumer changed streams since the batch was sent: the new one
                     # waits for the copies (an event recorded now on the stream they were
                     # queued on comes after them).
                     out = _hand_over(out, self._copy_event(item), self.device)
-            if self.ahead is None:
-                self.ahead = self._send_next(now)
+            self.ahead = self._send_next(now)
             return out
+        return self._end(item)
+
+    def _end(self, item: tuple) -> Any:
+        """Ends the pass at an (_END | _ERROR, ...) item: raises StopIteration or the error."""
         self._finished = True
         self.shutdown()
         if item[0] == _ERROR:
             raise item[1]
         raise StopIteration
+
+    def _sender_step(self, sent: _Sent) -> Any:
+        """Hands out the batch the sender has (``sent``), having given the sender the next
+        one first: the sender sends it while the consumer takes this one and synchronizes
+        (the comment block above the roads has the figures).
+
+        This is the steady step of a pass of plain batches, so its common case (no profiler
+        running, a batch fetched and submitted, this one taken whole) is made here in one
+        frame: back to back on the H200 the step's Python around the sender's two calls
+        cost a 4 KiB step 9-15 us, spread over its dozen function calls and two profiler
+        checks (diag_sender.py's pieces way, csrc/README.md). Every other case goes
+        through the functions the rest of the road uses."""
+        ranged = profiling()  # a profiler's ranges around the fetch and the wait
+        try:
+            if ranged:
+                self.ahead = self._send_next()
+            else:
+                try:
+                    lease = next(self.leases)  # type: ignore[arg-type]
+                except BaseException as err:  # noqa: BLE001 - as in _fetch
+                    lease = _fetch_failed(err, self.step)
+                self.ahead = lease if type(lease) is tuple else self._send_lease(lease)
+        except BaseException:  # KeyboardInterrupt in the source: this one is lost
+            self.sender.settle(sent.ticket)
+            raise
+        if ranged or sent.layout is not _TAKEN_APART_IN_C:
+            item = self._take(sent)
+            return item[1] if item[0] == _ITEM else self._end(item)
+        try:
+            return self.sender.take_batch(sent.ticket)
+        except Exception as err:  # noqa: BLE001 - re-raised in the consumer at this step
+            return self._end(self._take_failed(err, sent))
 
     def _copy_event(self, item: tuple) -> torch.cuda.Event:
         """The event after the batch's copies: the one its send recorded, else one recorded
@@ -471,6 +507,10 @@ class _CallerPass:
         lease = _fetch(self.leases, self.step)  # type: ignore[arg-type]
         if type(lease) is tuple:
             return lease
+        return self._send_lease(lease, current)
+
+    def _send_lease(self, lease: Any, current: tuple | None = None) -> tuple:
+        """Sends a lease just fetched: _send_next's item for it."""
         self.step += 1
         if self.device is None:
             return _send(lease, self.to, None, self.step - 1)
@@ -532,14 +572,18 @@ class _CallerPass:
                 else:
                     results = self.sender.take(sent.ticket)
         except Exception as err:  # noqa: BLE001 - re-raised in the consumer at this step
-            torch.cuda.synchronize(self.device)  # no copy may still read the batch
-            _note(err, f"raised while pinxfer.prefetch transferred batch {sent.step}")
-            return (_ERROR, err, None)
+            return self._take_failed(err, sent)
         if whole:
             return (_ITEM, results, None)
         if sent.layout is None:
             return (_ITEM, results[0], None)
         return (_ITEM, rebuilt_batch(sent.batch, sent.layout, results), None)
+
+    def _take_failed(self, err: Exception, sent: _Sent) -> tuple:
+        """_take's item for a batch whose take raised ``err``, once no copy reads it."""
+        torch.cuda.synchronize(self.device)  # no copy may still read the batch
+        _note(err, f"raised while pinxfer.prefetch transferred batch {sent.step}")
+        return (_ERROR, err, None)
 
     def shutdown(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
         """Stops the pass: drops the batch sent ahead, closes the source's pass. Idempotent."""

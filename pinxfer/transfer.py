@@ -91,11 +91,15 @@ def profiler_range(name: str) -> contextlib.AbstractContextManager:
 
     Neither costs anything when no profiler runs: a 4 KiB to_device takes a few
     microseconds, and a context manager generator alone costs one of them."""
+    return _profiled_range(name) if profiling() else _NO_RANGE
+
+
+def profiling() -> bool:
+    """Whether profiler_range records a range now: a torch profiler runs or nsys does, and
+    the code is not being traced (the compiled graph runs no Python to bracket)."""
     if torch.compiler.is_compiling():
-        return _NO_RANGE  # traced code: the compiled graph runs no Python to bracket
-    if torch.autograd._profiler_enabled() or _NVTX_TOOL:
-        return _profiled_range(name)
-    return _NO_RANGE
+        return False  # checked first: tracing the profiler's query would break the graph
+    return torch.autograd._profiler_enabled() or _NVTX_TOOL
 
 
 @contextlib.contextmanager

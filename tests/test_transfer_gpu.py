@@ -1014,6 +1014,46 @@ def test_sender_road_slow_consumer_sees_its_own_batch():
     assert sender.taken - taken == n - 1  # every batch but the first came through the sender
 
 
+def test_sender_road_steady_step_with_a_profiler_started_mid_pass_and_a_source_error():
+    """The sender road's steady step has a lean path (no profiler) and the general one (a
+    profiler running: the fetch and the wait get their ranges, and the sender takes the
+    batch's leaves, not the whole batch). A profiler started and stopped mid-pass moves
+    the pass from one to the other and back: every batch arrives, in order, through the
+    sender, and the ranges are recorded for the profiled steps. A source that raises
+    mid-pass on this road delivers every batch before the error, then raises it once,
+    with the step in its note, and leaves no batch behind."""
+    n = 12
+    src = [{"a": torch.full((4096,), float(i)), "i": torch.full((3,), i)} for i in range(n)]
+    sender = pinxfer._C.batch_sender(torch.device("cuda", torch.cuda.current_device()))
+    taken = sender.taken
+    got = []
+    it = iter(pinxfer.prefetch(src, producer="caller"))
+    for _ in range(4):
+        got.append(next(it))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(4):
+            got.append(next(it))
+    got.extend(it)
+    assert sender.taken - taken == n - 1  # all but the first, profiled or not
+    assert [float(b["a"].sum()) for b in got] == [4096.0 * i for i in range(n)]
+    assert [b["i"].tolist() for b in got] == [[i] * 3 for i in range(n)]
+    names = [e.name for e in prof.events()]
+    assert names.count("pinxfer::prefetch::wait") == 4
+    assert names.count("pinxfer::prefetch::fetch") == 4
+
+    def breaks_at(k: int):
+        for i in range(k):
+            yield {"a": torch.full((4096,), float(i)), "i": torch.full((3,), i)}
+        raise KeyError("source broke")
+
+    seen = []
+    with pytest.raises(KeyError, match="source broke") as raised:
+        seen.extend(int(b["i"][0]) for b in pinxfer.prefetch(breaks_at(5), producer="caller"))
+    assert seen == [0, 1, 2, 3, 4]
+    assert any("at batch 5" in note for note in getattr(raised.value, "__notes__", []))
+    torch.cuda.synchronize()
+
+
 def test_sender_road_batch_lands_during_the_consumers_step():
     """While the consumer computes, the next batch is sent and lands: taking it then queues
     no wait on the consumer's stream (taken_landed). Here the 'step' is a 200 ms sleep and
