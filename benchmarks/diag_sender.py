@@ -16,7 +16,9 @@ each row: its Python, and what else differs, such as the last batch's free insid
 raw_free is the last batch's free, made before raw_step's timing. A fourth, "direct",
 calls Prefetcher.__next__ (no generator: prefetch's iterator frees the last batch inside the
 next step) and times the last batch's free (direct_free) apart from next() (direct_next).
-A fifth, "pieces", makes prefetch's own calls of a steady step on the sender road one by one
+raw, direct and pieces time only the steady steps, each of which submits a batch and takes
+one (not the pass's first, nor its last, which submits nothing). A fifth, "pieces", makes
+prefetch's own calls of a steady step on the sender road one by one
 (the last batch's free, the capture check, the lock, the profiler check, the source's next
 batch, the submit's C call and its Python, the take's C call, the lock's release, the
 synchronize: pieces_<name>, PIECES; _CallerPass._sender_step without a profiler), so the
@@ -131,15 +133,30 @@ def sender_calls(dev: torch.device, batch: dict, gap: Any, sync: Any, passes: in
 
 def job_trace_stats(jobs: list[dict]) -> dict[str, Any]:
     """--trace: medians over the sender's jobs, microseconds: queued (submit to the worker's
-    start), send (the worker's start to every copy queued), submit_to_take, and for jobs
-    with a pipelined leaf its first_dma / last_dma queued (from the worker's start)."""
+    start), send (the worker's start to every copy queued), submit_to_take; the submit's
+    parts: take_apart (the binding's walk of the batch and the job made), queue (the queue's
+    lock, push and notify); the take's: take_wait (until the job is done), take_stream (the
+    landing check, or the stream's wait), take_record (the results' stream uses); and for
+    jobs with a pipelined leaf its first_dma / last_dma queued (from the worker's start).
+    The raw way's raw_submit less take_apart and queue is the call's own cost (pybind's
+    dispatch, the ticket's Python object); raw_take less the take's parts likewise (and the
+    batch rebuilt)."""
     if not jobs:
         return {}
-    per: dict[str, list[float]] = {"queued": [], "send": [], "submit_to_take": []}
+    spans = {
+        "queued": ("submitted_ns", "started_ns"),
+        "send": ("started_ns", "sent_ns"),
+        "submit_to_take": ("submitted_ns", "taken_ns"),
+        "take_apart": ("entered_ns", "submitted_ns"),
+        "queue": ("submitted_ns", "queued_ns"),
+        "take_wait": ("take_entered_ns", "waited_ns"),
+        "take_stream": ("waited_ns", "taken_ns"),
+        "take_record": ("taken_ns", "recorded_ns"),
+    }
+    per: dict[str, list[float]] = {name: [] for name in spans}
     for j in jobs:
-        per["queued"].append((j["started_ns"] - j["submitted_ns"]) / 1e9)
-        per["send"].append((j["sent_ns"] - j["started_ns"]) / 1e9)
-        per["submit_to_take"].append((j["taken_ns"] - j["submitted_ns"]) / 1e9)
+        for name, (start, end) in spans.items():
+            per[name].append((j[end] - j[start]) / 1e9)
         b = j["block"]
         # The block is the job's last pipelined leaf: a batch whose second leaf is pipelined
         # too (diag's 64 MiB batch: its 1 MiB labels) would report that one's times.
@@ -250,7 +267,7 @@ def main() -> int:
                     clock.append(time.perf_counter())
                     sync()
                     clock.append(time.perf_counter())
-                    if i:
+                    if 0 < i < len(batches) - 1:  # steps that submit a batch and take one
                         record("direct", ("free", "next", "sync"), clock)
                     assert float(b["x"][0]) == float(i)
                 del b
@@ -329,7 +346,8 @@ def main() -> int:
                     freed = time.perf_counter()
                     b = None  # the last batch freed (outside raw_step: raw_free)
                     clock = [time.perf_counter()]
-                    if i:
+                    steady = 0 < i < len(batches) - 1  # submits a batch and takes one
+                    if steady:
                         split["raw_free"].append(clock[0] - freed)
                     ahead = None
                     if i + 1 < len(batches):
@@ -341,7 +359,7 @@ def main() -> int:
                     clock.append(time.perf_counter())
                     sync()
                     clock.append(time.perf_counter())
-                    if i:
+                    if steady:
                         record("raw", ("submit", "take", "sync"), clock)
                     assert float(b["x"][0]) == float(i)
                     ticket = ahead

@@ -1345,7 +1345,8 @@ def test_sender_copies_do_not_queue_on_the_copy_stream():
 
 def test_sender_job_traces_follow_each_batch_in_order():
     """DIAGNOSTIC (_set_sender_tracing, BatchSender._job_traces; diag_sender.py --trace):
-    each taken job is traced in order, its times in order (submitted, started, sent, taken),
+    each taken job is traced in order, its times in order (the submit's entry, the job made
+    and queued; the worker's start and end; the take's entry, wait, stream and record),
     its bytes those of its leaves; a batch with a pipelined leaf carries that leaf's
     single-block trace (from the sender's thread), one of small leaves none. Off again,
     nothing more is recorded."""
@@ -1364,7 +1365,11 @@ def test_sender_job_traces_follow_each_batch_in_order():
         pinxfer._C._set_sender_tracing(False)
     assert len(jobs) == new >= 4
     for j in jobs:
-        assert 0 < j["submitted_ns"] <= j["started_ns"] <= j["sent_ns"] <= j["taken_ns"], j
+        # The submit's steps, then the worker's, then the take's (the big batches' submit is
+        # the binding's, which times its walk of the batch; the small ones' is submit()'s).
+        assert 0 < j["entered_ns"] <= j["submitted_ns"] <= j["queued_ns"] <= j["take_entered_ns"], j
+        assert j["submitted_ns"] <= j["started_ns"] <= j["sent_ns"] <= j["waited_ns"], j
+        assert j["take_entered_ns"] <= j["waited_ns"] <= j["taken_ns"] <= j["recorded_ns"], j
     sizes = {b["x"].nbytes + b["y"].nbytes for b in big} | {b["x"].nbytes for b in small}
     assert all(j["bytes"] in sizes for j in jobs), [j["bytes"] for j in jobs]
     for j in jobs:

@@ -14,6 +14,7 @@
 
 #include "ops/cuda/batch_sender.h"
 #include "python/plain_batch.h"
+#include "runtime/steady_time.h"
 #include "transfer/cuda/pipeline.h"
 #endif
 
@@ -116,10 +117,12 @@ void bind_batch_sender(pybind11::module_& m) {
              // apart here and rebuilds it in take_batch, not in Python (plain_batch,
              // rebuilt_batch and the list conversions of submit / take).
              if (!send_may_skip_dispatch()) return py::none();
+             const int64_t entered = ops::sender_tracing() ? steady_now_ns() : 0;
              auto plain = std::make_shared<PlainBatch>();
              if (!plain->take(batch.ptr())) return py::none();
              return py::cast(
-                 SendTicket{sender.submit(plain->leaves(), chunk_bytes, num_buffers), plain});
+                 SendTicket{sender.submit(plain->leaves(), chunk_bytes, num_buffers, entered),
+                            plain});
            }),
            "submit_batch_if_plain(batch, chunk_bytes, num_buffers) -> ticket | None: submit() of "
            "a batch to_device_batch_if_plain would take (a dict, list or tuple of plain dense "
@@ -165,10 +168,15 @@ void bind_batch_sender(pybind11::module_& m) {
             pybind11::list out;
             for (const ops::BatchSender::JobTrace& j : sender.job_traces()) {
               pybind11::dict d;
+              d["entered_ns"] = j.entered_ns;
               d["submitted_ns"] = j.submitted_ns;
+              d["queued_ns"] = j.queued_ns;
               d["started_ns"] = j.started_ns;
               d["sent_ns"] = j.sent_ns;
+              d["take_entered_ns"] = j.take_entered_ns;
+              d["waited_ns"] = j.waited_ns;
               d["taken_ns"] = j.taken_ns;
+              d["recorded_ns"] = j.recorded_ns;
               d["bytes"] = j.bytes;
               d["flagged"] = j.flagged;
               d["landed"] = j.landed;
@@ -179,8 +187,10 @@ void bind_batch_sender(pybind11::module_& m) {
             return out;
           },
           "DIAGNOSTIC: _job_traces() -> list[dict]: the last taken jobs traced while "
-          "_set_sender_tracing(True) was on, oldest first: submitted_ns, started_ns, sent_ns, "
-          "taken_ns (time.perf_counter_ns's clock), bytes, flagged, landed, and block (the "
+          "_set_sender_tracing(True) was on, oldest first: entered_ns, submitted_ns, queued_ns, "
+          "started_ns, sent_ns, take_entered_ns, waited_ns, taken_ns, recorded_ns "
+          "(time.perf_counter_ns's clock; BatchSender::JobTrace says what each marks), bytes, "
+          "flagged, landed, and block (the "
           "_last_single_block_trace of its pipelined leaf on the sender's thread, or None)");
   m.def("_set_sender_tracing", &ops::set_sender_tracing,
         "DIAGNOSTIC: _set_sender_tracing(on): batch senders record each taken job's times "

@@ -157,7 +157,8 @@ void BatchSender::warm_this_worker() {
 }
 
 std::shared_ptr<BatchSender::Job> BatchSender::submit(std::vector<at::Tensor> leaves,
-                                                      int64_t chunk_bytes, int64_t num_buffers) {
+                                                      int64_t chunk_bytes, int64_t num_buffers,
+                                                      int64_t entered_ns) {
   auto job = std::make_shared<Job>();
   job->sender = this;
   job->leaves = std::move(leaves);
@@ -165,15 +166,20 @@ std::shared_ptr<BatchSender::Job> BatchSender::submit(std::vector<at::Tensor> le
   if (g_sender_tracing.load(std::memory_order_relaxed)) {
     for (const at::Tensor& t : job->leaves) job->trace.bytes += static_cast<int64_t>(t.nbytes());
     job->trace.submitted_ns = steady_now_ns();
+    job->trace.entered_ns = entered_ns != 0 ? entered_ns : job->trace.submitted_ns;
   }
   jobs_.submit(job);
+  // The worker never touches this field (its own are started_ns and sent_ns); take() reads it.
+  if (job->trace.submitted_ns != 0) job->trace.queued_ns = steady_now_ns();
   return job;
 }
 
 std::vector<at::Tensor> BatchSender::take(const std::shared_ptr<Job>& job) {
   TORCH_CHECK(job != nullptr && !job->taken, "pinxfer.prefetch: a sent batch is taken once");
+  const int64_t entered = job->trace.submitted_ns != 0 ? steady_now_ns() : 0;
   job->taken = true;
   jobs_.wait(job);
+  const int64_t waited = entered != 0 ? steady_now_ns() : 0;
   std::vector<at::Tensor> leaves = std::move(job->leaves);  // dropped on return
   if (job->failed()) job->rethrow();
 
@@ -193,8 +199,20 @@ std::vector<at::Tensor> BatchSender::take(const std::shared_ptr<Job>& job) {
     C10_CUDA_CHECK(
         cudaStreamWaitEvent(cur.stream(), static_cast<cudaEvent_t>(job->event.handle), 0));
   }
-  if (job->trace.submitted_ns != 0) {  // traced at its submit (the worker has finished it)
-    job->trace.taken_ns = steady_now_ns();
+  const int64_t taken = entered != 0 ? steady_now_ns() : 0;
+  // Keep each result's memory from the sender's next copies until `cur` is done with it
+  // (a batch's small leaves share one storage: recorded once).
+  std::unordered_set<const void*> recorded;
+  for (const at::Tensor& t : job->outs) {
+    if (t.defined() && recorded.insert(t.storage().data()).second) {
+      c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), cur);
+    }
+  }
+  if (entered != 0) {  // traced at its submit (the worker has finished it)
+    job->trace.take_entered_ns = entered;
+    job->trace.waited_ns = waited;
+    job->trace.taken_ns = taken;
+    job->trace.recorded_ns = steady_now_ns();
     job->trace.flagged = job->flagged;
     job->trace.landed = landed;
     std::lock_guard<std::mutex> lock(traces_mutex_);
@@ -204,14 +222,6 @@ std::vector<at::Tensor> BatchSender::take(const std::shared_ptr<Job>& job) {
       traces_[traces_next_] = job->trace;
     }
     traces_next_ = (traces_next_ + 1) % kJobTraces;
-  }
-  // Keep each result's memory from the sender's next copies until `cur` is done with it
-  // (a batch's small leaves share one storage: recorded once).
-  std::unordered_set<const void*> recorded;
-  for (const at::Tensor& t : job->outs) {
-    if (t.defined() && recorded.insert(t.storage().data()).second) {
-      c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), cur);
-    }
   }
   return std::move(job->outs);
 }
@@ -247,6 +257,7 @@ std::vector<BatchSender::JobTrace> BatchSender::job_traces() const {
 }
 
 void set_sender_tracing(bool on) { g_sender_tracing.store(on, std::memory_order_relaxed); }
+bool sender_tracing() { return g_sender_tracing.load(std::memory_order_relaxed); }
 
 void BatchSender::send(Job& job) {
   // The worker's own stream (made at its warm-up): its copies overlap the consumer's work,

@@ -81,8 +81,9 @@ class BatchSender {
   BatchSender(const BatchSender&) = delete;
   BatchSender& operator=(const BatchSender&) = delete;
 
+  // entered_ns: when the caller's call began, for the job's trace (0: now).
   std::shared_ptr<Job> submit(std::vector<at::Tensor> leaves, int64_t chunk_bytes,
-                              int64_t num_buffers);
+                              int64_t num_buffers, int64_t entered_ns = 0);
   std::vector<at::Tensor> take(const std::shared_ptr<Job>& job);
   void settle(const std::shared_ptr<Job>& job);
 
@@ -99,15 +100,21 @@ class BatchSender {
   // set_sender_tracing(true) (off by default: a few clock reads and a copy per job). Times
   // on the steady clock in ns (steady_now_ns: time.perf_counter_ns's clock).
   struct JobTrace {
-    int64_t submitted_ns = 0;  // submit() returned the job
-    int64_t started_ns = 0;    // the worker began sending it
-    int64_t sent_ns = 0;       // its send returned: every copy queued
-    int64_t taken_ns = 0;      // take() had it, safe on the consumer's stream
-    int64_t bytes = 0;         // of its leaves
-    bool flagged = false;      // sent with a landing host function
-    bool landed = false;       // its copies had landed when taken
-    bool has_block = false;    // a leaf went through the single-block pipeline: `block` is
-                               // the last such leaf's trace (the worker thread's own)
+    int64_t entered_ns = 0;       // the submitting call began (the binding's: before it took
+                                  // the batch apart; submit()'s own start otherwise)
+    int64_t submitted_ns = 0;     // the job made, about to be queued
+    int64_t queued_ns = 0;        // queued: submit() returning (a lock, a push, a notify)
+    int64_t started_ns = 0;       // the worker began sending it
+    int64_t sent_ns = 0;          // its send returned: every copy queued
+    int64_t take_entered_ns = 0;  // take() began
+    int64_t waited_ns = 0;        // take() found the job done (its wait returned)
+    int64_t taken_ns = 0;         // take() had it, safe on the consumer's stream
+    int64_t recorded_ns = 0;      // the results' stream uses recorded: take() returning
+    int64_t bytes = 0;            // of its leaves
+    bool flagged = false;         // sent with a landing host function
+    bool landed = false;          // its copies had landed when taken
+    bool has_block = false;       // a leaf went through the single-block pipeline: `block` is
+                                  // the last such leaf's trace (the worker thread's own)
     transfer::SingleBlockTrace block;
   };
   static constexpr size_t kJobTraces = 256;
@@ -148,5 +155,7 @@ BatchSender& batch_sender_for(c10::DeviceIndex index);
 
 // DIAGNOSTIC: every sender records its taken jobs' traces while this is on.
 void set_sender_tracing(bool on);
+// Whether set_sender_tracing(true) is on: a binding that times its own part of a submit.
+bool sender_tracing();
 
 }  // namespace pinxfer::ops
