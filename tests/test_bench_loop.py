@@ -288,3 +288,21 @@ def test_diag_small_route_packs_the_batch_bytes_in_leaf_order():
             part = packed[at : at + leaf.nbytes].view(leaf.dtype).reshape(leaf.shape)
             assert torch.equal(part, leaf)
             at += leaf.nbytes
+
+
+def test_diag_step_python_runs_prefetchs_steady_step_with_a_stand_in_sender():
+    """benchmarks/diag_step_python.py drives a caller's-road pass in its steady state with a
+    stand-in sender (no GPU): the pass hands out the source's batches in order (measure()
+    checks the first sixteen), and the report's figures are consistent with each other.
+    The capture check is put back as it was."""
+    import torch
+
+    diag = benchmark_module("diag_step_python")
+    capture = (torch._C._cuda_isCurrentStreamCapturing, torch.cuda.is_current_stream_capturing)
+    result = diag.measure(steps=2000, rounds=2)
+    assert (torch._C._cuda_isCurrentStreamCapturing, torch.cuda.is_current_stream_capturing) == (
+        capture
+    )
+    assert result["step_us"] > result["calls_us"] > 0
+    assert result["python_us"] == result["step_us"] - result["calls_us"]
+    assert result["capture_check"] in ("stand-in (no CUDA)", "torch's")
