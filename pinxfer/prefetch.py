@@ -68,7 +68,7 @@ import queue
 import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
 
 import torch
 from torch.utils.data import DataLoader
@@ -450,7 +450,7 @@ class _CallerPass:
             return out
         return self._end(item)
 
-    def _end(self, item: tuple) -> Any:
+    def _end(self, item: tuple) -> NoReturn:
         """Ends the pass at an (_END | _ERROR, ...) item: raises StopIteration or the error."""
         self._finished = True
         self.shutdown()
