@@ -302,25 +302,24 @@ def main() -> int:
                     assert item[0] == prefetch_mod._SENT
                     sent = item[1]
                     clock.append(time.perf_counter())  # the lock, the item ahead
-                    assert not prefetch_mod.profiling()
+                    assert not torch.autograd._profiler_enabled() and not prefetch_mod.NVTX_TOOL
                     clock.append(time.perf_counter())  # the profiler check
-                    lease = next(p.leases)
-                    clock.append(time.perf_counter())  # the source's next batch, as a lease
-                    assert type(lease) is prefetch_mod.StagedLease
-                    p.step += 1
+                    assert p.source_batches is not None and p.sender_takes_apart
+                    batch = next(p.source_batches)
+                    clock.append(time.perf_counter())  # the source's next batch
                     ticket = p.sender.submit_batch_if_plain(
-                        lease.batch, p.to.chunk_bytes, p.to.num_buffers
+                        batch, p.to.chunk_bytes, p.to.num_buffers
                     )
-                    clock.append(time.perf_counter())  # the C call of _submit
+                    clock.append(time.perf_counter())  # the submit's C call
                     assert ticket is not None, "the sender declined a plain batch"
+                    sent_ahead = (batch, prefetch_mod._TAKEN_APART_IN_C, ticket, p.step)
                     p.ahead = (
                         prefetch_mod._SENT,
-                        prefetch_mod._Sent(
-                            lease.batch, prefetch_mod._TAKEN_APART_IN_C, ticket, p.step - 1
-                        ),
+                        tuple.__new__(prefetch_mod._Sent, sent_ahead),
                         None,
                     )
-                    clock.append(time.perf_counter())  # the rest of _send_lease and _submit
+                    p.step += 1
+                    clock.append(time.perf_counter())  # the submit's Python
                     b = p.sender.take_batch(sent.ticket)
                     clock.append(time.perf_counter())  # the C call of the take
                     p.consumer.release()

@@ -81,6 +81,7 @@ from pinxfer._plain import Layout, plain_batch, rebuilt_batch
 from pinxfer.transfer import (
     DEFAULT_CHUNK_BYTES,
     DEFAULT_NUM_BUFFERS,
+    NVTX_TOOL,
     profiler_range,
     profiling,
     to_device,
@@ -385,6 +386,16 @@ class _CallerPass:
 
     def __init__(self, leases: Iterator[Any], to: Delivery, depth: int, hand_off_large: bool):
         self.leases: Iterator[Any] | None = leases
+        # The source's own iterator when its leases are StagedLeases (any iterable of
+        # batches): the sender road's steady step fetches from it directly, the lease being
+        # only its batch (a lease object costs a step two Python calls; _sender_step).
+        self.source_batches: Iterator[Any] | None = (
+            leases._it if type(leases) is _StagedPass else None
+        )
+        # False once the sender's binding declined a batch of this pass (not a collated
+        # batch it takes apart: a bare tensor, say): the steady step then goes through
+        # _send_lease, which asks once per batch, instead of asking twice.
+        self.sender_takes_apart = True
         self.to = to
         self.depth = depth
         self.device = to.device if to.device.type == "cuda" else None  # None: a CPU pass
@@ -435,7 +446,7 @@ class _CallerPass:
                 if self.device is not None:
                     item = (item[0], item[1], self._copy_event(item))
                 self.threaded = _Pass(self.leases, self.to, self.depth, first=item)
-                self.leases = None
+                self.leases = self.source_batches = None
                 return self.threaded.next()
             out = item[1]
             now = None
@@ -467,12 +478,38 @@ class _CallerPass:
         running, a batch fetched and submitted, this one taken whole) is made here in one
         frame: back to back on the H200 the step's Python around the sender's two calls
         cost a 4 KiB step 9-15 us, spread over its dozen function calls and two profiler
-        checks (diag_sender.py's pieces way, csrc/README.md). Every other case goes
-        through the functions the rest of the road uses."""
-        ranged = profiling()  # a profiler's ranges around the fetch and the wait
+        checks (diag_sender.py's pieces way, csrc/README.md). A source of plain batches
+        (StagedSource's) is read directly and its batch submitted here, without a lease
+        object, _send_lease and _submit: four Python calls of a step whose Python runs
+        several times slower on the GPU hosts than on the 2-core machine
+        (benchmarks/diag_step_python.py). Every other case goes through the functions the
+        rest of the road uses."""
+        # A profiler's ranges around the fetch and the wait: profiling(), its cheap half
+        # asked first (with no profiler running, torch.compiler.is_compiling, two Python
+        # calls, need not be asked; this step is never traced: the sender's calls break a
+        # graph).
+        ranged = (torch.autograd._profiler_enabled() or NVTX_TOOL) and profiling()
         try:
             if ranged:
                 self.ahead = self._send_next()
+            elif self.source_batches is not None and self.sender_takes_apart:
+                try:
+                    batch = next(self.source_batches)
+                except BaseException as err:  # noqa: BLE001 - as in _fetch
+                    self.ahead = _fetch_failed(err, self.step)
+                else:
+                    to = self.to
+                    ticket = self.sender.submit_batch_if_plain(
+                        batch, to.chunk_bytes, to.num_buffers
+                    )
+                    if ticket is None:
+                        self.sender_takes_apart = False
+                        self.ahead = self._send_lease(StagedLease(batch))
+                    else:
+                        # _submit's _Sent, made without NamedTuple's Python __new__.
+                        sent_ahead = (batch, _TAKEN_APART_IN_C, ticket, self.step)
+                        self.ahead = (_SENT, tuple.__new__(_Sent, sent_ahead), None)
+                        self.step += 1
             else:
                 try:
                     lease = next(self.leases)  # type: ignore[arg-type]
@@ -595,7 +632,7 @@ class _CallerPass:
             # Not taken: the sender drops it if it has not started it, else this waits until
             # its copies are queued (the source batch is referenced until then).
             self.sender.settle(ahead[1].ticket)
-        leases, self.leases = self.leases, None
+        leases, self.leases, self.source_batches = self.leases, None, None
         if leases is not None and not self.stopped:
             # Best effort, as on the thread's road: nobody is left to hear what it raises
             # (a generator the consumer is inside of cannot be closed from another thread).

@@ -82,7 +82,7 @@ def copy_stream(device: DeviceLike | None = None) -> torch.cuda.Stream:
 # NVTX calls do something only when a tool injected its library (nsys sets
 # NVTX_INJECTION64_PATH in the processes it starts); otherwise they are no-ops
 # that still cost a Python call each.
-_NVTX_TOOL = bool(os.environ.get("NVTX_INJECTION64_PATH"))
+NVTX_TOOL = bool(os.environ.get("NVTX_INJECTION64_PATH"))
 _NO_RANGE = contextlib.nullcontext()
 
 
@@ -99,12 +99,12 @@ def profiling() -> bool:
     the code is not being traced (the compiled graph runs no Python to bracket)."""
     if torch.compiler.is_compiling():
         return False  # checked first: tracing the profiler's query would break the graph
-    return torch.autograd._profiler_enabled() or _NVTX_TOOL
+    return torch.autograd._profiler_enabled() or NVTX_TOOL
 
 
 @contextlib.contextmanager
 def _profiled_range(name: str) -> Iterator[None]:
-    nvtx = _NVTX_TOOL and torch.cuda.is_initialized()
+    nvtx = NVTX_TOOL and torch.cuda.is_initialized()
     ctx = (
         torch.profiler.record_function(name)
         if torch.autograd._profiler_enabled()
@@ -258,7 +258,7 @@ def to_device(
             # the profiler's range included. Under nsys the NVTX range needs this side.
             out = (
                 None
-                if _NVTX_TOOL
+                if NVTX_TOOL
                 else _ops.fast.to_device_if_plain(obj, dev, chunk_bytes, num_buffers)
             )
             if out is not None:
@@ -277,7 +277,7 @@ def to_device(
             # several times slower after an idle gap.
             out = (
                 None
-                if _NVTX_TOOL
+                if NVTX_TOOL
                 else _ops.fast.to_device_batch_if_plain(obj, dev, chunk_bytes, num_buffers)
             )
             if out is not None:

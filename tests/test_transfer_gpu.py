@@ -1054,6 +1054,50 @@ def test_sender_road_steady_step_with_a_profiler_started_mid_pass_and_a_source_e
     torch.cuda.synchronize()
 
 
+def test_sender_road_steady_step_reads_the_source_directly_whatever_its_batches_are():
+    """The steady step reads a StagedSource's own iterator and submits a collated batch in
+    place; a batch the sender's binding does not take apart (a bare tensor, a tuple of one
+    tensor) goes through _send_lease instead, for the rest of the pass. A pass whose batches
+    change kind mid-pass, from a list and from a generator, delivers every batch, in order,
+    every byte, all but the first through the sender."""
+    n = 14
+
+    def batch(i: int):
+        x = torch.arange(i, i + 5000, dtype=torch.float32)
+        if i in (5, 9):
+            return x  # a bare tensor
+        if i == 6:
+            return (x,)  # one tensor: not a collated batch the binding takes apart
+        if i % 2:
+            return [x, torch.full((7,), i)]
+        return {"x": x, "meta": [torch.tensor(i), torch.full((3,), -i)]}
+
+    def same(got, want) -> bool:
+        if isinstance(want, torch.Tensor):
+            return got.device.type == "cuda" and torch.equal(got.cpu(), want)
+        if isinstance(want, dict):
+            return (
+                type(got) is dict
+                and got.keys() == want.keys()
+                and all(same(got[k], want[k]) for k in want)
+            )
+        return (
+            type(got) is type(want)
+            and len(got) == len(want)
+            and all(same(g, w) for g, w in zip(got, want))
+        )
+
+    want = [batch(i) for i in range(n)]
+    sender = pinxfer._C.batch_sender(torch.device("cuda", torch.cuda.current_device()))
+    for source in (list(want), (batch(i) for i in range(n))):
+        taken = sender.taken
+        got = list(pinxfer.prefetch(source, producer="caller"))
+        torch.cuda.synchronize()
+        assert len(got) == n
+        assert all(same(g, w) for g, w in zip(got, want)), "a batch changed on the way"
+        assert sender.taken - taken == n - 1  # all but the first, whatever their kind
+
+
 def test_sender_road_batch_lands_during_the_consumers_step():
     """While the consumer computes, the next batch is sent and lands: taking it then queues
     no wait on the consumer's stream (taken_landed). Here the 'step' is a 200 ms sleep and
