@@ -364,3 +364,20 @@ def test_pin_memory_hot_call_opens_once_torch_cuda_is_ready_and_never_in_a_forke
     env = {k: v for k, v in os.environ.items() if not k.startswith("PINXFER_")}
     run = fresh.run(textwrap.dedent(code), env=env, cwd=REPO, timeout=120)
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stdout + run.stderr
+
+
+@pytest.mark.skipif(
+    not hasattr(pinxfer._C, "BatchSender"), reason="a build without CUDA has no batch sender"
+)
+def test_sender_fast_methods_are_method_descriptors_of_the_class():
+    """BatchSender.submit_batch_if_plain and take_batch are METH_FASTCALL method descriptors
+    added to the pybind11 class (transfer_bindings.cpp): reached on a sender as its other
+    methods are, and refusing any other object as ``self`` before they read it (no CUDA
+    needed to check that; the GPU tests call them on a real sender)."""
+    cls = pinxfer._C.BatchSender
+    for name in ("submit_batch_if_plain", "take_batch"):
+        method = cls.__dict__[name]
+        assert type(method).__name__ == "method_descriptor", type(method)
+        assert method.__doc__.startswith(f"{name}(")
+        with pytest.raises(TypeError, match="BatchSender"):
+            method(object(), None)

@@ -1520,6 +1520,15 @@ def test_sender_takes_a_collated_batch_apart_and_rebuilds_it():
     with pytest.raises(RuntimeError, match="take_batch"):
         sender.take_batch(ticket)
     assert [t.numel() for t in sender.take(ticket)] == [4, 5]
+    # The two are METH_FASTCALL methods: their own argument checks, nothing submitted.
+    submitted = sender.submitted
+    with pytest.raises(TypeError, match="chunk_bytes must be an int"):
+        sender.submit_batch_if_plain(pair, float(chunk), nbuf)
+    with pytest.raises(TypeError, match="expected 3 arguments"):
+        sender.submit_batch_if_plain(pair, chunk)
+    with pytest.raises(TypeError, match="expected a ticket"):
+        sender.take_batch(pair)
+    assert sender.submitted == submitted
 
 
 def test_sender_in_a_forked_child_is_the_childs_own():

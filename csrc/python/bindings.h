@@ -41,4 +41,10 @@ const at::Tensor* plain_dense_cpu(PyObject* obj);
 // BatchSender.submit_batch_if_plain.
 bool send_may_skip_dispatch();
 
+// The METH_FASTCALL functions' argument parsers (plain_calls.cpp, and BatchSender's two fast
+// methods in transfer_bindings.cpp): each raises a TypeError that names the function and the
+// argument, and returns false after it. The GIL must be held.
+bool check_arity(const char* fn, Py_ssize_t nargs, Py_ssize_t expected);
+bool parse_int(const char* fn, const char* name, PyObject* obj, int64_t& out);
+
 }  // namespace pinxfer::python

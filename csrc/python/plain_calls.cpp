@@ -63,11 +63,8 @@ bool send_may_skip_dispatch() {
   return no_mode_active() && !torch::profiler::impl::profilerEnabled();
 }
 
-namespace {
-
-// The arguments' parsers: each raises a TypeError that names the function and the
-// argument (the public functions check their arguments first, so a caller of pinxfer's
-// API never meets these), and returns false after it.
+// The arguments' parsers (bindings.h). The public functions check their arguments first, so a
+// caller of pinxfer's API never meets their errors.
 bool check_arity(const char* fn, Py_ssize_t nargs, Py_ssize_t expected) {
   if (nargs == expected) return true;
   PyErr_Format(PyExc_TypeError, "pinxfer._C.%s: expected %zd arguments, got %zd", fn, expected,
@@ -86,6 +83,8 @@ bool parse_int(const char* fn, const char* name, PyObject* obj, int64_t& out) {
   out = v;
   return true;
 }
+
+namespace {
 
 bool parse_node(const char* fn, PyObject* obj, std::optional<int64_t>& out) {
   if (obj == Py_None) return true;

@@ -10,6 +10,7 @@
 #include "transfer/chunk_plan.h"
 #include "transfer/piece_claims.h"
 #if PINXFER_WITH_CUDA
+#include <torch/csrc/Exceptions.h>
 #include <torch/csrc/utils/device_lazy_init.h>
 
 #include "ops/cuda/batch_sender.h"
@@ -85,6 +86,79 @@ pybind11::dict single_block_trace_dict(const transfer::SingleBlockTrace& t) {
   return d;
 }
 
+// BatchSender.submit_batch_if_plain and take_batch: prefetch's two calls of every steady step on
+// the sender road, as METH_FASTCALL method descriptors of the pybind11 class rather than pybind11
+// methods, whose dispatcher and argument casters cost each call 100-170 ns more on the 2-core
+// machine (a stand-in class built both ways, session 39) and several times that on the GPU hosts,
+// where the step's Python and calls run slower (csrc/README.md, "The sender road").
+const char* const kSubmitBatch = "BatchSender.submit_batch_if_plain";
+const char* const kTakeBatch = "BatchSender.take_batch";
+
+// submit_batch_if_plain(batch, chunk_bytes, num_buffers) -> ticket | None. As
+// to_device_batch_if_plain (plain_calls.cpp): prefetch's step takes the batch apart here and
+// rebuilds it in take_batch, not in Python (plain_batch, rebuilt_batch and the list conversions of
+// submit / take).
+PyObject* submit_batch_if_plain(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  int64_t chunk_bytes = 0;
+  int64_t num_buffers = 0;
+  if (!check_arity(kSubmitBatch, nargs, 3) ||
+      !parse_int(kSubmitBatch, "chunk_bytes", args[1], chunk_bytes) ||
+      !parse_int(kSubmitBatch, "num_buffers", args[2], num_buffers)) {
+    return nullptr;
+  }
+  if (!send_may_skip_dispatch()) Py_RETURN_NONE;
+  const int64_t entered = ops::sender_tracing() ? steady_now_ns() : 0;
+  auto plain = std::make_shared<PlainBatch>();
+  if (!plain->take(args[0])) Py_RETURN_NONE;
+  // `self` is a BatchSender: the method descriptor checked its type.
+  auto& sender = pybind11::cast<ops::BatchSender&>(pybind11::handle(self));
+  return pybind11::cast(
+             SendTicket{sender.submit(plain->leaves(), chunk_bytes, num_buffers, entered), plain})
+      .release()
+      .ptr();
+  END_HANDLE_TH_ERRORS
+}
+
+// take_batch(ticket) -> batch.
+PyObject* take_batch(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  if (!check_arity(kTakeBatch, nargs, 1)) return nullptr;
+  const pybind11::handle ticket_obj(args[0]);
+  if (!pybind11::isinstance<SendTicket>(ticket_obj)) {
+    PyErr_Format(PyExc_TypeError,
+                 "pinxfer._C.%s: expected a ticket of submit_batch_if_plain, got %s", kTakeBatch,
+                 Py_TYPE(args[0])->tp_name);
+    return nullptr;
+  }
+  auto& ticket = pybind11::cast<SendTicket&>(ticket_obj);
+  TORCH_CHECK(
+      ticket.batch != nullptr,
+      "pinxfer: take_batch() is for submit_batch_if_plain's tickets; take() takes submit()'s");
+  auto& sender = pybind11::cast<ops::BatchSender&>(pybind11::handle(self));
+  std::vector<at::Tensor> results;
+  {
+    pybind11::gil_scoped_release no_gil;  // the wait, as take()
+    results = sender.take(ticket.job);
+  }
+  return ticket.batch->rebuilt(std::move(results));  // nullptr with a Python error set
+  END_HANDLE_TH_ERRORS
+}
+
+// Method descriptors hold their PyMethodDef: static.
+PyMethodDef g_sender_fast_methods[] = {
+    {"submit_batch_if_plain",
+     reinterpret_cast<PyCFunction>(reinterpret_cast<void*>(&submit_batch_if_plain)), METH_FASTCALL,
+     "submit_batch_if_plain(batch, chunk_bytes, num_buffers) -> ticket | None: submit() of a batch "
+     "to_device_batch_if_plain would take (a dict, list or tuple of plain dense CPU tensors or of "
+     "exact lists / tuples of them, two tensors at least), taken with take_batch(); None for any "
+     "other batch, or while a mode is active or torch's profiler runs"},
+    {"take_batch", reinterpret_cast<PyCFunction>(reinterpret_cast<void*>(&take_batch)),
+     METH_FASTCALL,
+     "take_batch(ticket) -> batch: take() of a submit_batch_if_plain ticket, the batch rebuilt "
+     "(same type, keys and lists) around its tensors on the device"},
+};
+
 void bind_batch_sender(pybind11::module_& m) {
   namespace py = pybind11;
   py::class_<SendTicket>(m, "_SendTicket",
@@ -110,41 +184,6 @@ void bind_batch_sender(pybind11::module_& m) {
            }),
            "take(ticket) -> list[Tensor]: the sent tensors, usable on the current stream "
            "(waits for the send; raises what it raised)")
-      .def("submit_batch_if_plain",
-           torch::wrap_pybind_function([](ops::BatchSender& sender, py::handle batch,
-                                          int64_t chunk_bytes, int64_t num_buffers) -> py::object {
-             // As to_device_batch_if_plain (plain_calls.cpp): prefetch's step takes the batch
-             // apart here and rebuilds it in take_batch, not in Python (plain_batch,
-             // rebuilt_batch and the list conversions of submit / take).
-             if (!send_may_skip_dispatch()) return py::none();
-             const int64_t entered = ops::sender_tracing() ? steady_now_ns() : 0;
-             auto plain = std::make_shared<PlainBatch>();
-             if (!plain->take(batch.ptr())) return py::none();
-             return py::cast(
-                 SendTicket{sender.submit(plain->leaves(), chunk_bytes, num_buffers, entered),
-                            plain});
-           }),
-           "submit_batch_if_plain(batch, chunk_bytes, num_buffers) -> ticket | None: submit() of "
-           "a batch to_device_batch_if_plain would take (a dict, list or tuple of plain dense "
-           "CPU tensors or of exact lists / tuples of them, two tensors at least), taken with "
-           "take_batch(); None for any other batch, or while a mode is active or torch's "
-           "profiler runs")
-      .def("take_batch",
-           torch::wrap_pybind_function([](ops::BatchSender& sender, SendTicket& ticket) {
-             TORCH_CHECK(ticket.batch != nullptr,
-                         "pinxfer: take_batch() is for submit_batch_if_plain's tickets; take() "
-                         "takes submit()'s");
-             std::vector<at::Tensor> results;
-             {
-               py::gil_scoped_release no_gil;  // the wait, as take()
-               results = sender.take(ticket.job);
-             }
-             PyObject* out = ticket.batch->rebuilt(std::move(results));
-             if (out == nullptr) throw py::error_already_set();
-             return py::reinterpret_steal<py::object>(out);
-           }),
-           "take_batch(ticket) -> batch: take() of a submit_batch_if_plain ticket, the batch "
-           "rebuilt (same type, keys and lists) around its tensors on the device")
       .def("settle",
            torch::wrap_pybind_function_no_gil(
                [](ops::BatchSender& sender, SendTicket& ticket) { sender.settle(ticket.job); }),
@@ -192,6 +231,16 @@ void bind_batch_sender(pybind11::module_& m) {
           "(time.perf_counter_ns's clock; BatchSender::JobTrace says what each marks), bytes, "
           "flagged, landed, and block (the "
           "_last_single_block_trace of its pipelined leaf on the sender's thread, or None)");
+  // The two fast methods (above) join the class as method descriptors: called on a BatchSender
+  // with the sender as `self`, as pybind11's methods are, with no dispatcher in between.
+  PyObject* sender_type = m.attr("BatchSender").ptr();
+  for (PyMethodDef& def : g_sender_fast_methods) {
+    PyObject* descr = PyDescr_NewMethod(reinterpret_cast<PyTypeObject*>(sender_type), &def);
+    const bool added =
+        descr != nullptr && PyObject_SetAttrString(sender_type, def.ml_name, descr) == 0;
+    Py_XDECREF(descr);
+    if (!added) throw py::error_already_set();
+  }
   m.def("_set_sender_tracing", &ops::set_sender_tracing,
         "DIAGNOSTIC: _set_sender_tracing(on): batch senders record each taken job's times "
         "(BatchSender._job_traces)");
