@@ -5,15 +5,16 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <c10/util/SmallVector.h>
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <map>
 #include <mutex>
 #include <optional>
 #include <string>
-#include <unordered_set>
 #include <utility>
 
 #include "ops/kernels.h"
@@ -201,12 +202,15 @@ std::vector<at::Tensor> BatchSender::take(const std::shared_ptr<Job>& job) {
   }
   const int64_t taken = entered != 0 ? steady_now_ns() : 0;
   // Keep each result's memory from the sender's next copies until `cur` is done with it
-  // (a batch's small leaves share one storage: recorded once).
-  std::unordered_set<const void*> recorded;
+  // (a batch's small leaves share one storage: recorded once). A batch has few storages: a
+  // linear search of an inline vector, where a set allocated at every take.
+  c10::SmallVector<const void*, 8> recorded;
   for (const at::Tensor& t : job->outs) {
-    if (t.defined() && recorded.insert(t.storage().data()).second) {
-      c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), cur);
-    }
+    if (!t.defined()) continue;
+    const void* data = t.storage().data();
+    if (std::find(recorded.begin(), recorded.end(), data) != recorded.end()) continue;
+    recorded.push_back(data);
+    c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), cur);
   }
   if (entered != 0) {  // traced at its submit (the worker has finished it)
     job->trace.take_entered_ns = entered;
