@@ -8,6 +8,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import gc
+import importlib
 import threading
 import time
 
@@ -18,6 +19,8 @@ import pinxfer
 from pinxfer import cuda_unavailable_reason
 
 from .conftest import HAS_CUDA
+
+prefetch_mod = importlib.import_module("pinxfer.prefetch")  # pinxfer.prefetch is the function
 
 
 def _prefetch_threads() -> list[threading.Thread]:
@@ -422,3 +425,122 @@ def test_caller_road_keyboard_interrupt_is_not_deferred():
     it = iter(pinxfer.prefetch(range(5), device="cpu", transfer=transfer, producer="caller"))
     with pytest.raises(KeyboardInterrupt):
         next(it)  # hands out batch 0 after sending batch 1 ahead
+
+
+# ---- the sender road's steady step, its Python alone ----
+
+
+class _RecordingSender:
+    """BatchSender's calls made at once on the CPU, each recorded: the steady step's Python
+    (which call it makes for which batch, in what order) without a GPU. The sends themselves,
+    and every byte, are tests/test_transfer_gpu.py's (the sender road's tests)."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def submit_batch_if_plain(self, batch, chunk_bytes: int, num_buffers: int):
+        # As the binding: a dict or list of two tensors or more, nothing else.
+        whole = type(batch) in (dict, list) and len(batch) >= 2
+        self.calls.append("whole" if whole else "declined")
+        return ("whole", batch) if whole else None
+
+    def submit(self, leaves, chunk_bytes: int, num_buffers: int):
+        self.calls.append("leaves")
+        return ("leaves", list(leaves))
+
+    def take_batch(self, ticket):
+        assert ticket[0] == "whole"
+        return ticket[1]
+
+    def take(self, ticket):
+        assert ticket[0] == "leaves"
+        return ticket[1]
+
+    def settle(self, ticket) -> None:
+        self.calls.append("settle")
+
+
+def _sender_pass(source, sender: _RecordingSender):
+    """A caller's-road pass over ``source`` whose sender is ``sender``, as next() leaves it
+    after the pass's first batch (handed out; the second at the sender), and that batch."""
+    to = prefetch_mod.Delivery(torch.device("cuda", 0), None, 1 << 20, 4)
+    p = prefetch_mod._CallerPass(iter(prefetch_mod.StagedSource(source)), to, 2, False)
+    p.sender = sender
+    first = next(p.leases).batch
+    second = next(p.leases).batch
+    ticket = sender.submit_batch_if_plain(second, to.chunk_bytes, to.num_buffers)
+    sent = prefetch_mod._Sent(second, prefetch_mod._TAKEN_APART_IN_C, ticket, 1)
+    p.ahead = (prefetch_mod._SENT, sent, None)
+    p.step = 2
+    return p, first
+
+
+def _steps(p) -> list:
+    """Every batch the pass hands out after its first, by its steady steps."""
+    out = []
+    while True:
+        try:
+            out.append(p._next_locked())
+        except StopIteration:
+            return out
+
+
+@pytest.mark.skipif(
+    not hasattr(pinxfer._C, "BatchSender"), reason="a build without CUDA has no sender road"
+)
+def test_sender_steady_step_reads_the_source_and_falls_back_once_a_batch_is_declined():
+    """The steady step reads a StagedSource's own iterator and submits each batch whole; the
+    first batch the binding declines (here a bare tensor) goes through _send_lease, its leaves
+    sent apart, and so does every later batch of the pass (asked once each, not twice). Every
+    batch comes out in order, rebuilt as it went in."""
+    source = [{"i": torch.tensor(i), "x": torch.full((3,), float(i))} for i in range(5)]
+    source += [torch.full((2,), 5.0), [torch.tensor(6), torch.ones(2)], torch.full((2,), 7.0)]
+    source += [{"i": torch.tensor(8), "x": torch.full((3,), 8.0)}]
+    sender = _RecordingSender()
+    p, first = _sender_pass(source, sender)
+    got = [first, *_steps(p)]
+    # Batch 1 submitted before the steady steps, 2-4 by them; 5 declined there and asked
+    # again by _submit, which sends its leaves; 6-8 through _send_lease, asked once each.
+    assert sender.calls == (
+        ["whole"] * 4 + ["declined", "declined", "leaves", "whole", "declined", "leaves", "whole"]
+    ), sender.calls
+    assert len(got) == len(source)
+    for g, want in zip(got, source):
+        if isinstance(want, torch.Tensor):
+            assert torch.equal(g, want)
+        elif isinstance(want, dict):
+            assert g.keys() == want.keys() and all(torch.equal(g[k], want[k]) for k in want)
+        else:
+            assert type(g) is list and all(torch.equal(a, b) for a, b in zip(g, want))
+    assert p.finished
+
+
+@pytest.mark.skipif(
+    not hasattr(pinxfer._C, "BatchSender"), reason="a build without CUDA has no sender road"
+)
+def test_sender_steady_step_source_errors_arrive_after_the_batches_before_them():
+    """A source that raises mid-pass, read directly by the steady step: the batches before the
+    error come out, then the error once, with the batch's number in its note. A
+    KeyboardInterrupt in the source is raised at once, and the batch being taken is settled
+    (the sender drops it or lets its copies end), never left at the sender."""
+
+    def breaking(k: int, err: BaseException):
+        for i in range(k):
+            yield {"i": torch.tensor(i), "x": torch.ones(2)}
+        raise err
+
+    sender = _RecordingSender()
+    p, first = _sender_pass(breaking(5, KeyError("source broke")), sender)
+    got = [first] + [p._next_locked() for _ in range(4)]
+    assert [int(b["i"]) for b in got] == [0, 1, 2, 3, 4]
+    with pytest.raises(KeyError, match="source broke") as raised:
+        p._next_locked()
+    assert any("at batch 5" in note for note in getattr(raised.value, "__notes__", []))
+    assert "settle" not in sender.calls
+
+    sender = _RecordingSender()
+    p, _ = _sender_pass(breaking(3, KeyboardInterrupt()), sender)
+    assert int(p._next_locked()["i"]) == 1
+    with pytest.raises(KeyboardInterrupt):
+        p._next_locked()
+    assert sender.calls[-1] == "settle"
