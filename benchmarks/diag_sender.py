@@ -137,10 +137,13 @@ def job_trace_stats(jobs: list[dict]) -> dict[str, Any]:
     parts: take_apart (the binding's walk of the batch and the job made), queue (the queue's
     lock, push and notify); the take's: take_wait (until the job is done), take_stream (the
     landing check, or the stream's wait), take_record (the results' stream uses); and for
-    jobs with a pipelined leaf its first_dma / last_dma queued (from the worker's start).
-    The raw way's raw_submit less take_apart and queue is the call's own cost (pybind's
-    dispatch, the ticket's Python object); raw_take less the take's parts likewise (and the
-    batch rebuilt)."""
+    jobs with a pipelined leaf its first_dma / last_dma queued (from the worker's start);
+    for jobs with packed small leaves, before_pack (the worker's start to the pack's: the
+    leaves sent before it, e.g. the one sent apart), and the pack's own steps from its start:
+    pack_output (its device output made), pack_staged (its bytes copied in), pack_queued
+    (its DMA queued), pack_end (its views made). The raw way's raw_submit less take_apart
+    and queue is the call's own cost (its dispatch, the ticket's Python object); raw_take
+    less the take's parts likewise (and the batch rebuilt)."""
     if not jobs:
         return {}
     spans = {
@@ -166,6 +169,14 @@ def job_trace_stats(jobs: list[dict]) -> dict[str, Any]:
             start = (b["mustered_ns"] - j["started_ns"]) / 1e9 + b["setup_us"] / 1e6
             per.setdefault("first_dma", []).append(start + b["first_queued_us"] / 1e6)
             per.setdefault("last_dma", []).append(start + b["last_queued_us"] / 1e6)
+        pack = j["pack"]
+        if pack is not None:
+            per.setdefault("before_pack", []).append((pack["entered_ns"] - j["started_ns"]) / 1e9)
+            steps = {"output": "output_us", "staged": "staged_us", "queued": "queued_us"}
+            steps["end"] = "total_us"
+            for name, key in steps.items():
+                if pack[key] >= 0:  # staged_us is -1 where copy threads packed
+                    per.setdefault(f"pack_{name}", []).append(pack[key] / 1e6)
     out: dict[str, Any] = {f"sender_{k}": stats(v) for k, v in per.items()}
     out["sender_jobs"] = len(jobs)
     out["sender_landed_share"] = sum(j["landed"] for j in jobs) / len(jobs)

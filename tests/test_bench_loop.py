@@ -306,3 +306,32 @@ def test_diag_step_python_runs_prefetchs_steady_step_with_a_stand_in_sender():
     assert result["step_us"] > result["calls_us"] > 0
     assert result["python_us"] == result["step_us"] - result["calls_us"]
     assert result["capture_check"] in ("stand-in (no CUDA)", "torch's")
+
+
+def test_diag_sender_job_trace_stats_split_a_send_at_its_pack():
+    """diag_sender.py --trace's summary of BatchSender._job_traces: each span from its two
+    times, and for a job whose small leaves went packed, the time before the pack (a leaf
+    sent apart) and the pack's own steps; a pack staged by copy threads (staged_us -1) has
+    no pack_staged sample. Jobs as the binding returns them, made up here (no GPU)."""
+    diag = benchmark_module("diag_sender")
+    job = {
+        **dict.fromkeys(("entered_ns", "submitted_ns", "queued_ns"), 0),
+        "started_ns": 1_000,
+        "sent_ns": 71_000,
+        **dict.fromkeys(("take_entered_ns", "waited_ns", "taken_ns", "recorded_ns"), 80_000),
+        "bytes": 262_144,
+        "landed": True,
+        "block": None,
+    }
+    pack = {"entered_ns": 51_000, "output_us": 2.0, "staged_us": 3.0, "queued_us": 6.0}
+    jobs = [
+        {**job, "pack": {**pack, "total_us": 8.0}},
+        {**job, "pack": {**pack, "staged_us": -1.0, "total_us": 8.0}},
+        {**job, "pack": None},
+    ]
+    out = diag.job_trace_stats(jobs)
+    assert out["sender_send"]["median_us"] == 70.0 and out["sender_send"]["n"] == 3
+    assert out["sender_before_pack"]["median_us"] == 50.0 and out["sender_before_pack"]["n"] == 2
+    assert out["sender_pack_staged"]["n"] == 1
+    assert out["sender_pack_end"]["median_us"] == 8.0
+    assert out["sender_jobs"] == 3 and out["sender_landed_share"] == 1.0

@@ -1392,36 +1392,43 @@ def test_sender_job_traces_follow_each_batch_in_order():
     each taken job is traced in order, its times in order (the submit's entry, the job made
     and queued; the worker's start and end; the take's entry, wait, stream and record),
     its bytes those of its leaves; a batch with a pipelined leaf carries that leaf's
-    single-block trace (from the sender's thread), one of small leaves none. Off again,
-    nothing more is recorded."""
+    single-block trace (from the sender's thread), one of small leaves none; a batch whose
+    small leaves went packed carries the pack's trace, begun within the send, one with a
+    single small leaf none. Off again, nothing more is recorded."""
     sender = pinxfer._C.batch_sender(torch.device("cuda", torch.cuda.current_device()))
     big = [{"x": _random_bytes(8 * MiB + i, seed=i), "y": torch.arange(i, i + 3)} for i in range(3)]
-    small = [{"x": _random_bytes(4096, seed=i)} for i in range(3)]
+    small = [{"x": _random_bytes(4096, seed=i), "y": torch.arange(i, i + 3)} for i in range(3)]
     pinxfer._C._set_sender_tracing(True)
     try:
         taken = sender.taken
         for batches in (big, small):
             for b, want in zip(pinxfer.prefetch(batches), batches):
                 _check(b["x"], want["x"])
+                _check(b["y"], want["y"])
         new = sender.taken - taken
         jobs = sender._job_traces()[-new:]
     finally:
         pinxfer._C._set_sender_tracing(False)
     assert len(jobs) == new >= 4
     for j in jobs:
-        # The submit's steps, then the worker's, then the take's (the big batches' submit is
-        # the binding's, which times its walk of the batch; the small ones' is submit()'s).
+        # The submit's steps (the binding's, which times its walk of the batch), then the
+        # worker's, then the take's.
         assert 0 < j["entered_ns"] <= j["submitted_ns"] <= j["queued_ns"] <= j["take_entered_ns"], j
         assert j["submitted_ns"] <= j["started_ns"] <= j["sent_ns"] <= j["waited_ns"], j
         assert j["take_entered_ns"] <= j["waited_ns"] <= j["taken_ns"] <= j["recorded_ns"], j
-    sizes = {b["x"].nbytes + b["y"].nbytes for b in big} | {b["x"].nbytes for b in small}
+    sizes = {b["x"].nbytes + b["y"].nbytes for b in big + small}
     assert all(j["bytes"] in sizes for j in jobs), [j["bytes"] for j in jobs]
     for j in jobs:
         if j["bytes"] >= 8 * MiB:
             assert j["block"] is not None and j["block"]["nbytes"] >= 8 * MiB, j
             assert j["block"]["first_queued_us"] >= 0
+            assert j["pack"] is None, j  # its one small leaf went alone
         else:
             assert j["block"] is None, j
+            pack = j["pack"]
+            assert pack is not None and pack["tensors"] == 2, j
+            assert j["started_ns"] <= pack["entered_ns"] <= j["sent_ns"], j
+            assert 0 <= pack["output_us"] <= pack["queued_us"] <= pack["total_us"], j
     count = len(sender._job_traces())
     for _ in pinxfer.prefetch(small):
         pass

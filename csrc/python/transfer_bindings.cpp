@@ -86,6 +86,22 @@ pybind11::dict single_block_trace_dict(const transfer::SingleBlockTrace& t) {
   return d;
 }
 
+// A PackTrace as a dict (_last_pack_trace, BatchSender._job_traces).
+pybind11::dict pack_trace_dict(const transfer::PackTrace& t) {
+  pybind11::dict d;
+  d["nbytes"] = t.nbytes;
+  d["tensors"] = t.tensors;
+  d["entered_ns"] = t.entered_ns;
+  d["checked_us"] = t.checked_us;
+  d["output_us"] = t.output_us;
+  d["block_us"] = t.block_us;
+  d["staged_us"] = t.staged_us;
+  d["queued_us"] = t.queued_us;
+  d["returned_us"] = t.returned_us;
+  d["total_us"] = t.total_us;
+  return d;
+}
+
 // BatchSender.submit_batch_if_plain and take_batch: prefetch's two calls of every steady step on
 // the sender road, as METH_FASTCALL method descriptors of the pybind11 class rather than pybind11
 // methods, whose dispatcher and argument casters cost each call 100-170 ns more on the 2-core
@@ -221,6 +237,8 @@ void bind_batch_sender(pybind11::module_& m) {
               d["landed"] = j.landed;
               d["block"] = j.has_block ? pybind11::object(single_block_trace_dict(j.block))
                                        : pybind11::object(pybind11::none());
+              d["pack"] = j.has_pack ? pybind11::object(pack_trace_dict(j.pack))
+                                     : pybind11::object(pybind11::none());
               out.append(d);
             }
             return out;
@@ -229,8 +247,9 @@ void bind_batch_sender(pybind11::module_& m) {
           "_set_sender_tracing(True) was on, oldest first: entered_ns, submitted_ns, queued_ns, "
           "started_ns, sent_ns, take_entered_ns, waited_ns, taken_ns, recorded_ns "
           "(time.perf_counter_ns's clock; BatchSender::JobTrace says what each marks), bytes, "
-          "flagged, landed, and block (the "
-          "_last_single_block_trace of its pipelined leaf on the sender's thread, or None)");
+          "flagged, landed, block (the "
+          "_last_single_block_trace of its pipelined leaf on the sender's thread, or None) and "
+          "pack (the _last_pack_trace of its packed small leaves there, or None)");
   // The two fast methods (above) join the class as method descriptors: called on a BatchSender
   // with the sender as `self`, as pybind11's methods are, with no dispatcher in between.
   PyObject* sender_type = m.attr("BatchSender").ptr();
@@ -320,22 +339,7 @@ void bind_transfer(pybind11::module_& m) {
       "streams_us, output_us, entry_us: the op's steps from the muster; own_stage_us, gate_us, "
       "queue_us: the caller's time staging, asking the span gate, queueing spans)");
   m.def(
-      "_last_pack_trace",
-      [] {
-        const transfer::PackTrace t = transfer::last_pack_trace();
-        pybind11::dict d;
-        d["nbytes"] = t.nbytes;
-        d["tensors"] = t.tensors;
-        d["entered_ns"] = t.entered_ns;
-        d["checked_us"] = t.checked_us;
-        d["output_us"] = t.output_us;
-        d["block_us"] = t.block_us;
-        d["staged_us"] = t.staged_us;
-        d["queued_us"] = t.queued_us;
-        d["returned_us"] = t.returned_us;
-        d["total_us"] = t.total_us;
-        return d;
-      },
+      "_last_pack_trace", [] { return pack_trace_dict(transfer::last_pack_trace()); },
       "DIAGNOSTIC: _last_pack_trace() -> dict: what this thread's last packed copy (a batch's "
       "small leaves, or to_device_packed) did, in microseconds from the op's entry "
       "(entered_ns: on time.perf_counter_ns's clock): checked_us (device, capture check, "

@@ -281,6 +281,10 @@ void BatchSender::send(Job& job) {
       const transfer::SingleBlockTrace block = transfer::last_single_block_trace();
       job.trace.has_block = block.mustered_ns >= job.trace.started_ns;
       if (job.trace.has_block) job.trace.block = block;
+      // And its packed copy of small leaves, if it made one (entered after the job began).
+      const transfer::PackTrace pack = transfer::last_pack_trace();
+      job.trace.has_pack = pack.entered_ns >= job.trace.started_ns;
+      if (job.trace.has_pack) job.trace.pack = pack;
     }
     job.event = cuda::record_event(stream.unwrap());
     // How take() will know the copies have landed (PINXFER_SENDER_LANDING; csrc/README.md,

@@ -116,6 +116,10 @@ class BatchSender {
     bool has_block = false;       // a leaf went through the single-block pipeline: `block` is
                                   // the last such leaf's trace (the worker thread's own)
     transfer::SingleBlockTrace block;
+    bool has_pack = false;  // small leaves went packed: `pack` is that copy's trace (the worker
+                            // thread's own); a leaf sent before it (apart, or pipelined) took
+                            // the time from started_ns to pack.entered_ns
+    transfer::PackTrace pack;
   };
   static constexpr size_t kJobTraces = 256;
   std::vector<JobTrace> job_traces() const;  // oldest first; at most kJobTraces
