@@ -299,6 +299,8 @@ def test_parse_byte_size_accepted_forms(text, expected):
         ("1.2.3", "cannot read a byte size from '1.2.3'"),
         ("8 G B", "cannot read a byte size from '8 G B'"),
         ("8GiB!", "cannot read a byte size from '8GiB!'"),
+        # A control character is no blank, and the message shows it (it would be invisible).
+        ("0\x1f", "cannot read a byte size from '0\\x1f'"),
         ("8PB", "unknown unit 'pb'"),
         ("3xb", "unknown unit 'xb'"),
         ("8388608TiB", "too large"),

@@ -696,7 +696,7 @@ def _expected_cap(limit: Any) -> int | None:
         return None
     if isinstance(limit, int):
         return limit if 0 <= limit <= 2**63 - 1 else None
-    text = limit.strip()
+    text = limit.strip(" \t\n\v\f\r")  # the parser's blanks (C's isspace), not str.strip's
     if text.isdigit() and text.isascii():
         return int(text) if int(text) <= 2**63 - 1 else None
     try:
@@ -732,6 +732,8 @@ size_texts = st.builds(
                 "1.5",
                 "0",
                 "8GiB",
+                "0\x1f",  # a control character str.strip() would take for a blank
+                " 8 GiB\t",
             ]
         ),
         st.floats(),

@@ -27,6 +27,25 @@ int bytes_shift_of_unit(const std::string& unit) {
   return -1;
 }
 
+// The text as an error message shows it: control characters (an invisible \x1f, a \n) as
+// \xNN escapes, so that the message shows why a text that looks right was refused.
+std::string shown(const std::string& text) {
+  std::string out;
+  out.reserve(text.size());
+  for (char c : text) {
+    const auto byte = static_cast<unsigned char>(c);
+    if (byte >= 0x20 && byte != 0x7f) {
+      out.push_back(c);
+      continue;
+    }
+    constexpr const char* kHex = "0123456789abcdef";
+    out += "\\x";
+    out.push_back(kHex[byte >> 4]);
+    out.push_back(kHex[byte & 0xf]);
+  }
+  return out;
+}
+
 constexpr const char* kByteSizeForms =
     "expected a number with an optional unit (B, KiB, MiB, GiB, TiB; K, M, G, T and KB, MB, "
     "GB, TB mean the same, all binary), e.g. 1073741824, 512MiB, 8G";
@@ -64,22 +83,23 @@ int64_t parse_byte_size(const std::string& text) {
     unit.push_back(static_cast<char>(std::tolower(static_cast<unsigned char>(text[i++]))));
   }
   while (i < text.size() && is_space(text[i])) ++i;
-  TORCH_CHECK_VALUE(has_digits && i == text.size(), "pinxfer: cannot read a byte size from '", text,
-                    "': ", kByteSizeForms);
+  TORCH_CHECK_VALUE(has_digits && i == text.size(), "pinxfer: cannot read a byte size from '",
+                    shown(text), "': ", kByteSizeForms);
   const int shift = bytes_shift_of_unit(unit);
-  TORCH_CHECK_VALUE(shift >= 0, "pinxfer: cannot read a byte size from '", text,
+  TORCH_CHECK_VALUE(shift >= 0, "pinxfer: cannot read a byte size from '", shown(text),
                     "': unknown unit '", unit, "'; ", kByteSizeForms);
   constexpr unsigned __int128 kLimit = (unsigned __int128)1 << 63;  // exclusive
   TORCH_CHECK_VALUE(!too_long && whole < kLimit && (whole << shift) < kLimit,
-                    "pinxfer: the byte size '", text, "' is too large: at most 2^63 - 1 bytes");
+                    "pinxfer: the byte size '", shown(text),
+                    "' is too large: at most 2^63 - 1 bytes");
   // A fraction is allowed where it names whole bytes (1.5GiB), never a part
   // of one: "0.5" must not quietly become 0, which means "no cap".
   const unsigned __int128 fraction_bytes = (fraction << shift) / denominator;
-  TORCH_CHECK_VALUE((fraction << shift) % denominator == 0, "pinxfer: the byte size '", text,
+  TORCH_CHECK_VALUE((fraction << shift) % denominator == 0, "pinxfer: the byte size '", shown(text),
                     "' is not a whole number of bytes; write it in bytes or a smaller unit "
                     "(e.g. 1536MiB rather than 1.5001GiB)");
   const unsigned __int128 bytes = (whole << shift) + fraction_bytes;
-  TORCH_CHECK_VALUE(bytes < kLimit, "pinxfer: the byte size '", text,
+  TORCH_CHECK_VALUE(bytes < kLimit, "pinxfer: the byte size '", shown(text),
                     "' is too large: at most 2^63 - 1 bytes");
   return static_cast<int64_t>(bytes);
 }
@@ -89,7 +109,7 @@ namespace {
 int parse_cpu_id(const std::string& digits, const std::string& whole) {
   const bool well_formed =
       !digits.empty() && digits.size() <= 9 && std::all_of(digits.begin(), digits.end(), is_digit);
-  TORCH_CHECK_VALUE(well_formed, "pinxfer: malformed CPU list '", whole,
+  TORCH_CHECK_VALUE(well_formed, "pinxfer: malformed CPU list '", shown(whole),
                     "': expected comma-separated CPU ids or ranges like 0-3,8");
   return std::stoi(digits);
 }
@@ -112,7 +132,7 @@ std::vector<int> parse_cpulist(const std::string& text) {
     }
     const int lo = parse_cpu_id(item.substr(0, dash), text);
     const int hi = parse_cpu_id(item.substr(dash + 1), text);
-    TORCH_CHECK_VALUE(hi >= lo, "pinxfer: malformed CPU list '", text,
+    TORCH_CHECK_VALUE(hi >= lo, "pinxfer: malformed CPU list '", shown(text),
                       "': range end below its start");
     for (int c = lo; c <= hi; ++c) cpus.push_back(c);
   }
