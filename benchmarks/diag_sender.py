@@ -134,9 +134,11 @@ def sender_calls(dev: torch.device, batch: dict, gap: Any, sync: Any, passes: in
 def job_trace_stats(jobs: list[dict]) -> dict[str, Any]:
     """--trace: medians over the sender's jobs, microseconds: queued (submit to the worker's
     start), send (the worker's start to every copy queued), submit_to_take; the submit's
-    parts: take_apart (the binding's walk of the batch and the job made), queue (the queue's
-    lock, push and notify); the take's: take_wait (until the job is done), take_stream (the
-    landing check, or the stream's wait), take_record (the results' stream uses); and for
+    parts: take_apart (the binding's walk of the batch and the job made), of which outputs
+    (with PINXFER_SENDER_OUTPUTS=consumer: the batch's device memory made on the consumer's
+    stream and the event after it), queue (the queue's lock, push and notify); the take's:
+    take_wait (until the job is done), take_stream (the landing check, or the stream's wait),
+    take_record (the results' stream uses); and for
     jobs with a pipelined leaf its first_dma / last_dma queued (from the worker's start);
     for jobs with packed small leaves, before_pack (the worker's start to the pack's: the
     leaves sent before it, e.g. the one sent apart), and the pack's own steps from its start:
@@ -160,6 +162,8 @@ def job_trace_stats(jobs: list[dict]) -> dict[str, Any]:
     for j in jobs:
         for name, (start, end) in spans.items():
             per[name].append((j[end] - j[start]) / 1e9)
+        if j.get("outputs_ns", 0) > 0:
+            per.setdefault("outputs", []).append(j["outputs_ns"] / 1e9)
         b = j["block"]
         # The block is the job's last pipelined leaf: a batch whose second leaf is pipelined
         # too (diag's 64 MiB batch: its 1 MiB labels) would report that one's times.

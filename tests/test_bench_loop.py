@@ -312,7 +312,8 @@ def test_diag_sender_job_trace_stats_split_a_send_at_its_pack():
     """diag_sender.py --trace's summary of BatchSender._job_traces: each span from its two
     times, and for a job whose small leaves went packed, the time before the pack (a leaf
     sent apart) and the pack's own steps; a pack staged by copy threads (staged_us -1) has
-    no pack_staged sample. Jobs as the binding returns them, made up here (no GPU)."""
+    no pack_staged sample; the outputs made at a submit ("consumer" outputs) are reported
+    for the jobs that made them. Jobs as the binding returns them, made up here (no GPU)."""
     diag = benchmark_module("diag_sender")
     job = {
         **dict.fromkeys(("entered_ns", "submitted_ns", "queued_ns"), 0),
@@ -327,9 +328,10 @@ def test_diag_sender_job_trace_stats_split_a_send_at_its_pack():
     jobs = [
         {**job, "pack": {**pack, "total_us": 8.0}},
         {**job, "pack": {**pack, "staged_us": -1.0, "total_us": 8.0}},
-        {**job, "pack": None},
+        {**job, "pack": None, "outputs_ns": 4_000},
     ]
     out = diag.job_trace_stats(jobs)
+    assert out["sender_outputs"]["median_us"] == 4.0 and out["sender_outputs"]["n"] == 1
     assert out["sender_send"]["median_us"] == 70.0 and out["sender_send"]["n"] == 3
     assert out["sender_before_pack"]["median_us"] == 50.0 and out["sender_before_pack"]["n"] == 2
     assert out["sender_pack_staged"]["n"] == 1

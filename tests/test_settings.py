@@ -37,6 +37,7 @@ PINXFER_VARS = [
     "PINXFER_IDLE_RECLAIM",
     "PINXFER_SENDER_LANDING",
     "PINXFER_SENDER_WORKERS",
+    "PINXFER_SENDER_OUTPUTS",
     "LOCAL_WORLD_SIZE",  # torchrun's, read by the same table
     "OMP_WAIT_POLICY",  # libgomp's, read (never set) by the same table
     "GOMP_SPINCOUNT",
@@ -234,6 +235,7 @@ def test_settings_list_every_variable_with_its_source():
     assert rows["PINXFER_STAGE_COPY"] == ["auto", "default"]
     assert rows["PINXFER_SENDER_LANDING"] == ["auto", "default"]
     assert rows["PINXFER_SENDER_WORKERS"] == ["2", "default"]
+    assert rows["PINXFER_SENDER_OUTPUTS"] == ["worker", "default"]
 
 
 def test_spin_is_adaptive_unless_set():
@@ -304,6 +306,7 @@ def test_derived_threads_follow_local_world_size_and_affinity():
         ("PINXFER_IDLE_RECLAIM", "on", "expected 'auto' \\(one stream query"),
         ("PINXFER_SENDER_LANDING", "host", "expected 'auto' \\(the default: a host function"),
         ("PINXFER_SENDER_WORKERS", "0", "an integer from 1 to 4"),
+        ("PINXFER_SENDER_OUTPUTS", "caller", "expected 'worker' \\(the default: the sender's"),
         ("PINXFER_SENDER_WORKERS", "two", "an integer from 1 to 4"),
         ("PINXFER_DISABLE_CUDA", "yes", "1 \\(never touch CUDA\\) or 0"),
         ("PINXFER_NUMA_NODE", "first", "an integer from 0 to"),

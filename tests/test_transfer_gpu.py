@@ -1207,6 +1207,110 @@ def test_sender_workers_hand_every_batch_over_whole(workers):
         assert got["overlapped"] >= 1, got
 
 
+_CONSUMER_OUTPUTS_CHILD = """
+    import json, time, torch, pinxfer
+    from pinxfer.transfer import DEFAULT_CHUNK_BYTES, DEFAULT_NUM_BUFFERS
+    MiB = 1 << 20
+    sender = pinxfer._C.batch_sender(torch.device("cuda", 0))
+    out = dict(on_consumer=sender.outputs_on_consumer)
+    # 1. Back to back on a consumer stream that falls behind: each batch is read by work queued
+    # after a GPU sleep, then dropped at the next step, whose submit makes the batch after on
+    # the same stream (where the dropped batch's memory is free at once): the copies into it
+    # must wait for that queued work. Small batches (packed) and large ones (pipelined leaf).
+    def batches(n, big):
+        return [{"x": torch.full((2 * MiB + i if big else 1000 + i,), float(i)),
+                 "y": torch.arange(i, i + 4)} for i in range(n)]
+    consumer = torch.cuda.Stream()
+    for big in (False, True):
+        src, oks = batches(12, big), []
+        owned, taken = sender.taken_owned, sender.taken
+        with torch.cuda.stream(consumer):
+            for i, b in enumerate(pinxfer.prefetch(src)):
+                torch.cuda._sleep(200_000)
+                y = torch.arange(i, i + 4, device="cuda")
+                oks.append(torch.all(b["x"] == float(i)) & torch.all(b["y"] == y))
+        consumer.synchronize()
+        out["big" if big else "small"] = dict(
+            ok=bool(torch.stack(oks).all()), taken=sender.taken - taken,
+            owned=sender.taken_owned - owned)
+    # 2. Submitted on one stream, taken on another that is behind the copies, the sources
+    # rewritten once taken: every byte, and each take records its stream's use.
+    g = torch.Generator().manual_seed(5)
+    raw = [[torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g), torch.arange(n % 7)]
+           for n in [3000, 3 * MiB, 70_000, 9000]]
+    owned = sender.taken_owned
+    tickets = [sender.submit(list(b), DEFAULT_CHUNK_BYTES, DEFAULT_NUM_BUFFERS) for b in raw]
+    oks = []
+    with torch.cuda.stream(consumer):
+        torch.cuda._sleep(2_000_000)
+        for b, t in zip(raw, tickets):
+            got = sender.take(t)
+            oks.append(all(torch.equal(x.cpu(), y) for x, y in zip(got, b)))
+            for leaf in b:
+                leaf.zero_()
+    consumer.synchronize()
+    out["other_stream"] = dict(ok=all(oks), owned=sender.taken_owned - owned)
+    # 3. Not taken: a batch whose copies wait behind a long GPU sleep on the consumer's stream
+    # (they wait for the work queued before its outputs were made), settled and dropped. Its
+    # memory must wait for those copies: pending free, not free for the next allocation.
+    def pending_free_bytes():
+        return sum(b["size"] for seg in torch.cuda.memory._snapshot()["segments"]
+                   for b in seg["blocks"] if b["state"] == "active_pending_free")
+    torch.cuda.synchronize()
+    torch.empty(1, device="cuda")  # an allocation frees the blocks whose events are done
+    before = pending_free_bytes()
+    with torch.cuda.stream(consumer):
+        torch.cuda._sleep(1_000_000_000)  # about half a second
+        # One small leaf: one DMA queued by the worker, nothing on the host waits for it.
+        ticket = sender.submit([torch.ones(200_000, dtype=torch.uint8)], DEFAULT_CHUNK_BYTES,
+                               DEFAULT_NUM_BUFFERS)
+        sender.settle(ticket)
+        del ticket  # the job's last reference may be the worker's for a moment more
+        deadline, pending = time.monotonic() + 0.2, 0
+        while pending < 200_000 and time.monotonic() < deadline:
+            pending = pending_free_bytes() - before
+        fresh = torch.empty(200_000, dtype=torch.uint8, device="cuda").fill_(7)
+    torch.cuda.synchronize()
+    out["untaken"] = dict(pending=pending, fresh_ok=bool(torch.all(fresh == 7)))
+    # 4. A capture on the consumer's stream: the batch is refused at its take, nothing captured.
+    g_ = torch.cuda.CUDAGraph()
+    capture = torch.cuda.Stream()
+    err = None
+    with torch.cuda.graph(g_, stream=capture, capture_error_mode="thread_local"):
+        ticket = sender.submit([torch.ones(4096)], DEFAULT_CHUNK_BYTES, DEFAULT_NUM_BUFFERS)
+    try:
+        sender.take(ticket)
+    except RuntimeError as e:
+        err = str(e)
+    out["capture_error"] = err
+    print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("outputs", ["worker", "consumer"])
+def test_sender_outputs_keep_every_byte_and_never_free_memory_a_copy_writes(outputs):
+    """PINXFER_SENDER_OUTPUTS: with "consumer" outputs submit() makes a batch's device memory
+    on the consumer's stream, where memory just freed is reused at once. Back to back on a
+    consumer stream behind the copies, small and large batches are each read whole by work
+    queued after a GPU sleep (the copies into the next batch's memory wait for it); a batch
+    taken on another stream records that use (none is "owned"), every byte; a batch dropped
+    untaken, its copies held behind a GPU sleep, leaves its memory pending free, so a new
+    tensor on that stream gets other memory and keeps its values; a batch submitted inside a
+    capture is refused at its take. "worker" outputs pass the same checks (taken on the stream
+    the worker allocated on, none is owned)."""
+    got = last_json(run_child(_CONSUMER_OUTPUTS_CHILD, env={"PINXFER_SENDER_OUTPUTS": outputs}))
+    consumer = outputs == "consumer"
+    assert got["on_consumer"] is consumer, got
+    for size in ("small", "big"):
+        assert got[size]["ok"] and got[size]["taken"] == 11, got  # the first: sent in next()
+        assert got[size]["owned"] == (11 if consumer else 0), got
+    assert got["other_stream"] == {"ok": True, "owned": 0}, got
+    assert got["untaken"]["fresh_ok"], got
+    if consumer:
+        assert got["untaken"]["pending"] >= 200_000, got
+        assert "capturing a CUDA graph" in got["capture_error"], got
+
+
 def test_batch_sender_initialises_torch_cuda_before_its_threads_use_it():
     """The sender's threads make CUDA calls of their own from their first job. torch's
     Python lazy init (torch.cuda._lazy_init: it dlopens NVML) running on the caller's thread
@@ -1416,6 +1520,8 @@ def test_sender_job_traces_follow_each_batch_in_order():
         assert 0 < j["entered_ns"] <= j["submitted_ns"] <= j["queued_ns"] <= j["take_entered_ns"], j
         assert j["submitted_ns"] <= j["started_ns"] <= j["sent_ns"] <= j["waited_ns"], j
         assert j["take_entered_ns"] <= j["waited_ns"] <= j["taken_ns"] <= j["recorded_ns"], j
+        # Outputs made at the submit only with PINXFER_SENDER_OUTPUTS=consumer.
+        assert (j["outputs_ns"] > 0) == sender.outputs_on_consumer, j
     sizes = {b["x"].nbytes + b["y"].nbytes for b in big + small}
     assert all(j["bytes"] in sizes for j in jobs), [j["bytes"] for j in jobs]
     for j in jobs:

@@ -85,25 +85,55 @@ struct PackedOnDevice {
 // copies end as soon as its own bytes are sent; csrc/README.md, "The sender road").
 enum class LargeCopies { kCopyStream, kCurrentStream };
 
+// into_pack: the device bytes to copy into (made beforehand, of the pack's size), instead of
+// an allocation on the copy's stream.
 PackedOnDevice pack_to_device(at::TensorList tensors, c10::Device device, bool want_views,
-                              LargeCopies large = LargeCopies::kCopyStream);
+                              LargeCopies large = LargeCopies::kCopyStream,
+                              const at::Tensor* into_pack = nullptr);
 
 // to_device of one CPU tensor: up to transfer::kCurrentStreamBytes on the
 // caller's current stream by the caller, larger by the pipeline (or one DMA from
-// pinned memory) on the stream `large` says. csrc/ops/cuda/to_device_cuda.cpp
+// pinned memory) on the stream `large` says. into: the output to copy into (made beforehand,
+// with self's sizes and dtype on the device), instead of an allocation on the copy's stream.
+// csrc/ops/cuda/to_device_cuda.cpp
 at::Tensor send_to_device(const at::Tensor& self, c10::Device device,
                           const transfer::StagingOptions& options,
-                          LargeCopies large = LargeCopies::kCopyStream);
-// The leaves of a batch, each a plain dense CPU tensor, to `device` as pinxfer.to_device
-// sends a batch: those of at most transfer::kCurrentStreamBytes packed into one copy
-// (pack_to_device, views) when there are two or more (the largest alone where the pack fits
-// kCurrentStreamBytes without it: transfer::leaf_sent_apart), every other one alone
-// (send_to_device). Eager only: to_device's fast path and prefetch's BatchSender; traced
-// code gets the same rule from pinxfer/transfer.py's _send_leaves over the operators.
+                          LargeCopies large = LargeCopies::kCopyStream,
+                          const at::Tensor* into = nullptr);
+
+// How pinxfer.to_device sends a batch's leaves (each a plain dense CPU tensor): those of at
+// most transfer::kCurrentStreamBytes packed into one copy when there are two or more (the
+// largest alone where the pack fits kCurrentStreamBytes without it:
+// transfer::leaf_sent_apart), every other one alone. Eager only: to_device's fast path and
+// prefetch's BatchSender; traced code gets the same rule from pinxfer/transfer.py's
+// _send_leaves over the operators.
+struct BatchLayout {
+  std::vector<size_t> alone;    // leaves sent one by one, in sending order
+  std::vector<size_t> packed;   // leaves packed into one copy: none, or two or more
+  std::vector<size_t> offsets;  // packed[k]'s offset in the pack (kPackAlign-aligned)
+  size_t pack_bytes = 0;
+};
+BatchLayout batch_layout(const std::vector<at::Tensor>& leaves);
+
+// A batch's device outputs made before its copies, on the calling thread's current stream of
+// device `index`, which owns them from then on: prefetch's sender makes them when a batch is
+// submitted, on the consumer's stream (PINXFER_SENDER_OUTPUTS=consumer; batch_sender.h,
+// "Outputs"). outs[i] is leaf i's; a packed leaf's is a slice of `pack`.
+struct BatchOutputs {
+  BatchLayout layout;
+  at::Tensor pack;
+  std::vector<at::Tensor> outs;
+};
+BatchOutputs batch_outputs(const std::vector<at::Tensor>& leaves, c10::DeviceIndex index);
+
+// The leaves of a batch to `device`, as batch_layout says (pack_to_device for the packed ones,
+// send_to_device for the others); into: outputs batch_outputs made for these leaves, to copy
+// into, instead of allocations on the copies' streams. Returns each leaf's output.
 // csrc/ops/cuda/to_device_cuda.cpp
 std::vector<at::Tensor> send_batch_leaves(const std::vector<at::Tensor>& leaves, c10::Device device,
                                           const transfer::StagingOptions& options,
-                                          LargeCopies large = LargeCopies::kCopyStream);
+                                          LargeCopies large = LargeCopies::kCopyStream,
+                                          const BatchOutputs* into = nullptr);
 // The op's staging arguments, checked (ranges, the staging mode's name).
 transfer::StagingOptions staging_options(int64_t chunk_bytes, int64_t num_buffers,
                                          c10::string_view staging, int64_t cached_tail);

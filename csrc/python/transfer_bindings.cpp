@@ -217,6 +217,12 @@ void bind_batch_sender(pybind11::module_& m) {
       .def_property_readonly("sent_flagged", &ops::BatchSender::sent_flagged,
                              "batches sent with a landing host function "
                              "(PINXFER_SENDER_LANDING)")
+      .def_property_readonly("outputs_on_consumer", &ops::BatchSender::outputs_on_consumer,
+                             "whether submit() makes a batch's device memory on the consumer's "
+                             "current stream (PINXFER_SENDER_OUTPUTS=consumer when it was made)")
+      .def_property_readonly("taken_owned", &ops::BatchSender::taken_owned,
+                             "batches taken on the stream their outputs were made on (no stream "
+                             "use recorded)")
       .def(
           "_job_traces",
           [](const ops::BatchSender& sender) {
@@ -224,6 +230,7 @@ void bind_batch_sender(pybind11::module_& m) {
             for (const ops::BatchSender::JobTrace& j : sender.job_traces()) {
               pybind11::dict d;
               d["entered_ns"] = j.entered_ns;
+              d["outputs_ns"] = j.outputs_ns;
               d["submitted_ns"] = j.submitted_ns;
               d["queued_ns"] = j.queued_ns;
               d["started_ns"] = j.started_ns;
@@ -244,7 +251,8 @@ void bind_batch_sender(pybind11::module_& m) {
             return out;
           },
           "DIAGNOSTIC: _job_traces() -> list[dict]: the last taken jobs traced while "
-          "_set_sender_tracing(True) was on, oldest first: entered_ns, submitted_ns, queued_ns, "
+          "_set_sender_tracing(True) was on, oldest first: entered_ns, outputs_ns (a duration), "
+          "submitted_ns, queued_ns, "
           "started_ns, sent_ns, take_entered_ns, waited_ns, taken_ns, recorded_ns "
           "(time.perf_counter_ns's clock; BatchSender::JobTrace says what each marks), bytes, "
           "flagged, landed, block (the "

@@ -51,6 +51,16 @@ bool env_auto_or_off(const char* name, const std::string& value, const char* wha
   return value == "auto";
 }
 
+// One of `names` (a settings.h list), or bad_env with `expected` (what each name means).
+template <size_t N>
+const std::string& env_one_of(const char* name, const std::string& value,
+                              const char* const (&names)[N], const char* expected) {
+  if (std::find(std::begin(names), std::end(names), value) == std::end(names)) {
+    bad_env(name, value, expected);
+  }
+  return value;
+}
+
 // One variable. `parse` reads its text into the settings and returns the value
 // doctor shows; `unset` fills in what applies without it and returns the same.
 // Rows run in table order, so a row may use what an earlier row set (the sysfs
@@ -138,11 +148,9 @@ const Row kRows[] = {
 
     {"PINXFER_STAGE_COPY", "staging stores when a transfer says 'auto': auto, nt or movsb",
      [](const char* name, const std::string& text, Settings& s) {
-       if (std::find(std::begin(kStagingModeNames), std::end(kStagingModeNames), text) ==
-           std::end(kStagingModeNames)) {
-         bad_env(name, text, "'auto', 'nt' (nontemporal stores) or 'movsb' (cached stores)");
-       }
-       return s.stage_copy = text;
+       return s.stage_copy =
+                  env_one_of(name, text, kStagingModeNames,
+                             "'auto', 'nt' (nontemporal stores) or 'movsb' (cached stores)");
      },
      [](Settings& s) { return s.stage_copy; }, "default"},
 
@@ -175,13 +183,10 @@ const Row kRows[] = {
     {"PINXFER_SENDER_LANDING",
      "how prefetch's batch sender knows a batch has landed: auto, flag or event",
      [](const char* name, const std::string& text, Settings& s) {
-       if (std::find(std::begin(kSenderLandingNames), std::end(kSenderLandingNames), text) ==
-           std::end(kSenderLandingNames)) {
-         bad_env(name, text,
-                 "'auto' (the default: a host function only after long consumer steps), 'flag' "
-                 "(a host function after each batch) or 'event' (take() asks the batch's event)");
-       }
-       return s.sender_landing = text;
+       return s.sender_landing = env_one_of(
+                  name, text, kSenderLandingNames,
+                  "'auto' (the default: a host function only after long consumer steps), 'flag' "
+                  "(a host function after each batch) or 'event' (take() asks the batch's event)");
      },
      [](Settings& s) { return s.sender_landing; }, "default"},
 
@@ -192,6 +197,17 @@ const Row kRows[] = {
        return std::to_string(s.sender_workers);
      },
      [](Settings& s) { return std::to_string(s.sender_workers); }, "default"},
+
+    {"PINXFER_SENDER_OUTPUTS",
+     "whose stream prefetch's batch sender makes a batch's device memory on: worker or consumer",
+     [](const char* name, const std::string& text, Settings& s) {
+       return s.sender_outputs = env_one_of(
+                  name, text, kSenderOutputsNames,
+                  "'worker' (the default: the sender's worker allocates on its own stream, the "
+                  "consumer records its use at each take) or 'consumer' (allocated at submit on "
+                  "the consumer's current stream, which owns it from then on)");
+     },
+     [](Settings& s) { return s.sender_outputs; }, "default"},
 
     // libgomp's, read and never set: after a region torch's team spins (libgomp: 300000 spins
     // by default) unless these say otherwise; pinxfer then asks /proc at every copy.

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
+#include <exception>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -62,10 +63,38 @@ struct BatchSender::Job : SerialJobs::Job {
   bool flagged = false;  // a host function sets `landed`; else take() asks the event
   bool taken = false;    // only the consumer's thread reads or sets it
   JobTrace trace;        // while tracing: submit() and the worker's send fill it; take() files it
+  // "consumer" outputs (make_outputs): made at submit on `owner`, after which `outputs_made`
+  // was recorded there; or the error making them raised, for the send to raise.
+  std::optional<BatchOutputs> made;
+  std::optional<c10::cuda::CUDAStream> owner;
+  cuda::Event outputs_made;
+  std::exception_ptr make_error;
+  // The worker's stream once it may have queued a copy into `made`'s outputs.
+  std::optional<c10::cuda::CUDAStream> copied_on;
 
   void run() override { sender->send(*this); }
+  // Outputs dropped untaken (settled, failed, a take that raised, or the ticket gone): their
+  // memory, which returns to the owner's stream, waits for the copies queued into it first.
+  // After a take nothing is left here (take() moved the results out).
+  void drop_untaken_outputs() {
+    if (copied_on) {
+      const auto keep_for_copies = [this](const std::vector<at::Tensor>& tensors) {
+        for (const at::Tensor& t : tensors) {
+          if (t.defined()) {
+            c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), *copied_on);
+          }
+        }
+      };
+      keep_for_copies(outs);
+      if (made) keep_for_copies(made->outs);
+    }
+    outs.clear();
+    made.reset();
+  }
   ~Job() override {
+    drop_untaken_outputs();
     if (event.handle != nullptr) cuda::release_event(event);
+    if (outputs_made.handle != nullptr) cuda::release_event(outputs_made);
   }
 };
 
@@ -105,6 +134,7 @@ struct BatchSender::WarmUp : SerialJobs::Job {
 BatchSender::BatchSender(c10::Device device)
     : device_(device.type(), device.index()),
       landing_(landing_mode_from(settings().sender_landing)),
+      outputs_on_consumer_(settings().sender_outputs == "consumer"),
       long_step_ns_(int64_t{2} * settings().spin_us * 1000),
       jobs_(settings().spin_us, "pinxfer.prefetch's batch sender", settings().sender_workers) {
   TORCH_CHECK(device.is_cuda() && device.has_index(),
@@ -164,15 +194,42 @@ std::shared_ptr<BatchSender::Job> BatchSender::submit(std::vector<at::Tensor> le
   job->sender = this;
   job->leaves = std::move(leaves);
   job->options = staging_options(chunk_bytes, num_buffers, "auto", -1);
-  if (g_sender_tracing.load(std::memory_order_relaxed)) {
+  const bool tracing = g_sender_tracing.load(std::memory_order_relaxed);
+  const int64_t making = tracing ? steady_now_ns() : 0;
+  if (outputs_on_consumer_) make_outputs(*job);
+  if (tracing) {
     for (const at::Tensor& t : job->leaves) job->trace.bytes += static_cast<int64_t>(t.nbytes());
     job->trace.submitted_ns = steady_now_ns();
-    job->trace.entered_ns = entered_ns != 0 ? entered_ns : job->trace.submitted_ns;
+    job->trace.entered_ns = entered_ns != 0 ? entered_ns : making;
+    if (outputs_on_consumer_) job->trace.outputs_ns = job->trace.submitted_ns - making;
   }
   jobs_.submit(job);
   // The worker never touches this field (its own are started_ns and sent_ns); take() reads it.
   if (job->trace.submitted_ns != 0) job->trace.queued_ns = steady_now_ns();
   return job;
+}
+
+void BatchSender::make_outputs(Job& job) const {
+  try {
+    const c10::DeviceIndex index = device_.index();
+    c10::cuda::CUDAGuard on_device(index);
+    const c10::cuda::CUDAStream owner = c10::cuda::getCurrentCUDAStream(index);
+    // An event recorded on a capturing stream would join the capture, and the worker's stream
+    // waiting on it would join it too: its copies captured, not run.
+    std::string error;
+    const bool capturing = cuda::stream_is_capturing(owner.unwrap(), &error);
+    TORCH_CHECK(error.empty(), "pinxfer.prefetch: ", error);
+    TORCH_CHECK(!capturing, "pinxfer.prefetch: the current CUDA stream of device ",
+                static_cast<int>(index),
+                " is capturing a CUDA graph; a batch cannot be sent into a capture (a replay "
+                "would not send it again). Take batches before the capture or between replays.");
+    job.made = batch_outputs(job.leaves, index);
+    job.outputs_made = cuda::record_event(owner.unwrap());
+    job.owner = owner;
+  } catch (...) {
+    job.made.reset();
+    job.make_error = std::current_exception();
+  }
 }
 
 std::vector<at::Tensor> BatchSender::take(const std::shared_ptr<Job>& job) {
@@ -203,9 +260,13 @@ std::vector<at::Tensor> BatchSender::take(const std::shared_ptr<Job>& job) {
   const int64_t taken = entered != 0 ? steady_now_ns() : 0;
   // Keep each result's memory from the sender's next copies until `cur` is done with it
   // (a batch's small leaves share one storage: recorded once). A batch has few storages: a
-  // linear search of an inline vector, where a set allocated at every take.
+  // linear search of an inline vector, where a set allocated at every take. Outputs made on
+  // `cur` itself ("consumer" outputs) need nothing: that stream owns them.
+  const bool owned = job->owner && *job->owner == cur;
+  if (owned) taken_owned_.fetch_add(1, std::memory_order_relaxed);
   c10::SmallVector<const void*, 8> recorded;
   for (const at::Tensor& t : job->outs) {
+    if (owned) break;
     if (!t.defined()) continue;
     const void* data = t.storage().data();
     if (std::find(recorded.begin(), recorded.end(), data) != recorded.end()) continue;
@@ -249,6 +310,7 @@ int64_t BatchSender::warmed_workers() const { return warmed_.load(std::memory_or
 int64_t BatchSender::taken() const { return taken_.load(std::memory_order_relaxed); }
 int64_t BatchSender::taken_landed() const { return taken_landed_.load(std::memory_order_relaxed); }
 int64_t BatchSender::sent_flagged() const { return sent_flagged_.load(std::memory_order_relaxed); }
+int64_t BatchSender::taken_owned() const { return taken_owned_.load(std::memory_order_relaxed); }
 
 std::vector<BatchSender::JobTrace> BatchSender::job_traces() const {
   std::lock_guard<std::mutex> lock(traces_mutex_);
@@ -273,7 +335,20 @@ void BatchSender::send(Job& job) {
   try {
     // Every copy on the worker's stream, the pipelined leaves too (not the device's copy
     // stream): csrc/README.md, "The sender road", session 27.
-    job.outs = send_batch_leaves(job.leaves, device_, job.options, LargeCopies::kCurrentStream);
+    if (job.make_error) std::rethrow_exception(job.make_error);
+    if (job.made) {
+      // "consumer" outputs: their memory may still be used by work the consumer queued on
+      // their stream before submit() made them (a block freed there is reused at once); the
+      // copies wait for it.
+      C10_CUDA_CHECK(cudaStreamWaitEvent(stream.stream(),
+                                         static_cast<cudaEvent_t>(job.outputs_made.handle), 0));
+      job.copied_on = stream;
+      job.outs = send_batch_leaves(job.leaves, device_, job.options, LargeCopies::kCurrentStream,
+                                   &*job.made);
+      job.made.reset();  // job.outs holds them now
+    } else {
+      job.outs = send_batch_leaves(job.leaves, device_, job.options, LargeCopies::kCurrentStream);
+    }
     if (tracing) {
       job.trace.sent_ns = steady_now_ns();
       // This thread's last single-block transfer, if this job made it (mustered after the
@@ -306,8 +381,9 @@ void BatchSender::send(Job& job) {
     sent_flagged_.fetch_add(1, std::memory_order_relaxed);
   } catch (...) {
     // Copies already queued read staging blocks the pool keeps until they are done, and
-    // write outputs whose memory returns to a stream their later users are ordered on.
-    job.outs.clear();
+    // write outputs whose memory returns to a stream their later users are ordered on (the
+    // worker's own, or, for "consumer" outputs, the owner's once the copies are recorded).
+    job.drop_untaken_outputs();
     throw;
   }
 }

@@ -42,6 +42,19 @@
 // big one, all on the host (8 MiB back to back on the H200: 216 µs a batch against a
 // 152 µs DMA, diag_sender.py --trace), so with one worker the copy engine idled between
 // batches. Two batches in flight share the copy threads and the engine.
+// Outputs (PINXFER_SENDER_OUTPUTS). "worker" (the default): the worker allocates a job's
+// device memory on its own stream, and take() records each result's use on the consumer's
+// stream (recordStream), so the caching allocator keeps the memory from the worker's next
+// copies until the consumer is done with it: at the result's free, one event a storage and a
+// stream. "consumer": submit() makes the outputs on the consumer's current stream
+// (batch_outputs, before the job is queued) and records an event there; the worker's stream
+// waits for that event before its copies, so they never write memory the consumer's queued
+// work still reads (a block freed on that stream is reused by the next allocation on it at
+// once). The consumer's stream then owns the results as if it had allocated them itself: a
+// take() on that stream records nothing and their free makes no event, as a plain loop's. A
+// take() on another stream records the use as before. A job's outputs that are dropped
+// untaken after its copies were queued (settled, failed, or its ticket dropped) have the
+// worker's stream recorded first, so their memory waits for those copies.
 // Sources are referenced by the job until take() or the job's end: a pageable source is
 // staged before its send returns, a pinned one is kept by pinxfer's source use until the
 // copy has read it (transfer/cuda/source_use.h), as with to_device.
@@ -92,7 +105,11 @@ class BatchSender {
   int64_t submitted() const;
   int64_t taken() const;
   int64_t taken_landed() const;
-  int64_t sent_flagged() const;    // jobs sent with a landing host function
+  int64_t sent_flagged() const;  // jobs sent with a landing host function
+  // Jobs taken on the stream their outputs were made on ("consumer" outputs): no stream use
+  // recorded.
+  int64_t taken_owned() const;
+  bool outputs_on_consumer() const { return outputs_on_consumer_; }
   int workers() const;             // PINXFER_SENDER_WORKERS at construction
   int64_t warmed_workers() const;  // workers that made their first CUDA calls (warm_workers)
 
@@ -102,6 +119,8 @@ class BatchSender {
   struct JobTrace {
     int64_t entered_ns = 0;       // the submitting call began (the binding's: before it took
                                   // the batch apart; submit()'s own start otherwise)
+    int64_t outputs_ns = 0;       // of those until submitted_ns, making the outputs and their
+                                  // event ("consumer" outputs; 0 otherwise)
     int64_t submitted_ns = 0;     // the job made, about to be queued
     int64_t queued_ns = 0;        // queued: submit() returning (a lock, a push, a notify)
     int64_t started_ns = 0;       // the worker began sending it
@@ -125,6 +144,10 @@ class BatchSender {
   std::vector<JobTrace> job_traces() const;  // oldest first; at most kJobTraces
 
  private:
+  // On the consumer's thread, in submit(), with PINXFER_SENDER_OUTPUTS=consumer: the job's
+  // outputs on the current stream and the event the worker's stream waits for (an error is
+  // kept in the job and raised by its send, so that take() raises it).
+  void make_outputs(Job& job) const;
   // One job's send, on the worker thread (Job::run).
   void send(Job& job);
   // The calling worker's own stream, from torch's pool (made at its first call).
@@ -140,8 +163,9 @@ class BatchSender {
   static bool event_landed(const Job& job);
 
   const c10::Device device_;
-  std::atomic<int64_t> taken_{0}, taken_landed_{0}, sent_flagged_{0}, warmed_{0};
+  std::atomic<int64_t> taken_{0}, taken_landed_{0}, taken_owned_{0}, sent_flagged_{0}, warmed_{0};
   const LandingMode landing_;
+  const bool outputs_on_consumer_;  // PINXFER_SENDER_OUTPUTS=consumer
   // kAuto: the consumer's last step (take to take) was longer than long_step_ns_ (twice
   // the spin), so the next job gets a host function.
   const int64_t long_step_ns_;

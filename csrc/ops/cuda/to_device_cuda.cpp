@@ -44,6 +44,25 @@ at::Tensor slice_as(const at::Tensor& packed, size_t offset, const at::Tensor& l
   return at::Tensor(std::move(impl));
 }
 
+// Each of a pack's tensors (their byte sizes, in order) at an offset rounded up to kPackAlign,
+// into `offsets`; returns the pack's size. pack_to_device and batch_layout place them alike.
+size_t pack_offsets(const std::vector<size_t>& sizes, std::vector<size_t>& offsets,
+                    const char* op) {
+  offsets.clear();
+  offsets.reserve(sizes.size());
+  size_t total = 0;
+  for (const size_t nbytes : sizes) {
+    offsets.push_back(total);
+    total = checked_round_up(checked_add(total, nbytes, op), kPackAlign, op);
+  }
+  return total;
+}
+
+// A pack's device bytes.
+at::TensorOptions pack_options(c10::DeviceIndex index) {
+  return at::TensorOptions().device(c10::Device(c10::kCUDA, index)).dtype(at::kByte);
+}
+
 void check_cuda_usable(const char* op) {
   TORCH_CHECK(cuda::cuda_usable(), "pinxfer.", op, ": expected a usable CUDA device, but ",
               cuda::cuda_unusable_reason(),
@@ -121,7 +140,8 @@ transfer::StagingOptions staging_options(int64_t chunk_bytes, int64_t num_buffer
 }
 
 at::Tensor send_to_device(const at::Tensor& self, c10::Device device,
-                          const transfer::StagingOptions& options, LargeCopies large) {
+                          const transfer::StagingOptions& options, LargeCopies large,
+                          const at::Tensor* into) {
   check_cuda_usable("to_device");
   const c10::DeviceIndex index = resolve_device(device, "to_device");
   c10::cuda::CUDAGuard guard(index);
@@ -139,9 +159,13 @@ at::Tensor send_to_device(const at::Tensor& self, c10::Device device,
 
   const c10::cuda::CUDAStream cur = c10::cuda::getCurrentCUDAStream(index);
   const at::TensorOptions on_device = src.options().device(c10::Device(c10::kCUDA, index));
+  TORCH_INTERNAL_ASSERT(into == nullptr ||
+                            (into->sizes() == src.sizes() && into->dtype() == src.dtype() &&
+                             into->device() == on_device.device()),
+                        "pinxfer: a transfer's given output does not match its source");
   if (nbytes <= transfer::kCurrentStreamBytes) {
     // Small: on the caller's stream, by the caller (pipeline.h says why).
-    at::Tensor out = transfer::device_empty(src.sizes(), on_device);
+    at::Tensor out = into != nullptr ? *into : transfer::device_empty(src.sizes(), on_device);
     if (nbytes == 0) return out;
     if (pinned) {
       transfer::direct_copy(src, out, cur);
@@ -153,7 +177,8 @@ at::Tensor send_to_device(const at::Tensor& self, c10::Device device,
   const bool on_current = large == LargeCopies::kCurrentStream;
   const c10::cuda::CUDAStream copy = on_current ? cur : copy_stream_for(index);
   if (pipelined) crew.streams_found = std::chrono::steady_clock::now();
-  at::Tensor out = transfer::empty_on_stream(src.sizes(), on_device, copy);
+  at::Tensor out =
+      into != nullptr ? *into : transfer::empty_on_stream(src.sizes(), on_device, copy);
   if (pipelined) {
     crew.output_made = std::chrono::steady_clock::now();
     transfer::pipelined_copy(src, out, index, copy, options, crew);
@@ -184,7 +209,7 @@ void release_finished_sources_of(c10::Device device) {
 }
 
 PackedOnDevice pack_to_device(at::TensorList tensors, c10::Device device, bool want_views,
-                              LargeCopies large) {
+                              LargeCopies large, const at::Tensor* into_pack) {
   // With views this is pinxfer.to_device of a batch (the fast call): errors name that.
   const char* op = want_views ? "to_device" : "to_device_packed";
   transfer::PackSteps steps;  // for the diagnostic trace (transfer::last_pack_trace)
@@ -195,15 +220,15 @@ PackedOnDevice pack_to_device(at::TensorList tensors, c10::Device device, bool w
   check_not_capturing(op, index);
 
   std::vector<at::Tensor> srcs;
-  std::vector<size_t> offsets;
+  std::vector<size_t> sizes;
   srcs.reserve(tensors.size());
-  offsets.reserve(tensors.size());
-  size_t total = 0;
+  sizes.reserve(tensors.size());
   for (const auto& t : tensors) {
     srcs.push_back(dense_source(t, op));
-    offsets.push_back(total);
-    total = checked_round_up(checked_add(total, srcs.back().nbytes(), op), kPackAlign, op);
+    sizes.push_back(srcs.back().nbytes());
   }
+  std::vector<size_t> offsets;
+  const size_t total = pack_offsets(sizes, offsets, op);
   const c10::cuda::CUDAStream cur = c10::cuda::getCurrentCUDAStream(index);
   // Small: on the caller's stream (pipeline.h, kCurrentStreamBytes, says why); larger where
   // `large` says.
@@ -212,9 +237,14 @@ PackedOnDevice pack_to_device(at::TensorList tensors, c10::Device device, bool w
   const c10::cuda::CUDAStream copy = on_current ? cur : copy_stream_for(index);
   steps.checked = std::chrono::steady_clock::now();
   PackedOnDevice result;
-  result.packed = transfer::empty_on_stream(
-      {static_cast<int64_t>(total)},
-      at::TensorOptions().device(c10::Device(c10::kCUDA, index)).dtype(at::kByte), copy);
+  if (into_pack != nullptr) {
+    TORCH_INTERNAL_ASSERT(into_pack->nbytes() == total && into_pack->device().index() == index,
+                          "pinxfer: a pack's given output does not match its leaves");
+    result.packed = *into_pack;
+  } else {
+    result.packed =
+        transfer::empty_on_stream({static_cast<int64_t>(total)}, pack_options(index), copy);
+  }
   steps.output_made = std::chrono::steady_clock::now();
   if (total > 0) {
     transfer::packed_copy(srcs, offsets, total, result.packed, index, copy, steps);
@@ -231,38 +261,75 @@ PackedOnDevice pack_to_device(at::TensorList tensors, c10::Device device, bool w
   return result;
 }
 
-std::vector<at::Tensor> send_batch_leaves(const std::vector<at::Tensor>& leaves, c10::Device device,
-                                          const transfer::StagingOptions& options,
-                                          LargeCopies large) {
+BatchLayout batch_layout(const std::vector<at::Tensor>& leaves) {
   // The small leaves packed: one copy, one device allocation, instead of one each (but the
   // largest alone where that keeps both sends on the current stream: leaf_sent_apart).
-  std::vector<at::Tensor> out(leaves.size());
+  BatchLayout layout;
   std::vector<size_t> small;
   for (size_t i = 0; i < leaves.size(); ++i) {
-    if (leaves[i].nbytes() <= transfer::kCurrentStreamBytes) {
-      small.push_back(i);
-    } else {
-      out[i] = send_to_device(leaves[i], device, options, large);
-    }
+    (leaves[i].nbytes() <= transfer::kCurrentStreamBytes ? small : layout.alone).push_back(i);
   }
+  std::vector<size_t> sizes;
+  sizes.reserve(small.size());
+  for (size_t i : small) sizes.push_back(leaves[i].nbytes());
   if (small.size() >= 2) {
-    std::vector<size_t> sizes;
-    sizes.reserve(small.size());
-    for (size_t i : small) sizes.push_back(leaves[i].nbytes());
     if (const std::ptrdiff_t apart = transfer::leaf_sent_apart(sizes, kPackAlign); apart >= 0) {
-      const size_t i = small[static_cast<size_t>(apart)];
-      out[i] = send_to_device(leaves[i], device, options, large);
+      layout.alone.push_back(small[static_cast<size_t>(apart)]);
       small.erase(small.begin() + apart);
+      sizes.erase(sizes.begin() + apart);
     }
   }
   if (small.size() == 1) {
-    out[small[0]] = send_to_device(leaves[small[0]], device, options, large);
+    layout.alone.push_back(small[0]);
   } else if (!small.empty()) {
-    std::vector<at::Tensor> packed_leaves;
-    packed_leaves.reserve(small.size());
-    for (size_t i : small) packed_leaves.push_back(leaves[i]);
+    layout.pack_bytes = pack_offsets(sizes, layout.offsets, "to_device");
+    layout.packed = std::move(small);
+  }
+  return layout;
+}
+
+BatchOutputs batch_outputs(const std::vector<at::Tensor>& leaves, c10::DeviceIndex index) {
+  BatchOutputs made;
+  made.layout = batch_layout(leaves);
+  made.outs.resize(leaves.size());
+  const c10::Device device(c10::kCUDA, index);
+  for (size_t i : made.layout.alone) {
+    made.outs[i] = transfer::device_empty(leaves[i].sizes(), leaves[i].options().device(device));
+  }
+  if (!made.layout.packed.empty()) {
+    made.pack =
+        transfer::device_empty({static_cast<int64_t>(made.layout.pack_bytes)}, pack_options(index));
+    for (size_t k = 0; k < made.layout.packed.size(); ++k) {
+      const size_t i = made.layout.packed[k];
+      made.outs[i] = slice_as(made.pack, made.layout.offsets[k], leaves[i]);
+    }
+  }
+  return made;
+}
+
+std::vector<at::Tensor> send_batch_leaves(const std::vector<at::Tensor>& leaves, c10::Device device,
+                                          const transfer::StagingOptions& options,
+                                          LargeCopies large, const BatchOutputs* into) {
+  BatchLayout own;  // both branches below lvalues: `into`'s layout is not copied
+  if (into == nullptr) own = batch_layout(leaves);
+  const BatchLayout& layout = into != nullptr ? into->layout : own;
+  std::vector<at::Tensor> out(leaves.size());
+  for (size_t i : layout.alone) {
+    out[i] = send_to_device(leaves[i], device, options, large,
+                            into != nullptr ? &into->outs[i] : nullptr);
+  }
+  if (layout.packed.empty()) return out;
+  std::vector<at::Tensor> packed_leaves;
+  packed_leaves.reserve(layout.packed.size());
+  for (size_t i : layout.packed) packed_leaves.push_back(leaves[i]);
+  if (into != nullptr) {
+    pack_to_device(packed_leaves, device, /*want_views=*/false, large, &into->pack);
+    for (size_t i : layout.packed) out[i] = into->outs[i];
+  } else {
     PackedOnDevice packed = pack_to_device(packed_leaves, device, /*want_views=*/true, large);
-    for (size_t k = 0; k < small.size(); ++k) out[small[k]] = std::move(packed.views[k]);
+    for (size_t k = 0; k < layout.packed.size(); ++k) {
+      out[layout.packed[k]] = std::move(packed.views[k]);
+    }
   }
   return out;
 }
