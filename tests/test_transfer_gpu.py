@@ -1213,10 +1213,12 @@ _CONSUMER_OUTPUTS_CHILD = """
     MiB = 1 << 20
     sender = pinxfer._C.batch_sender(torch.device("cuda", 0))
     out = dict(on_consumer=sender.outputs_on_consumer)
-    # 1. Back to back on a consumer stream that falls behind: each batch is read by work queued
-    # after a GPU sleep, then dropped at the next step, whose submit makes the batch after on
-    # the same stream (where the dropped batch's memory is free at once): the copies into it
-    # must wait for that queued work. Small batches (packed) and large ones (pipelined leaf).
+    # 1. Back to back on a consumer stream that falls behind (each step queues a GPU sleep of
+    # about 10 ms, longer than the host's step): each batch is read by work queued behind the
+    # sleeps, then dropped a step or two later, while that work is still queued; the submits
+    # after it make their batches on the same stream, where the dropped batch's memory is free
+    # at once, so the copies into it must wait for that queued work. Small batches (packed)
+    # and large ones (a pipelined leaf).
     def batches(n, big):
         return [{"x": torch.full((2 * MiB + i if big else 1000 + i,), float(i)),
                  "y": torch.arange(i, i + 4)} for i in range(n)]
@@ -1226,13 +1228,17 @@ _CONSUMER_OUTPUTS_CHILD = """
         owned, taken = sender.taken_owned, sender.taken
         with torch.cuda.stream(consumer):
             for i, b in enumerate(pinxfer.prefetch(src)):
-                torch.cuda._sleep(200_000)
+                torch.cuda._sleep(20_000_000)
                 y = torch.arange(i, i + 4, device="cuda")
                 oks.append(torch.all(b["x"] == float(i)) & torch.all(b["y"] == y))
+            behind = not consumer.query()  # the stream was still behind the host at the end
         consumer.synchronize()
-        out["big" if big else "small"] = dict(
+        out["big" if big else "small"] = dict(behind=behind,
             ok=bool(torch.stack(oks).all()), taken=sender.taken - taken,
             owned=sender.taken_owned - owned)
+    def pending_free_bytes():
+        return sum(b["size"] for seg in torch.cuda.memory._snapshot()["segments"]
+                   for b in seg["blocks"] if b["state"] == "active_pending_free")
     # 2. Submitted on one stream, taken on another that is behind the copies, the sources
     # rewritten once taken: every byte, and each take records its stream's use.
     g = torch.Generator().manual_seed(5)
@@ -1249,13 +1255,25 @@ _CONSUMER_OUTPUTS_CHILD = """
             for leaf in b:
                 leaf.zero_()
     consumer.synchronize()
-    out["other_stream"] = dict(ok=all(oks), owned=sender.taken_owned - owned)
+    # And such a take records its stream's use: the results, dropped while that stream is still
+    # behind a GPU sleep, leave their memory pending free.
+    torch.cuda.synchronize()
+    torch.empty(1, device="cuda")  # an allocation frees the blocks whose events are done
+    before = pending_free_bytes()
+    ticket = sender.submit([torch.ones(3 * MiB, dtype=torch.uint8), torch.arange(3)],
+                           DEFAULT_CHUNK_BYTES, DEFAULT_NUM_BUFFERS)
+    with torch.cuda.stream(consumer):
+        torch.cuda._sleep(1_000_000_000)  # about half a second
+        got = sender.take(ticket)
+        del got, ticket
+        taken_pending = pending_free_bytes() - before
+    torch.cuda.synchronize()
+    out["other_stream"] = dict(ok=all(oks), owned=sender.taken_owned - owned,
+                               pending=taken_pending)
     # 3. Not taken: a batch whose copies wait behind a long GPU sleep on the consumer's stream
-    # (they wait for the work queued before its outputs were made), settled and dropped. Its
-    # memory must wait for those copies: pending free, not free for the next allocation.
-    def pending_free_bytes():
-        return sum(b["size"] for seg in torch.cuda.memory._snapshot()["segments"]
-                   for b in seg["blocks"] if b["state"] == "active_pending_free")
+    # (they wait for the work queued before its outputs were made), settled once the worker has
+    # sent it (its copies queued), and dropped. Its memory must wait for those copies: pending
+    # free, not free for the next allocation.
     torch.cuda.synchronize()
     torch.empty(1, device="cuda")  # an allocation frees the blocks whose events are done
     before = pending_free_bytes()
@@ -1264,6 +1282,7 @@ _CONSUMER_OUTPUTS_CHILD = """
         # One small leaf: one DMA queued by the worker, nothing on the host waits for it.
         ticket = sender.submit([torch.ones(200_000, dtype=torch.uint8)], DEFAULT_CHUNK_BYTES,
                                DEFAULT_NUM_BUFFERS)
+        time.sleep(0.05)  # the worker has started it (a settle before would drop it unsent)
         sender.settle(ticket)
         del ticket  # the job's last reference may be the worker's for a moment more
         deadline, pending = time.monotonic() + 0.2, 0
@@ -1292,23 +1311,26 @@ def test_sender_outputs_keep_every_byte_and_never_free_memory_a_copy_writes(outp
     """PINXFER_SENDER_OUTPUTS: with "consumer" outputs submit() makes a batch's device memory
     on the consumer's stream, where memory just freed is reused at once. Back to back on a
     consumer stream behind the copies, small and large batches are each read whole by work
-    queued after a GPU sleep (the copies into the next batch's memory wait for it); a batch
-    taken on another stream records that use (none is "owned"), every byte; a batch dropped
+    queued behind GPU sleeps (the copies into memory freed there wait for it); a batch
+    taken on another stream records that use (none is "owned"; its results dropped while that
+    stream sleeps leave their memory pending free), every byte; a batch sent but dropped
     untaken, its copies held behind a GPU sleep, leaves its memory pending free, so a new
     tensor on that stream gets other memory and keeps its values; a batch submitted inside a
-    capture is refused at its take. "worker" outputs pass the same checks (taken on the stream
-    the worker allocated on, none is owned)."""
+    capture is refused at its take. "worker" outputs pass the same checks (none is owned; their
+    copies wait for nothing, so nothing of an untaken batch stays pending)."""
     got = last_json(run_child(_CONSUMER_OUTPUTS_CHILD, env={"PINXFER_SENDER_OUTPUTS": outputs}))
     consumer = outputs == "consumer"
     assert got["on_consumer"] is consumer, got
     for size in ("small", "big"):
-        assert got[size]["ok"] and got[size]["taken"] == 11, got  # the first: sent in next()
+        assert got[size]["ok"] and got[size]["behind"], got
+        assert got[size]["taken"] == 11, got  # the first: sent in next()
         assert got[size]["owned"] == (11 if consumer else 0), got
-    assert got["other_stream"] == {"ok": True, "owned": 0}, got
+    other = got["other_stream"]
+    assert other["ok"] and other["owned"] == 0 and other["pending"] >= 3 * MiB, got
     assert got["untaken"]["fresh_ok"], got
     if consumer:
         assert got["untaken"]["pending"] >= 200_000, got
-        assert "capturing a CUDA graph" in got["capture_error"], got
+        assert got["capture_error"] and "capturing a CUDA graph" in got["capture_error"], got
 
 
 def test_batch_sender_initialises_torch_cuda_before_its_threads_use_it():

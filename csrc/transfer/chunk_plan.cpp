@@ -39,7 +39,7 @@ ChunkPlan plan_chunks(size_t nbytes, size_t chunk_bytes, size_t num_buffers, siz
   plan.bounds = serial ? std::vector<size_t>{0, nbytes}
                        : chunk_bounds(nbytes, steady_chunk(nbytes, chunk_bytes), kFirstChunk);
   const size_t chunks = plan.num_chunks();
-  const bool one_block = nbytes <= chunk_bytes * num_buffers || chunks <= num_buffers;
+  const bool one_block = fits_one_block(nbytes, chunk_bytes, num_buffers) || chunks <= num_buffers;
   plan.ring = one_block ? 0 : num_buffers;
   const size_t threads = serial ? 1 : std::max<size_t>(1, num_threads);
   for (size_t c = 0; c < chunks; ++c) {

@@ -46,6 +46,12 @@ struct ChunkPlan {
   bool serial() const { return threads == 1; }
 };
 
+// Whether a transfer of nbytes is staged in one block whatever its chunks: it fits
+// num_buffers x chunk_bytes. No thread staging it then waits for a DMA to free a slot.
+inline bool fits_one_block(size_t nbytes, size_t chunk_bytes, size_t num_buffers) {
+  return nbytes <= chunk_bytes * num_buffers;
+}
+
 // chunk_bytes >= 4096 and num_buffers >= 1 (the op checks them).
 ChunkPlan plan_chunks(size_t nbytes, size_t chunk_bytes, size_t num_buffers, size_t num_threads);
 

@@ -23,6 +23,7 @@
 #include "runtime/fork.h"
 #include "runtime/settings.h"
 #include "runtime/steady_time.h"
+#include "transfer/chunk_plan.h"
 #include "transfer/cuda/pipeline.h"
 
 namespace pinxfer::ops {
@@ -196,12 +197,20 @@ std::shared_ptr<BatchSender::Job> BatchSender::submit(std::vector<at::Tensor> le
   job->options = staging_options(chunk_bytes, num_buffers, "auto", -1);
   const bool tracing = g_sender_tracing.load(std::memory_order_relaxed);
   const int64_t making = tracing ? steady_now_ns() : 0;
-  if (outputs_on_consumer_) make_outputs(*job);
+  // "consumer" outputs for batches staged without a ring only: a ring's staging thread waits
+  // for a slot's DMA, which would wait for the consumer's queued work, and take() for that.
+  const bool on_consumer =
+      outputs_on_consumer_ &&
+      std::all_of(job->leaves.begin(), job->leaves.end(), [&](const at::Tensor& t) {
+        return transfer::fits_one_block(t.nbytes(), job->options.chunk_bytes,
+                                        job->options.num_buffers);
+      });
+  if (on_consumer) make_outputs(*job);
   if (tracing) {
     for (const at::Tensor& t : job->leaves) job->trace.bytes += static_cast<int64_t>(t.nbytes());
     job->trace.submitted_ns = steady_now_ns();
     job->trace.entered_ns = entered_ns != 0 ? entered_ns : making;
-    if (outputs_on_consumer_) job->trace.outputs_ns = job->trace.submitted_ns - making;
+    if (on_consumer) job->trace.outputs_ns = job->trace.submitted_ns - making;
   }
   jobs_.submit(job);
   // The worker never touches this field (its own are started_ns and sent_ns); take() reads it.

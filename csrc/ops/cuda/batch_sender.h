@@ -25,7 +25,8 @@
 //                   LandingMode below) nothing is queued at all; else the current
 //                   stream waits on the job's
 //                   event. Either way each result is record_stream'ed on the current
-//                   stream. Rethrows what sending raised. Once per job.
+//                   stream, unless that stream owns them ("Outputs" below). Rethrows what
+//                   sending raised. Once per job.
 //   settle(job)     a job that will not be taken (its pass stopped): dropped if not
 //                   started, else waited for until sent, so no copy of it is queued after.
 // The destructor ends the threads once their current jobs are sent (jobs not started fail);
@@ -52,7 +53,10 @@
 // work still reads (a block freed on that stream is reused by the next allocation on it at
 // once). The consumer's stream then owns the results as if it had allocated them itself: a
 // take() on that stream records nothing and their free makes no event, as a plain loop's. A
-// take() on another stream records the use as before. A job's outputs that are dropped
+// take() on another stream records the use as before. A batch with a leaf staged through a
+// ring (larger than chunk_bytes x num_buffers) keeps "worker" outputs: the worker's thread
+// waits for a ring slot's DMA, which would wait for the consumer's queued work, and take()
+// for the worker. A job's outputs that are dropped
 // untaken after its copies were queued (settled, failed, or its ticket dropped) have the
 // worker's stream recorded first, so their memory waits for those copies.
 // Sources are referenced by the job until take() or the job's end: a pageable source is
