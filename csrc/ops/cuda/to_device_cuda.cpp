@@ -210,8 +210,11 @@ void release_finished_sources_of(c10::Device device) {
 
 PackedOnDevice pack_to_device(at::TensorList tensors, c10::Device device, bool want_views,
                               LargeCopies large, const at::Tensor* into_pack) {
-  // With views this is pinxfer.to_device of a batch (the fast call): errors name that.
-  const char* op = want_views ? "to_device" : "to_device_packed";
+  // With views this is pinxfer.to_device of a batch (the fast call), into a given pack
+  // prefetch's sender: errors name that.
+  const char* op = into_pack != nullptr ? "prefetch"
+                   : want_views         ? "to_device"
+                                        : "to_device_packed";
   transfer::PackSteps steps;  // for the diagnostic trace (transfer::last_pack_trace)
   steps.entered = std::chrono::steady_clock::now();
   check_cuda_usable(op);
