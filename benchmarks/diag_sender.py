@@ -32,6 +32,13 @@ the pass's start: from making the iterator (prefetch(), or the plain loop's gene
 the first batch usable on the consumer's stream (prefetch_first, loop_first,
 first_ratio_median), each pass made after the pattern's gap.
 
+A sixth way, "owned", is prefetch with the sender's outputs made on the consumer's stream
+(PINXFER_SENDER_OUTPUTS=consumer, set for its passes alone through the sender's diagnostic
+_set_outputs_on_consumer, whatever the variable says): owned_step, owned_next, owned_sync,
+owned_first, and owned_ratio_median (prefetch's median step over owned's; > 1: owned faster),
+so that both settings are timed in one process, pass by pass. With --trace the jobs that made
+their outputs at the submit are summarised apart (sender_owned_*).
+
 The batch is bench_loop.py's ({"x", "y", "meta"} of the given total size).
 """
 
@@ -196,7 +203,8 @@ def main() -> int:
     ap.add_argument(
         "--ways",
         default="prefetch,loop,raw,direct,pieces",
-        help="comma list of prefetch, loop, raw, direct, pieces (prefetch and loop: the ratios)",
+        help="comma list of prefetch, loop, owned, raw, direct, pieces (prefetch and loop: the "
+        "ratios; owned: prefetch with the sender's outputs on the consumer's stream)",
     )
     ap.add_argument("--patterns", default="b2b,sleep,gpu", help="comma list of b2b, sleep, gpu")
     ap.add_argument("--no-calls", action="store_true", help="skip the sender's calls alone")
@@ -238,8 +246,12 @@ def main() -> int:
                 for k in (
                     "prefetch_step",
                     "loop_step",
+                    "owned_step",
                     "prefetch_next",
                     "prefetch_sync",
+                    "owned_next",
+                    "owned_sync",
+                    "owned_first",
                     "loop_to",
                     "loop_sync",
                     "prefetch_first",
@@ -380,12 +392,24 @@ def main() -> int:
                 del b
 
             def run_pass(way: str) -> None:
+                if way == "owned":  # prefetch, the sender's outputs on the consumer's stream
+                    sender = _ops.fast.batch_sender(dev)
+                    setting = sender.outputs_on_consumer
+                    sender._set_outputs_on_consumer(True)
+                    try:
+                        run_pass_as(way)
+                    finally:
+                        sender._set_outputs_on_consumer(setting)
+                else:
+                    run_pass_as(way)
+
+            def run_pass_as(way: str) -> None:
                 if gap is not None:
                     gap()  # a pass starts after a step too (the first batch's row)
                 t_start = time.perf_counter()
                 it = (
                     iter(pinxfer.prefetch(batches, device=dev))
-                    if way == "prefetch"
+                    if way in ("prefetch", "owned")
                     else (
                         {
                             k: [t.to(dev, non_blocking=True) for t in v]
@@ -396,11 +420,11 @@ def main() -> int:
                         for b in batches
                     )
                 )
-                first, second = (
-                    ("prefetch_next", "prefetch_sync")
-                    if way == "prefetch"
-                    else ("loop_to", "loop_sync")
-                )
+                first, second = {
+                    "prefetch": ("prefetch_next", "prefetch_sync"),
+                    "owned": ("owned_next", "owned_sync"),
+                    "loop": ("loop_to", "loop_sync"),
+                }[way]
                 whole = f"{way}_step"
                 for i in range(len(batches)):
                     if i and gap is not None:
@@ -424,6 +448,7 @@ def main() -> int:
             ways = {
                 "prefetch": lambda: run_pass("prefetch"),
                 "loop": lambda: run_pass("loop"),
+                "owned": lambda: run_pass("owned"),
                 "raw": raw_pass,
                 "direct": direct_pass,
                 "pieces": pieces_pass,
@@ -444,7 +469,12 @@ def main() -> int:
                 _ops.fast._set_sender_tracing(False)
                 traced = sender._job_traces()  # the last ones (a ring): this row's jobs
                 taken = min(sender.taken - taken_before, len(traced))
-                row.update(job_trace_stats(traced[len(traced) - taken :]))
+                jobs = traced[len(traced) - taken :]
+                row.update(job_trace_stats([j for j in jobs if not j.get("outputs_ns")]))
+                owned_jobs = job_trace_stats([j for j in jobs if j.get("outputs_ns")])
+                row.update(
+                    {f"sender_owned_{k[len('sender_') :]}": v for k, v in owned_jobs.items()}
+                )
 
             def median_of(key: str) -> float:
                 return row[key]["median_us"] if key in row else float("nan")
@@ -452,6 +482,7 @@ def main() -> int:
             row["step_ratio_median"] = median_of("loop_step") / median_of("prefetch_step")
             row["prefetch_over_raw_us"] = median_of("prefetch_step") - median_of("raw_step")
             row["first_ratio_median"] = median_of("loop_first") / median_of("prefetch_first")
+            row["owned_ratio_median"] = median_of("prefetch_step") / median_of("owned_step")
             result[f"{size_label(nbytes)} {pattern}"] = row
             if not args.no_calls:
                 row.update(sender_calls(dev, batches[0], gap, sync, args.passes))

@@ -1333,6 +1333,26 @@ def test_sender_outputs_keep_every_byte_and_never_free_memory_a_copy_writes(outp
         assert got["capture_error"] and "capturing a CUDA graph" in got["capture_error"], got
 
 
+def test_sender_outputs_switched_for_a_diagnostic_apply_to_the_batches_submitted_after():
+    """diag_sender.py's "owned" way times both outputs settings in one process: the sender's
+    _set_outputs_on_consumer switches the setting for the batches submitted from then on (each
+    keeps its own); a pass then takes its batches on the stream that made them, every byte."""
+    sender = pinxfer._C.batch_sender(torch.device("cuda", torch.cuda.current_device()))
+    setting = sender.outputs_on_consumer
+    src = [{"x": _random_bytes(70_000 + i, seed=i), "y": torch.arange(i, i + 3)} for i in range(6)]
+    try:
+        for on in (True, False):
+            sender._set_outputs_on_consumer(on)
+            assert sender.outputs_on_consumer is on
+            owned = sender.taken_owned
+            for b, want in zip(pinxfer.prefetch(src), src):
+                _check(b["x"], want["x"])
+                _check(b["y"], want["y"])
+            assert sender.taken_owned - owned == (5 if on else 0)  # the first: sent in next()
+    finally:
+        sender._set_outputs_on_consumer(setting)
+
+
 def test_batch_sender_initialises_torch_cuda_before_its_threads_use_it():
     """The sender's threads make CUDA calls of their own from their first job. torch's
     Python lazy init (torch.cuda._lazy_init: it dlopens NVML) running on the caller's thread

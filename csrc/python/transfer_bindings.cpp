@@ -219,7 +219,12 @@ void bind_batch_sender(pybind11::module_& m) {
                              "(PINXFER_SENDER_LANDING)")
       .def_property_readonly("outputs_on_consumer", &ops::BatchSender::outputs_on_consumer,
                              "whether submit() makes a batch's device memory on the consumer's "
-                             "current stream (PINXFER_SENDER_OUTPUTS=consumer when it was made)")
+                             "current stream (PINXFER_SENDER_OUTPUTS=consumer when it was made, "
+                             "or _set_outputs_on_consumer)")
+      .def("_set_outputs_on_consumer", &ops::BatchSender::set_outputs_on_consumer,
+           "DIAGNOSTIC: _set_outputs_on_consumer(on): the outputs setting "
+           "(PINXFER_SENDER_OUTPUTS) for batches submitted from now on, each keeping its own; "
+           "for timing both in one process (benchmarks/diag_sender.py's 'owned' way)")
       .def_property_readonly("taken_owned", &ops::BatchSender::taken_owned,
                              "batches taken on the stream their outputs were made on (no stream "
                              "use recorded)")

@@ -200,7 +200,7 @@ std::shared_ptr<BatchSender::Job> BatchSender::submit(std::vector<at::Tensor> le
   // "consumer" outputs for batches staged without a ring only: a ring's staging thread waits
   // for a slot's DMA, which would wait for the consumer's queued work, and take() for that.
   const bool on_consumer =
-      outputs_on_consumer_ &&
+      outputs_on_consumer() &&
       std::all_of(job->leaves.begin(), job->leaves.end(), [&](const at::Tensor& t) {
         return transfer::fits_one_block(t.nbytes(), job->options.chunk_bytes,
                                         job->options.num_buffers);

@@ -113,7 +113,12 @@ class BatchSender {
   // Jobs taken on the stream their outputs were made on ("consumer" outputs): no stream use
   // recorded.
   int64_t taken_owned() const;
-  bool outputs_on_consumer() const { return outputs_on_consumer_; }
+  bool outputs_on_consumer() const { return outputs_on_consumer_.load(std::memory_order_relaxed); }
+  // DIAGNOSTIC (benchmarks/diag_sender.py's "owned" way): the outputs setting for the jobs
+  // submitted from now on, so that both can be timed in one process (each job keeps its own).
+  void set_outputs_on_consumer(bool on) {
+    outputs_on_consumer_.store(on, std::memory_order_relaxed);
+  }
   int workers() const;             // PINXFER_SENDER_WORKERS at construction
   int64_t warmed_workers() const;  // workers that made their first CUDA calls (warm_workers)
 
@@ -169,7 +174,7 @@ class BatchSender {
   const c10::Device device_;
   std::atomic<int64_t> taken_{0}, taken_landed_{0}, taken_owned_{0}, sent_flagged_{0}, warmed_{0};
   const LandingMode landing_;
-  const bool outputs_on_consumer_;  // PINXFER_SENDER_OUTPUTS=consumer
+  std::atomic<bool> outputs_on_consumer_;  // PINXFER_SENDER_OUTPUTS=consumer
   // kAuto: the consumer's last step (take to take) was longer than long_step_ns_ (twice
   // the spin), so the next job gets a host function.
   const int64_t long_step_ns_;
