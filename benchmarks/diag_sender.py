@@ -34,7 +34,7 @@ first_ratio_median), each pass made after the pattern's gap.
 
 A sixth way, "owned", is prefetch with the sender's outputs made on the consumer's stream
 (PINXFER_SENDER_OUTPUTS=consumer, set for its passes alone through the sender's diagnostic
-_set_outputs_on_consumer, whatever the variable says): owned_step, owned_next, owned_sync,
+_set_outputs, whatever the variable says): owned_step, owned_next, owned_sync,
 owned_first, and owned_ratio_median (prefetch's median step over owned's; > 1: owned faster),
 so that both settings are timed in one process, pass by pass. With --trace the jobs that made
 their outputs at the submit are summarised apart (sender_owned_*).
@@ -394,12 +394,12 @@ def main() -> int:
             def run_pass(way: str) -> None:
                 if way == "owned":  # prefetch, the sender's outputs on the consumer's stream
                     sender = _ops.fast.batch_sender(dev)
-                    setting = sender.outputs_on_consumer
-                    sender._set_outputs_on_consumer(True)
+                    setting = sender.outputs
+                    sender._set_outputs("consumer")
                     try:
                         run_pass_as(way)
                     finally:
-                        sender._set_outputs_on_consumer(setting)
+                        sender._set_outputs(setting)
                 else:
                     run_pass_as(way)
 

@@ -235,7 +235,7 @@ def test_settings_list_every_variable_with_its_source():
     assert rows["PINXFER_STAGE_COPY"] == ["auto", "default"]
     assert rows["PINXFER_SENDER_LANDING"] == ["auto", "default"]
     assert rows["PINXFER_SENDER_WORKERS"] == ["2", "default"]
-    assert rows["PINXFER_SENDER_OUTPUTS"] == ["worker", "default"]
+    assert rows["PINXFER_SENDER_OUTPUTS"] == ["auto", "default"]
 
 
 def test_spin_is_adaptive_unless_set():
@@ -306,7 +306,7 @@ def test_derived_threads_follow_local_world_size_and_affinity():
         ("PINXFER_IDLE_RECLAIM", "on", "expected 'auto' \\(one stream query"),
         ("PINXFER_SENDER_LANDING", "host", "expected 'auto' \\(the default: a host function"),
         ("PINXFER_SENDER_WORKERS", "0", "an integer from 1 to 4"),
-        ("PINXFER_SENDER_OUTPUTS", "caller", "expected 'worker' \\(the default: the sender's"),
+        ("PINXFER_SENDER_OUTPUTS", "caller", "expected 'worker' \\(the sender's worker"),
         ("PINXFER_SENDER_WORKERS", "two", "an integer from 1 to 4"),
         ("PINXFER_DISABLE_CUDA", "yes", "1 \\(never touch CUDA\\) or 0"),
         ("PINXFER_NUMA_NODE", "first", "an integer from 0 to"),

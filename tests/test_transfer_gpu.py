@@ -1212,7 +1212,7 @@ _CONSUMER_OUTPUTS_CHILD = """
     from pinxfer.transfer import DEFAULT_CHUNK_BYTES, DEFAULT_NUM_BUFFERS
     MiB = 1 << 20
     sender = pinxfer._C.batch_sender(torch.device("cuda", 0))
-    out = dict(on_consumer=sender.outputs_on_consumer)
+    out = dict(outputs=sender.outputs)
     # 1. Back to back on a consumer stream that falls behind (each step queues a GPU sleep of
     # about 10 ms, longer than the host's step): each batch is read by work queued behind the
     # sleeps, then dropped a step or two later, while that work is still queued; the submits
@@ -1306,7 +1306,7 @@ _CONSUMER_OUTPUTS_CHILD = """
 """
 
 
-@pytest.mark.parametrize("outputs", ["worker", "consumer"])
+@pytest.mark.parametrize("outputs", ["worker", "consumer", "auto"])
 def test_sender_outputs_keep_every_byte_and_never_free_memory_a_copy_writes(outputs):
     """PINXFER_SENDER_OUTPUTS: with "consumer" outputs submit() makes a batch's device memory
     on the consumer's stream, where memory just freed is reused at once. Back to back on a
@@ -1320,11 +1320,12 @@ def test_sender_outputs_keep_every_byte_and_never_free_memory_a_copy_writes(outp
     copies wait for nothing, so nothing of an untaken batch stays pending)."""
     got = last_json(run_child(_CONSUMER_OUTPUTS_CHILD, env={"PINXFER_SENDER_OUTPUTS": outputs}))
     consumer = outputs == "consumer"
-    assert got["on_consumer"] is consumer, got
+    assert got["outputs"] == outputs, got
     for size in ("small", "big"):
         assert got[size]["ok"] and got[size]["behind"], got
         assert got[size]["taken"] == 11, got  # the first: sent in next()
-        assert got[size]["owned"] == (11 if consumer else 0), got
+        if outputs != "auto":  # auto: consumer outputs after the steps that were short
+            assert got[size]["owned"] == (11 if consumer else 0), got
     other = got["other_stream"]
     assert other["ok"] and other["owned"] == 0 and other["pending"] >= 3 * MiB, got
     assert got["untaken"]["fresh_ok"], got
@@ -1335,22 +1336,25 @@ def test_sender_outputs_keep_every_byte_and_never_free_memory_a_copy_writes(outp
 
 def test_sender_outputs_switched_for_a_diagnostic_apply_to_the_batches_submitted_after():
     """diag_sender.py's "owned" way times both outputs settings in one process: the sender's
-    _set_outputs_on_consumer switches the setting for the batches submitted from then on (each
+    _set_outputs switches the setting for the batches submitted from then on (each
     keeps its own); a pass then takes its batches on the stream that made them, every byte."""
     sender = pinxfer._C.batch_sender(torch.device("cuda", torch.cuda.current_device()))
-    setting = sender.outputs_on_consumer
+    setting = sender.outputs
     src = [{"x": _random_bytes(70_000 + i, seed=i), "y": torch.arange(i, i + 3)} for i in range(6)]
     try:
-        for on in (True, False):
-            sender._set_outputs_on_consumer(on)
-            assert sender.outputs_on_consumer is on
+        for name in ("consumer", "worker"):
+            sender._set_outputs(name)
+            assert sender.outputs == name
             owned = sender.taken_owned
             for b, want in zip(pinxfer.prefetch(src), src):
                 _check(b["x"], want["x"])
                 _check(b["y"], want["y"])
-            assert sender.taken_owned - owned == (5 if on else 0)  # the first: sent in next()
+            # The first batch is sent in next().
+            assert sender.taken_owned - owned == (5 if name == "consumer" else 0)
+        with pytest.raises(ValueError, match="worker, consumer or auto"):
+            sender._set_outputs("caller")
     finally:
-        sender._set_outputs_on_consumer(setting)
+        sender._set_outputs(setting)
 
 
 def test_batch_sender_initialises_torch_cuda_before_its_threads_use_it():
@@ -1563,7 +1567,8 @@ def test_sender_job_traces_follow_each_batch_in_order():
         assert j["submitted_ns"] <= j["started_ns"] <= j["sent_ns"] <= j["waited_ns"], j
         assert j["take_entered_ns"] <= j["waited_ns"] <= j["taken_ns"] <= j["recorded_ns"], j
         # Outputs made at the submit only with PINXFER_SENDER_OUTPUTS=consumer.
-        assert (j["outputs_ns"] > 0) == sender.outputs_on_consumer, j
+        if sender.outputs != "auto":  # auto: consumer outputs after short steps only
+            assert (j["outputs_ns"] > 0) == (sender.outputs == "consumer"), j
     sizes = {b["x"].nbytes + b["y"].nbytes for b in big + small}
     assert all(j["bytes"] in sizes for j in jobs), [j["bytes"] for j in jobs]
     for j in jobs:

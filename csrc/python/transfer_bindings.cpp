@@ -2,6 +2,7 @@
 // arithmetic of csrc/transfer/chunk_plan.h, so that CPU tests can check every
 // plan's invariants without a GPU), and in CUDA builds the copy stream and the
 // release of finished pinned sources (kernels in csrc/ops/cuda/to_device_cuda.cpp).
+#include <algorithm>
 #include <tuple>
 #include <vector>
 
@@ -15,6 +16,7 @@
 
 #include "ops/cuda/batch_sender.h"
 #include "python/plain_batch.h"
+#include "runtime/settings.h"
 #include "runtime/steady_time.h"
 #include "transfer/cuda/pipeline.h"
 #endif
@@ -217,14 +219,25 @@ void bind_batch_sender(pybind11::module_& m) {
       .def_property_readonly("sent_flagged", &ops::BatchSender::sent_flagged,
                              "batches sent with a landing host function "
                              "(PINXFER_SENDER_LANDING)")
-      .def_property_readonly("outputs_on_consumer", &ops::BatchSender::outputs_on_consumer,
-                             "whether submit() makes a batch's device memory on the consumer's "
-                             "current stream (PINXFER_SENDER_OUTPUTS=consumer when it was made, "
-                             "or _set_outputs_on_consumer)")
-      .def("_set_outputs_on_consumer", &ops::BatchSender::set_outputs_on_consumer,
-           "DIAGNOSTIC: _set_outputs_on_consumer(on): the outputs setting "
-           "(PINXFER_SENDER_OUTPUTS) for batches submitted from now on, each keeping its own; "
-           "for timing both in one process (benchmarks/diag_sender.py's 'owned' way)")
+      .def_property_readonly(
+          "outputs",
+          [](const ops::BatchSender& sender) {
+            return std::string(kSenderOutputsNames[static_cast<int>(sender.outputs_mode())]);
+          },
+          "PINXFER_SENDER_OUTPUTS when it was made, or as _set_outputs set it: worker, consumer "
+          "or auto")
+      .def(
+          "_set_outputs",
+          [](ops::BatchSender& sender, const std::string& name) {
+            const auto* names = std::begin(kSenderOutputsNames);
+            const auto* found = std::find(names, std::end(kSenderOutputsNames), name);
+            TORCH_CHECK_VALUE(found != std::end(kSenderOutputsNames),
+                              "pinxfer: _set_outputs expects worker, consumer or auto, got ", name);
+            sender.set_outputs_mode(static_cast<ops::BatchSender::OutputsMode>(found - names));
+          },
+          "DIAGNOSTIC: _set_outputs(name): the outputs setting (PINXFER_SENDER_OUTPUTS) for "
+          "batches submitted from now on, each keeping its own; for timing settings in one "
+          "process (benchmarks/diag_sender.py's 'owned' way)")
       .def_property_readonly("taken_owned", &ops::BatchSender::taken_owned,
                              "batches taken on the stream their outputs were made on (no stream "
                              "use recorded)")

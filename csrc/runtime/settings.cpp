@@ -199,13 +199,15 @@ const Row kRows[] = {
      [](Settings& s) { return std::to_string(s.sender_workers); }, "default"},
 
     {"PINXFER_SENDER_OUTPUTS",
-     "whose stream prefetch's batch sender makes a batch's device memory on: worker or consumer",
+     "whose stream prefetch's batch sender makes a batch's device memory on: worker, consumer or "
+     "auto",
      [](const char* name, const std::string& text, Settings& s) {
        return s.sender_outputs = env_one_of(
                   name, text, kSenderOutputsNames,
-                  "'worker' (the default: the sender's worker allocates on its own stream, the "
-                  "consumer records its use at each take) or 'consumer' (allocated at submit on "
-                  "the consumer's current stream, which owns it from then on)");
+                  "'worker' (the sender's worker allocates on its own stream, the consumer "
+                  "records its use at each take), 'consumer' (allocated at submit on the "
+                  "consumer's current stream, which owns it from then on) or 'auto' (the "
+                  "default: consumer after short consumer steps, worker after long ones)");
      },
      [](Settings& s) { return s.sender_outputs; }, "default"},
 

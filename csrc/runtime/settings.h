@@ -42,7 +42,7 @@ constexpr int kMaxSenderWorkers = 4;
 inline constexpr const char* kSenderLandingNames[] = {"auto", "flag", "event"};
 // The values PINXFER_SENDER_OUTPUTS accepts: on whose stream prefetch's batch sender makes a
 // batch's device memory (ops/cuda/batch_sender.h, "Outputs").
-inline constexpr const char* kSenderOutputsNames[] = {"worker", "consumer"};
+inline constexpr const char* kSenderOutputsNames[] = {"worker", "consumer", "auto"};
 
 struct Settings {
   std::string sysfs_root = "/sys";  // PINXFER_SYSFS_ROOT
@@ -57,9 +57,9 @@ struct Settings {
   int64_t cached_tail = -1;         // PINXFER_CACHED_TAIL; -1: not set (16 MiB)
   bool torch_team = true;           // PINXFER_TORCH_TEAM: copies may run on torch's awake team
   bool idle_reclaim = true;  // PINXFER_IDLE_RECLAIM: pin_memory takes fenced blocks back when idle
-  std::string sender_landing = "auto";    // PINXFER_SENDER_LANDING, one of kSenderLandingNames
-  int sender_workers = 2;                 // PINXFER_SENDER_WORKERS: batches in flight at a sender
-  std::string sender_outputs = "worker";  // PINXFER_SENDER_OUTPUTS, one of kSenderOutputsNames
+  std::string sender_landing = "auto";  // PINXFER_SENDER_LANDING, one of kSenderLandingNames
+  int sender_workers = 2;               // PINXFER_SENDER_WORKERS: batches in flight at a sender
+  std::string sender_outputs = "auto";  // PINXFER_SENDER_OUTPUTS, one of kSenderOutputsNames
   // libgomp's own variables, read (never set) to know whether torch's team keeps spinning
   // after a region (runtime/torch_team.h, team_spin_window_us): lower-cased, "" if unset.
   std::string omp_wait_policy;  // OMP_WAIT_POLICY

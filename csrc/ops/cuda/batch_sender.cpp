@@ -46,6 +46,12 @@ void CUDART_CB mark_landed(void* flag) {
 
 std::atomic<bool> g_sender_tracing{false};  // set_sender_tracing
 
+BatchSender::OutputsMode outputs_mode_from(const std::string& name) {
+  if (name == "consumer") return BatchSender::OutputsMode::kConsumer;
+  if (name == "auto") return BatchSender::OutputsMode::kAuto;
+  return BatchSender::OutputsMode::kWorker;  // settings() accepts only these three
+}
+
 BatchSender::LandingMode landing_mode_from(const std::string& name) {
   if (name == "event") return BatchSender::LandingMode::kEvent;
   if (name == "auto") return BatchSender::LandingMode::kAuto;
@@ -135,7 +141,7 @@ struct BatchSender::WarmUp : SerialJobs::Job {
 BatchSender::BatchSender(c10::Device device)
     : device_(device.type(), device.index()),
       landing_(landing_mode_from(settings().sender_landing)),
-      outputs_on_consumer_(settings().sender_outputs == "consumer"),
+      outputs_mode_(outputs_mode_from(settings().sender_outputs)),
       long_step_ns_(int64_t{2} * settings().spin_us * 1000),
       jobs_(settings().spin_us, "pinxfer.prefetch's batch sender", settings().sender_workers) {
   TORCH_CHECK(device.is_cuda() && device.has_index(),
@@ -199,8 +205,13 @@ std::shared_ptr<BatchSender::Job> BatchSender::submit(std::vector<at::Tensor> le
   const int64_t making = tracing ? steady_now_ns() : 0;
   // "consumer" outputs for batches staged without a ring only: a ring's staging thread waits
   // for a slot's DMA, which would wait for the consumer's queued work, and take() for that.
+  // "auto": consumer outputs after short consumer steps (take to take), where they saved the
+  // step most; after long ones the consumer's allocations and event at the submit, on a core
+  // that was idle, cost more than the record and free events they save (csrc/README.md).
+  const OutputsMode mode = outputs_mode();
   const bool on_consumer =
-      outputs_on_consumer() &&
+      (mode == OutputsMode::kConsumer ||
+       (mode == OutputsMode::kAuto && !consumer_steps_long_.load(std::memory_order_relaxed))) &&
       std::all_of(job->leaves.begin(), job->leaves.end(), [&](const at::Tensor& t) {
         return transfer::fits_one_block(t.nbytes(), job->options.chunk_bytes,
                                         job->options.num_buffers);
@@ -250,7 +261,7 @@ std::vector<at::Tensor> BatchSender::take(const std::shared_ptr<Job>& job) {
   std::vector<at::Tensor> leaves = std::move(job->leaves);  // dropped on return
   if (job->failed()) job->rethrow();
 
-  if (landing_ == LandingMode::kAuto) {
+  if (landing_ == LandingMode::kAuto || outputs_mode() == OutputsMode::kAuto) {
     const int64_t now = steady_now_ns();
     const int64_t last = last_take_ns_.exchange(now, std::memory_order_relaxed);
     consumer_steps_long_.store(now - last > long_step_ns_, std::memory_order_relaxed);

@@ -53,7 +53,10 @@
 // work still reads (a block freed on that stream is reused by the next allocation on it at
 // once). The consumer's stream then owns the results as if it had allocated them itself: a
 // take() on that stream records nothing and their free makes no event, as a plain loop's. A
-// take() on another stream records the use as before. A batch with a leaf staged through a
+// take() on another stream records the use as before. "auto": "consumer" outputs while the
+// consumer's steps (take to take) are shorter than twice the spin, "worker" ones after a
+// longer step (after a gap the consumer's allocations and event at the submit, on a core that
+// was idle, cost more than they save: H200, session 40). A batch with a leaf staged through a
 // ring (larger than chunk_bytes x num_buffers) keeps "worker" outputs: the worker's thread
 // waits for a ring slot's DMA, which would wait for the consumer's queued work, and take()
 // for the worker. A job's outputs that are dropped
@@ -113,12 +116,13 @@ class BatchSender {
   // Jobs taken on the stream their outputs were made on ("consumer" outputs): no stream use
   // recorded.
   int64_t taken_owned() const;
-  bool outputs_on_consumer() const { return outputs_on_consumer_.load(std::memory_order_relaxed); }
-  // DIAGNOSTIC (benchmarks/diag_sender.py's "owned" way): the outputs setting for the jobs
-  // submitted from now on, so that both can be timed in one process (each job keeps its own).
-  void set_outputs_on_consumer(bool on) {
-    outputs_on_consumer_.store(on, std::memory_order_relaxed);
-  }
+  // PINXFER_SENDER_OUTPUTS ("Outputs" above), one of settings.h's kSenderOutputsNames.
+  enum class OutputsMode { kWorker, kConsumer, kAuto };
+  OutputsMode outputs_mode() const { return outputs_mode_.load(std::memory_order_relaxed); }
+  // DIAGNOSTIC (benchmarks/diag_sender.py's "owned" way, the tests): the setting for the jobs
+  // submitted from now on, so that settings can be timed in one process (each job keeps its
+  // own).
+  void set_outputs_mode(OutputsMode mode) { outputs_mode_.store(mode, std::memory_order_relaxed); }
   int workers() const;             // PINXFER_SENDER_WORKERS at construction
   int64_t warmed_workers() const;  // workers that made their first CUDA calls (warm_workers)
 
@@ -174,7 +178,7 @@ class BatchSender {
   const c10::Device device_;
   std::atomic<int64_t> taken_{0}, taken_landed_{0}, taken_owned_{0}, sent_flagged_{0}, warmed_{0};
   const LandingMode landing_;
-  std::atomic<bool> outputs_on_consumer_;  // PINXFER_SENDER_OUTPUTS=consumer
+  std::atomic<OutputsMode> outputs_mode_;  // PINXFER_SENDER_OUTPUTS
   // kAuto: the consumer's last step (take to take) was longer than long_step_ns_ (twice
   // the spin), so the next job gets a host function.
   const int64_t long_step_ns_;
