@@ -229,11 +229,10 @@ void bind_batch_sender(pybind11::module_& m) {
       .def(
           "_set_outputs",
           [](ops::BatchSender& sender, const std::string& name) {
-            const auto* names = std::begin(kSenderOutputsNames);
-            const auto* found = std::find(names, std::end(kSenderOutputsNames), name);
-            TORCH_CHECK_VALUE(found != std::end(kSenderOutputsNames),
+            const int index = name_index(kSenderOutputsNames, name);
+            TORCH_CHECK_VALUE(index >= 0,
                               "pinxfer: _set_outputs expects worker, consumer or auto, got ", name);
-            sender.set_outputs_mode(static_cast<ops::BatchSender::OutputsMode>(found - names));
+            sender.set_outputs_mode(static_cast<ops::BatchSender::OutputsMode>(index));
           },
           "DIAGNOSTIC: _set_outputs(name): the outputs setting (PINXFER_SENDER_OUTPUTS) for "
           "batches submitted from now on, each keeping its own; for timing settings in one "

@@ -518,6 +518,15 @@ void synchronize_active_devices() {}
 
 #endif
 
+void check_stream_not_capturing(const c10::Stream& stream, int index, const char* op,
+                                const char* why_and_advice) {
+  std::string error;
+  const bool capturing = stream_is_capturing(stream, &error);
+  TORCH_CHECK(error.empty(), "pinxfer.", op, ": ", error);
+  TORCH_CHECK(!capturing, "pinxfer.", op, ": the current CUDA stream of device ", index,
+              " is capturing a CUDA graph; ", why_and_advice);
+}
+
 std::string cuda_unusable_reason() {
   if (!built_with_cuda()) return probe_error();
   if (fork_generation() != 0) {

@@ -87,6 +87,12 @@ bool current_stream_if_active(c10::Stream* out);
 // now; never throws (callers are deleters): false with *error filled when the
 // query fails. A stream of a process without usable CUDA is not capturing.
 bool stream_is_capturing(const c10::Stream& stream, std::string* error);
+// The refusal of an op that cannot run into a capture: throws c10::Error when
+// `stream`, a stream of device `index`, is capturing a CUDA graph ("pinxfer.<op>:
+// the current CUDA stream of device N is capturing a CUDA graph; <why_and_advice>")
+// or when the query fails.
+void check_stream_not_capturing(const c10::Stream& stream, int index, const char* op,
+                                const char* why_and_advice);
 // Whether every piece of work queued so far on `stream`, a stream of the current
 // device (a NULL handle is the current device's legacy stream), has completed
 // (cudaStreamQuery). False while work is queued and on any error (cleared, not

@@ -55,9 +55,7 @@ bool env_auto_or_off(const char* name, const std::string& value, const char* wha
 template <size_t N>
 const std::string& env_one_of(const char* name, const std::string& value,
                               const char* const (&names)[N], const char* expected) {
-  if (std::find(std::begin(names), std::end(names), value) == std::end(names)) {
-    bad_env(name, value, expected);
-  }
+  if (name_index(names, value) < 0) bad_env(name, value, expected);
   return value;
 }
 

@@ -20,6 +20,7 @@
 // inherits the parent's settings, as it inherits its environment.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -43,6 +44,16 @@ inline constexpr const char* kSenderLandingNames[] = {"auto", "flag", "event"};
 // The values PINXFER_SENDER_OUTPUTS accepts: on whose stream prefetch's batch sender makes a
 // batch's device memory (ops/cuda/batch_sender.h, "Outputs").
 inline constexpr const char* kSenderOutputsNames[] = {"worker", "consumer", "auto"};
+
+// The position of `text` in one of the name lists above, or -1: the one mapping from a
+// setting's name to its enum, whose values are in the list's order.
+template <size_t N>
+int name_index(const char* const (&names)[N], const std::string& text) {
+  for (size_t i = 0; i < N; ++i) {
+    if (text == names[i]) return static_cast<int>(i);
+  }
+  return -1;
+}
 
 struct Settings {
   std::string sysfs_root = "/sys";  // PINXFER_SYSFS_ROOT

@@ -16,9 +16,8 @@ namespace pinxfer {
 static_assert(std::size(kStagingModeNames) == 3, "one name per StagingMode, in its order");
 
 StagingMode parse_staging_mode(const std::string& text, const char* what) {
-  for (size_t i = 0; i < std::size(kStagingModeNames); ++i) {
-    if (text == kStagingModeNames[i]) return static_cast<StagingMode>(i);
-  }
+  const int index = name_index(kStagingModeNames, text);
+  if (index >= 0) return static_cast<StagingMode>(index);
   TORCH_CHECK_VALUE(false, what,
                     ": expected 'auto', 'nt' (nontemporal stores) or 'movsb' "
                     "(cached stores), got '",

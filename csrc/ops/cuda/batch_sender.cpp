@@ -12,6 +12,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <exception>
+#include <iterator>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -46,16 +47,16 @@ void CUDART_CB mark_landed(void* flag) {
 
 std::atomic<bool> g_sender_tracing{false};  // set_sender_tracing
 
+static_assert(std::size(kSenderOutputsNames) == 3 && std::size(kSenderLandingNames) == 3,
+              "one name per OutputsMode and LandingMode value, in the enums' order");
+
+// settings() accepts only the names of the lists, so the index is never -1 here.
 BatchSender::OutputsMode outputs_mode_from(const std::string& name) {
-  if (name == "consumer") return BatchSender::OutputsMode::kConsumer;
-  if (name == "auto") return BatchSender::OutputsMode::kAuto;
-  return BatchSender::OutputsMode::kWorker;  // settings() accepts only these three
+  return static_cast<BatchSender::OutputsMode>(name_index(kSenderOutputsNames, name));
 }
 
 BatchSender::LandingMode landing_mode_from(const std::string& name) {
-  if (name == "event") return BatchSender::LandingMode::kEvent;
-  if (name == "auto") return BatchSender::LandingMode::kAuto;
-  return BatchSender::LandingMode::kFlag;  // settings() accepts only these three
+  return static_cast<BatchSender::LandingMode>(name_index(kSenderLandingNames, name));
 }
 
 }  // namespace
@@ -236,13 +237,10 @@ void BatchSender::make_outputs(Job& job) const {
     const c10::cuda::CUDAStream owner = c10::cuda::getCurrentCUDAStream(index);
     // An event recorded on a capturing stream would join the capture, and the worker's stream
     // waiting on it would join it too: its copies captured, not run.
-    std::string error;
-    const bool capturing = cuda::stream_is_capturing(owner.unwrap(), &error);
-    TORCH_CHECK(error.empty(), "pinxfer.prefetch: ", error);
-    TORCH_CHECK(!capturing, "pinxfer.prefetch: the current CUDA stream of device ",
-                static_cast<int>(index),
-                " is capturing a CUDA graph; a batch cannot be sent into a capture (a replay "
-                "would not send it again). Take batches before the capture or between replays.");
+    cuda::check_stream_not_capturing(owner.unwrap(), index, "prefetch",
+                                     "a batch cannot be sent into a capture (a replay would not "
+                                     "send it again). Take batches before the capture or between "
+                                     "replays.");
     job.made = batch_outputs(job.leaves, index);
     job.outputs_made = cuda::record_event(owner.unwrap());
     job.owner = owner;

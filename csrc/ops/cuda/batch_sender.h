@@ -92,8 +92,8 @@ class BatchSender {
   // How take() knows a job's copies are done (PINXFER_SENDER_LANDING, read at construction):
   // kFlag: a host function queued after them sets a flag; kEvent: take() asks the job's
   // event; kAuto: the flag when the consumer's last step (take to take) was longer than
-  // twice the spin, else the event.
-  enum class LandingMode { kFlag, kEvent, kAuto };
+  // twice the spin, else the event. In the order of settings.h's kSenderLandingNames.
+  enum class LandingMode { kAuto, kFlag, kEvent };
 
   // device: a CUDA device with an index. Returns once every worker has made its first CUDA
   // calls (warm_workers): call it without the GIL.
@@ -116,7 +116,7 @@ class BatchSender {
   // Jobs taken on the stream their outputs were made on ("consumer" outputs): no stream use
   // recorded.
   int64_t taken_owned() const;
-  // PINXFER_SENDER_OUTPUTS ("Outputs" above), one of settings.h's kSenderOutputsNames.
+  // PINXFER_SENDER_OUTPUTS ("Outputs" above), in the order of settings.h's kSenderOutputsNames.
   enum class OutputsMode { kWorker, kConsumer, kAuto };
   OutputsMode outputs_mode() const { return outputs_mode_.load(std::memory_order_relaxed); }
   // DIAGNOSTIC (benchmarks/diag_sender.py's "owned" way, the tests): the setting for the jobs

@@ -83,20 +83,15 @@ c10::DeviceIndex resolve_device(const c10::Device& device, const char* op) {
 // any capture: a graph would replay none of the staging, and the copy stream's
 // events cannot join the capturing stream. So they refuse to be captured.
 void check_not_capturing(const char* op, c10::DeviceIndex index) {
-  std::string error;
-  const bool capturing =
-      cuda::stream_is_capturing(c10::cuda::getCurrentCUDAStream(index).unwrap(), &error);
-  TORCH_CHECK(error.empty(), "pinxfer.", op, ": ", error);
-  TORCH_CHECK(!capturing, "pinxfer.", op, ": the current CUDA stream of device ",
-              static_cast<int>(index),
-              " is capturing a CUDA graph, and pinxfer's transfers "
-              "cannot be captured (host threads stage the bytes and a copy stream of pinxfer's "
-              "own sends them; a replay would repeat neither). Transfer before the capture or "
-              "between replays into the graph's static input, e.g. "
-              "`static_x.copy_(pinxfer.to_device(x))` outside the graph, or feed the graph "
-              "with pinxfer.prefetch() and copy each batch into the static inputs before "
-              "replay(). Inside a capture, copy from a pinned host tensor that lives as long as "
-              "the graph: `static_x.copy_(pinned, non_blocking=True)`.");
+  cuda::check_stream_not_capturing(
+      c10::cuda::getCurrentCUDAStream(index).unwrap(), index, op,
+      "pinxfer's transfers cannot be captured (host threads stage the bytes and a copy stream "
+      "of pinxfer's own sends them; a replay would repeat neither). Transfer before the capture "
+      "or between replays into the graph's static input, e.g. "
+      "`static_x.copy_(pinxfer.to_device(x))` outside the graph, or feed the graph with "
+      "pinxfer.prefetch() and copy each batch into the static inputs before replay(). Inside a "
+      "capture, copy from a pinned host tensor that lives as long as the graph: "
+      "`static_x.copy_(pinned, non_blocking=True)`.");
 }
 
 // A CPU tensor whose bytes are the values: conjugate/negative views resolved,
