@@ -1722,6 +1722,70 @@ def test_sender_in_a_forked_child_is_the_childs_own():
     assert q.get(timeout=5).startswith("raised"), "a forked child sent a batch with CUDA"
 
 
+@pytest.mark.soak
+def test_forked_children_beside_busy_parent_threads_each_get_their_own_sender():
+    """The test above with the parent's copy threads, sender workers and pool busy at each
+    fork (two threads looping to_device, pin_memory and prefetch): a lock or thread another
+    thread held at the fork must not reach the child. 24 children, one after another; each
+    must raise (no CUDA in a forked child), exit 0 and say so. In a fresh process, so the
+    busy threads end with it. (Written after that test failed once in a whole GPU run, the
+    child's answer missing; 60 such forks then were clean on an H200.)"""
+    got = last_json(
+        run_child(
+            """
+            import collections, faulthandler, json, multiprocessing, queue, threading
+            import torch, pinxfer
+            faulthandler.enable()
+            dev = torch.device("cuda", 0)
+            stop = threading.Event()
+
+            def churn():
+                xs = [torch.randn(n) for n in (1024, 256 * 1024, 2 << 20)]
+                while not stop.is_set():
+                    for x in xs:
+                        pinxfer.to_device(x, dev)
+                        pinxfer.pin_memory(x)
+                    for _ in pinxfer.prefetch([{"x": xs[1], "y": xs[0]}] * 4, device=dev):
+                        pass
+                    torch.cuda.synchronize()
+
+            def child(q):
+                try:
+                    s = pinxfer._C.batch_sender(dev)
+                    s.take(s.submit([torch.ones(1024)], 16 << 20, 4))
+                    q.put("sent")
+                except Exception as err:
+                    q.put(f"raised {type(err).__name__}")
+
+            busy = [threading.Thread(target=churn, daemon=True) for _ in range(2)]
+            for t in busy:
+                t.start()
+            ctx = multiprocessing.get_context("fork")
+            outcomes = collections.Counter()
+            for _ in range(24):
+                q = ctx.Queue()
+                p = ctx.Process(target=child, args=(q,))
+                p.start()
+                p.join(60)
+                alive = p.is_alive()
+                if alive:
+                    p.kill()
+                try:
+                    answer = q.get(timeout=5)
+                except queue.Empty:
+                    answer = "nothing"
+                outcomes[f"exit {p.exitcode}, alive {alive}, {answer}"] += 1
+            stop.set()
+            for t in busy:
+                t.join()
+            print(json.dumps(dict(outcomes)))
+            """,
+            timeout=600,
+        )
+    )
+    assert got == {"exit 0, alive False, raised RuntimeError": 24}, got
+
+
 def test_sender_road_error_is_raised_at_its_step_and_ends_the_pass():
     """A send that fails in the sender's thread (here: staging over the pinned-memory cap)
     is raised by next() at that batch, with the step in a note; the pass ends."""
