@@ -5,7 +5,8 @@ bench_loop's whole table (sizes from 1 GiB down, in one process) measured prefet
 process running only 8 and 32 MiB took 200-210 us with every PINXFER_SENDER_OUTPUTS
 setting. This script times the same step (next() and a synchronize of the consumer's
 stream, 16 batches a pass, the first left out) fresh, after 256 MiB and 1 GiB rows
-(to_device and prefetch), after torch.cuda.empty_cache() and after pinxfer.empty_cache(),
+(to_device and prefetch), after pin_memory of those sizes (pinxfer's and torch's), after
+plain-loop passes, after torch.cuda.empty_cache() and after pinxfer.empty_cache(),
 with to_device and the pinned copy of the 8 MiB leaf beside it and the sender's job traces
 (diag_sender.job_trace_stats) of each phase. One JSON line a phase.
 
@@ -110,6 +111,18 @@ def main() -> int:
         pinxfer.to_device(gib, dev)
     torch.cuda.synchronize()
     rows.append(phase("after 1 GiB rows", batches, dev, args.passes))
+    # bench_loop's rows also pin each size with both pinxfer and torch (pool blocks of 256 MiB
+    # and 1 GiB, free afterwards) and run plain-loop passes between prefetch passes.
+    for t in (big[0]["x"], gib):
+        for _ in range(2):
+            pinxfer.pin_memory(t)
+            t.pin_memory()
+    rows.append(phase("after pin_memory of 256 MiB and 1 GiB", batches, dev, args.passes))
+    for _ in range(2):
+        for b in batches:
+            {k: v.to(dev, non_blocking=True) for k, v in b.items() if k != "meta"}
+        torch.cuda.synchronize()
+    rows.append(phase("after plain-loop passes", batches, dev, args.passes))
     torch.cuda.empty_cache()
     rows.append(phase("torch's CUDA cache emptied", batches, dev, args.passes))
     pinxfer.empty_cache()
