@@ -50,10 +50,18 @@ are not comparable one to one with later ones.
 Samples per cell are adaptive: a time budget (--budget) is shared over the cells (largest
 sizes first, so that they get their minimum), capped per size.
 
+One process runs every size by default, largest first, so each size follows the larger ones'
+history (pools and caches holding their blocks, threads woken by them). That history can move
+a row: prefetch of 8 MiB batches back to back took 473 us a batch in a whole table (H200,
+session 41) and 200-210 in processes of 8 and 32 MiB only. --process-per-size runs each size
+in a fresh process of its own (a child bench_loop, an equal share of the budget), as a
+training loop of one batch size runs; the small rows then run in the parent.
+
 Usage:
   python3 benchmarks/bench_loop.py                  # results/<kind>/loop.json (~5 min, H100)
   python3 benchmarks/bench_loop.py --quick          # 4 sizes, a small budget (a smoke run)
   python3 benchmarks/bench_loop.py --sizes 4K,1M,8M --json /tmp/loop.json
+  python3 benchmarks/bench_loop.py --process-per-size   # each size in a fresh process
   python3 benchmarks/bench_loop.py --self-test      # statistics and table code, CPU only
 Kind: --kind, else PINXFER_MACHINE_KIND, else torch.cuda.get_device_name() as a slug.
 """
@@ -66,7 +74,9 @@ import os
 import platform
 import re
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -153,6 +163,63 @@ def parse_sizes(text: str) -> list[int]:
             raise ValueError(f"size {part!r}: a multiple of 4 KiB, at least 4 KiB")
         out.append(n)
     return out
+
+
+def per_size_commands(
+    script: str, sizes: list[int], args: argparse.Namespace, json_dir: str
+) -> list[tuple[int, list[str], str]]:
+    """--process-per-size: one bench_loop child per size (largest first, as matrix() runs
+    them), each a fresh process with an equal share of the budget and no small rows (the
+    parent runs those). Returns (bytes, argv, the child's JSON path) per size."""
+    share = args.budget / len(sizes)
+    out = []
+    for nbytes in sorted(sizes, reverse=True):
+        path = os.path.join(json_dir, f"loop_{size_label(nbytes)}.json")
+        argv = [sys.executable, script, "--sizes", size_label(nbytes), "--no-small"]
+        argv += ["--budget", f"{share:.3f}", "--json", path, "--producer", args.producer]
+        if args.kind:
+            argv += ["--kind", args.kind]
+        if args.quick:
+            argv.append("--quick")
+        out.append((nbytes, argv, path))
+    return out
+
+
+def merge_size_runs(runs: list[tuple[int, dict]]) -> tuple[list[dict], dict]:
+    """The cells of per-size child reports, in the children's order, and each child's
+    measured gaps by size label. A child whose cells are not all of its own size is an
+    error: its rows would be filed under the wrong size."""
+    cells: list[dict] = []
+    gaps: dict[str, Any] = {}
+    for nbytes, report in runs:
+        got = {c["bytes"] for c in report["cells"]}
+        if got != {nbytes}:
+            raise ValueError(
+                f"bench_loop child for {size_label(nbytes)} reported sizes "
+                f"{sorted(size_label(b) for b in got)}"
+            )
+        cells.extend(report["cells"])
+        gaps[size_label(nbytes)] = report.get("gaps")
+    return cells, gaps
+
+
+def cells_in_fresh_processes(
+    script: str, sizes: list[int], args: argparse.Namespace, json_dir: str
+) -> tuple[list[dict], dict]:
+    """Runs per_size_commands' children one after another (each prints its own table) and
+    merges their cells. A child that fails or crashes fails the run, with its output."""
+    runs = []
+    for nbytes, argv, path in per_size_commands(script, sizes, args, json_dir):
+        print(f"== {size_label(nbytes)} in a fresh process", flush=True)
+        proc = subprocess.run(argv, capture_output=True, text=True)
+        print(proc.stdout[-4000:], end="", flush=True)
+        if proc.returncode != 0:
+            raise RuntimeError(
+                f"bench_loop child for {size_label(nbytes)} exited with {proc.returncode}:\n"
+                f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+            )
+        runs.append((nbytes, json.loads(Path(path).read_text())))
+    return merge_size_runs(runs)
 
 
 def kind_slug(env_kind: str | None, device_name: str) -> str:
@@ -738,6 +805,34 @@ def self_test() -> int:
     print(detail.splitlines()[0])
     print("\n".join(detail.splitlines()[1:12]))
     print(table)
+
+    # --process-per-size: a child per size, largest first, the budget shared, and cells
+    # merged only under the size each child was given.
+    ns = argparse.Namespace(budget=100.0, producer="thread", kind="h200", quick=False)
+    commands = per_size_commands("bench_loop.py", [4 * KiB, GiB], ns, "/tmp/d")
+    assert [n for n, _, _ in commands] == [GiB, 4 * KiB], commands
+    for nbytes, argv, path in commands:
+        assert argv[argv.index("--sizes") + 1] == size_label(nbytes), argv
+        assert argv[argv.index("--budget") + 1] == "50.000" and "--no-small" in argv, argv
+        assert argv[argv.index("--json") + 1] == path and path.startswith("/tmp/d/"), argv
+        assert argv[argv.index("--producer") + 1] == "thread" and "--quick" not in argv, argv
+    assert len({path for _, _, path in commands}) == 2
+    merged, gaps = merge_size_runs(
+        [
+            (GiB, {"cells": [{"bytes": GiB}] * 3, "gaps": {"g": 1}}),
+            (MiB, {"cells": [{"bytes": MiB}]}),
+        ]
+    )
+    assert [c["bytes"] for c in merged] == [GiB] * 3 + [MiB] and gaps == {
+        "1GiB": {"g": 1},
+        "1MiB": None,
+    }
+    refusal = ""
+    try:
+        merge_size_runs([(MiB, {"cells": [{"bytes": MiB}, {"bytes": GiB}]})])
+    except ValueError as err:
+        refusal = str(err)
+    assert "1MiB" in refusal and "1GiB" in refusal, "took a child's cells of another size"
     print("bench_loop self-test OK")
     return 0
 
@@ -1171,6 +1266,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--no-small", action="store_true", help="skip the small-call/CPU rows")
     ap.add_argument(
+        "--process-per-size",
+        action="store_true",
+        help="measure each size in a fresh process of its own (a child bench_loop per size, "
+        "an equal share of the budget), so that no row follows another size's history",
+    )
+    ap.add_argument(
         "--producer",
         default="auto",
         choices=("auto", "caller", "thread"),
@@ -1194,6 +1295,14 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_bus, bench_small_calls
     sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # pinxfer from a checkout
     from bench_bus import results_dir
+
+    per_size = args.process_per_size and len(sizes) > 1
+    if per_size:
+        # Before this process makes a CUDA context or any pool: the children measure alone.
+        with tempfile.TemporaryDirectory(prefix="bench_loop_sizes_") as json_dir:
+            size_cells, size_gaps = cells_in_fresh_processes(
+                str(Path(__file__).resolve()), sizes, args, json_dir
+            )
 
     import pinxfer
 
@@ -1230,13 +1339,18 @@ def main(argv: list[str] | None = None) -> int:
         "quick": args.quick,
         "prefetch_producer": args.producer,
         "gaps": bench.measured_gaps(),
+        "process_per_size": per_size,
         "ratios": "speed ratios: reference time / pinxfer time (> 1: pinxfer faster)",
     }
     print(
         f"bench_loop on {kind} ({report['gpu']}), torch {torch.__version__}; gaps {report['gaps']}",
         flush=True,
     )
-    cells = bench.matrix(sizes)
+    if per_size:
+        cells = size_cells
+        report["gaps_per_size"] = size_gaps
+    else:
+        cells = bench.matrix(sizes)
     rows = build_rows(cells)
     report["cells"] = cells
     report["rows"] = rows

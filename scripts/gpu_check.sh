@@ -71,7 +71,8 @@
 #   MEMCHECK_API_ERRORS   compute-sanitizer --report-api-errors value (default "no": torch
 #                         and pinxfer check every CUDA return code themselves)
 #   MEMCHECK_FLAGS        more compute-sanitizer flags
-#   LOOP_ARGS             more bench_loop.py arguments (--quick, --sizes, --budget SECONDS)
+#   LOOP_ARGS             more bench_loop.py arguments (--quick, --sizes, --budget SECONDS,
+#                         --process-per-size: each size in a fresh process)
 #   LOOP_TIMEOUT          seconds for the loop step (default 450)
 #   MEMCHECK_NO_CACHING   1: PYTORCH_NO_CUDA_MEMORY_CACHING=1 (a cudaMalloc per tensor, so
 #                         out-of-bounds accesses between tensors are caught; slower)
