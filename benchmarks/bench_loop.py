@@ -206,17 +206,17 @@ def merge_size_runs(runs: list[tuple[int, dict]]) -> tuple[list[dict], dict]:
 def cells_in_fresh_processes(
     script: str, sizes: list[int], args: argparse.Namespace, json_dir: str
 ) -> tuple[list[dict], dict]:
-    """Runs per_size_commands' children one after another (each prints its own table) and
-    merges their cells. A child that fails or crashes fails the run, with its output."""
+    """Runs per_size_commands' children one after another, each printing to this process's
+    output as it goes (its cells, its table), and merges their cells. A child that fails or
+    crashes fails the run (its own output above says why)."""
     runs = []
     for nbytes, argv, path in per_size_commands(script, sizes, args, json_dir):
         print(f"== {size_label(nbytes)} in a fresh process", flush=True)
-        proc = subprocess.run(argv, capture_output=True, text=True)
-        print(proc.stdout[-4000:], end="", flush=True)
-        if proc.returncode != 0:
+        code = subprocess.run(argv).returncode
+        if code != 0:
             raise RuntimeError(
-                f"bench_loop child for {size_label(nbytes)} exited with {proc.returncode}:\n"
-                f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+                f"bench_loop child for {size_label(nbytes)} exited with {code} "
+                "(its output is above)"
             )
         runs.append((nbytes, json.loads(Path(path).read_text())))
     return merge_size_runs(runs)
@@ -1296,6 +1296,16 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # pinxfer from a checkout
     from bench_bus import results_dir
 
+    import pinxfer
+
+    reason = pinxfer.cuda_unavailable_reason()  # makes no CUDA context
+    if reason is not None:
+        print(
+            f"bench_loop: needs a CUDA device ({reason}); --self-test runs without one",
+            file=sys.stderr,
+        )
+        return 2
+    started = time.perf_counter()
     per_size = args.process_per_size and len(sizes) > 1
     if per_size:
         # Before this process makes a CUDA context or any pool: the children measure alone.
@@ -1303,20 +1313,9 @@ def main(argv: list[str] | None = None) -> int:
             size_cells, size_gaps = cells_in_fresh_processes(
                 str(Path(__file__).resolve()), sizes, args, json_dir
             )
-
-    import pinxfer
-
-    reason = pinxfer.cuda_unavailable_reason()
-    if reason is not None:
-        print(
-            f"bench_loop: needs a CUDA device ({reason}); --self-test runs without one",
-            file=sys.stderr,
-        )
-        return 2
     kind = kind_slug(
         args.kind or os.environ.get("PINXFER_MACHINE_KIND"), torch.cuda.get_device_name()
     )
-    started = time.perf_counter()
     bench = Bench(args)
     names, values, sources, _docs = zip(*pinxfer._C.settings())
     report: dict[str, Any] = {

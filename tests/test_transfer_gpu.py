@@ -1716,6 +1716,7 @@ def _fork_a_sender_child(dev) -> str:
     alive = p.is_alive()
     if alive:
         p.kill()
+        p.join(5)  # reaped: its exit code is the signal
     try:
         answer = q.get(timeout=5)
     except queue.Empty:
@@ -1772,6 +1773,7 @@ def test_forked_children_beside_busy_parent_threads_each_get_their_own_sender():
         stop.set()
         for t in busy:
             t.join(60)
+    assert not any(t.is_alive() for t in busy), "a busy parent thread hung (a fork's doing?)"
     assert not errors, errors
     bad = {o: n for o, n in outcomes.items() if not o.startswith(_FORKED_CHILD_RAISED)}
     assert not bad, f"{sum(bad.values())} of 24 children: {bad}"
