@@ -2,7 +2,6 @@
 // arithmetic of csrc/transfer/chunk_plan.h, so that CPU tests can check every
 // plan's invariants without a GPU), and in CUDA builds the copy stream and the
 // release of finished pinned sources (kernels in csrc/ops/cuda/to_device_cuda.cpp).
-#include <algorithm>
 #include <tuple>
 #include <vector>
 
