@@ -262,7 +262,7 @@ def ensure_torch_cuda() -> None:
     if build_info().cuda_usable and not torch.cuda.is_initialized():
         torch.cuda.init()
     torch_cuda_ready = True
-    fast.mark_torch_cuda_ready()  # opens pinxfer.pin_memory's hot call (pin_memory_hot)
+    fast.mark_torch_cuda_ready()  # opens the hot calls of pin_memory and empty
 
 
 def cuda_unavailable_reason() -> str | None:

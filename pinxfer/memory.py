@@ -15,11 +15,14 @@ import torch
 from pinxfer import _check, _ops
 
 # The functions that are their operator, re-exported as the public API.
+# empty's hot path reads these as module globals: one lookup each.
 from pinxfer._ops import (
     BuildInfo,
     build_info,
+    compiling,
     cuda_unavailable_reason,
     empty_cache,
+    fast,
     get_max_pinned_bytes,
     install,
     is_installed,
@@ -108,22 +111,23 @@ def empty(
             ``numa_node`` names no node of this machine.
         torch.OutOfMemoryError: the memory cannot be had (cap, OS).
     """
-    eager = not _ops.compiling()
+    if numa_node is None and not compiling():
+        # The usual call, checked in C++ (empty_hot, csrc/python/plain_calls.cpp): None
+        # before torch's CUDA state is ready, in a forked child, while a mode is active, or
+        # where a size or the dtype needs the checks below.
+        out = fast.empty_hot(size, dtype)
+        if out is not None:
+            return out
+    eager = not compiling()
     # Traced (torch.compile), torch's CUDA state is not initialised here: dynamo cannot trace
     # the build query it reads, and a compiled program that uses CUDA has initialised it.
     if eager and not _ops.torch_cuda_ready:
         _ops.ensure_torch_cuda()
-    if eager and numa_node is None:
-        # The usual call, checked in C++ (csrc/python/plain_calls.cpp): None while a mode
-        # is active, or where a size or the dtype needs the checks below.
-        out = _ops.fast.empty_if_eager(size, dtype, None)
-        if out is not None:
-            return out
     dims = _sizes(size)
     dt = torch.get_default_dtype() if dtype is None else _check.dtype(dtype, "empty")
     if numa_node is not None:
         numa_node = _check.numa_node(numa_node, "empty")
-    out = _ops.fast.empty_if_eager(dims, dt, numa_node) if eager else None
+    out = fast.empty_if_eager(dims, dt, numa_node) if eager else None
     return _ops.empty(dims, dt, numa_node) if out is None else out
 
 

@@ -140,6 +140,7 @@ def test_plain_calls_answer_none_exactly_where_the_operator_must_run():
             assert _ops.fast.pin_memory_if_plain(torch.ones(3), None, 0, True) is None
             assert _ops.fast.pin_memory_hot(torch.ones(3)) is None
             assert _ops.fast.empty_if_eager([3], torch.float32, None) is None
+            assert _ops.fast.empty_hot((3,), torch.float32) is None
     x = torch.randn(5, 2).t()
     y = _ops.fast.pin_memory_if_plain(x, None, 0, True)
     assert y is not None and torch.equal(y, x) and y.stride() == x.stride()
@@ -154,6 +155,15 @@ def test_plain_calls_answer_none_exactly_where_the_operator_must_run():
     for sizes in ((3, 1.0), (True,), (-1,), (2**63,), ("3",), ([3], 4), 3):
         assert _ops.fast.empty_if_eager(sizes, torch.float32, None) is None, sizes
     assert _ops.fast.empty_if_eager((3,), "float32", None) is None
+    # empty_hot, open since the pin above, declines the same sizes and dtypes
+    for sizes in ((3, 4), ([3, 4],), (torch.Size([3, 4]),)):
+        hot = _ops.fast.empty_hot(sizes, torch.int16)
+        assert hot.shape == (3, 4) and hot.dtype == torch.int16 and pinxfer.is_pool_tensor(hot)
+    for sizes in ((3, 1.0), (True,), (-1,), (2**63,), ("3",), ([3], 4), 3):
+        assert _ops.fast.empty_hot(sizes, torch.float32) is None, sizes
+    assert _ops.fast.empty_hot((3,), "float32") is None
+    with pytest.raises(TypeError, match=r"empty_hot: expected 2 arguments, got 3"):
+        _ops.fast.empty_hot((3,), None, None)
     with pytest.raises(TypeError, match=r"pin_memory_if_plain: expected 4 arguments, got 1"):
         _ops.fast.pin_memory_if_plain(x)
     with pytest.raises(TypeError, match=r"pin_memory_if_plain: numa_node must be an int, got str"):
@@ -336,26 +346,33 @@ def test_to_device_packed_fake_has_the_packed_length():
     assert out.dtype == torch.uint8 and out.shape == (512,) and out.device.type == "cuda"
 
 
-def test_pin_memory_hot_call_opens_once_torch_cuda_is_ready_and_never_in_a_forked_child():
-    """pinxfer.pin_memory(x) goes straight to C++ (pin_memory_hot) only where the Python path
-    would have done nothing more: after ensure_torch_cuda (the first pin initialises torch's
-    CUDA state where CUDA is usable; before it the hot call declines, so that first pin
-    still does) and outside a forked child (where Python asks torch whether CUDA may be
-    queried). A fresh process for the first, a fork of it for the second."""
-    code = """
+@pytest.mark.parametrize("first_call", ["pin_memory", "empty"])
+def test_hot_calls_open_once_torch_cuda_is_ready_and_never_in_a_forked_child(first_call):
+    """pinxfer.pin_memory(x) and pinxfer.empty(n) go straight to C++ (pin_memory_hot,
+    empty_hot) only where the Python path would have done nothing more: after
+    ensure_torch_cuda (the first pin or empty initialises torch's CUDA state where CUDA is
+    usable; before it the hot calls decline, so that first call still does) and outside a
+    forked child (where Python asks torch whether CUDA may be queried). A fresh process for
+    the first, a fork of it for the second; either function's first call opens both."""
+    code = f"""
         import os, torch, pinxfer
         from pinxfer import _ops
         x = torch.randn(1000)
-        assert _ops.fast.pin_memory_hot(x) is None, "open before the first pin"
-        first = pinxfer.pin_memory(x)
+        assert _ops.fast.pin_memory_hot(x) is None, "pin_memory_hot open before the first call"
+        assert _ops.fast.empty_hot((4,), None) is None, "empty_hot open before the first call"
+        first = pinxfer.pin_memory(x) if "{first_call}" == "pin_memory" else pinxfer.empty(9)
         assert _ops.torch_cuda_ready
         if _ops.build_info().cuda_usable:
             assert torch.cuda.is_initialized() and first.is_pinned()
         hot = _ops.fast.pin_memory_hot(x)
         assert hot is not None and torch.equal(hot, x) and pinxfer.is_pool_tensor(hot)
+        made = _ops.fast.empty_hot((2, 3), torch.int64)
+        assert made.shape == (2, 3) and made.dtype == torch.int64 and pinxfer.is_pool_tensor(made)
         pid = os.fork()
         if pid == 0:
             ok = _ops.fast.pin_memory_hot(x) is None and torch.equal(pinxfer.pin_memory(x), x)
+            ok = ok and _ops.fast.empty_hot((4,), None) is None
+            ok = ok and pinxfer.empty(4).shape == (4,)
             os._exit(0 if ok else 3)
         _, status = os.waitpid(pid, 0)
         assert os.waitstatus_to_exitcode(status) == 0, status

@@ -94,10 +94,10 @@ bool parse_node(const char* fn, PyObject* obj, std::optional<int64_t>& out) {
   return true;
 }
 
-// The hot call's gate (pin_memory_hot): pinxfer/_ops.py's ensure_torch_cuda has
+// The hot calls' gate (pin_memory_hot, empty_hot): pinxfer/_ops.py's ensure_torch_cuda has
 // run in this process (it initialises torch's CUDA state where CUDA is usable, as torch's own
 // pinning does, and then marks it here), and this is not a forked child (where Python asks
-// torch whether CUDA may be queried: _ops.in_bad_fork). Until both hold the hot call answers
+// torch whether CUDA may be queried: _ops.in_bad_fork). Until both hold the hot calls answer
 // None and pinxfer's Python takes the call.
 std::atomic<bool> g_torch_cuda_ready{false};
 
@@ -157,7 +157,9 @@ PyObject* pin_memory_hot(PyObject* /*module*/, PyObject* obj) {
 // `sizes` as pinxfer.empty(*size) takes them (ints, or one list, tuple or torch.Size of
 // ints), into `out`, if every size is an exact int from 0 to 2^63 - 1; false for anything
 // else (pinxfer/memory.py's checks then say what is wrong), with no Python error set.
-bool plain_sizes(PyObject* sizes, c10::SmallVector<int64_t, 6>& out) {
+// Not inlined: inlined into plain_empty, GCC 12-13 warn that SmallVector's growth reads
+// the inline buffer uninitialised (-Wmaybe-uninitialized, a false positive; -Werror builds).
+[[gnu::noinline]] bool plain_sizes(PyObject* sizes, c10::SmallVector<int64_t, 6>& out) {
   if (!PyTuple_Check(sizes) && !PyList_Check(sizes)) return false;
   if (PySequence_Fast_GET_SIZE(sizes) == 1) {
     PyObject* only = PySequence_Fast_ITEMS(sizes)[0];
@@ -176,32 +178,51 @@ bool plain_sizes(PyObject* sizes, c10::SmallVector<int64_t, 6>& out) {
   return true;
 }
 
-// empty_if_eager(sizes, dtype, numa_node): pool_empty's tensor, or None where the
-// operator must run (a mode is active) and where pinxfer.empty's Python checks must speak
-// (a size that is not an exact non-negative int, a dtype that is not a torch.dtype or
-// None, the default dtype).
-PyObject* empty_if_eager(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
-  HANDLE_TH_ERRORS
-  constexpr const char* fn = "empty_if_eager";
-  if (!check_arity(fn, nargs, 3)) return nullptr;
+// pool_empty's tensor for Python's (sizes, dtype) and node, or None where pinxfer.empty's
+// Python checks must speak (a size that is not an exact non-negative int, a dtype that is
+// neither a torch.dtype nor None). The caller has checked that no mode is active.
+PyObject* plain_empty(PyObject* sizes, PyObject* dtype_obj, std::optional<int64_t> node) {
   c10::SmallVector<int64_t, 6> size;
-  if (!no_mode_active() || !plain_sizes(args[0], size)) Py_RETURN_NONE;
+  if (!plain_sizes(sizes, size)) Py_RETURN_NONE;
   at::ScalarType dtype;
-  if (args[1] == Py_None) {
+  if (dtype_obj == Py_None) {
     dtype = at::typeMetaToScalarType(at::get_default_dtype());
-  } else if (THPDtype_Check(args[1])) {
-    dtype = reinterpret_cast<THPDtype*>(args[1])->scalar_type;
+  } else if (THPDtype_Check(dtype_obj)) {
+    dtype = reinterpret_cast<THPDtype*>(dtype_obj)->scalar_type;
   } else {
     Py_RETURN_NONE;
   }
-  std::optional<int64_t> node;
-  if (!parse_node(fn, args[2], node)) return nullptr;
   at::Tensor out;
   {
     pybind11::gil_scoped_release no_gil;
     out = ops::pool_empty(size, dtype, node);
   }
   return THPVariable_Wrap(std::move(out));
+}
+
+// empty_if_eager(sizes, dtype, numa_node): pool_empty's tensor, or None where the
+// operator must run (a mode is active) and where plain_empty declines.
+PyObject* empty_if_eager(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  constexpr const char* fn = "empty_if_eager";
+  if (!check_arity(fn, nargs, 3)) return nullptr;
+  if (!no_mode_active()) Py_RETURN_NONE;
+  std::optional<int64_t> node;
+  if (!parse_node(fn, args[2], node)) return nullptr;
+  return plain_empty(args[0], args[1], node);
+  END_HANDLE_TH_ERRORS
+}
+
+// empty_hot(sizes, dtype): pinxfer.empty(*sizes, dtype=dtype) with numa_node at its default,
+// or None where pinxfer's Python must take it (hot_calls_open, a mode active, plain_empty's
+// None). As pin_memory_hot is for pin_memory: the shortest Python path, which leaves only
+// is_compiling() to Python (the general path's torch-CUDA-ready test, its attribute lookups
+// and a third argument cost about 0.1 us of a call torch makes in about 2).
+PyObject* empty_hot(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  if (!check_arity("empty_hot", nargs, 2)) return nullptr;
+  if (!hot_calls_open() || !no_mode_active()) Py_RETURN_NONE;
+  return plain_empty(args[0], args[1], std::nullopt);
   END_HANDLE_TH_ERRORS
 }
 
@@ -306,11 +327,16 @@ PyMethodDef g_plain_calls[] = {
      "TEST-ONLY _rebuilt_plain_batch(batch): the batch rebuilt around clones of its tensors, "
      "or None where to_device_batch_if_plain declines it"},
     {"mark_torch_cuda_ready", &mark_torch_cuda_ready, METH_NOARGS,
-     "mark_torch_cuda_ready(): pinxfer._ops.ensure_torch_cuda has run (opens pin_memory_hot)"},
+     "mark_torch_cuda_ready(): pinxfer._ops.ensure_torch_cuda has run (opens pin_memory_hot and "
+     "empty_hot)"},
     {"empty_if_eager", reinterpret_cast<PyCFunction>(reinterpret_cast<void*>(&empty_if_eager)),
      METH_FASTCALL,
      "empty_if_eager(sizes, dtype, numa_node): a contiguous pool tensor; None if a mode is "
      "active (then take the operator) or a size or the dtype is not plain (then check them)"},
+    {"empty_hot", reinterpret_cast<PyCFunction>(reinterpret_cast<void*>(&empty_hot)), METH_FASTCALL,
+     "empty_hot(sizes, dtype): pinxfer.empty(*sizes, dtype=dtype); None where pinxfer's Python "
+     "must take it (before mark_torch_cuda_ready, in a forked child, a mode active, a size or "
+     "the dtype not plain)"},
 #if PINXFER_WITH_CUDA
     {"to_device_if_plain",
      reinterpret_cast<PyCFunction>(reinterpret_cast<void*>(&to_device_if_plain)), METH_FASTCALL,
