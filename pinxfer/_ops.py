@@ -229,7 +229,8 @@ def page_nodes(tensor: torch.Tensor) -> list[int]:
 
 
 def _set_debug_pause_us(us: int) -> None:
-    """Test only: allocate and free sleep ``us`` microseconds between their critical sections."""
+    """Test only: allocate and free sleep ``us`` microseconds between their critical sections,
+    and so does releasing CUDA graph memory between taking released pools and returning it."""
     fast._set_debug_pause_us(us)
 
 
@@ -237,6 +238,12 @@ def _inject_host_register_failures(n: int) -> int:
     """Test only: the next ``n`` cudaHostRegister calls of segment mapping fail.
     Returns the injected failures still pending before the call."""
     return int(fast._inject_host_register_failures(n))
+
+
+def _inject_host_unregister_failures(n: int) -> int:
+    """Test only: the next ``n`` cudaHostUnregister calls (a segment's unmapping, ``unpin_``)
+    fail, the memory staying registered. Returns the injected failures still pending before."""
+    return int(fast._inject_host_unregister_failures(n))
 
 
 # True once torch's CUDA state is initialised, or once pinxfer knows it cannot use

@@ -12,6 +12,8 @@ import gc
 import os
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 import torch
@@ -436,6 +438,89 @@ def test_feature_graph_release_then_empty_cache_unmaps():
     pinxfer.empty_cache()
     s = _stats()
     assert s["reserved_bytes.current"] == 0 and s["graph_segments.current"] == 0, s
+
+
+def test_no_pinned_memory_is_unmapped_while_a_capture_is_open():
+    """Installed, pinxfer knows of every capture torch begins: while one is open nothing is
+    unmapped (cudaHostUnregister synchronizes the device, which a capture forbids; found by
+    review in session 42): empty_cache inside the capture releases nothing, the capture and
+    its replay work, and the first empty_cache after it releases the cached segment."""
+    pinxfer.install()
+    pinxfer.empty_cache()
+    h = torch.empty(4 * MiB, dtype=torch.uint8, pin_memory=True)
+    del h  # no recorded use: a free, cached segment
+    reserved = _stats()["reserved_bytes.current"]
+    assert reserved >= 4 * MiB
+    x = torch.zeros(16, device="cuda")
+    _warm_up(lambda: x.add_(1))
+    before = x.clone()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        x.add_(1)
+        released = pinxfer.empty_cache()
+    assert released == 0
+    assert _stats()["reserved_bytes.current"] == reserved
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(x, before + 1)
+    del g
+    gc.collect()
+    assert pinxfer.empty_cache() >= 4 * MiB
+    assert _stats()["reserved_bytes.current"] == 0
+
+
+def test_a_capture_reusing_a_released_pool_id_keeps_its_own_memory():
+    """torch lets a `pool=` handle outlive its graphs and serve a new capture. When the old
+    graph's release returns its memory while the new capture begins, the return must not take
+    the new graph's segment along (it would then be shared, reused while the graph replays
+    from it; found by review in session 42). The return is slowed here (_set_debug_pause_us
+    pauses it between taking the released pool and giving its memory back) and the capture
+    begins inside that pause: it must wait for the return, and its block stays held for it."""
+    pinxfer.install()
+    n = 2 * MiB
+    x = torch.zeros(n, dtype=torch.uint8, device="cuda")
+    _warm_up(lambda: x.add_(0))
+    handle = torch.cuda.graph_pool_handle()
+
+    def capture():
+        g = torch.cuda.CUDAGraph()
+        # thread_local: the releasing thread's CUDA calls stay legal during this capture
+        with torch.cuda.graph(g, pool=handle, capture_error_mode="thread_local"):
+            h = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+            h.fill_(5)
+            x.copy_(h, non_blocking=True)
+        return g, h
+
+    g1, h1 = capture()
+    del h1  # used by g1: held for it
+    assert _stats()["graph_segments.current"] >= 1
+    releaser = threading.Thread(target=g1.reset)  # release_pool, then the slowed return
+    pinxfer._ops._set_debug_pause_us(300_000)
+    try:
+        releaser.start()
+        time.sleep(0.1)  # the releaser is inside its return's pause now
+        g2, h2 = capture()
+    finally:
+        releaser.join(timeout=60)
+        pinxfer._ops._set_debug_pause_us(0)
+    assert not releaser.is_alive()
+    s = _stats()
+    assert s["graph_segments.current"] >= 1, s  # g2's segment is still g2's
+    ptr2 = h2.data_ptr()
+    del h2  # used by g2: must be held, not cached
+    torch.cuda.synchronize()
+    assert _stats()["held_blocks.current"] >= 1
+    eager = [torch.empty(n, dtype=torch.uint8, pin_memory=True) for _ in range(8)]
+    assert ptr2 not in {t.data_ptr() for t in eager}, "g2's block went to an eager tensor"
+    del eager
+    x.zero_()
+    g2.replay()
+    torch.cuda.synchronize()
+    assert torch.all(x == 5)
+    del g1, g2
+    gc.collect()
+    s = _stats()
+    assert s["graph_segments.current"] == 0 and s["held_blocks.current"] == 0, s
 
 
 _FORK_CHILD = r"""

@@ -30,6 +30,11 @@ std::shared_mutex& registry_mutex() {
   static auto* m = new std::shared_mutex();
   return *m;
 }
+// hold_returns()'s lock. Leaked as the registry's.
+std::mutex& returns_mutex() {
+  static auto* m = new std::mutex();
+  return *m;
+}
 std::map<PoolId, GraphPool>& pools() {  // LOCK: registry_mutex()
   static auto* p = new std::map<PoolId, GraphPool>();
   return *p;
@@ -61,6 +66,7 @@ size_t live_pools() {
 void begin_allocate_to_pool(PoolId id, StreamFilter filter, int device) {
   TORCH_CHECK(id != kShared, "pinxfer: begin_allocate_to_pool got the pool id (0, 0), which "
                              "names the shared pool, not a graph pool");
+  const std::lock_guard<std::mutex> no_return_under_way(returns_mutex());
   std::unique_lock<std::shared_mutex> lock(registry_mutex());
   for (const Capture& c : captures()) {
     TORCH_CHECK(c.id != id, "pinxfer: begin_allocate_to_pool: already allocating to graph pool ",
@@ -118,6 +124,10 @@ PoolId pool_for_current_stream() {
 }
 
 bool any_capture_open() { return !g_no_capture.load(std::memory_order_relaxed); }
+
+std::unique_lock<std::mutex> hold_returns() {
+  return std::unique_lock<std::mutex>(returns_mutex());
+}
 
 bool take_released(bool sync_all, std::vector<PoolId>* ids) {
   std::unique_lock<std::shared_mutex> lock(registry_mutex());

@@ -29,6 +29,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <mutex>
 #include <utility>
 #include <vector>
 
@@ -69,6 +70,14 @@ size_t live_pools();
 // then unless sync_all). Throws c10::Error if the synchronize fails; the pools
 // then stay released for the next call.
 bool take_released(bool sync_all, std::vector<PoolId>* ids);
+
+// Held by pool_registry's release_graph_memory() from take_released() until the pools' memory
+// is back in the shared free sets; begin_allocate_to_pool() takes it first, so a capture that
+// reuses a taken id (torch's `pool=` handle, kept after its graphs are gone) begins only after
+// the return. Without it such a capture could map segments under the id in between, and the
+// return would make them shared while the new graph replays from them. Lock order: this lock,
+// then the registry's, then a pool's.
+std::unique_lock<std::mutex> hold_returns();
 
 // Raises a c10::Error naming `op` if the current stream is capturing a CUDA
 // graph but the allocation would not go to a graph pool (pinxfer not installed,

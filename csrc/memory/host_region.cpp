@@ -149,7 +149,17 @@ int64_t unmap_region(const HostRegion& region) {
   if (region.kind == LockKind::kCudaRegistered) {
     const std::string err = cuda::host_unregister(region.ptr);
     if (!err.empty()) {
-      TORCH_WARN("pinxfer: cudaHostUnregister failed (", err, "); unmapping anyway.");
+      // CUDA still maps these addresses to these pages (refused, for instance, because
+      // another thread captures a CUDA graph in global mode). Unmapped, the addresses could
+      // come back from a later mmap over new pages while CUDA's registration still names
+      // the old ones: a copy from there would move the old pages' bytes. So the region stays
+      // mapped and locked, out of every pool: leaked, not reused.
+      TORCH_WARN("pinxfer: cudaHostUnregister of a ", region.size, "-byte pinned segment failed (",
+                 err,
+                 "); the segment stays mapped and page-locked until the process exits (not "
+                 "counted by the cap any more). Release pinned memory "
+                 "(pinxfer.empty_cache()) outside CUDA graph captures.");
+      return steady_now_ns() - t0;
     }
   }
   // munmap also drops mlock; nothing else to undo.

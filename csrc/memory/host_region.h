@@ -46,7 +46,8 @@ struct RegionTimings {
 // Throws c10::Error (out of memory) if the OS refuses the mapping.
 HostRegion map_locked_region(size_t size, int numa_node, RegionTimings* timings);
 
-// Unlocks and unmaps. Never throws; a failed cudaHostUnregister is warned about.
+// Unlocks and unmaps. Never throws. A region whose cudaHostUnregister fails is warned
+// about and left mapped and locked (leaked): see the body for why it is not unmapped.
 // Returns nanoseconds spent.
 int64_t unmap_region(const HostRegion& region);
 

@@ -43,13 +43,18 @@ std::string human(int64_t bytes) {
 
 // The out-of-memory report, from the figures the cap declined with.
 [[noreturn]] void raise_out_of_memory(size_t size, size_t segment_size, const CapReached& reached) {
+  const bool capturing = graph_pools::any_capture_open();
   TORCH_CHECK_WITH(OutOfMemoryError, false, "pinxfer: out of pinned memory. Asked for ",
                    human(size), ", which needs a new segment of ", human(segment_size),
                    ", but the cap is ", human(reached.cap),
                    ". Pinned now: ", human(reached.reserved), ", of which cached (free) ",
                    human(reached.pools.cached_bytes()),
                    "; requested by live tensors: ", human(reached.pools.requested_bytes.current),
-                   ". Free pinned tensors, call pinxfer.empty_cache(), or raise the cap "
+                   capturing ? ". A CUDA graph capture is open, and no cached memory is "
+                               "unmapped during a capture (that would synchronize the device): "
+                               "call pinxfer.empty_cache() before capturing, or"
+                             : ". Free pinned tensors, call pinxfer.empty_cache(), or",
+                   " raise the cap "
                    "(pinxfer.set_max_pinned_bytes() or PINXFER_MAX_PINNED_BYTES).");
 }
 
@@ -75,16 +80,14 @@ bool fenced_when_unrecorded(LockKind kind) {
 constexpr size_t kFenceBatchBlocks = 8;
 constexpr size_t kFenceBatchBytes = size_t{256} << 10;
 
-// Test-only: sleep between the critical sections of one allocate/free call so
-// thread storms interleave there (tests/test_allocator.py, the regression test
-// of the allocate/free race).
 std::atomic<int64_t> g_debug_pause_us{0};
+
+}  // namespace
+
 void debug_pause() {
   const int64_t us = g_debug_pause_us.load(std::memory_order_relaxed);
   if (us > 0) std::this_thread::sleep_for(std::chrono::microseconds(us));
 }
-
-}  // namespace
 
 void set_debug_pause_us(int64_t us) { g_debug_pause_us.store(us < 0 ? 0 : us); }
 
@@ -198,6 +201,8 @@ size_t PinnedPool::large_segment_size_for_miss(size_t rounded) {
     const Wide basis =
         std::max({Wide{allocated_high_water_}, in_use_after, Wide{kLargeSegmentMin}});
     if (reserved_after <= kMergeAboveHighWater * basis) return fresh;
+    // No merge while a capture is open: unmapping would unregister (release_cached says why).
+    if (graph_pools::any_capture_open()) return fresh;
     merged = collect_free_segments_locked(/*small=*/false);
     if (!merged.empty()) ++stats_.num_segment_merges;
   }
@@ -799,7 +804,11 @@ void PinnedPool::synchronize_pending() {
   }
   // The last event of each stream covers the earlier ones (stream order).
   // An event may be recycled meanwhile; waiting on it then is merely early.
-  for (const auto& ev : events) cuda::event_synchronize(ev);
+  // No wait while a capture is open (as flush_fences_and_wait): the events done already
+  // are still released below.
+  if (!graph_pools::any_capture_open()) {
+    for (const auto& ev : events) cuda::event_synchronize(ev);
+  }
   std::lock_guard<std::mutex> lock(mutex_);
   process_events_locked();
 }
@@ -849,6 +858,14 @@ size_t PinnedPool::release_cached() {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     process_events_locked();
+    // While a CUDA graph capture pinxfer knows of is open, nothing is unmapped (the cap's
+    // relief and empty_cache then release nothing): cudaHostUnregister synchronizes the
+    // device, which a capture forbids (CUDA refuses it, or the capture is invalidated), as it
+    // forbids the waits flush_fences_and_wait and synchronize_pending skip then. The next call
+    // after the capture releases what is free. (A capture pinxfer does not know of, begun
+    // without install(), is met by unmap_region: a region CUDA would not unregister stays
+    // mapped.)
+    if (graph_pools::any_capture_open()) return 0;
     segments = collect_free_segments_locked(std::nullopt);
     // What is cached now is given back: the next misses size the pool afresh.
     allocated_high_water_ = stats_.allocated_bytes.current;

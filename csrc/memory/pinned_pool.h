@@ -401,7 +401,11 @@ class PinnedPool {
 };
 
 // Test-only: every allocate/free sleeps this long between its critical
-// sections (0: off), to widen interleavings in thread-storm tests.
+// sections (0: off), to widen interleavings in thread-storm tests (the regression test
+// of the allocate/free race in tests/test_allocator.py), and so does release_graph_memory
+// between taking released graph pools and returning their memory.
 void set_debug_pause_us(int64_t us);
+// Sleeps as set_debug_pause_us says (nothing when off): where the pauses are.
+void debug_pause();
 
 }  // namespace pinxfer

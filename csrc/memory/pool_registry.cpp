@@ -84,6 +84,8 @@ int64_t max_pinned_bytes() { return g_pinned_cap->cap(); }
 
 size_t release_graph_memory() {
   if (!cuda::cuda_usable()) return 0;
+  // No capture begins from the take to the return (graph_pools.h, hold_returns).
+  const auto returning = graph_pools::hold_returns();
   // Read before the synchronize: only blocks held by then are covered by it.
   const uint64_t held_upto = PinnedPool::hold_sequence();
   bool held = false;
@@ -91,6 +93,7 @@ size_t release_graph_memory() {
   std::vector<graph_pools::PoolId> ids;
   if (!graph_pools::take_released(/*sync_all=*/held, &ids)) return 0;  // a capture is open
   if (ids.empty() && !held) return 0;
+  debug_pause();  // test only: a capture may try to begin here (tests/test_graphs_gpu.py)
   size_t returned = 0;
   for (PinnedPool* pool : all_pools()) returned += pool->return_graph_memory(ids, held_upto);
   return returned;

@@ -38,20 +38,30 @@ std::string built_cuda_version() {
 
 namespace {
 std::atomic<int64_t> g_injected_register_failures{0};
+std::atomic<int64_t> g_injected_unregister_failures{0};
 
-// Consumes one injected host_register() failure, if any is pending.
-[[maybe_unused]] bool take_injected_register_failure() {
-  int64_t n = g_injected_register_failures.load();
+// Consumes one injected failure of `pending`, if any is left.
+[[maybe_unused]] bool take_injected_failure(std::atomic<int64_t>& pending) {
+  int64_t n = pending.load();
   while (n > 0) {
-    if (g_injected_register_failures.compare_exchange_weak(n, n - 1)) return true;
+    if (pending.compare_exchange_weak(n, n - 1)) return true;
   }
   return false;
+}
+
+int64_t set_injected_failures(std::atomic<int64_t>& pending, int64_t n, const char* hook) {
+  TORCH_CHECK(n >= 0, "pinxfer.", hook, ": n must be >= 0, got ", n);
+  return pending.exchange(n);
 }
 }  // namespace
 
 int64_t inject_host_register_failures(int64_t n) {
-  TORCH_CHECK(n >= 0, "pinxfer._inject_host_register_failures: n must be >= 0, got ", n);
-  return g_injected_register_failures.exchange(n);
+  return set_injected_failures(g_injected_register_failures, n, "_inject_host_register_failures");
+}
+
+int64_t inject_host_unregister_failures(int64_t n) {
+  return set_injected_failures(g_injected_unregister_failures, n,
+                               "_inject_host_unregister_failures");
 }
 
 #if PINXFER_WITH_CUDA
@@ -205,7 +215,7 @@ static std::string probe_error() {
 }
 
 std::string host_register(void* ptr, size_t size) {
-  if (take_injected_register_failure()) {
+  if (take_injected_failure(g_injected_register_failures)) {
     return error_text(cudaErrorMemoryAllocation) +
            " [injected by pinxfer._inject_host_register_failures, a test-only fault]";
   }
@@ -241,6 +251,10 @@ std::string host_register_user(void* ptr, size_t size, bool* already_registered)
 }
 
 std::string host_unregister(void* ptr) {
+  if (take_injected_failure(g_injected_unregister_failures)) {
+    return error_text(cudaErrorStreamCaptureUnsupported) +
+           " [injected by pinxfer._inject_host_unregister_failures, a test-only fault]";
+  }
   const cudaError_t err = cudaHostUnregister(ptr);
   if (err == cudaSuccess) return "";
   (void)cudaGetLastError();
@@ -292,7 +306,9 @@ bool try_record_event(const c10::Stream& stream, Event* out, std::string* error)
     if (err != cudaSuccess) {
       (void)cudaGetLastError();
       *error = "cudaEventRecord failed: " + error_text(err);
-      cudaEventDestroy(ev);
+      // Best effort: the record's failure is the error reported; a failed destroy adds
+      // nothing the caller can act on, and its error is cleared.
+      if (cudaEventDestroy(ev) != cudaSuccess) (void)cudaGetLastError();
       return false;
     }
   } catch (const std::exception& e) {

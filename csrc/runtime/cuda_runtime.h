@@ -41,7 +41,16 @@ std::string host_register(void* ptr, size_t size);
 // reports). Only host_register() is affected: not pin_ (host_register_user),
 // and nothing where CUDA is not usable, since host_register() is then not called.
 int64_t inject_host_register_failures(int64_t n);
+
+// Un-page-locks memory host_register() locked. Returns "" on success, else the CUDA error
+// text. Honours inject_host_unregister_failures().
 std::string host_unregister(void* ptr);
+
+// TEST-ONLY fault injection, as inject_host_register_failures: the next n calls of
+// host_unregister() (a pool segment's unmapping, unpin_ and its orphans) fail, without
+// calling CUDA (the memory stays registered), with the text of
+// cudaErrorStreamCaptureUnsupported marked as injected.
+int64_t inject_host_unregister_failures(int64_t n);
 
 // host_register for memory the caller does not own (pinxfer.pin_): also says
 // whether CUDA refused because some of the range is already registered
