@@ -440,6 +440,23 @@ def test_feature_graph_release_then_empty_cache_unmaps():
     assert s["reserved_bytes.current"] == 0 and s["graph_segments.current"] == 0, s
 
 
+def _capture_on_side_stream(g, body, **capture_args):
+    """Captures body() into g with CUDAGraph.capture_begin/capture_end on a side stream.
+    torch.cuda.graph's __enter__ would first empty the host allocator's cache (torch 2.11 and
+    2.14 call _host_emptyCache there), which is itself a pinxfer empty_cache: these tests need
+    the pool as they left it when the capture begins."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        g.capture_begin(**capture_args)
+        try:
+            out = body()
+        finally:
+            g.capture_end()
+    torch.cuda.current_stream().wait_stream(s)
+    return out
+
+
 def test_no_pinned_memory_is_unmapped_while_a_capture_is_open():
     """Installed, pinxfer knows of every capture torch begins: while one is open nothing is
     unmapped (cudaHostUnregister synchronizes the device, which a capture forbids; found by
@@ -455,9 +472,12 @@ def test_no_pinned_memory_is_unmapped_while_a_capture_is_open():
     _warm_up(lambda: x.add_(1))
     before = x.clone()
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+
+    def body():
         x.add_(1)
-        released = pinxfer.empty_cache()
+        return pinxfer.empty_cache()
+
+    released = _capture_on_side_stream(g, body)
     assert released == 0
     assert _stats()["reserved_bytes.current"] == reserved
     g.replay()
@@ -484,26 +504,37 @@ def test_a_capture_reusing_a_released_pool_id_keeps_its_own_memory():
 
     def capture():
         g = torch.cuda.CUDAGraph()
-        # thread_local: the releasing thread's CUDA calls stay legal during this capture
-        with torch.cuda.graph(g, pool=handle, capture_error_mode="thread_local"):
+
+        def body():
             h = torch.empty(n, dtype=torch.uint8, pin_memory=True)
             h.fill_(5)
             x.copy_(h, non_blocking=True)
+            return h
+
+        # thread_local: the releasing thread's CUDA calls stay legal during this capture
+        h = _capture_on_side_stream(g, body, pool=handle, capture_error_mode="thread_local")
         return g, h
 
     g1, h1 = capture()
     del h1  # used by g1: held for it
     assert _stats()["graph_segments.current"] >= 1
     releaser = threading.Thread(target=g1.reset)  # release_pool, then the slowed return
-    pinxfer._ops._set_debug_pause_us(300_000)
+    pause_s = 0.5
+    pinxfer._ops._set_debug_pause_us(int(pause_s * 1e6))
     try:
         releaser.start()
-        time.sleep(0.1)  # the releaser is inside its return's pause now
-        g2, h2 = capture()
+        time.sleep(pause_s / 4)  # the releaser is inside its return's pause by now
+        began = time.monotonic()
+        g2, h2 = capture()  # capture_begin: begin_allocate_to_pool must wait for the return
+        waited = time.monotonic() - began
     finally:
         releaser.join(timeout=60)
         pinxfer._ops._set_debug_pause_us(0)
     assert not releaser.is_alive()
+    # The capture began only once the return had ended, about 3/4 of the pause later (its
+    # own allocation is a graph pool's miss, which does not pause). Without the lock it
+    # began at once.
+    assert waited > pause_s / 2, waited
     s = _stats()
     assert s["graph_segments.current"] >= 1, s  # g2's segment is still g2's
     ptr2 = h2.data_ptr()

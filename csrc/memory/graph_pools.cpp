@@ -10,6 +10,7 @@
 #include <c10/util/Exception.h>
 
 #include "runtime/cuda_runtime.h"
+#include "runtime/fork.h"
 
 namespace pinxfer::graph_pools {
 
@@ -123,7 +124,11 @@ PoolId pool_for_current_stream() {
   return kShared;
 }
 
-bool any_capture_open() { return !g_no_capture.load(std::memory_order_relaxed); }
+// A forked child never uses CUDA (cuda_usable() is false there), so no capture is open for it,
+// whatever the registry it inherited from a parent thread says.
+bool any_capture_open() {
+  return fork_generation() == 0 && !g_no_capture.load(std::memory_order_relaxed);
+}
 
 std::unique_lock<std::mutex> hold_returns() {
   return std::unique_lock<std::mutex>(returns_mutex());

@@ -55,7 +55,7 @@ void release_pool(PoolId id);
 // The graph pool the current thread's current stream allocates to, or kShared.
 // Lock-free while no capture is routed.
 PoolId pool_for_current_stream();
-// True while any begin_allocate_to_pool has no end yet.
+// True while any begin_allocate_to_pool has no end yet; always false in a forked child.
 bool any_capture_open();
 // Graph pools whose graphs have not released them yet (use count > 0): torch
 // will call release_pool for each on the host allocator installed *then*.

@@ -191,18 +191,26 @@ size_t PinnedPool::large_segment_size_for_miss(size_t rounded) {
   const size_t fresh = upstream_.headroom() >= static_cast<int64_t>(kLargeSegmentMin)
                            ? std::max(rounded, kLargeSegmentMin)
                            : rounded;
-  std::vector<Segment*> merged;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
+  auto merge_wanted_locked = [&] {
     // In 128 bits: `rounded` may be near 2^63 (such a request fails in map(), unmerged).
     using Wide = __int128;
     const Wide in_use_after = Wide{stats_.allocated_bytes.current} + Wide{rounded};
     const Wide reserved_after = Wide{stats_.reserved_bytes.current} + Wide{fresh};
     const Wide basis =
         std::max({Wide{allocated_high_water_}, in_use_after, Wide{kLargeSegmentMin}});
-    if (reserved_after <= kMergeAboveHighWater * basis) return fresh;
-    // No merge while a capture is open: unmapping would unregister (release_cached says why).
-    if (graph_pools::any_capture_open()) return fresh;
+    return reserved_after > kMergeAboveHighWater * basis;
+  };
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!merge_wanted_locked()) return fresh;
+  }
+  // A merge unmaps, so it holds off captures from its check to its last unmap, and none may
+  // be open (release_cached says why); asked again under both locks.
+  const auto no_capture_begins = graph_pools::hold_returns();
+  std::vector<Segment*> merged;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!merge_wanted_locked() || graph_pools::any_capture_open()) return fresh;
     merged = collect_free_segments_locked(/*small=*/false);
     if (!merged.empty()) ++stats_.num_segment_merges;
   }
@@ -759,9 +767,12 @@ void PinnedPool::flush_fences_and_wait() {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     markers = flush_fences_locked();
-    stats_.num_event_waits += static_cast<int64_t>(markers.size());
   }
   if (graph_pools::any_capture_open()) return;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stats_.num_event_waits += static_cast<int64_t>(markers.size());
+  }
   // A marker may be recycled meanwhile (its blocks released by another thread): waiting
   // on it then is merely early or late; process_events decides from each event itself.
   for (const auto& marker : markers) cuda::event_synchronize(marker);
@@ -800,16 +811,17 @@ void PinnedPool::synchronize_pending() {
     for (auto& [stream, fifo] : pending_) {
       if (!fifo.uses.empty()) events.push_back(fifo.uses.back().event);
     }
-    stats_.num_event_waits += static_cast<int64_t>(events.size());
   }
   // The last event of each stream covers the earlier ones (stream order).
   // An event may be recycled meanwhile; waiting on it then is merely early.
   // No wait while a capture is open (as flush_fences_and_wait): the events done already
   // are still released below.
-  if (!graph_pools::any_capture_open()) {
+  const bool wait = !graph_pools::any_capture_open();
+  if (wait) {
     for (const auto& ev : events) cuda::event_synchronize(ev);
   }
   std::lock_guard<std::mutex> lock(mutex_);
+  if (wait) stats_.num_event_waits += static_cast<int64_t>(events.size());
   process_events_locked();
 }
 
@@ -854,17 +866,18 @@ void PinnedPool::unmap_segments(std::vector<Segment*> segments) {
 
 size_t PinnedPool::release_cached() {
   flush_fences_and_wait();
+  // While a CUDA graph capture pinxfer knows of is open, nothing is unmapped (the cap's
+  // relief and empty_cache then release nothing): cudaHostUnregister synchronizes the
+  // device, which a capture forbids (CUDA refuses it, or the capture is invalidated), as it
+  // forbids the waits flush_fences_and_wait and synchronize_pending skip then. The next call
+  // after the capture releases what is free. No capture begins from the check to the last
+  // unmap (graph_pools::hold_returns). (A capture pinxfer does not know of, begun without
+  // install(), is met by unmap_region: a region CUDA would not unregister stays mapped.)
+  const auto no_capture_begins = graph_pools::hold_returns();
   std::vector<Segment*> segments;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     process_events_locked();
-    // While a CUDA graph capture pinxfer knows of is open, nothing is unmapped (the cap's
-    // relief and empty_cache then release nothing): cudaHostUnregister synchronizes the
-    // device, which a capture forbids (CUDA refuses it, or the capture is invalidated), as it
-    // forbids the waits flush_fences_and_wait and synchronize_pending skip then. The next call
-    // after the capture releases what is free. (A capture pinxfer does not know of, begun
-    // without install(), is met by unmap_region: a region CUDA would not unregister stays
-    // mapped.)
     if (graph_pools::any_capture_open()) return 0;
     segments = collect_free_segments_locked(std::nullopt);
     // What is cached now is given back: the next misses size the pool afresh.
