@@ -299,6 +299,11 @@ constexpr int kWakeHedge = 2;
 void ThreadPool::post(const std::shared_ptr<Job>& job) {
   job->started = std::chrono::steady_clock::now();
   c10::SmallVector<int, 16> to_wake, relayed;
+  // Room for every worker before the job is queued (each list holds workers' indices, each
+  // at most once): a failed allocation after the job is queued would leave a job that no
+  // Offer handle can withdraw, whose helpers could read a source after its caller returned.
+  to_wake.reserve(workers_.size());
+  relayed.reserve(workers_.size());
   {
     std::lock_guard<std::mutex> lock(mutex_);
     jobs_.push_back(job);

@@ -124,6 +124,13 @@ struct StartBarrier {
     }
     all_here.wait(lock, [this] { return missing == 0; });
   }
+  // `n` that were counted will never arrive (their jobs could not be submitted): the
+  // ones waiting go on.
+  void never_coming(int n) {
+    std::lock_guard<std::mutex> lock(mu);
+    missing -= n;
+    if (missing <= 0) all_here.notify_all();
+  }
 };
 
 }  // namespace
@@ -162,12 +169,25 @@ void BatchSender::warm_workers() {
   const int n = jobs_.workers();
   StartBarrier all_started(n);
   std::vector<std::shared_ptr<WarmUp>> warm_ups;
+  warm_ups.reserve(static_cast<size_t>(n));
   for (int w = 0; w < n; ++w) {
     auto job = std::make_shared<WarmUp>();
     job->sender = this;
     job->all_started = &all_started;
-    jobs_.submit(job);
-    warm_ups.push_back(std::move(job));
+    warm_ups.push_back(job);
+  }
+  int submitted = 0;
+  try {
+    for (const auto& job : warm_ups) {
+      jobs_.submit(job);
+      ++submitted;
+    }
+  } catch (...) {
+    // The WarmUps already submitted wait for the others: let them go, and wait for them
+    // before the barrier goes out of scope (found by review, session 42).
+    all_started.never_coming(n - submitted);
+    for (int w = 0; w < submitted; ++w) jobs_.wait(warm_ups[static_cast<size_t>(w)]);
+    throw;
   }
   // Every WarmUp waits for the others inside run(), so each worker runs exactly one; the
   // barrier outlives them all (each is waited for here before it goes out of scope).

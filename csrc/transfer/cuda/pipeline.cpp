@@ -419,6 +419,13 @@ void single_block_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex 
   sb->block = pool.allocate(sb->nbytes);
   trace.alloc_us = us_since_start(Clock::now());
 
+  // What may throw comes before the offer: from the offer on, helpers may read the source,
+  // and only the try below (withdraw, close_free_pieces, close_source) makes the call wait
+  // for them before it returns (found by review, session 42; the timeline diagnostic's start
+  // event is now recorded before the offer, a few microseconds earlier than before).
+  std::vector<c10::DataPtr> spares(pieces.size());
+  const bool timeline = g_chunk_timeline.load(std::memory_order_relaxed);
+  if (timeline) t_chunk_timeline.begin(stream.stream());
   // torch's team awake (runtime/torch_team.h): its threads stage the pieces beside the
   // caller, which joins them all; none is parked by contention, so nothing is stolen.
   const bool on_team = sb->plan.threads > 1 && crew.on_torch_team;
@@ -430,10 +437,7 @@ void single_block_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex 
   trace.on_torch_team = on_team;
   trace.helpers_offered = on_team || offer ? helpers : 0;
   trace.offered_us = us_since_start(Clock::now());
-  std::vector<c10::DataPtr> spares(pieces.size());
   size_t queued = 0;  // chunks queued, in order
-  const bool timeline = g_chunk_timeline.load(std::memory_order_relaxed);
-  if (timeline) t_chunk_timeline.begin(stream.stream());
   SpanGate gate(stream.unwrap());
   // Sends the staged chunks that follow the last one sent, as one span, unless the engine
   // has enough queued and more chunks are to come (SpanGate).
