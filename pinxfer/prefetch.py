@@ -622,6 +622,16 @@ class _CallerPass:
         _note(err, f"raised while pinxfer.prefetch transferred batch {sent.step}")
         return (_ERROR, err, None)
 
+    def consumer_busy(self) -> bool:
+        """A consumer is inside next(): this pass's, or the thread's that took it over."""
+        threaded = self.threaded
+        return self.consumer.locked() or (threaded is not None and threaded.consumer_busy())
+
+    def wait_for_producer(self) -> None:
+        """As _Pass.wait_for_producer, for the thread that took this pass over, if one did."""
+        if self.threaded is not None:
+            self.threaded.wait_for_producer()
+
     def shutdown(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
         """Stops the pass: drops the batch sent ahead, closes the source's pass. Idempotent."""
         if self.threaded is not None:
@@ -687,6 +697,10 @@ class _Pass:
             raise payload
         raise StopIteration
 
+    def consumer_busy(self) -> bool:
+        """A consumer is inside next()."""
+        return self.consumer.locked()
+
     def shutdown(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
         """Stops the producer, joins it for at most ``timeout`` seconds, frees queued
         batches. Idempotent: a second call does not wait or warn again."""
@@ -721,13 +735,28 @@ class _Pass:
         # The drain may have taken the END meant for a consumer waiting in get() in
         # another thread (close() from a second thread): give it one back.
         self.queue.put((_END, None, None))
-        if not thread.is_alive():
-            leases, self.leases = self.leases, None
-            if leases is not None:
-                # The source's pass: a generator's finally, a slot pass's slots. Best
-                # effort at shutdown: what it raises has no one left to hear it.
-                with contextlib.suppress(Exception):
-                    leases.close()
+        self._close_leases_once_producer_gone()
+
+    def wait_for_producer(self) -> None:
+        """Joins a producer that shutdown() left inside the source (its timeout ran out),
+        however long that call takes, then closes the source's pass as shutdown would have.
+        The next pass calls this before it enters the source: ``iter()`` of a DataLoader with
+        persistent workers resets the iterator this thread is still reading, and the reset
+        then waits forever for a worker reply the thread took (found by review, session 42)."""
+        thread = self.thread
+        if thread.is_alive() and thread is not threading.current_thread():
+            thread.join()
+        self._close_leases_once_producer_gone()
+
+    def _close_leases_once_producer_gone(self) -> None:
+        if self.thread.is_alive():
+            return
+        leases, self.leases = self.leases, None
+        if leases is not None:
+            # The source's pass: a generator's finally, a slot pass's slots. Best effort
+            # at shutdown: what it raises has no one left to hear it.
+            with contextlib.suppress(Exception):
+                leases.close()
 
 
 def _produce(p: _Pass) -> None:
@@ -835,9 +864,13 @@ class Prefetcher:
 
     def _start_pass(self) -> _Pass | _CallerPass:
         current = self._pass
-        if current is not None and not current.finished and current.consumer.locked():
+        if current is not None and not current.finished and current.consumer_busy():
             raise RuntimeError(_SECOND_CONSUMER)  # a new pass would end that thread's
         self.close()
+        if current is not None:
+            # No producer of the last pass may still be inside the source when it is
+            # entered again (_Pass.wait_for_producer says why).
+            current.wait_for_producer()
         leases = iter(self._batches)  # in the caller's thread, as DataLoader wants
         if self.producer == "thread":
             self._pass = _Pass(leases, self._to, self.depth)
@@ -1005,7 +1038,13 @@ def prefetch(
         depth: batches kept ready ahead of the consumer (>= 1).
         transfer: replaces the per-batch step (default: ``to_device`` to
             ``device``); it runs in the producer thread, with the producer's
-            stream current when ``device`` is a GPU.
+            stream current when ``device`` is a GPU. Return the device tensors inside
+            tensors, dicts, lists, tuples, namedtuples or dataclasses: those are the
+            tensors that are ``record_stream``-ed on the consumer's stream when a batch
+            is handed out (an object of another class is handed out as it is, its
+            tensors unmarked, so their memory could be reused while the consumer's
+            queued work still reads it). With ``slots=True`` it must not return a view
+            of the slot (a CPU tensor over the slot's memory): the slot is reused.
         chunk_bytes: largest staging chunk of ``to_device``.
         num_buffers: staging chunks of ``to_device``'s ring.
         slots: batch slots (see :mod:`pinxfer.slots`): the DataLoader's workers

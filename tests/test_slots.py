@@ -26,7 +26,7 @@ import pinxfer
 from pinxfer._batch import map_tensors, tensors_in
 from pinxfer.slots import layout
 
-from .conftest import HAS_CUDA, MLOCK_IS_REAL, vm_locked_kib
+from .conftest import HAS_CUDA, MLOCK_IS_REAL, last_json, run_child, vm_locked_kib
 
 DTYPES = [
     torch.float32,
@@ -280,6 +280,48 @@ def test_persistent_early_break_then_full_epochs():
         assert st["reclaimed"] > 0
         assert st["fallbacks"]["no_free_slot"] == 0
         assert states(pf) == {"free": st["num_slots"], "taken": 0, "held": 0}
+
+
+def test_new_epoch_waits_for_a_producer_left_inside_a_slow_persistent_loader():
+    """A pass left early while its producer waits inside a slow loader's __next__ (longer
+    than shutdown's 1 s join, which warns and leaves it) must not start the next epoch's
+    iter(loader) under it: with persistent workers that iter() resets the iterator the old
+    thread still reads, and the reset waited forever for a worker reply that thread took
+    (found by review, session 42). Now the next pass joins that producer first. In a child,
+    so that a hang fails through the timeout; both roads that run a producer thread."""
+    out = run_child(
+        """
+        import json, time, warnings, torch, pinxfer
+        from torch.utils.data import DataLoader, Dataset
+
+        class Slow(Dataset):
+            def __len__(self):
+                return 3
+            def __getitem__(self, i):
+                if i > 0:
+                    time.sleep(1.6)  # the producer waits for this after the break
+                return torch.full((64,), float(i))
+
+        result = {}
+        for slots in (False, True):
+            loader = DataLoader(Slow(), batch_size=1, num_workers=2, prefetch_factor=1,
+                                persistent_workers=True, multiprocessing_context="fork")
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                with pinxfer.prefetch(loader, device="cpu", slots=slots) as pf:
+                    for first in pf:
+                        break  # the producer is inside next(loader) for item 1 now
+                    epochs = [[float(b[0, 0]) for b in pf] for _ in range(2)]
+            result[str(slots)] = dict(
+                first=float(first[0, 0]), epochs=epochs,
+                left_behind=any("still busy" in str(w.message) for w in caught))
+        print(json.dumps(result))
+        """,
+        timeout=120,
+    )
+    res = last_json(out)
+    for slots, r in res.items():
+        assert r["first"] == 0.0 and r["epochs"] == [[0.0, 1.0, 2.0]] * 2, (slots, r)
 
 
 def test_early_break_then_new_epoch_not_persistent():

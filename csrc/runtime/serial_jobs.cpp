@@ -1,6 +1,7 @@
 #include "runtime/serial_jobs.h"
 
 #include <c10/util/Exception.h>
+#include <pthread.h>
 
 #include <algorithm>
 #include <chrono>
@@ -30,7 +31,13 @@ SerialJobs::SerialJobs(int64_t spin_us, std::string name, int workers)
   TORCH_CHECK(workers >= 1, name_, ": a job queue needs at least one worker, got ", workers);
   workers_.reserve(static_cast<size_t>(workers));
   try {
-    for (int w = 0; w < workers; ++w) workers_.emplace_back([this] { work(); });
+    for (int w = 0; w < workers; ++w) {
+      workers_.emplace_back([this] { work(); });
+      // Named so that runtime/torch_team.cpp does not count them as torch's team (they spin
+      // after each job; counted, they made a main thread whose team never ran learn it
+      // by starting one: found by review, session 42). Best effort: a name is not needed.
+      pthread_setname_np(workers_.back().native_handle(), kJobsThreadName);
+    }
   } catch (...) {
     close();  // a thread that could not start: join those that did, or their destructor aborts
     throw;

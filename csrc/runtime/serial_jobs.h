@@ -30,6 +30,10 @@
 
 namespace pinxfer {
 
+// The name of every SerialJobs worker thread (at most 15 characters: the kernel's limit;
+// "pinxfer-" first, as every thread pinxfer starts: runtime/thread_pool.h).
+inline constexpr const char* kJobsThreadName = "pinxfer-jobs";
+
 class SerialJobs {
  public:
   class Job {

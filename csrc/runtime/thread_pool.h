@@ -52,6 +52,9 @@ inline void cpu_relax() {
 
 // The name of every ThreadPool worker thread (at most 15 characters: the kernel's limit).
 inline constexpr const char* kCopyThreadName = "pinxfer-copy";
+// What every thread pinxfer starts is named beginning with (ThreadPool's, SerialJobs'):
+// runtime/torch_team.cpp counts the running threads that are not pinxfer's.
+inline constexpr const char* kThreadNamePrefix = "pinxfer-";
 
 class ThreadPool {
  public:

@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "runtime/fork.h"
 #include "runtime/settings.h"
 #include "runtime/share_split.h"
 #include "runtime/steady_time.h"
@@ -237,7 +238,7 @@ struct TeamProbe {
       if (fd < 0) continue;
       const char state = state_of(fd, &comm);
       ::close(fd);
-      if (state == 'R' && comm != kCopyThreadName && ++running == n - 1) break;
+      if (state == 'R' && comm.rfind(kThreadNamePrefix, 0) != 0 && ++running == n - 1) break;
     }
     ::closedir(dir);
     return running >= enough ? running : 0;
@@ -288,8 +289,10 @@ bool on_main_thread() { return current_tid() == ::getpid(); }
 }  // namespace
 
 bool torch_team_awake() {
+  // Not in a forked child: its libgomp state is the parent's copy, and a region run on it
+  // to learn the team could start threads or hang (found by review, session 42).
   if (!kProbeAllowed || !settings().torch_team || gomp().parallel == nullptr ||
-      at::in_parallel_region() || !on_main_thread()) {
+      at::in_parallel_region() || !on_main_thread() || fork_generation() != 0) {
     return false;
   }
   const int n = at::get_num_threads();

@@ -336,15 +336,18 @@ class SlotLease:
             ring.note_copies_to(buf)
             return rebuild(self._structure, buf)
         out = to.transfer(self.batch)
-        if to.device.type == "cpu":
-            # The slot is reused as soon as this returns (done() gets no event).
-            for t in _batch.tensors_in(out):
-                if ring.contains(t):
-                    raise RuntimeError(
-                        "pinxfer.prefetch(slots=True): the transfer returned a view of a batch "
-                        "slot, which is reused as soon as the transfer returns on the CPU; "
-                        "return copies (the default transfer clones the slot)"
-                    )
+        # The slot is reused as soon as this returns on the CPU (done() gets no event), once
+        # the copies are done on a GPU: a tensor of the batch still over the slot's memory
+        # (a leaf the transfer kept on the CPU, e.g. lengths) would change under the consumer.
+        # (Checked on the CPU only until session 42, found by review.)
+        for t in _batch.tensors_in(out):
+            if ring.contains(t):
+                raise RuntimeError(
+                    "pinxfer.prefetch(slots=True): the transfer returned a view of a batch "
+                    "slot (a CPU tensor over the slot's memory), which is reused once the "
+                    "batch is handed out; return copies of the leaves it keeps on the CPU "
+                    "(t.clone()), as the default transfer does"
+                )
         ring.note_copies_to(out)
         return out
 

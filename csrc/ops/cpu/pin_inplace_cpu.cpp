@@ -256,9 +256,12 @@ void unpin_(const at::Tensor& self) {
     unlock_registration_locked(it->first, it->second);
     reg = std::move(it->second);
     g_registry->erase(it);
+    // Under the lock: a pin_ of the same storage right after must read resizable() as this
+    // unpin_ leaves it (found by review, session 42: set after the lock, a pin_ in between
+    // recorded "not resizable" and the storage became resizable while registered).
+    if (reg.was_resizable) reg.storage.unsafeGetStorageImpl()->set_resizable(true);
   }
-  // Outside the lock: dropping the last reference may free the storage.
-  if (reg.was_resizable) reg.storage.unsafeGetStorageImpl()->set_resizable(true);
+  // Outside the lock: dropping the last reference (reg, here) may free the storage.
 }
 
 }  // namespace
