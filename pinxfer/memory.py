@@ -111,14 +111,14 @@ def empty(
             ``numa_node`` names no node of this machine.
         torch.OutOfMemoryError: the memory cannot be had (cap, OS).
     """
-    if numa_node is None and not compiling():
+    eager = not compiling()
+    if eager and numa_node is None:
         # The usual call, checked in C++ (empty_hot, csrc/python/plain_calls.cpp): None
         # before torch's CUDA state is ready, in a forked child, while a mode is active, or
         # where a size or the dtype needs the checks below.
         out = fast.empty_hot(size, dtype)
         if out is not None:
             return out
-    eager = not compiling()
     # Traced (torch.compile), torch's CUDA state is not initialised here: dynamo cannot trace
     # the build query it reads, and a compiled program that uses CUDA has initialised it.
     if eager and not _ops.torch_cuda_ready:

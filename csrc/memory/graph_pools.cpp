@@ -26,30 +26,40 @@ struct Capture {
   StreamFilter filter;
 };
 
-// Leaked on purpose (no destruction at exit). One leaf lock guards all three.
-std::shared_mutex& registry_mutex() {
-  static auto* m = new std::shared_mutex();
-  return *m;
-}
-// hold_returns()'s lock. Leaked as the registry's.
-std::mutex& returns_mutex() {
-  static auto* m = new std::mutex();
-  return *m;
-}
-std::map<PoolId, GraphPool>& pools() {  // LOCK: registry_mutex()
-  static auto* p = new std::map<PoolId, GraphPool>();
-  return *p;
-}
-std::vector<Capture>& captures() {  // LOCK: registry_mutex()
-  static auto* c = new std::vector<Capture>();
-  return *c;
-}
-std::vector<PoolId>& released() {  // use count reached 0. LOCK: registry_mutex()
-  static auto* r = new std::vector<PoolId>();
-  return *r;
-}
+// The registry's state, made while the extension loads, leaked on purpose (no destruction at
+// exit), and made anew in a forked child (registry_child_after_fork), where a parent thread
+// may have held a lock or been changing a container at the fork. Not function-local statics:
+// the child handler must not meet an initialisation guard a parent thread held.
+std::shared_mutex* g_registry_mutex = new std::shared_mutex();  // guards the three below
+std::mutex* g_capture_begins_mutex = new std::mutex();          // hold_off_capture_begins()
+std::map<PoolId, GraphPool>* g_pools = new std::map<PoolId, GraphPool>();
+std::vector<Capture>* g_captures = new std::vector<Capture>();
+std::vector<PoolId>* g_released = new std::vector<PoolId>();  // use count reached 0
 // captures().empty(), readable without the lock (the allocation fast path).
 std::atomic<bool> g_no_capture{true};
+
+std::shared_mutex& registry_mutex() { return *g_registry_mutex; }
+std::mutex& capture_begins_mutex() { return *g_capture_begins_mutex; }
+std::map<PoolId, GraphPool>& pools() { return *g_pools; }  // LOCK: registry_mutex()
+std::vector<Capture>& captures() { return *g_captures; }   // LOCK: registry_mutex()
+std::vector<PoolId>& released() { return *g_released; }    // LOCK: registry_mutex()
+
+// A forked child has no CUDA, so no capture and no graph pool: it starts empty, with locks
+// of its own (the parent's are leaked).
+void registry_child_after_fork() {
+  g_registry_mutex = new std::shared_mutex();
+  g_capture_begins_mutex = new std::mutex();
+  g_pools = new std::map<PoolId, GraphPool>();
+  g_captures = new std::vector<Capture>();
+  g_released = new std::vector<PoolId>();
+  g_no_capture.store(true, std::memory_order_relaxed);
+}
+
+struct ForkHandlerInstaller {
+  ForkHandlerInstaller() {
+    register_fork_child_handler(ForkChildStep::kGraphPools, &registry_child_after_fork);
+  }
+} g_fork_handler_installer;
 
 std::string id_text(PoolId id) {
   return "(" + std::to_string(id.first) + ", " + std::to_string(id.second) + ")";
@@ -67,7 +77,7 @@ size_t live_pools() {
 void begin_allocate_to_pool(PoolId id, StreamFilter filter, int device) {
   TORCH_CHECK(id != kShared, "pinxfer: begin_allocate_to_pool got the pool id (0, 0), which "
                              "names the shared pool, not a graph pool");
-  const std::lock_guard<std::mutex> no_return_under_way(returns_mutex());
+  const std::lock_guard<std::mutex> no_unmap_or_return_under_way(capture_begins_mutex());
   std::unique_lock<std::shared_mutex> lock(registry_mutex());
   for (const Capture& c : captures()) {
     TORCH_CHECK(c.id != id, "pinxfer: begin_allocate_to_pool: already allocating to graph pool ",
@@ -124,14 +134,16 @@ PoolId pool_for_current_stream() {
   return kShared;
 }
 
-// A forked child never uses CUDA (cuda_usable() is false there), so no capture is open for it,
-// whatever the registry it inherited from a parent thread says.
-bool any_capture_open() {
-  return fork_generation() == 0 && !g_no_capture.load(std::memory_order_relaxed);
+bool any_capture_open() { return !g_no_capture.load(std::memory_order_relaxed); }
+
+std::unique_lock<std::mutex> hold_off_capture_begins() {
+  return std::unique_lock<std::mutex>(capture_begins_mutex());
 }
 
-std::unique_lock<std::mutex> hold_returns() {
-  return std::unique_lock<std::mutex>(returns_mutex());
+std::unique_lock<std::mutex> hold_off_captures_to_unmap() {
+  auto held = hold_off_capture_begins();
+  if (any_capture_open()) held.unlock();  // one begun earlier is still open
+  return held;
 }
 
 bool take_released(bool sync_all, std::vector<PoolId>* ids) {

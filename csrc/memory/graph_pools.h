@@ -21,8 +21,8 @@
 // (a shared_mutex; never held while a pool lock is taken: filters call CUDA);
 // the fast path of pool_for_current_stream() is one relaxed atomic load.
 // Fork: a forked child has no CUDA (cuda_usable() is false), so it never
-// begins a capture and every query answers kShared without touching the lock,
-// which a parent thread may have held at fork().
+// begins a capture; its registry starts empty, with locks of its own (fork step
+// kGraphPools: a parent thread may have held the parent's at fork()).
 #pragma once
 
 #include <c10/core/Stream.h>
@@ -55,7 +55,8 @@ void release_pool(PoolId id);
 // The graph pool the current thread's current stream allocates to, or kShared.
 // Lock-free while no capture is routed.
 PoolId pool_for_current_stream();
-// True while any begin_allocate_to_pool has no end yet; always false in a forked child.
+// True while any begin_allocate_to_pool has no end yet (never in a forked child, whose
+// registry starts empty).
 bool any_capture_open();
 // Graph pools whose graphs have not released them yet (use count > 0): torch
 // will call release_pool for each on the host allocator installed *then*.
@@ -71,13 +72,20 @@ size_t live_pools();
 // then stay released for the next call.
 bool take_released(bool sync_all, std::vector<PoolId>* ids);
 
-// Held by pool_registry's release_graph_memory() from take_released() until the pools' memory
-// is back in the shared free sets; begin_allocate_to_pool() takes it first, so a capture that
-// reuses a taken id (torch's `pool=` handle, kept after its graphs are gone) begins only after
-// the return. Without it such a capture could map segments under the id in between, and the
-// return would make them shared while the new graph replays from them. Lock order: this lock,
-// then the registry's, then a pool's.
-std::unique_lock<std::mutex> hold_returns();
+// No capture begins while the returned lock is held: begin_allocate_to_pool() takes it first.
+// Held (lock order: this lock, then the registry's, then a pool's)
+// - by pool_registry's release_graph_memory() from take_released() until the pools' memory is
+//   back in the shared free sets: a capture reusing a taken id (torch's `pool=` handle, kept
+//   after its graphs are gone) could otherwise map segments under the id in between, and the
+//   return would make them shared while the new graph replays from them;
+// - through hold_off_captures_to_unmap() by whatever unregisters pinned memory.
+std::unique_lock<std::mutex> hold_off_capture_begins();
+
+// For a caller about to unregister pinned memory (cudaHostUnregister synchronizes the device,
+// which a capture forbids: CUDA refuses it, or the capture is invalidated): the lock of
+// hold_off_capture_begins() if no capture is open, to hold until the last unregister; an empty
+// lock (owns_lock() false) if one is, and then nothing may be unregistered.
+std::unique_lock<std::mutex> hold_off_captures_to_unmap();
 
 // Raises a c10::Error naming `op` if the current stream is capturing a CUDA
 // graph but the allocation would not go to a graph pool (pinxfer not installed,

@@ -204,13 +204,14 @@ size_t PinnedPool::large_segment_size_for_miss(size_t rounded) {
     std::lock_guard<std::mutex> lock(mutex_);
     if (!merge_wanted_locked()) return fresh;
   }
-  // A merge unmaps, so it holds off captures from its check to its last unmap, and none may
-  // be open (release_cached says why); asked again under both locks.
-  const auto no_capture_begins = graph_pools::hold_returns();
+  // A merge unmaps: not while a capture is open, and none begins until its last unmap
+  // (graph_pools.h). Whether to merge is asked again under both locks.
+  const auto unmapping = graph_pools::hold_off_captures_to_unmap();
+  if (!unmapping.owns_lock()) return fresh;
   std::vector<Segment*> merged;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (!merge_wanted_locked() || graph_pools::any_capture_open()) return fresh;
+    if (!merge_wanted_locked()) return fresh;
     merged = collect_free_segments_locked(/*small=*/false);
     if (!merged.empty()) ++stats_.num_segment_merges;
   }
@@ -867,18 +868,17 @@ void PinnedPool::unmap_segments(std::vector<Segment*> segments) {
 size_t PinnedPool::release_cached() {
   flush_fences_and_wait();
   // While a CUDA graph capture pinxfer knows of is open, nothing is unmapped (the cap's
-  // relief and empty_cache then release nothing): cudaHostUnregister synchronizes the
-  // device, which a capture forbids (CUDA refuses it, or the capture is invalidated), as it
-  // forbids the waits flush_fences_and_wait and synchronize_pending skip then. The next call
-  // after the capture releases what is free. No capture begins from the check to the last
-  // unmap (graph_pools::hold_returns). (A capture pinxfer does not know of, begun without
-  // install(), is met by unmap_region: a region CUDA would not unregister stays mapped.)
-  const auto no_capture_begins = graph_pools::hold_returns();
+  // relief and empty_cache then release nothing; graph_pools.h says why, as it forbids the
+  // waits flush_fences_and_wait and synchronize_pending skip then), and none begins until the
+  // last unmap. The next call after the capture releases what is free. (A capture pinxfer
+  // does not know of, begun without install(), is met by unmap_region: a region CUDA would
+  // not unregister stays mapped.)
+  const auto unmapping = graph_pools::hold_off_captures_to_unmap();
   std::vector<Segment*> segments;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     process_events_locked();
-    if (graph_pools::any_capture_open()) return 0;
+    if (!unmapping.owns_lock()) return 0;
     segments = collect_free_segments_locked(std::nullopt);
     // What is cached now is given back: the next misses size the pool afresh.
     allocated_high_water_ = stats_.allocated_bytes.current;

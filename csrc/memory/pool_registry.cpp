@@ -84,8 +84,8 @@ int64_t max_pinned_bytes() { return g_pinned_cap->cap(); }
 
 size_t release_graph_memory() {
   if (!cuda::cuda_usable()) return 0;
-  // No capture begins from the take to the return (graph_pools.h, hold_returns).
-  const auto returning = graph_pools::hold_returns();
+  // No capture begins from the take to the return (graph_pools.h).
+  const auto returning = graph_pools::hold_off_capture_begins();
   // Read before the synchronize: only blocks held by then are covered by it.
   const uint64_t held_upto = PinnedPool::hold_sequence();
   bool held = false;

@@ -14,7 +14,8 @@
 // call after fork) may use any layer below its own. The CUDA runtime's locks
 // come before the pools, because a pool's allocate and free call cuda_usable()
 // and the event free lists; the thread pools come before the pinned pools,
-// whose segments are first-touched by them; the pinned pools come before the
+// whose segments are first-touched by them; the graph-pool registry comes before the
+// pinned pools, which ask it whether a capture is open; the pinned pools come before the
 // pin_ registry, which asks the pools who owns a tensor.
 //
 // Registration happens during static initialisation (one handler per step);
@@ -29,6 +30,7 @@ namespace pinxfer {
 enum class ForkChildStep : int {
   kCudaRuntime = 0,  // runtime/cuda_runtime.cpp: probe and event free-list locks
   kThreadPools,      // runtime/thread_pool.cpp: per-node worker pools (threads are gone)
+  kGraphPools,       // memory/graph_pools.cpp: the graph-pool registry and its locks
   kPinnedPools,      // memory/pool_registry.cpp: per-node pools and the cap's accounting
   kPinInplace,       // ops/cpu/pin_inplace_cpu.cpp: the pin_ registry's lock
   kBatchSenders,     // ops/cuda/batch_sender.cpp: prefetch's per-device senders (threads gone)

@@ -127,11 +127,12 @@ void unlock_registration_locked(uintptr_t key, const Registration& r) {
 // tensor of it is gone, or was moved to other memory by set_(), so nobody can
 // call unpin_ on it any more. They are unlocked and their storages returned,
 // to be freed outside the lock. None while a CUDA graph capture pinxfer knows of
-// is open: cudaHostUnregister synchronizes the device, which a capture forbids (the
-// pool unmaps nothing then either); the next sweep after it takes them. LOCK: g_mutex held.
+// is open, and none begins meanwhile (graph_pools::hold_off_captures_to_unmap: the pool
+// unmaps nothing then either); the next sweep after it takes them. LOCK: g_mutex held.
 std::vector<c10::Storage> take_orphans_locked() {
   std::vector<c10::Storage> orphans;
-  if (graph_pools::any_capture_open()) return orphans;
+  const auto unpinning = graph_pools::hold_off_captures_to_unmap();
+  if (!unpinning.owns_lock()) return orphans;
   for (auto it = g_registry->begin(); it != g_registry->end();) {
     Registration& r = it->second;
     if (r.storage.use_count() > 1) {
