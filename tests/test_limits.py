@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import pinxfer
+from pinxfer.pin import inplace_lock_kind
 from tests.conftest import MLOCK_IS_REAL, SANITIZER, vm_locked_kib
 
 ROOT = str(Path(__file__).resolve().parent.parent)
@@ -204,6 +205,74 @@ def test_pin_unpin_of_shared_memory_tensor_is_clean():
     assert pinxfer.is_pinned(t)
     pinxfer.unpin_(t)
     assert not pinxfer.is_pinned(t)
+    assert t.is_shared()  # unpin_ gave the storage its own memory (and deleter) back
+
+
+def test_share_memory_of_a_pinned_tensor_ends_the_pin_and_keeps_the_bytes():
+    """share_memory_() swaps a storage's memory whatever its resizable flag and frees the
+    old: the freed range stayed registered (CUDA) or in the registry, which kept naming
+    it (found by review, session 42). Now the old memory is unpinned before it is freed,
+    the tensor keeps its bytes in shared memory, unpinned, and may be pinned again."""
+    t = torch.randn(1 << 20)  # 4 MiB
+    expected = t.clone()
+    registrations = pinxfer._C._inplace_registrations()
+    locked_before = vm_locked_kib()
+    pinxfer.pin_(t)
+    assert pinxfer._C._inplace_registrations() == registrations + 1
+    assert not t.is_shared()  # pin_'s deleter is around the memory now
+    t.share_memory_()
+    assert t.is_shared() and torch.equal(t, expected)
+    assert not pinxfer.is_pinned(t) and inplace_lock_kind(t) is None
+    assert pinxfer._C._inplace_registrations() == registrations
+    if MLOCK_IS_REAL:
+        assert vm_locked_kib() <= locked_before + 8
+    with pytest.raises(RuntimeError, match=r"not pinned by pinxfer.pin_"):
+        pinxfer.unpin_(t)
+    pinxfer.pin_(t)  # the shared memory, from scratch
+    assert pinxfer.is_pinned(t) and torch.equal(t, expected)
+    pinxfer.unpin_(t)
+    assert t.is_shared() and pinxfer._C._inplace_registrations() == registrations
+
+
+def test_pin_of_a_lazy_clone_copies_it_first():
+    """A lazy clone shares its source's memory until written. pin_ registers the clone's
+    own memory, so writes through the pinned clone never reach the source."""
+    source = torch.arange(1 << 18, dtype=torch.float32)
+    clone = torch._lazy_clone(source)
+    pinxfer.pin_(clone)
+    assert clone.data_ptr() != source.data_ptr()
+    clone.fill_(-1.0)
+    assert torch.equal(source, torch.arange(1 << 18, dtype=torch.float32))
+    assert pinxfer.is_pinned(clone) and not pinxfer.is_pinned(source)
+    pinxfer.unpin_(clone)
+
+
+def test_a_forked_child_may_share_a_tensor_its_parent_pinned():
+    """DataLoader's forked workers send tensors with share_memory_(): in the child the
+    parent's registration is stale (nothing is locked there); the swap frees the child's
+    copy and drops the entry, and the parent's pin is untouched."""
+    out = run_child(
+        """
+        import os
+        import torch
+        import pinxfer
+        t = torch.randn(1 << 20)
+        pinxfer.pin_(t)
+        pid = os.fork()
+        if pid == 0:
+            t.share_memory_()
+            ok = t.is_shared() and not pinxfer.is_pinned(t)
+            os._exit(0 if ok else 3)
+        _, status = os.waitpid(pid, 0)
+        print("CHILD", os.waitstatus_to_exitcode(status))
+        assert pinxfer.is_pinned(t) and pinxfer._C._inplace_registrations() == 1
+        pinxfer.unpin_(t)
+        print("PARENT OK")
+    """,
+        PINXFER_DISABLE_CUDA="1",
+    )
+    assert out.returncode == 0, out.stderr
+    assert "CHILD 0" in out.stdout and "PARENT OK" in out.stdout, out.stdout + out.stderr
 
 
 def test_pin_of_quantized_tensor_is_refused():

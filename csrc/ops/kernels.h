@@ -46,6 +46,10 @@ std::optional<std::string> inplace_lock_kind(const at::Tensor& self);
 // pin_ and empty_cache() call it. csrc/ops/cpu/pin_inplace_cpu.cpp
 size_t release_orphaned_pins();
 
+// How many pin_ registrations this process holds (test only: none may outlive the
+// memory it names). csrc/ops/cpu/pin_inplace_cpu.cpp
+size_t inplace_registrations();
+
 // pinxfer.is_pinned for a dense CPU tensor: a pool block that was locked, a
 // storage pin_ locked, or (ask_torch) memory torch reports pinned. ask_torch is
 // false where torch cannot be asked (a forked child of a CUDA process).

@@ -102,6 +102,9 @@ void bind_memory(pybind11::module_& m) {
           return cuda::inject_host_register_failures(n);
         }),
         "TEST-ONLY: the next n segment registrations fail; returns those pending before");
+  m.def("_inplace_registrations",
+        wrap_pybind_function_no_gil([] { return ops::inplace_registrations(); }),
+        "TEST-ONLY: how many pin_ registrations this process holds");
   // The next n cudaHostUnregister calls (a segment's unmapping, unpin_) fail, the memory
   // staying registered, so tests can check that such a segment is left mapped (host_region.cpp).
   m.def("_inject_host_unregister_failures", wrap_pybind_function_no_gil([](int64_t n) {

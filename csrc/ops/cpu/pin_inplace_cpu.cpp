@@ -13,6 +13,18 @@
 // reallocated (resize_) under CUDA's or the kernel's feet. unpin_ restores
 // both.
 //
+// Some torch calls swap a storage's memory whatever its resizable flag:
+// share_memory_() copies the bytes into new shared memory and frees the old, and so
+// do multiprocessing's reductions (found by review, session 42: the freed range
+// stayed registered with CUDA, the registry kept naming it, and a DMA from memory
+// mapped there later could read the old pinned pages). So pin_ also puts its own
+// deleter around the storage's memory (InPlaceMemory): if the storage lets the
+// memory go while it is registered, the deleter unregisters it first (which waits
+// for copies still reading it), drops the registration and only then frees it;
+// the storage keeps its new memory, unpinned. Seen from torch, a pinned storage is
+// then not in shared memory (share_memory_() of it copies, which ends the pin) and
+// not copy-on-write (pin_ materialises a lazy clone first).
+//
 // mlock does not count: unlocking a page unlocks it for every range on it. Two
 // small tensors from malloc may share a page, so unpin_ leaves locked the
 // first/last page when another registration still uses it.
@@ -32,9 +44,12 @@
 #include <cerrno>
 #include <cstring>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <vector>
+
+#include <c10/util/Exception.h>
 
 #include "memory/graph_pools.h"
 #include "memory/host_region.h"
@@ -48,11 +63,22 @@ namespace pinxfer::ops {
 
 namespace {
 
+// The context of the DataPtr pin_ puts on a registered storage: the storage's own
+// memory (with its own deleter) inside pinxfer's. Owned by that DataPtr.
+struct InPlaceMemory {
+  c10::DataPtr original;
+  uintptr_t key = 0;       // the registration's address
+  bool unwrapped = false;  // unpin_ or the sweep gave `original` back to the storage
+};
+
 struct Registration {
   size_t size = 0;
   LockKind kind = LockKind::kPageable;
   uintptr_t locked_lo = 0, locked_hi = 0;  // page range mlock'ed (kMlocked only)
   c10::Storage storage;                    // kept alive while registered
+  InPlaceMemory* wrapper = nullptr;        // on the storage's DataPtr; null once the storage
+                                           // let the memory go (then `detached` holds it)
+  c10::DataPtr detached;  // memory the storage let go while a capture kept it registered
   bool was_resizable = false;
   uint64_t generation = 0;  // fork generation it was made in
 };
@@ -103,15 +129,14 @@ bool page_locked_by_other_locked(uintptr_t page, uintptr_t self_key) {
 }
 
 // Undoes what pin_ did for one live registration (cudaHostUnregister, or
-// munlock of the pages no other registration locks). LOCK: g_mutex held.
-void unlock_registration_locked(uintptr_t key, const Registration& r) {
-  if (!live(r)) return;  // made before a fork: the child holds no lock on it
+// munlock of the pages no other registration locks). Returns what failed, empty
+// on success; on a failure the memory stays registered (and must not be freed).
+// LOCK: g_mutex held.
+std::string try_unlock_registration_locked(uintptr_t key, const Registration& r) {
+  if (!live(r)) return {};  // made before a fork: the child holds no lock on it
   if (r.kind == LockKind::kCudaRegistered) {
     const std::string err = cuda::host_unregister(reinterpret_cast<void*>(key));
-    // The registration stays recorded: memory CUDA still holds must not be freed.
-    TORCH_CHECK(err.empty(), "pinxfer.unpin_: cudaHostUnregister failed: ", err,
-                ". The memory stays registered.");
-    return;
+    return err.empty() ? err : "cudaHostUnregister failed: " + err;
   }
   uintptr_t lo = r.locked_lo, hi = r.locked_hi;
   const uintptr_t page = page_size();
@@ -119,29 +144,111 @@ void unlock_registration_locked(uintptr_t key, const Registration& r) {
   if (lo < hi && page_locked_by_other_locked(hi - page, key)) hi -= page;
   if (lo < hi && munlock(reinterpret_cast<void*>(lo), hi - lo) != 0) {
     const int err = errno;
-    TORCH_CHECK(false, "pinxfer.unpin_: munlock failed: ", std::strerror(err));
+    return std::string("munlock failed: ") + std::strerror(err);
+  }
+  return {};
+}
+
+void unlock_registration_locked(uintptr_t key, const Registration& r) {
+  const std::string err = try_unlock_registration_locked(key, r);
+  TORCH_CHECK(err.empty(), "pinxfer.unpin_: ", err, ". The memory stays registered.");
+}
+
+// Gives the storage its own DataPtr back (pin_'s wrapper off); returns the wrapper's
+// DataPtr, to be destroyed after g_mutex is released (its deleter then does nothing).
+// LOCK: g_mutex held.
+c10::DataPtr unwrap_locked(Registration& r) {
+  if (r.wrapper == nullptr) return {};
+  r.wrapper->unwrapped = true;
+  c10::DataPtr original = std::move(r.wrapper->original);
+  r.wrapper = nullptr;
+  return r.storage.unsafeGetStorageImpl()->set_data_ptr(std::move(original));
+}
+
+// The deleter of pin_'s wrapper. Runs when the storage lets its memory go while pin_
+// still has it registered (share_memory_() swapped it: see the top of this file),
+// and, doing nothing, when unpin_ or the sweep takes the wrapper off. Never throws (it
+// runs inside torch's set_data_ptr or a destructor): a failure leaks the memory, which
+// must not be freed while registered.
+void memory_left_while_pinned(void* ctx) noexcept {
+  std::unique_ptr<InPlaceMemory> wrapper(static_cast<InPlaceMemory*>(ctx));
+  if (wrapper->unwrapped) return;
+  c10::DataPtr to_free;      // freed after the lock is released
+  c10::Storage storage_ref;  // the registry's reference, dropped after it too
+  std::string failure;
+  try {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    auto it = g_registry->find(wrapper->key);
+    if (it == g_registry->end() || it->second.wrapper != wrapper.get()) {
+      to_free = std::move(wrapper->original);  // not registered (cannot happen): just free
+    } else {
+      Registration& r = it->second;
+      r.wrapper = nullptr;
+      const auto unpinning = graph_pools::hold_off_captures_to_unmap();
+      if (live(r) && !unpinning.owns_lock()) {
+        // A capture is open: no unregistering now. The registry keeps the memory
+        // until a sweep after the capture (take_orphans_locked).
+        r.detached = std::move(wrapper->original);
+      } else {
+        failure = try_unlock_registration_locked(it->first, r);
+        if (failure.empty()) {
+          to_free = std::move(wrapper->original);
+          storage_ref = std::move(r.storage);
+          g_registry->erase(it);
+        } else {
+          r.detached = std::move(wrapper->original);  // stays registered: kept, not freed
+        }
+      }
+    }
+  } catch (...) {
+    (void)wrapper->original.release_context();  // leaked: it may still be registered
+    failure = "an unexpected error";
+  }
+  if (!failure.empty()) {
+    try {
+      TORCH_WARN("pinxfer: torch moved a pin_'ed tensor's storage to new memory (share_memory_ ",
+                 "or similar) and undoing the pin of the old memory failed (", failure,
+                 "); that memory stays allocated and registered.");
+    } catch (...) {
+    }
   }
 }
 
 // Registrations whose storage only the registry still references: every
 // tensor of it is gone, or was moved to other memory by set_(), so nobody can
-// call unpin_ on it any more. They are unlocked and their storages returned,
+// call unpin_ on it any more; and memory a storage let go during a capture
+// (memory_left_while_pinned). They are unlocked and their storages returned,
 // to be freed outside the lock. None while a CUDA graph capture pinxfer knows of
 // is open, and none begins meanwhile (graph_pools::hold_off_captures_to_unmap: the pool
 // unmaps nothing then either); the next sweep after it takes them. LOCK: g_mutex held.
-std::vector<c10::Storage> take_orphans_locked() {
-  std::vector<c10::Storage> orphans;
+struct Orphans {
+  // Destroyed in this order, after g_mutex is released: the wrappers first (their
+  // deleters do nothing), then the memory.
+  std::vector<c10::DataPtr> memory;
+  std::vector<c10::Storage> storages;
+  std::vector<c10::DataPtr> wrappers;
+  size_t count = 0;
+};
+
+Orphans take_orphans_locked() {
+  Orphans orphans;
   const auto unpinning = graph_pools::hold_off_captures_to_unmap();
   if (!unpinning.owns_lock()) return orphans;
   for (auto it = g_registry->begin(); it != g_registry->end();) {
     Registration& r = it->second;
-    if (r.storage.use_count() > 1) {
+    const bool let_go = r.wrapper == nullptr;
+    if (!let_go && r.storage.use_count() > 1) {
       ++it;
       continue;
     }
     unlock_registration_locked(it->first, r);
-    if (r.was_resizable) r.storage.unsafeGetStorageImpl()->set_resizable(true);
-    orphans.push_back(std::move(r.storage));
+    if (!let_go) {
+      orphans.wrappers.push_back(unwrap_locked(r));
+      if (r.was_resizable) r.storage.unsafeGetStorageImpl()->set_resizable(true);
+    }
+    orphans.memory.push_back(std::move(r.detached));
+    orphans.storages.push_back(std::move(r.storage));
+    ++orphans.count;
     it = g_registry->erase(it);
   }
   return orphans;
@@ -151,7 +258,9 @@ struct Range {
   uintptr_t lo = 0, hi = 0;
 };
 
-Range storage_range(const at::Tensor& self, const char* op) {
+// The tensor's storage's byte range. for_pinning: its mutable memory (pin_ may
+// have writes go through it, so a lazy clone's shared bytes are copied first).
+Range storage_range(const at::Tensor& self, const char* op, bool for_pinning = false) {
   TORCH_CHECK(self.defined(), "pinxfer.", op, ": expected a CPU tensor, got an undefined tensor");
   TORCH_CHECK(self.device().is_cpu(), "pinxfer.", op, ": expected a CPU tensor, got a tensor on ",
               self.device(), ". Only host memory can be page-locked.");
@@ -163,20 +272,21 @@ Range storage_range(const at::Tensor& self, const char* op) {
               "(is_pinned could not see the lock through the quantizer). Pin the integer "
               "representation (t.int_repr()) and quantize on the device instead.");
   const c10::Storage& storage = self.storage();
-  const auto lo = reinterpret_cast<uintptr_t>(storage.data());
+  const auto lo =
+      reinterpret_cast<uintptr_t>(for_pinning ? storage.mutable_data() : storage.data());
   TORCH_CHECK(lo != 0 && storage.nbytes() > 0, "pinxfer.", op,
               ": the tensor's storage is empty (0 bytes); there is no memory to pin.");
   return {lo, lo + storage.nbytes()};
 }
 
 void pin_(const at::Tensor& self) {
-  const Range range = storage_range(self, "pin_");
+  const Range range = storage_range(self, "pin_", /*for_pinning=*/true);
   const size_t size = range.hi - range.lo;
   TORCH_CHECK(PinnedPool::owner_of(self.storage().data_ptr().get_context()) == nullptr,
               "pinxfer.pin_: refused, the tensor already lives in pinxfer's pinned pool "
               "(from pinxfer.empty / pinxfer.pin_memory); it needs no pin_.");
 
-  std::vector<c10::Storage> orphans;  // destroyed after the lock is released
+  Orphans orphans;  // destroyed after the lock is released
   std::lock_guard<std::mutex> lock(g_mutex);
   orphans = take_orphans_locked();
   auto hit = find_overlap_locked(range.lo, range.hi);
@@ -233,12 +343,22 @@ void pin_(const at::Tensor& self) {
   // that a resizable storage has one, so such a storage is left as it is.
   reg.was_resizable = impl->resizable() && impl->allocator() != nullptr;
   if (reg.was_resizable) impl->set_resizable(false);
+  auto wrapper = std::make_unique<InPlaceMemory>();
+  wrapper->key = range.lo;
+  reg.wrapper = wrapper.get();
   g_registry->emplace(range.lo, std::move(reg));
+  // Last, as nothing after it may throw: the storage's memory goes inside pin_'s deleter.
+  void* data = impl->mutable_data();
+  const c10::Device device = impl->device();
+  InPlaceMemory* context = wrapper.release();  // owned by the DataPtr from here
+  context->original =
+      impl->set_data_ptr(c10::DataPtr(data, context, &memory_left_while_pinned, device));
 }
 
 void unpin_(const at::Tensor& self) {
   const Range range = storage_range(self, "unpin_");
   Registration reg;
+  c10::DataPtr wrapped;  // pin_'s wrapper, destroyed after the lock is released
   {
     std::lock_guard<std::mutex> lock(g_mutex);
     auto it = g_registry->find(range.lo);
@@ -255,6 +375,7 @@ void unpin_(const at::Tensor& self) {
                          "pinxfer.pin_ (nothing to undo).");
     }
     unlock_registration_locked(it->first, it->second);
+    wrapped = unwrap_locked(it->second);
     reg = std::move(it->second);
     g_registry->erase(it);
     // Under the lock: a pin_ of the same storage right after must read resizable() as this
@@ -268,15 +389,21 @@ void unpin_(const at::Tensor& self) {
 }  // namespace
 
 size_t release_orphaned_pins() {
-  std::vector<c10::Storage> orphans;  // freed after the lock is released
+  Orphans orphans;  // freed after the lock is released
   {
     std::lock_guard<std::mutex> lock(g_mutex);
     orphans = take_orphans_locked();
   }
-  return orphans.size();
+  return orphans.count;
 }
 
-namespace {}  // namespace
+size_t inplace_registrations() {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  size_t count = 0;
+  for (const auto& entry : *g_registry) count += live(entry.second) ? 1 : 0;
+  return count;
+}
+
 
 // How pin_ locked the tensor's storage ("cuda_registered" / "mlocked"), or
 // None if pin_ did not (pool tensors included: see pinxfer.lock_kind).
