@@ -322,7 +322,12 @@ def pin_(tensor: torch.Tensor) -> torch.Tensor:
     ``cudaHostRegister`` where a CUDA device is usable (``is_pinned()`` becomes
     True and copies are DMA transfers; torch's CUDA state is initialised for
     that, once), else ``mlock``. Until :func:`unpin_`,
-    pinxfer keeps the storage alive and non-resizable.
+    pinxfer keeps the storage alive and non-resizable. If torch moves the
+    storage to other memory meanwhile (``share_memory_()`` copies it into shared
+    memory, also for a storage already there: torch does not see a pinned storage
+    as shared), the old memory is unpinned before it is freed and the tensor is no
+    longer pinned. A lazy clone (copy-on-write) is copied first, so the clone's own
+    memory is pinned.
 
     Raises RuntimeError, saying why, for memory that cannot be registered: not
     on the CPU, empty, already pinned (by torch, by pinxfer's pool, by an
