@@ -248,9 +248,10 @@ def test_pin_of_a_lazy_clone_copies_it_first():
 
 
 def test_a_forked_child_may_share_a_tensor_its_parent_pinned():
-    """DataLoader's forked workers send tensors with share_memory_(): in the child the
-    parent's registration is stale (nothing is locked there); the swap frees the child's
-    copy and drops the entry, and the parent's pin is untouched."""
+    """DataLoader's forked workers send tensors with share_memory_(). In the child nothing
+    is locked and the pin_ registry starts empty (the parent's may have been half-changed by
+    another thread at the fork): unpin_ refuses, the swap frees the child's copy through
+    pin_'s deleter, and the child may pin its copy; the parent's pin is untouched."""
     out = run_child(
         """
         import os
@@ -260,8 +261,18 @@ def test_a_forked_child_may_share_a_tensor_its_parent_pinned():
         pinxfer.pin_(t)
         pid = os.fork()
         if pid == 0:
+            # The child's registry starts empty: nothing is pinned here.
+            ok = not pinxfer.is_pinned(t) and pinxfer._C._inplace_registrations() == 0
+            try:
+                pinxfer.unpin_(t)
+                ok = False
+            except RuntimeError as err:
+                ok = ok and "not pinned by pinxfer.pin_" in str(err)
             t.share_memory_()
-            ok = t.is_shared() and not pinxfer.is_pinned(t)
+            ok = ok and t.is_shared() and not pinxfer.is_pinned(t)
+            pinxfer.pin_(t)  # the child's own pin of its shared copy
+            ok = ok and pinxfer.is_pinned(t) and pinxfer._C._inplace_registrations() == 1
+            pinxfer.unpin_(t)
             os._exit(0 if ok else 3)
         _, status = os.waitpid(pid, 0)
         print("CHILD", os.waitstatus_to_exitcode(status))

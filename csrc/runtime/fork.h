@@ -32,7 +32,7 @@ enum class ForkChildStep : int {
   kThreadPools,      // runtime/thread_pool.cpp: per-node worker pools (threads are gone)
   kGraphPools,       // memory/graph_pools.cpp: the graph-pool registry and its locks
   kPinnedPools,      // memory/pool_registry.cpp: per-node pools and the cap's accounting
-  kPinInplace,       // ops/cpu/pin_inplace_cpu.cpp: the pin_ registry's lock
+  kPinInplace,       // ops/cpu/pin_inplace_cpu.cpp: the pin_ registry and its lock
   kBatchSenders,     // ops/cuda/batch_sender.cpp: prefetch's per-device senders (threads gone)
   kCount,
 };

@@ -29,9 +29,10 @@
 // small tensors from malloc may share a page, so unpin_ leaves locked the
 // first/last page when another registration still uses it.
 //
-// After fork() the child inherits neither mlock nor CUDA registrations; the
-// parent's entries are then stale: they read as "not pinned", unpin_ drops
-// them without system calls, and pin_ may register the range again.
+// After fork() the child inherits neither mlock nor CUDA registrations, so it
+// starts with an empty registry of its own (the parent's is abandoned: another
+// thread may have been changing it at the fork): there the parent's pinned
+// tensors read as "not pinned", unpin_ refuses them, and pin_ may register them.
 //
 // Thread safety: one mutex guards the registry; CUDA and mlock calls run under
 // it too (rare, and it keeps check-then-register atomic).
@@ -80,7 +81,6 @@ struct Registration {
                                            // let the memory go (then `detached` holds it)
   c10::DataPtr detached;  // memory the storage let go while a capture kept it registered
   bool was_resizable = false;
-  uint64_t generation = 0;  // fork generation it was made in
 };
 
 std::mutex g_mutex;
@@ -89,8 +89,11 @@ std::mutex g_mutex;
 std::map<uintptr_t, Registration>* g_registry = new std::map<uintptr_t, Registration>();
 
 void child_after_fork() {
-  // The mutex may have been held by a thread that does not exist in the child.
+  // The mutex may have been held by a thread that does not exist in the child, and the
+  // map may have been half-changed by it: both are abandoned (the map leaked, with the
+  // storage references in it).
   new (&g_mutex) std::mutex();
+  g_registry = new std::map<uintptr_t, Registration>();
 }
 struct ForkHandlerInstaller {
   ForkHandlerInstaller() {
@@ -103,37 +106,31 @@ uintptr_t page_size() {
   return page;
 }
 
-bool live(const Registration& r) { return r.generation == fork_generation(); }
-
-// The live registration overlapping [lo, hi), if any. LOCK: g_mutex held.
+// The registration overlapping [lo, hi), if any. LOCK: g_mutex held.
 std::map<uintptr_t, Registration>::iterator find_overlap_locked(uintptr_t lo, uintptr_t hi) {
   auto it = g_registry->upper_bound(lo);
   if (it != g_registry->begin()) {
     auto prev = std::prev(it);
-    if (live(prev->second) && prev->first + prev->second.size > lo) return prev;
+    if (prev->first + prev->second.size > lo) return prev;
   }
-  for (; it != g_registry->end() && it->first < hi; ++it) {
-    if (live(it->second)) return it;
-  }
-  return g_registry->end();
+  return it != g_registry->end() && it->first < hi ? it : g_registry->end();
 }
 
-// True if a live mlock registration other than `self_key` locks `page`.
+// True if an mlock registration other than `self_key` locks `page`.
 // LOCK: g_mutex held.
 bool page_locked_by_other_locked(uintptr_t page, uintptr_t self_key) {
   for (const auto& [key, r] : *g_registry) {
-    if (key == self_key || !live(r) || r.kind != LockKind::kMlocked) continue;
+    if (key == self_key || r.kind != LockKind::kMlocked) continue;
     if (r.locked_lo <= page && page < r.locked_hi) return true;
   }
   return false;
 }
 
-// Undoes what pin_ did for one live registration (cudaHostUnregister, or
+// Undoes what pin_ did for one registration (cudaHostUnregister, or
 // munlock of the pages no other registration locks). Returns what failed, empty
 // on success; on a failure the memory stays registered (and must not be freed).
 // LOCK: g_mutex held.
 std::string try_unlock_registration_locked(uintptr_t key, const Registration& r) {
-  if (!live(r)) return {};  // made before a fork: the child holds no lock on it
   if (r.kind == LockKind::kCudaRegistered) {
     const std::string err = cuda::host_unregister(reinterpret_cast<void*>(key));
     return err.empty() ? err : "cudaHostUnregister failed: " + err;
@@ -185,7 +182,7 @@ void memory_left_while_pinned(void* ctx) noexcept {
       Registration& r = it->second;
       r.wrapper = nullptr;
       const auto unpinning = graph_pools::hold_off_captures_to_unmap();
-      if (live(r) && !unpinning.owns_lock()) {
+      if (!unpinning.owns_lock()) {
         // A capture is open: no unregistering now. The registry keeps the memory
         // until a sweep after the capture (take_orphans_locked).
         r.detached = std::move(wrapper->original);
@@ -295,15 +292,8 @@ void pin_(const at::Tensor& self) {
               hit->second.size, "-byte range starting at ", reinterpret_cast<void*>(hit->first),
               ", this tensor's storage or one overlapping it). Call pinxfer.unpin_ on that "
               "tensor first.");
-  // Drop stale entries (made before a fork) that this range replaces.
-  for (auto it = g_registry->lower_bound(range.lo);
-       it != g_registry->end() && it->first < range.hi;) {
-    it = live(it->second) ? std::next(it) : g_registry->erase(it);
-  }
-
   Registration reg;
   reg.size = size;
-  reg.generation = fork_generation();
   if (cuda::cuda_usable()) {
     TORCH_CHECK(!cuda::is_cuda_pinned(reinterpret_cast<void*>(range.lo)),
                 "pinxfer.pin_: refused, this memory is already page-locked for CUDA (by torch's "
@@ -399,11 +389,8 @@ size_t release_orphaned_pins() {
 
 size_t inplace_registrations() {
   std::lock_guard<std::mutex> lock(g_mutex);
-  size_t count = 0;
-  for (const auto& entry : *g_registry) count += live(entry.second) ? 1 : 0;
-  return count;
+  return g_registry->size();
 }
-
 
 // How pin_ locked the tensor's storage ("cuda_registered" / "mlocked"), or
 // None if pin_ did not (pool tensors included: see pinxfer.lock_kind).
