@@ -815,6 +815,32 @@ def test_gpu_pin_inplace():
 
 @pytest.mark.gpu
 @requires_cuda
+def test_gpu_share_memory_of_a_pinned_tensor_unregisters_it_and_a_queued_copy_reads_it_whole():
+    """share_memory_() swaps the storage's memory and frees the old. pin_'s deleter
+    unregisters the old memory first (cudaHostUnregister, which waits for the copy queued
+    behind a sleep), so the copy reads the bytes it was given and nothing stays registered."""
+    t = random_tensor((64 << 20,), torch.uint8, seed=11)
+    expected = t.clone()
+    registrations = pinxfer._C._inplace_registrations()
+    pinxfer.pin_(t)
+    old_address = t.data_ptr()
+    out = torch.empty(t.shape, dtype=t.dtype, device="cuda")
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(50_000_000)  # tens of ms: the copy is still queued at the swap
+        out.copy_(t, non_blocking=True)
+    t.share_memory_()
+    assert t.data_ptr() != old_address and t.is_shared() and not t.is_pinned()
+    assert pinxfer._C._inplace_registrations() == registrations
+    stream.synchronize()
+    assert torch.equal(out.cpu(), expected) and torch.equal(t, expected)
+    pinxfer.pin_(t)  # the shared memory registers from scratch
+    assert t.is_pinned()
+    pinxfer.unpin_(t)
+
+
+@pytest.mark.gpu
+@requires_cuda
 def test_gpu_pin_inplace_refuses_torch_pinned_memory():
     t = torch.randn(1 << 16).pin_memory()
     with pytest.raises(RuntimeError, match="already page-locked for CUDA"):
