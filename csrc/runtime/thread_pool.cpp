@@ -77,7 +77,9 @@ ThreadPool::ThreadPool(int num_threads, std::vector<int> cpus)
   num_threads = std::max(1, num_threads);
   workers_.reserve(num_threads - 1);
   wake_words_ = std::make_unique<WakeWord[]>(static_cast<size_t>(num_threads - 1));
-  asleep_.reserve(static_cast<size_t>(num_threads - 1));  // no allocation under mutex_ later
+  // No allocation under mutex_ later: each list holds a worker at most once.
+  asleep_.reserve(static_cast<size_t>(num_threads - 1));
+  relay_.reserve(static_cast<size_t>(num_threads - 1));
   for (int i = 0; i < num_threads - 1; ++i) {
     try {
       workers_.emplace_back([this, i] { worker_loop(i); });
@@ -246,8 +248,17 @@ std::shared_ptr<ThreadPool::Job> ThreadPool::next_job(int me) {
   }
 }
 
+namespace {
+// Room for `workers` indices in a list, made before a lock is taken. Out of line: inlined,
+// SmallVector's grow makes GCC 12 warn, falsely, that the list may be used uninitialised.
+[[gnu::noinline]] void reserve_room(c10::SmallVectorImpl<int>& list, size_t workers) {
+  list.reserve(workers);
+}
+}  // namespace
+
 void ThreadPool::wake_relayed() {
   c10::SmallVector<int, 16> relayed;
+  reserve_room(relayed, workers_.size());  // no allocation under the lock (post() says why)
   {
     std::lock_guard<std::mutex> lock(mutex_);
     relayed.append(relay_.begin(), relay_.end());
@@ -302,8 +313,8 @@ void ThreadPool::post(const std::shared_ptr<Job>& job) {
   // Room for every worker before the job is queued (each list holds workers' indices, each
   // at most once): a failed allocation after the job is queued would leave a job that no
   // Offer handle can withdraw, whose helpers could read a source after its caller returned.
-  to_wake.reserve(workers_.size());
-  relayed.reserve(workers_.size());
+  reserve_room(to_wake, workers_.size());
+  reserve_room(relayed, workers_.size());
   {
     std::lock_guard<std::mutex> lock(mutex_);
     jobs_.push_back(job);
@@ -363,6 +374,9 @@ void ThreadPool::wake_ahead(int helpers) {
   helpers = std::min<int>(helpers, static_cast<int>(workers_.size()));
   if (helpers <= 0 || !wakes_ahead_now()) return;
   c10::SmallVector<int, 16> to_wake;
+  // No allocation under the lock: a throw there would leave the workers taken off asleep_
+  // asleep for good, never to be woken.
+  reserve_room(to_wake, workers_.size());
   {
     std::lock_guard<std::mutex> lock(mutex_);
     take_sleepers(helpers, to_wake);
