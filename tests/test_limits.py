@@ -203,9 +203,13 @@ def test_pin_unpin_of_shared_memory_tensor_is_clean():
     t = torch.randn(1 << 16).share_memory_()
     pinxfer.pin_(t)
     assert pinxfer.is_pinned(t)
+    # torch still sees it shared, so share_memory_() leaves the memory (and the pin) as is.
+    address = t.data_ptr()
+    assert t.is_shared() and t.share_memory_().data_ptr() == address
+    assert pinxfer.is_pinned(t)
     pinxfer.unpin_(t)
     assert not pinxfer.is_pinned(t)
-    assert t.is_shared()  # unpin_ gave the storage its own memory (and deleter) back
+    assert t.is_shared()
 
 
 def test_share_memory_of_a_pinned_tensor_ends_the_pin_and_keeps_the_bytes():
@@ -219,7 +223,6 @@ def test_share_memory_of_a_pinned_tensor_ends_the_pin_and_keeps_the_bytes():
     locked_before = vm_locked_kib()
     pinxfer.pin_(t)
     assert pinxfer._C._inplace_registrations() == registrations + 1
-    assert not t.is_shared()  # pin_'s deleter is around the memory now
     t.share_memory_()
     assert t.is_shared() and torch.equal(t, expected)
     assert not pinxfer.is_pinned(t) and inplace_lock_kind(t) is None

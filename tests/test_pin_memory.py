@@ -841,6 +841,33 @@ def test_gpu_share_memory_of_a_pinned_tensor_unregisters_it_and_a_queued_copy_re
 
 @pytest.mark.gpu
 @requires_cuda
+def test_gpu_a_failed_unregister_keeps_the_memory_until_a_later_sweep():
+    """An unregister that fails (injected) never frees the memory it names: neither pin_'s
+    deleter (share_memory_ swapped the storage) nor the sweep (every tensor gone). Each
+    warns once and keeps the registration; the next empty_cache() unpins and frees it."""
+    registrations = pinxfer._C._inplace_registrations()
+    swapped = random_tensor((4 << 20,), torch.uint8, seed=12)
+    expected = swapped.clone()
+    orphan = random_tensor((4 << 20,), torch.uint8, seed=13)
+    pinxfer.pin_(swapped)
+    pinxfer.pin_(orphan)
+    assert pinxfer._C._inject_host_unregister_failures(1) == 0
+    with pytest.warns(UserWarning, match="undoing the pin of the old memory failed"):
+        swapped.share_memory_()
+    assert torch.equal(swapped, expected) and not swapped.is_pinned()
+    assert pinxfer._C._inplace_registrations() == registrations + 2  # kept, still registered
+    del orphan
+    assert pinxfer._C._inject_host_unregister_failures(1) == 0
+    with pytest.warns(UserWarning, match="stays registered and allocated"):
+        pinxfer.empty_cache()  # one of the two fails (the injected one), the other goes
+    assert pinxfer._C._inplace_registrations() == registrations + 1
+    pinxfer.empty_cache()
+    assert pinxfer._C._inplace_registrations() == registrations
+    assert pinxfer._C._inject_host_unregister_failures(0) == 0
+
+
+@pytest.mark.gpu
+@requires_cuda
 def test_gpu_pin_inplace_refuses_torch_pinned_memory():
     t = torch.randn(1 << 16).pin_memory()
     with pytest.raises(RuntimeError, match="already page-locked for CUDA"):

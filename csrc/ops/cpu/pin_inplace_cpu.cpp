@@ -19,11 +19,17 @@
 // stayed registered with CUDA, the registry kept naming it, and a DMA from memory
 // mapped there later could read the old pinned pages). So pin_ also puts its own
 // deleter around the storage's memory (InPlaceMemory): if the storage lets the
-// memory go while it is registered, the deleter unregisters it first (which waits
-// for copies still reading it), drops the registration and only then frees it;
-// the storage keeps its new memory, unpinned. Seen from torch, a pinned storage is
-// then not in shared memory (share_memory_() of it copies, which ends the pin) and
-// not copy-on-write (pin_ materialises a lazy clone first).
+// memory go while it is registered, the deleter unregisters it first, drops the
+// registration and only then frees it; the storage keeps its new memory, unpinned.
+// (cudaHostUnregister waits for the copies still reading the range, which CUDA does
+// not document: tests/test_pin_memory.py's test_gpu_share_memory_of_a_pinned_* checks
+// it with a copy queued behind a sleep.) A storage already in shared memory that torch
+// recognises (ATen's MapAllocator, the file-descriptor strategy's) is not wrapped:
+// share_memory_() leaves it as it is. Costs of the wrapper, seen from torch: a
+// file_system-strategy (libshm) storage reads as not shared while pinned, so sharing it
+// again copies it (ending the pin); lazy-cloning a pinned tensor fails (torch clones
+// lazily only a plain DataPtr, as with a numpy-backed tensor); pin_ of a lazy clone
+// copies its shared bytes first (its own memory is what gets pinned).
 //
 // mlock does not count: unlocking a page unlocks it for every range on it. Two
 // small tensors from malloc may share a page, so unpin_ leaves locked the
@@ -32,11 +38,14 @@
 // After fork() the child inherits neither mlock nor CUDA registrations, so it
 // starts with an empty registry of its own (the parent's is abandoned: another
 // thread may have been changing it at the fork): there the parent's pinned
-// tensors read as "not pinned", unpin_ refuses them, and pin_ may register them.
+// tensors read as "not pinned", unpin_ refuses them (code that unpins in a worker
+// must expect that), and pin_ may register them. The abandoned map's references keep
+// the storages the parent had pinned at the fork alive in the child for good.
 //
 // Thread safety: one mutex guards the registry; CUDA and mlock calls run under
 // it too (rare, and it keeps check-then-register atomic).
 #include <ATen/ATen.h>
+#include <ATen/MapAllocator.h>
 #include <torch/library.h>
 
 #include <sys/mman.h>
@@ -48,6 +57,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <utility>
 #include <vector>
 
 #include <c10/util/Exception.h>
@@ -77,10 +87,12 @@ struct Registration {
   LockKind kind = LockKind::kPageable;
   uintptr_t locked_lo = 0, locked_hi = 0;  // page range mlock'ed (kMlocked only)
   c10::Storage storage;                    // kept alive while registered
-  InPlaceMemory* wrapper = nullptr;        // on the storage's DataPtr; null once the storage
-                                           // let the memory go (then `detached` holds it)
-  c10::DataPtr detached;  // memory the storage let go while a capture kept it registered
+  InPlaceMemory* wrapper = nullptr;        // on the storage's DataPtr (null: not wrapped, or
+                                           // the storage let the memory go)
+  c10::DataPtr detached;  // memory the storage let go that could not be unregistered yet (a
+                          // capture was open, or the unregister failed): kept, not freed
   bool was_resizable = false;
+  bool warned = false;  // a sweep's failed unregister was reported
 };
 
 std::mutex g_mutex;
@@ -151,22 +163,30 @@ void unlock_registration_locked(uintptr_t key, const Registration& r) {
   TORCH_CHECK(err.empty(), "pinxfer.unpin_: ", err, ". The memory stays registered.");
 }
 
+void memory_left_while_pinned(void* ctx) noexcept;
+
 // Gives the storage its own DataPtr back (pin_'s wrapper off); returns the wrapper's
 // DataPtr, to be destroyed after g_mutex is released (its deleter then does nothing).
-// LOCK: g_mutex held.
+// If the registered storage no longer carries the wrapper (a swap of DataPtrs between
+// storages moved it), it is left where it is: its deleter finds no registration and
+// frees the memory as that storage's own. LOCK: g_mutex held.
 c10::DataPtr unwrap_locked(Registration& r) {
-  if (r.wrapper == nullptr) return {};
-  r.wrapper->unwrapped = true;
-  c10::DataPtr original = std::move(r.wrapper->original);
-  r.wrapper = nullptr;
-  return r.storage.unsafeGetStorageImpl()->set_data_ptr(std::move(original));
+  InPlaceMemory* wrapper = std::exchange(r.wrapper, nullptr);
+  if (wrapper == nullptr) return {};
+  c10::StorageImpl* impl = r.storage.unsafeGetStorageImpl();
+  const c10::DataPtr& current = impl->data_ptr();
+  if (current.get_context() != wrapper || current.get_deleter() != &memory_left_while_pinned) {
+    return {};
+  }
+  wrapper->unwrapped = true;
+  return impl->set_data_ptr(std::move(wrapper->original));
 }
 
-// The deleter of pin_'s wrapper. Runs when the storage lets its memory go while pin_
-// still has it registered (share_memory_() swapped it: see the top of this file),
-// and, doing nothing, when unpin_ or the sweep takes the wrapper off. Never throws (it
-// runs inside torch's set_data_ptr or a destructor): a failure leaks the memory, which
-// must not be freed while registered.
+// The deleter of pin_'s wrapper. Runs when the storage's DataPtr is destroyed: after
+// the storage let its memory go while pin_ still has it registered (share_memory_()
+// swapped it: see the top of this file), and, doing nothing, after unpin_ or the sweep
+// took the wrapper off. Never throws (it runs in a destructor): memory that could not be
+// unregistered is kept, never freed.
 void memory_left_while_pinned(void* ctx) noexcept {
   std::unique_ptr<InPlaceMemory> wrapper(static_cast<InPlaceMemory*>(ctx));
   if (wrapper->unwrapped) return;
@@ -177,7 +197,9 @@ void memory_left_while_pinned(void* ctx) noexcept {
     std::lock_guard<std::mutex> lock(g_mutex);
     auto it = g_registry->find(wrapper->key);
     if (it == g_registry->end() || it->second.wrapper != wrapper.get()) {
-      to_free = std::move(wrapper->original);  // not registered (cannot happen): just free
+      // Not registered in this process: a forked child (its registry starts empty) or a
+      // wrapper unwrap_locked could not take off. Freed as the storage's own memory.
+      to_free = std::move(wrapper->original);
     } else {
       Registration& r = it->second;
       r.wrapper = nullptr;
@@ -194,6 +216,7 @@ void memory_left_while_pinned(void* ctx) noexcept {
           g_registry->erase(it);
         } else {
           r.detached = std::move(wrapper->original);  // stays registered: kept, not freed
+          r.warned = true;                             // warned below; the sweep retries
         }
       }
     }
@@ -211,44 +234,52 @@ void memory_left_while_pinned(void* ctx) noexcept {
   }
 }
 
-// Registrations whose storage only the registry still references: every
-// tensor of it is gone, or was moved to other memory by set_(), so nobody can
-// call unpin_ on it any more; and memory a storage let go during a capture
-// (memory_left_while_pinned). They are unlocked and their storages returned,
-// to be freed outside the lock. None while a CUDA graph capture pinxfer knows of
-// is open, and none begins meanwhile (graph_pools::hold_off_captures_to_unmap: the pool
-// unmaps nothing then either); the next sweep after it takes them. LOCK: g_mutex held.
+// What a sweep takes out of the registry. Declared by the caller before it takes
+// g_mutex, so that all of it is destroyed after the lock is released (a storage's last
+// reference may call into Python), in this order: the wrappers (their deleters do
+// nothing), the storages, the memory.
 struct Orphans {
-  // Destroyed in this order, after g_mutex is released: the wrappers first (their
-  // deleters do nothing), then the memory.
   std::vector<c10::DataPtr> memory;
   std::vector<c10::Storage> storages;
   std::vector<c10::DataPtr> wrappers;
   size_t count = 0;
 };
 
-Orphans take_orphans_locked() {
-  Orphans orphans;
+// Moves into `out` the registrations nobody can unpin any more: those whose storage
+// only the registry still references (every tensor of it is gone, or was moved to
+// other memory by set_()), and memory a storage let go that could not be unregistered
+// then (memory_left_while_pinned). Each is unlocked first; one whose unlock fails stays,
+// registered and allocated, with one warning, for the next sweep to try again. None while
+// a CUDA graph capture pinxfer knows of is open, and none begins meanwhile
+// (graph_pools::hold_off_captures_to_unmap: the pool unmaps nothing then either); the
+// next sweep after it takes them. LOCK: g_mutex held.
+void take_orphans_locked(Orphans& out) {
   const auto unpinning = graph_pools::hold_off_captures_to_unmap();
-  if (!unpinning.owns_lock()) return orphans;
+  if (!unpinning.owns_lock()) return;
   for (auto it = g_registry->begin(); it != g_registry->end();) {
     Registration& r = it->second;
-    const bool let_go = r.wrapper == nullptr;
+    const bool let_go = r.wrapper == nullptr && r.detached;
     if (!let_go && r.storage.use_count() > 1) {
       ++it;
       continue;
     }
-    unlock_registration_locked(it->first, r);
-    if (!let_go) {
-      orphans.wrappers.push_back(unwrap_locked(r));
-      if (r.was_resizable) r.storage.unsafeGetStorageImpl()->set_resizable(true);
+    const std::string failure = try_unlock_registration_locked(it->first, r);
+    if (!failure.empty()) {
+      if (!std::exchange(r.warned, true)) {
+        TORCH_WARN("pinxfer: unpinning a ", r.size, "-byte pin_ registration nobody can reach ",
+                   "any more failed (", failure, "); it stays registered and allocated, and ",
+                   "the next pin_ or empty_cache() tries again.");
+      }
+      ++it;
+      continue;
     }
-    orphans.memory.push_back(std::move(r.detached));
-    orphans.storages.push_back(std::move(r.storage));
-    ++orphans.count;
+    out.wrappers.push_back(unwrap_locked(r));
+    if (!let_go && r.was_resizable) r.storage.unsafeGetStorageImpl()->set_resizable(true);
+    out.memory.push_back(std::move(r.detached));
+    out.storages.push_back(std::move(r.storage));
+    ++out.count;
     it = g_registry->erase(it);
   }
-  return orphans;
 }
 
 struct Range {
@@ -285,7 +316,7 @@ void pin_(const at::Tensor& self) {
 
   Orphans orphans;  // destroyed after the lock is released
   std::lock_guard<std::mutex> lock(g_mutex);
-  orphans = take_orphans_locked();
+  take_orphans_locked(orphans);
   auto hit = find_overlap_locked(range.lo, range.hi);
   TORCH_CHECK(hit == g_registry->end(),
               "pinxfer.pin_: refused, this memory is already pinned by pinxfer.pin_ (a ",
@@ -333,16 +364,23 @@ void pin_(const at::Tensor& self) {
   // that a resizable storage has one, so such a storage is left as it is.
   reg.was_resizable = impl->resizable() && impl->allocator() != nullptr;
   if (reg.was_resizable) impl->set_resizable(false);
-  auto wrapper = std::make_unique<InPlaceMemory>();
-  wrapper->key = range.lo;
-  reg.wrapper = wrapper.get();
+  // Memory in shared memory that torch recognises stays as it is: share_memory_() keeps it.
+  const bool shared = at::MapAllocator::fromDataPtr(impl->data_ptr()) != nullptr ||
+                      at::RefcountedMapAllocator::fromDataPtr(impl->data_ptr()) != nullptr;
+  std::unique_ptr<InPlaceMemory> wrapper;
+  if (!shared) {
+    wrapper = std::make_unique<InPlaceMemory>();
+    wrapper->key = range.lo;
+    reg.wrapper = wrapper.get();
+  }
+  const c10::Device device = impl->device();
   g_registry->emplace(range.lo, std::move(reg));
   // Last, as nothing after it may throw: the storage's memory goes inside pin_'s deleter.
-  void* data = impl->mutable_data();
-  const c10::Device device = impl->device();
-  InPlaceMemory* context = wrapper.release();  // owned by the DataPtr from here
-  context->original =
-      impl->set_data_ptr(c10::DataPtr(data, context, &memory_left_while_pinned, device));
+  if (wrapper) {
+    InPlaceMemory* context = wrapper.release();  // owned by the DataPtr from here
+    context->original = impl->set_data_ptr(c10::DataPtr(
+        reinterpret_cast<void*>(range.lo), context, &memory_left_while_pinned, device));
+  }
 }
 
 void unpin_(const at::Tensor& self) {
@@ -382,7 +420,7 @@ size_t release_orphaned_pins() {
   Orphans orphans;  // freed after the lock is released
   {
     std::lock_guard<std::mutex> lock(g_mutex);
-    orphans = take_orphans_locked();
+    take_orphans_locked(orphans);
   }
   return orphans.count;
 }
