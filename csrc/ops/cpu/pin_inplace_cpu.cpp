@@ -216,7 +216,7 @@ void memory_left_while_pinned(void* ctx) noexcept {
           g_registry->erase(it);
         } else {
           r.detached = std::move(wrapper->original);  // stays registered: kept, not freed
-          r.warned = true;                             // warned below; the sweep retries
+          r.warned = true;                            // warned below; the sweep retries
         }
       }
     }
@@ -378,8 +378,8 @@ void pin_(const at::Tensor& self) {
   // Last, as nothing after it may throw: the storage's memory goes inside pin_'s deleter.
   if (wrapper) {
     InPlaceMemory* context = wrapper.release();  // owned by the DataPtr from here
-    context->original = impl->set_data_ptr(c10::DataPtr(
-        reinterpret_cast<void*>(range.lo), context, &memory_left_while_pinned, device));
+    context->original = impl->set_data_ptr(c10::DataPtr(reinterpret_cast<void*>(range.lo), context,
+                                                        &memory_left_while_pinned, device));
   }
 }
 
