@@ -292,6 +292,15 @@ def _fetch_failed(err: BaseException, step: int) -> tuple:
     return (_ERROR, err, None)
 
 
+def _submit_failed(err: Exception, step: int) -> tuple:
+    """The item for a batch the sender refused (its submit raised ``err`` before queuing
+    anything that reads the batch): raised in the consumer at that batch's own step, after
+    the batches before it, as a failed transfer is (until session 43 it was raised a step
+    early, in place of the batch before it, which was dropped)."""
+    _note(err, f"raised while pinxfer.prefetch transferred batch {step}")
+    return (_ERROR, err, None)
+
+
 def _send(lease: Any, to: Delivery, event_on: torch.cuda.Stream | None, step: int) -> tuple:
     """Sends one lease (on the current stream, which the road has chosen) and gives it back:
     (_ITEM, result, event after the copies, recorded on ``event_on``; None without one), or
@@ -499,10 +508,17 @@ class _CallerPass:
                     self.ahead = _fetch_failed(err, self.step)
                 else:
                     to = self.to
-                    ticket = self.sender.submit_batch_if_plain(
-                        batch, to.chunk_bytes, to.num_buffers
-                    )
-                    if ticket is None:
+                    refused = None
+                    try:
+                        ticket = self.sender.submit_batch_if_plain(
+                            batch, to.chunk_bytes, to.num_buffers
+                        )
+                    except Exception as err:  # noqa: BLE001 - raised at this batch's step
+                        refused = _submit_failed(err, self.step)
+                    if refused is not None:
+                        self.ahead = refused
+                        self.step += 1
+                    elif ticket is None:
                         self.sender_takes_apart = False
                         self.ahead = self._send_lease(StagedLease(batch))
                     else:
@@ -558,7 +574,10 @@ class _CallerPass:
                 # this next() returns it, so the sender rises while the consumer uses it).
                 self.first_plain_sent_here = self._plain_leaves(lease.batch) is not None
             else:
-                sent = self._submit(lease.batch, self.step - 1)
+                try:
+                    sent = self._submit(lease.batch, self.step - 1)
+                except Exception as err:  # noqa: BLE001 - raised at this batch's step
+                    return _submit_failed(err, self.step - 1)
                 if sent is not None:
                     return (_SENT, sent, None)
         # On the consumer's current stream for the pass's device. An event after the copy

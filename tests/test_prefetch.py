@@ -460,6 +460,20 @@ class _RecordingSender:
         self.calls.append("settle")
 
 
+class _RefusingSender(_RecordingSender):
+    """A sender whose submit of the batch with ``i == refused`` raises, as the binding does
+    when it cannot take a batch (e.g. the device out of memory for its outputs)."""
+
+    def __init__(self, refused: int) -> None:
+        super().__init__()
+        self.refused = refused
+
+    def submit_batch_if_plain(self, batch, chunk_bytes: int, num_buffers: int):
+        if type(batch) is dict and int(batch["i"]) == self.refused:
+            raise RuntimeError("sender refused the batch")
+        return super().submit_batch_if_plain(batch, chunk_bytes, num_buffers)
+
+
 def _sender_pass(source, sender: _RecordingSender):
     """A caller's-road pass over ``source`` whose sender is ``sender``, as next() leaves it
     after the pass's first batch (handed out; the second at the sender), and that batch."""
@@ -544,3 +558,28 @@ def test_sender_steady_step_source_errors_arrive_after_the_batches_before_them()
     with pytest.raises(KeyboardInterrupt):
         p._next_locked()
     assert sender.calls[-1] == "settle"
+
+
+@pytest.mark.skipif(
+    not hasattr(pinxfer._C, "BatchSender"), reason="a build without CUDA has no sender road"
+)
+@pytest.mark.parametrize("refused", [3, 6], ids=["steady_step", "send_lease"])
+def test_a_batch_the_sender_refuses_raises_at_its_own_step_after_the_batch_before_it(refused):
+    """A submit that raises (found by review, session 42: it was raised a step early, in
+    place of the ready batch before it, which was dropped). Now every batch before the
+    refused one comes out, then its error, named by its batch number, which ends the pass.
+    Refused by the steady step (batch 3) or by _send_lease (batch 6, after a bare tensor
+    made the pass leave the steady step's fast case)."""
+    source = [{"i": torch.tensor(i), "x": torch.full((3,), float(i))} for i in range(5)]
+    source.insert(5, torch.full((2,), 5.0))  # declined whole: the pass leaves the fast case
+    source += [{"i": torch.tensor(i), "x": torch.full((3,), float(i))} for i in range(6, 9)]
+    sender = _RefusingSender(refused)
+    p, first = _sender_pass(source, sender)
+    got = [first]
+    for _ in range(1, refused):
+        got.append(p._next_locked())
+    assert [int(b["i"]) if type(b) is dict else 5 for b in got] == list(range(refused))
+    with pytest.raises(RuntimeError, match="sender refused the batch") as raised:
+        p._next_locked()
+    assert any(f"batch {refused}" in note for note in getattr(raised.value, "__notes__", []))
+    assert p.finished  # an error ends the pass, as a source's or a transfer's does
