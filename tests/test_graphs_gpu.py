@@ -489,6 +489,54 @@ def test_no_pinned_memory_is_unmapped_while_a_capture_is_open():
     assert _stats()["reserved_bytes.current"] == 0
 
 
+def test_a_global_capture_survives_another_thread_allocating_over_pending_copies(installed):
+    """A DataLoader pin thread allocates while the main thread captures in torch's default
+    (global) mode. The allocation asks whether the copies still reading cached blocks are
+    done (cudaEventQuery); in global mode that query, from any thread, invalidated the
+    capture (found by review, session 43). pinxfer queries relaxed, as torch's host
+    allocator does: the capture ends, replays, and the other thread's blocks are sound."""
+    side = torch.cuda.Stream()
+    device_copy = torch.empty(MiB, dtype=torch.uint8, device="cuda")
+    with torch.cuda.stream(side):
+        for _ in range(4):  # cached blocks whose copies, behind a sleep, are still queued
+            block = pinxfer.empty(MiB, dtype=torch.uint8)
+            torch.cuda._sleep(20_000_000)
+            device_copy.copy_(block, non_blocking=True)
+            pinxfer.record_stream(block, side)
+            del block
+    x = torch.zeros(16, device="cuda")
+    _warm_up(lambda: x.add_(1))
+    before = x.clone()
+    allocated: list[torch.Tensor] = []
+    errors: list[BaseException] = []
+
+    def pin_thread() -> None:
+        try:
+            for k in range(8):
+                t = pinxfer.empty(MiB, dtype=torch.uint8)
+                t.fill_(k)
+                allocated.append(t)
+        except BaseException as err:  # noqa: BLE001 - reported by the test below
+            errors.append(err)
+
+    g = torch.cuda.CUDAGraph()
+
+    def body() -> None:
+        x.add_(1)
+        worker = threading.Thread(target=pin_thread)
+        worker.start()
+        worker.join(30)
+        x.add_(1)
+
+    _capture_on_side_stream(g, body)  # global mode, torch's default
+    assert not errors, errors
+    assert [int(t[0]) for t in allocated] == list(range(8))
+    assert all(bool((t == k).all()) for k, t in enumerate(allocated))
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(x, before + 2)
+
+
 def test_a_capture_reusing_a_released_pool_id_keeps_its_own_memory():
     """torch lets a `pool=` handle outlive its graphs and serve a new capture. When the old
     graph's release returns its memory while the new capture begins, the return must not take

@@ -339,6 +339,15 @@ Event record_event(const c10::Stream& stream) {
 }
 
 bool event_done(const Event& event, std::string* error) {
+  // Relaxed: in torch's default capture mode (global) a query while any thread captures is
+  // an "unsafe" call that invalidates that capture (found by review, session 43: a pin thread
+  // allocating while the main thread captured a graph). torch's host allocator queries its
+  // events relaxed too.
+  RelaxedCaptureMode relaxed;
+  if (relaxed.entered() != cudaSuccess) {
+    *error = "cudaThreadExchangeStreamCaptureMode failed: " + error_text(relaxed.entered());
+    return true;
+  }
   const cudaError_t err = cudaEventQuery(static_cast<cudaEvent_t>(event.handle));
   if (err == cudaSuccess) return true;
   if (err == cudaErrorNotReady) {

@@ -71,8 +71,9 @@ struct Event {
 Event record_event(const c10::Stream& stream);
 // Same, but never throws: returns false and fills *error instead.
 bool try_record_event(const c10::Stream& stream, Event* out, std::string* error);
-// cudaEventQuery: true once complete. A CUDA error other than "not ready" is
-// reported as complete-with-error through *error (the caller decides).
+// cudaEventQuery, with the thread's capture mode relaxed (a query in global mode would
+// invalidate another thread's capture): true once complete. A CUDA error other than "not
+// ready" is reported as complete-with-error through *error (the caller decides).
 bool event_done(const Event& event, std::string* error);
 // Blocks until the event completes (cudaEventSynchronize: the driver spins,
 // since our events are made without cudaEventBlockingSync).
