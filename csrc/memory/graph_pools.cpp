@@ -99,26 +99,27 @@ void begin_allocate_to_pool(PoolId id, StreamFilter filter, int device) {
   g_no_capture.store(false, std::memory_order_relaxed);
 }
 
-void end_allocate_to_pool(PoolId id) {
+bool end_allocate_to_pool(PoolId id) {
   std::unique_lock<std::shared_mutex> lock(registry_mutex());
   auto& list = captures();
   for (auto it = list.begin(); it != list.end(); ++it) {
     if (it->id == id) {
       list.erase(it);
       g_no_capture.store(list.empty(), std::memory_order_relaxed);
-      return;
+      return true;
     }
   }
-  TORCH_CHECK(false, "pinxfer: end_allocate_to_pool: graph pool ", id_text(id),
-              " is not being allocated to (no begin_allocate_to_pool without an end)");
+  return false;
 }
 
-void release_pool(PoolId id) {
+bool release_pool(PoolId id) {
   std::unique_lock<std::shared_mutex> lock(registry_mutex());
   auto it = pools().find(id);
-  TORCH_CHECK(it != pools().end() && it->second.use_count > 0, "pinxfer: release_pool: graph pool ",
-              id_text(id), " is not in use (released more often than begun)");
+  if (it == pools().end()) return false;
+  TORCH_CHECK(it->second.use_count > 0, "pinxfer: release_pool: graph pool ", id_text(id),
+              " is not in use (released more often than begun)");
   if (--it->second.use_count == 0) released().push_back(id);
+  return true;
 }
 
 PoolId pool_for_current_stream() {

@@ -46,11 +46,12 @@ using StreamFilter = std::function<bool(c10::Stream)>;
 // before the pool's memory is reused). Throws if `id` is already routed, as
 // torch does ("already recording to mempool_id").
 void begin_allocate_to_pool(PoolId id, StreamFilter filter, int device);
-// Stops routing to `id`. Throws if it is not routed, as torch does.
-void end_allocate_to_pool(PoolId id);
-// Drops one use of `id`; at zero the pool is released (see take_released).
-// Throws if `id` is unknown.
-void release_pool(PoolId id);
+// Stops routing to `id`. False if pinxfer is not routing `id`: the capture was begun on
+// the host allocator installed before pinxfer's (host_allocator.cpp passes it on there).
+bool end_allocate_to_pool(PoolId id);
+// Drops one use of `id`; at zero the pool is released (see take_released). False if
+// pinxfer never began `id` (as above); throws if it is released more often than begun.
+bool release_pool(PoolId id);
 
 // The graph pool the current thread's current stream allocates to, or kShared.
 // Lock-free while no capture is routed.

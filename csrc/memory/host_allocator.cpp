@@ -51,24 +51,15 @@ class PoolHostAllocator final : public at::HostAllocator {
     graph_pools::begin_allocate_to_pool(to_id(pool_id), std::move(filter), cuda::current_device());
   }
 
-  void end_allocate_to_pool(c10::MempoolId_t pool_id) override {
-    graph_pools::end_allocate_to_pool(to_id(pool_id));
-  }
+  // A capture begun before install() was begun on torch's allocator: its end and its
+  // release go there too (torch asks whichever allocator is installed at each step; found
+  // by review, session 43: pinxfer refused them, failing capture_end, leaking torch's pool).
+  void end_allocate_to_pool(c10::MempoolId_t pool_id) override;
 
   // Called from CUDAGraph::reset(), hence from its destructor: nothing may
   // escape. On a failure the graph's memory stays held (never reused), which
   // is safe, and the warning says so.
-  void release_pool(c10::MempoolId_t pool_id) override {
-    try {
-      graph_pools::release_pool(to_id(pool_id));
-      release_graph_memory();
-    } catch (const std::exception& e) {
-      TORCH_WARN("pinxfer: could not give back the pinned memory of CUDA graph pool (",
-                 pool_id.first, ", ", pool_id.second, "): ", e.what(),
-                 ". That memory stays out of the cache (no copy can read reused memory); "
-                 "pinxfer.empty_cache() tries again.");
-    }
-  }
+  void release_pool(c10::MempoolId_t pool_id) override;
 
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 14)
   // ---- history and snapshots (torch >= 2.14: _record_memory_history(...,
@@ -128,6 +119,30 @@ std::mutex g_install_mutex;
 std::atomic<at::HostAllocator*> g_torch_allocator{nullptr};
 std::atomic<bool> g_installed{false};
 
+void PoolHostAllocator::end_allocate_to_pool(c10::MempoolId_t pool_id) {
+  if (graph_pools::end_allocate_to_pool(to_id(pool_id))) return;
+  at::HostAllocator* previous = g_torch_allocator.load();
+  TORCH_CHECK(previous != nullptr, "pinxfer: end_allocate_to_pool: graph pool (", pool_id.first,
+              ", ", pool_id.second,
+              ") is not being allocated to (no begin_allocate_to_pool without an end)");
+  previous->end_allocate_to_pool(pool_id);
+}
+
+void PoolHostAllocator::release_pool(c10::MempoolId_t pool_id) {
+  try {
+    if (graph_pools::release_pool(to_id(pool_id))) {
+      release_graph_memory();
+    } else if (at::HostAllocator* previous = g_torch_allocator.load()) {
+      previous->release_pool(pool_id);
+    }
+  } catch (const std::exception& e) {
+    TORCH_WARN("pinxfer: could not give back the pinned memory of CUDA graph pool (", pool_id.first,
+               ", ", pool_id.second, "): ", e.what(),
+               ". That memory stays out of the cache (no copy can read reused memory); "
+               "pinxfer.empty_cache() tries again.");
+  }
+}
+
 bool PoolHostAllocator::record_event(void* ptr, void* ctx, c10::Stream stream) {
   if (PinnedPool* pool = PinnedPool::owner_of(ctx)) {
     if (pool->record_stream(ctx, stream)) return true;
@@ -162,8 +177,18 @@ bool install_host_allocator(bool enable) {
   std::lock_guard<std::mutex> lock(g_install_mutex);
   if (enable == g_installed.load()) return true;
   if (enable) {
-    if (g_torch_allocator.load() == nullptr) g_torch_allocator = at::getHostAllocator(at::kCUDA);
+    at::HostAllocator* current = at::getHostAllocator(at::kCUDA);
     at::setHostAllocator(at::kCUDA, ours, kPriority);
+    // torch keeps an allocator registered at a higher priority without a word: pinxfer would
+    // then think itself installed and stop fencing frees, while torch reported every copy to
+    // the other allocator (found by review, session 43).
+    TORCH_CHECK(at::getHostAllocator(at::kCUDA) == ours,
+                "pinxfer.install(): torch kept its current CUDA host allocator, which another "
+                "library registered at a priority above pinxfer's (",
+                static_cast<int>(kPriority),
+                "); pinxfer is not installed and its pool works as without install(). Drop "
+                "the other library's host allocator to install pinxfer's.");
+    if (g_torch_allocator.load() == nullptr) g_torch_allocator = current;
   } else {
     // A CUDA graph calls release_pool on the host allocator installed when it
     // is destroyed, not on the one that served its capture: torch's own would
@@ -179,6 +204,10 @@ bool install_host_allocator(bool enable) {
                 "torch.compile(mode='reduce-overhead') call torch._dynamo.reset()), run "
                 "gc.collect(), then uninstall.");
     at::setHostAllocator(at::kCUDA, g_torch_allocator.load(), kPriority);
+    if (at::getHostAllocator(at::kCUDA) != g_torch_allocator.load()) {
+      TORCH_WARN("pinxfer.uninstall(): torch kept a CUDA host allocator registered since "
+                 "install() at a priority above pinxfer's; it stays torch's host allocator.");
+    }
   }
   // Installed, torch's copy_(non_blocking=True) reports every copy from our
   // blocks through record_event, so a free without recorded uses needs no fence.
