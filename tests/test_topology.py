@@ -336,3 +336,43 @@ def test_topology_matches_torch_bus_ids():
         assert g.numa_node == native.pci_numa_node(g.pci_bus_id, "/sys")
         if g.numa_node >= 0:
             assert list(g.cpus) == list(native.node_cpus(g.numa_node, "/sys"))
+
+
+def test_node_and_device_numbers_out_of_int_range_are_refused(tmp_path):
+    """2**32 was cast to 0: node_cpus answered node 0's CPUs for it."""
+    root = make_tree(tmp_path, {0: "0-1"})
+    with pytest.raises(ValueError, match="out of range"):
+        native.node_cpus(2**32, root)
+    with pytest.raises(ValueError, match="out of range"):
+        native.numa_node_for_device(2**32)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_a_gpu_on_a_node_the_machine_does_not_have_is_unbound(tmp_path):
+    """A VM's firmware may give a GPU any numa_node. One that is not a node of the machine
+    is read as -1 (unbound), with one warning, instead of a pool built for it (found by
+    review, session 43)."""
+    bus_id = native.cuda_pci_bus_id(0).lower()
+    domain, _, rest = bus_id.partition(":")
+    bus_id = f"{domain[-4:]}:{rest}"  # sysfs's 4-digit domain (CUDA reports 8)
+    root = make_tree(tmp_path, {0: "0-1"}, {bus_id: "7"})
+    code = textwrap.dedent("""
+        import warnings, torch, pinxfer
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            node = pinxfer._C.numa_node_for_device(0)
+            t = pinxfer.empty(1 << 20, dtype=torch.uint8)
+        print("NODE", node, sum("does not have" in str(w.message) for w in caught))
+    """)
+    env = dict(os.environ, PINXFER_SYSFS_ROOT=root)
+    env.pop("PINXFER_NUMA_NODE", None)
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=str(Path(__file__).resolve().parent.parent),
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "NODE -1 1" in out.stdout, out.stdout + out.stderr

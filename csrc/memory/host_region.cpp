@@ -102,8 +102,9 @@ HostRegion map_locked_region(size_t size, int numa_node, RegionTimings* timings)
   region.map_base = start;
   region.map_size = rounded;
   if (numa_node >= 0 && !bind_to_node(start, rounded, numa_node)) {
+    const int err = errno;  // before the message's allocations
     warn_once(g_warned_mbind, "pinxfer: mbind to NUMA node " + std::to_string(numa_node) +
-                                  " failed (" + std::strerror(errno) +
+                                  " failed (" + std::strerror(err) +
                                   "); pinned memory is placed by the default policy.");
     region.numa_node = -1;
   }

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <cstdint>
 #include <cstdlib>
 #include <sstream>
 #include <string>
@@ -37,17 +38,38 @@ std::array<std::atomic<int>, kMaxCachedDevices>& node_cache() {
   return *cache;
 }
 
+bool node_exists(int node);
+
+// The node sysfs gives the device's PCI function, or -1 (unbound) for one that is not a
+// node of this machine: a VM's firmware may report any number there, and a pool and a
+// thread pool would be built for it (found by review, session 43). Warns once then.
+int sysfs_node_of_device(int device) {
+  const int node = pci_numa_node(cuda::pci_bus_id(device), sysfs_root());
+  if (node < 0 || node_exists(node)) return node;
+  static std::atomic<bool> warned{false};
+  if (!warned.exchange(true)) {
+    TORCH_WARN("pinxfer: sysfs says CUDA device ", device, " is on NUMA node ", node,
+               ", which this machine does not have; its pinned memory is not bound to a node.");
+  }
+  return -1;
+}
+
+bool node_exists(int node) {
+  const std::vector<int>& nodes = existing_numa_nodes();
+  return node >= 0 && std::find(nodes.begin(), nodes.end(), node) != nodes.end();
+}
+
 }  // namespace
 
 int numa_node_for_device(int device) {
   const int forced = env_override();
   if (forced != kUnknown) return forced;
   if (device < 0 || !cuda::cuda_usable()) return -1;
-  if (device >= kMaxCachedDevices) return pci_numa_node(cuda::pci_bus_id(device), sysfs_root());
+  if (device >= kMaxCachedDevices) return sysfs_node_of_device(device);
   std::atomic<int>& slot = node_cache()[device];
   int node = slot.load(std::memory_order_acquire);
   if (node == kUnknown) {
-    node = pci_numa_node(cuda::pci_bus_id(device), sysfs_root());
+    node = sysfs_node_of_device(device);
     slot.store(node, std::memory_order_release);
   }
   return node;
@@ -66,9 +88,8 @@ int resolve_numa_node(std::optional<int64_t> numa_node, const char* what) {
   if (!numa_node.has_value()) return numa_node_for_current_device();
   const int64_t node = *numa_node;
   if (node == -1) return -1;
-  const std::vector<int>& nodes = existing_numa_nodes();
-  const bool exists = node >= 0 && std::find(nodes.begin(), nodes.end(), node) != nodes.end();
-  if (!exists) {
+  if (node < 0 || node > INT32_MAX || !node_exists(static_cast<int>(node))) {
+    const std::vector<int>& nodes = existing_numa_nodes();
     std::ostringstream list;
     for (size_t i = 0; i < nodes.size(); ++i) list << (i ? ", " : "") << nodes[i];
     TORCH_CHECK_VALUE(false, what,

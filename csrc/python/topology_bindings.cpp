@@ -3,6 +3,7 @@
 // placement uses and tests can check them against fake sysfs trees (each takes
 // the sysfs root); and the two text parsers of runtime/parse.h, so Python reads
 // CPU lists and byte sizes as C++ does.
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -18,9 +19,17 @@ namespace {
 
 std::vector<int64_t> widen(const std::vector<int>& v) { return {v.begin(), v.end()}; }
 
+// A node or device number from Python, as the int the C++ side takes: one past int's
+// range was cast to another node or device (2**32 answered for 0).
+int as_int(int64_t value, const char* what) {
+  TORCH_CHECK_VALUE(value >= INT32_MIN && value <= INT32_MAX, "pinxfer: ", what, " ", value,
+                    " is out of range");
+  return static_cast<int>(value);
+}
+
 std::vector<int64_t> cpus_of_node(int64_t node, const std::string& root) {
   try {
-    return widen(node_cpus(static_cast<int>(node), root));
+    return widen(node_cpus(as_int(node, "NUMA node"), root));
   } catch (const c10::ValueError& e) {
     // Name the file: the text alone does not say which node's list is broken.
     TORCH_CHECK_VALUE(false, e.what_without_backtrace(), " (in ", root, "/devices/system/node/node",
@@ -67,7 +76,7 @@ void bind_topology(pybind11::module_& m) {
         "CUDA devices this process can use (0 without CUDA, in a forked child, or when "
         "disabled)");
   m.def("numa_node_for_device", wrap_pybind_function_no_gil([](int64_t device) {
-          return static_cast<int64_t>(numa_node_for_device(static_cast<int>(device)));
+          return static_cast<int64_t>(numa_node_for_device(as_int(device, "CUDA device")));
         }),
         "NUMA node pinxfer places memory on for a CUDA device (PINXFER_NUMA_NODE, sysfs, or -1)");
 }

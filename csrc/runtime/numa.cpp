@@ -10,7 +10,7 @@
 namespace pinxfer {
 
 namespace {
-constexpr int kMpolBind = 2;  // <linux/mempolicy.h> MPOL_BIND
+constexpr int kMpolPreferred = 1;  // <linux/mempolicy.h> MPOL_PREFERRED
 constexpr unsigned long kBitsPerWord = sizeof(unsigned long) * 8;
 }  // namespace
 
@@ -20,7 +20,7 @@ bool bind_to_node(void* ptr, size_t size, int node) {
   mask[node / kBitsPerWord] |= 1UL << (node % kBitsPerWord);
   // maxnode counts bits; the kernel wants one more than the highest node.
   const unsigned long maxnode = mask.size() * kBitsPerWord + 1;
-  return syscall(SYS_mbind, ptr, size, kMpolBind, mask.data(), maxnode, 0U) == 0;
+  return syscall(SYS_mbind, ptr, size, kMpolPreferred, mask.data(), maxnode, 0U) == 0;
 }
 
 std::vector<int> page_nodes(void* ptr, size_t size) {

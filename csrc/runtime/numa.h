@@ -7,9 +7,12 @@
 
 namespace pinxfer {
 
-// Binds [ptr, ptr+size) to `node` (MPOL_BIND) before first touch, so pages are
-// allocated there. Returns false (errno set) if the kernel refused; node < 0 is
-// a no-op returning true.
+// Sets [ptr, ptr+size)'s policy to prefer `node` (MPOL_PREFERRED) before first touch, so
+// pages are allocated there while it has free memory, and on other nodes after. (Until
+// session 43 MPOL_BIND: with the node full, the first touch of a large segment would have
+// the kernel's OOM killer end the process though other nodes had memory free; found by
+// review.) Returns false (errno set) if the kernel refused; node < 0 is a no-op returning
+// true.
 bool bind_to_node(void* ptr, size_t size, int node);
 
 // The node each page of [ptr, ptr+size) currently lives on (move_pages with no
