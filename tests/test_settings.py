@@ -313,6 +313,8 @@ def test_derived_threads_follow_local_world_size_and_affinity():
         # Issue 27: 2^32 was read as node 0 while settings() showed 4294967296.
         ("PINXFER_NUMA_NODE", "4294967296", "an integer from 0 to"),
         ("PINXFER_NUMA_NODE", "-5", "an integer from 0 to"),
+        # Session 43: a mistyped root read as "no NUMA nodes", every pool unbound.
+        ("PINXFER_SYSFS_ROOT", "/no/such/sysfs", "a sysfs tree"),
     ],
 )
 def test_malformed_variable_is_a_clear_error_at_every_call(name, value, expected):

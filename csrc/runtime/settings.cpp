@@ -2,7 +2,12 @@
 
 #include <c10/util/Exception.h>
 
+#include <sys/stat.h>
+
 #include <algorithm>
+#include <cerrno>
+#include <climits>
+#include <cstdint>
 #include <cstdlib>
 #include <iterator>
 #include <string>
@@ -73,7 +78,15 @@ struct Row {
 
 const Row kRows[] = {
     {"PINXFER_SYSFS_ROOT", "where sysfs is read (tests point it at a built tree)",
-     [](const char*, const std::string& text, Settings& s) { return s.sysfs_root = text; },
+     [](const char* name, const std::string& text, Settings& s) {
+       // A mistyped root read as "no NUMA nodes": every pool unbound, without a word.
+       struct stat st{};
+       const std::string system = text + "/devices/system";
+       if (stat(system.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
+         bad_env(name, text, "a sysfs tree (a directory holding devices/system)");
+       }
+       return s.sysfs_root = text;
+     },
      [](Settings& s) { return s.sysfs_root; }, "default"},
 
     {"PINXFER_DISABLE_CUDA", "1: never touch CUDA (the pool mlocks)",
@@ -113,7 +126,11 @@ const Row kRows[] = {
     {"LOCAL_WORLD_SIZE", "torchrun's ranks on this host: they share its CPUs",
      [](const char*, const std::string& text, Settings& s) {
        // torchrun's variable: not ours to reject; a value we cannot read means 1.
-       s.cpus.local_world_size = std::max(1, std::atoi(text.c_str()));
+       char* end = nullptr;
+       errno = 0;
+       const long ranks = std::strtol(text.c_str(), &end, 10);  // atoi's overflow is undefined
+       const bool read = errno == 0 && end != text.c_str() && ranks <= INT32_MAX;
+       s.cpus.local_world_size = read ? std::max(1, static_cast<int>(ranks)) : 1;
        return std::to_string(s.cpus.local_world_size);
      },
      [](Settings&) { return std::string("1"); }, "default"},
