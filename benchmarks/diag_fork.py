@@ -9,10 +9,10 @@ driver's, which a fork may treat differently.
 
 For each size the script holds one pinned tensor made by one of three ways (pinxfer.empty,
 torch's pin_memory, a plain pageable tensor as the baseline), its pages touched, and times
-fork() -> the child writes its VmRSS and exits -> waitpid, ROUNDS times. The child's VmRSS
-right after the fork says whether the pages were copied (a copy shows as the size, since
-the copied pages are resident in the child) or shared (the child's RSS counts shared pages
-only once it touches them).
+fork() -> the child writes its private dirty memory and exits -> waitpid, ROUNDS times.
+That memory right after the fork says whether the pages were copied (they are the child's
+own: the size shows there) or shared copy-on-write (they read as shared), and the fork's
+time says what the copy cost.
 
     python benchmarks/diag_fork.py [--sizes-gib 1,4] [--rounds 5] [--json PATH]
 """
@@ -33,22 +33,25 @@ GiB = 1 << 30
 HAS_CUDA = torch.cuda.is_available()
 
 
-def _vm_rss_kib() -> int:
-    with open("/proc/self/status") as f:
+def _private_dirty_kib() -> int:
+    """The process's private dirty pages: pages a fork copied into the child are private to
+    it, where pages it shares copy-on-write with the parent read as Shared_Dirty."""
+    with open("/proc/self/smaps_rollup") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith("Private_Dirty:"):
                 return int(line.split()[1])
     return -1
 
 
 def _fork_once() -> tuple[float, int]:
-    """Seconds from fork() to the child's exit being reaped, and the child's VmRSS (KiB)."""
+    """Seconds from fork() to the child's exit being reaped, and the child's private dirty
+    memory (KiB) right after the fork."""
     r, w = os.pipe()
     start = time.perf_counter()
     pid = os.fork()
     if pid == 0:
         os.close(r)
-        os.write(w, str(_vm_rss_kib()).encode())
+        os.write(w, str(_private_dirty_kib()).encode())
         os._exit(0)
     os.close(w)
     rss = int(os.read(r, 64) or b"-1")
@@ -91,8 +94,8 @@ def main() -> None:
                 "size_gib": size_gib,
                 "fork_ms_median": statistics.median(times),
                 "fork_ms_min": min(times),
-                "child_rss_mib_median": statistics.median(rss) / 1024,
-                "child_rss_mib_without_it": baseline_rss / 1024,
+                "child_private_mib_median": statistics.median(rss) / 1024,
+                "child_private_mib_without_it": baseline_rss / 1024,
                 "lock_kind": pinxfer.lock_kind(t) if way == "pinxfer" else None,
             }
             rows.append(row)
