@@ -211,6 +211,26 @@ def test_cgroup_v1_cpu_controller(tmp_path):
     assert native.cgroup_quota_cpus(str(tmp_path), self_cgroup) == 0
 
 
+def test_cgroup_cpuset_is_the_containers_share_of_the_host(tmp_path):
+    """A container's cpuset stands for the machine when the ranks inside it decide whether
+    their launcher divided the CPUs (16 of a 128-CPU host shared by 8 ranks read as divided
+    already: 12 copy threads each, 96 on 16 CPUs; found by review, session 43)."""
+    d = tmp_path / "kubepods" / "pod1"
+    d.mkdir(parents=True)
+    (d / "cpuset.cpus.effective").write_text("0-7,64-71\n")
+    assert native.cgroup_cpuset_cpus(str(tmp_path), "0::/kubepods/pod1\n") == 16
+    assert native.cgroup_cpuset_cpus(str(tmp_path), "0::/elsewhere\n") == 0
+    v1 = tmp_path / "cpuset" / "docker" / "abc"
+    v1.mkdir(parents=True)
+    (v1 / "cpuset.cpus").write_text("2-5\n")
+    self_v1 = "12:memory:/docker/abc\n3:cpuset:/docker/abc\n"
+    assert native.cgroup_cpuset_cpus(str(tmp_path), self_v1) == 4
+    assert native.cgroup_cpuset_cpus(str(tmp_path), "garbage\n") == 0
+    # Those 16 CPUs shared by 8 unbound ranks: divided, 2 CPUs each (below 4 none kept back).
+    threads, why = native.copy_threads_for(16, 16, 0.0, 8)
+    assert threads == 2 and "shared by LOCAL_WORLD_SIZE=8" in why
+
+
 # ---- the settings object ----
 
 

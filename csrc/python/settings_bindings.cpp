@@ -190,6 +190,11 @@ void bind_settings(pybind11::module_& m) {
         "(threads counting the caller, CPUs its workers are bound to; []: unbound)");
   m.def("cgroup_quota_cpus", wrap_pybind_function_no_gil(&cgroup_quota_cpus),
         "cgroup_quota_cpus(cgroup_root, proc_self_cgroup) -> CPUs of quota (0: none)");
+  m.def("cgroup_cpuset_cpus",
+        wrap_pybind_function_no_gil([](const std::string& root, const std::string& self) {
+          return static_cast<int64_t>(cgroup_cpuset_cpus(root, self));
+        }),
+        "cgroup_cpuset_cpus(cgroup_root, proc_self_cgroup) -> CPUs of its cpuset (0: none)");
   m.def("cuda_unusable_reason", wrap_pybind_function_no_gil(&unusable_reason),
         "why CUDA is not usable in this process, None when it is");
 }

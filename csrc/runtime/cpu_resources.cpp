@@ -6,6 +6,7 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "runtime/parse.h"
 #include "runtime/topology.h"
 
 namespace pinxfer {
@@ -83,6 +84,35 @@ double cgroup_quota_cpus(const std::string& cgroup_root, const std::string& proc
   return best;
 }
 
+int cgroup_cpuset_cpus(const std::string& cgroup_root, const std::string& proc_self_cgroup) {
+  std::istringstream lines(proc_self_cgroup);
+  std::string line;
+  while (std::getline(lines, line)) {
+    const size_t a = line.find(':'), b = line.find(':', a + 1);
+    if (a == std::string::npos || b == std::string::npos) continue;
+    const std::string controllers = line.substr(a + 1, b - a - 1), path = line.substr(b + 1);
+    const std::string rel = path == "/" ? "" : path;
+    std::vector<std::string> files;
+    if (controllers.empty()) {
+      files = {cgroup_root + rel + "/cpuset.cpus.effective"};
+    } else if (("," + controllers + ",").find(",cpuset,") != std::string::npos) {
+      files = {cgroup_root + "/cpuset" + rel + "/cpuset.effective_cpus",
+               cgroup_root + "/cpuset" + rel + "/cpuset.cpus"};
+    }
+    for (const std::string& file : files) {
+      std::string text;
+      if (!read_kernel_file(file, &text)) continue;
+      try {
+        const size_t n = parse_cpulist(text).size();
+        if (n > 0) return static_cast<int>(n);
+      } catch (const std::exception&) {
+        // unreadable: as if absent
+      }
+    }
+  }
+  return 0;
+}
+
 CpuResources current_cpu_resources() {
   CpuResources r;
   const long online = sysconf(_SC_NPROCESSORS_ONLN);
@@ -99,6 +129,11 @@ CpuResources current_cpu_resources() {
   std::string self;
   if (read_kernel_file("/proc/self/cgroup", &self)) {
     r.quota_cpus = cgroup_quota_cpus("/sys/fs/cgroup", self);
+    // A container's cpuset is its machine: ranks sharing a 16-CPU container of a 128-CPU
+    // host read as already divided by their launcher (affinity 16 < 128) and each started
+    // a full set of copy threads (found by review, session 43).
+    const int cpuset = cgroup_cpuset_cpus("/sys/fs/cgroup", self);
+    if (cpuset > 0 && cpuset < r.online_cpus) r.online_cpus = cpuset;
   }
   return r;
 }

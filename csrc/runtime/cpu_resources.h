@@ -13,7 +13,7 @@ namespace pinxfer {
 
 struct CpuResources {
   int affinity_cpus = 1;          // CPUs in sched_getaffinity
-  int online_cpus = 1;            // CPUs of the machine
+  int online_cpus = 1;            // CPUs of the machine, or of its cgroup's cpuset if fewer
   double quota_cpus = 0;          // cgroup CPU quota in CPUs (cpu.max), 0: none
   int local_world_size = 1;       // processes of the job on this host (torchrun)
   std::vector<int> affinity_ids;  // the CPU ids in sched_getaffinity, sorted; empty: unknown
@@ -25,6 +25,11 @@ struct CpuResources {
 // (/sys/fs/cgroup): the smallest quota on the cgroup's path, since a parent's
 // quota limits its children too. 0 when there is none or it cannot be read.
 double cgroup_quota_cpus(const std::string& cgroup_root, const std::string& proc_self_cgroup);
+
+// The CPUs the cpuset of that cgroup allows (v2 cpuset.cpus.effective, v1
+// cpuset.effective_cpus or cpuset.cpus): a container's share of the host. 0 when there is
+// no cpuset or it cannot be read.
+int cgroup_cpuset_cpus(const std::string& cgroup_root, const std::string& proc_self_cgroup);
 
 // This process's CpuResources as the kernel reports them. local_world_size is left
 // at 1: it is torchrun's LOCAL_WORLD_SIZE, which the settings table reads.
