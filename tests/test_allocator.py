@@ -776,3 +776,41 @@ def test_copy_workers_woken_ahead_take_the_job_that_follows():
             assert min(r["arrivals_us"]) >= 0, f"ahead {ahead_us} us: an item never taken: {rounds}"
     with pytest.raises(ValueError, match=r"a wake-ahead of -1 \(none\) or 0\.\.1e6 us"):
         pinxfer._C._wake_probe(2, 1, 0, 1, -2)
+
+
+@pytest.mark.skipif(
+    not pinxfer.build_info().with_cuda, reason="a build without CUDA has no install()"
+)
+def test_install_refuses_when_torch_keeps_a_host_allocator_of_higher_priority():
+    """torch keeps a host allocator registered at a priority above the new one's without a
+    word: install() then raised nothing, pinxfer dropped its free fence and torch reported
+    every copy to the other allocator (found by review, session 43). Now it raises and stays
+    uninstalled; below pinxfer's priority the other allocator is replaced, and put back by
+    uninstall()."""
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent("""
+                import torch, pinxfer
+                assert pinxfer._C._register_rival_host_allocator(10)  # below pinxfer's 64
+                pinxfer.install()
+                low = pinxfer.is_installed()
+                pinxfer.uninstall()
+                assert pinxfer._C._register_rival_host_allocator(200)
+                try:
+                    pinxfer.install()
+                    refused = "no error"
+                except RuntimeError as err:
+                    refused = str(err)
+                print("LOW", low, "HIGH", pinxfer.is_installed(), "|", refused)
+            """),
+        ],
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "LOW True HIGH False |" in out.stdout, out.stdout + out.stderr
+    assert "priority above pinxfer's" in out.stdout, out.stdout

@@ -221,4 +221,39 @@ bool install_host_allocator(bool enable) {
 
 bool host_allocator_installed() { return g_installed.load(); }
 
+#if PINXFER_WITH_CUDA
+namespace {
+class RivalHostAllocator final : public at::HostAllocator {
+ public:
+  explicit RivalHostAllocator(at::HostAllocator* inner) : inner_(inner) {}
+  c10::DataPtr allocate(size_t n) override { return inner_->allocate(n); }
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    inner_->copy_data(dest, src, count);
+  }
+  bool record_event(void* ptr, void* ctx, c10::Stream stream) override {
+    return inner_->record_event(ptr, ctx, stream);
+  }
+  void empty_cache() override { inner_->empty_cache(); }
+  at::HostStats get_stats() override { return inner_->get_stats(); }
+  void reset_accumulated_stats() override { inner_->reset_accumulated_stats(); }
+  void reset_peak_stats() override { inner_->reset_peak_stats(); }
+
+ private:
+  at::HostAllocator* inner_;
+};
+}  // namespace
+#endif
+
+bool register_rival_host_allocator_for_tests(int priority) {
+#if PINXFER_WITH_CUDA
+  TORCH_CHECK_VALUE(priority >= 0 && priority <= 255,
+                    "_register_rival_host_allocator: priority must be 0 to 255, got ", priority);
+  auto* rival = new RivalHostAllocator(at::getHostAllocator(at::kCUDA));  // leaked: for good
+  at::setHostAllocator(at::kCUDA, rival, static_cast<uint8_t>(priority));
+  return at::getHostAllocator(at::kCUDA) == rival;
+#else
+  return false;
+#endif
+}
+
 }  // namespace pinxfer

@@ -18,4 +18,9 @@ namespace pinxfer {
 bool install_host_allocator(bool enable);
 bool host_allocator_installed();
 
+// TEST-ONLY: registers, at `priority`, a host allocator that passes every call on to the
+// one torch has now: another library's, for the tests of install()'s priority check.
+// Process-wide and for good (tests call it in a fresh process). False in CPU-only builds.
+bool register_rival_host_allocator_for_tests(int priority);
+
 }  // namespace pinxfer

@@ -105,6 +105,11 @@ void bind_memory(pybind11::module_& m) {
   m.def("_inplace_registrations",
         wrap_pybind_function_no_gil([] { return ops::inplace_registrations(); }),
         "TEST-ONLY: how many pin_ registrations this process holds");
+  m.def("_register_rival_host_allocator", wrap_pybind_function_no_gil([](int64_t priority) {
+          return register_rival_host_allocator_for_tests(static_cast<int>(priority));
+        }),
+        "TEST-ONLY: registers at `priority` a host allocator passing every call on to torch's "
+        "current one (another library's); for good. Returns whether torch took it");
   // The next n cudaHostUnregister calls (a segment's unmapping, unpin_) fail, the memory
   // staying registered, so tests can check that such a segment is left mapped (host_region.cpp).
   m.def("_inject_host_unregister_failures", wrap_pybind_function_no_gil([](int64_t n) {
