@@ -91,7 +91,9 @@ def test_parse_cpulist_matches_reference_on_random_lists():
         assert parse_cpulist(text) == reference_cpulist(text), text
 
 
-@pytest.mark.parametrize("text", ["a", "0-", "-3", "3-1", "0-3,x", "1.5", "0--2"])
+@pytest.mark.parametrize(
+    "text", ["a", "0-", "-3", "3-1", "0-3,x", "1.5", "0--2", "0,,3", ",1", "0-999999999"]
+)
 def test_parse_cpulist_malformed_raises_value_error(text):
     with pytest.raises(ValueError, match="malformed CPU list"):
         parse_cpulist(text)

@@ -105,13 +105,20 @@ int64_t parse_byte_size(const std::string& text) {
 }
 
 namespace {
+// Above any kernel's CPU count (NR_CPUS is at most 8192 today): an id past it is a mistake,
+// and "0-999999999" would otherwise build a 4 GB vector.
+constexpr int kMaxCpuId = (1 << 20) - 1;
+
 // One CPU id of a cpulist item; `whole` is the list, for the message.
 int parse_cpu_id(const std::string& digits, const std::string& whole) {
   const bool well_formed =
       !digits.empty() && digits.size() <= 9 && std::all_of(digits.begin(), digits.end(), is_digit);
   TORCH_CHECK_VALUE(well_formed, "pinxfer: malformed CPU list '", shown(whole),
                     "': expected comma-separated CPU ids or ranges like 0-3,8");
-  return std::stoi(digits);
+  const int id = std::stoi(digits);
+  TORCH_CHECK_VALUE(id <= kMaxCpuId, "pinxfer: malformed CPU list '", shown(whole), "': CPU id ",
+                    id, " is above ", kMaxCpuId, ", more than any kernel has");
+  return id;
 }
 }  // namespace
 
@@ -124,7 +131,9 @@ std::vector<int> parse_cpulist(const std::string& text) {
   std::stringstream items(compact);
   std::string item;
   while (std::getline(items, item, ',')) {
-    if (item.empty()) continue;
+    // An empty list is no CPUs; an empty item inside one ("0,,3", "0,") is a mistake.
+    TORCH_CHECK_VALUE(!item.empty(), "pinxfer: malformed CPU list '", shown(text),
+                      "': an empty item between commas");
     const auto dash = item.find('-');
     if (dash == std::string::npos) {
       cpus.push_back(parse_cpu_id(item, text));
