@@ -3,6 +3,7 @@
 #include <sched.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <sstream>
 #include <stdexcept>
 
@@ -117,15 +118,25 @@ CpuResources current_cpu_resources() {
   CpuResources r;
   const long online = sysconf(_SC_NPROCESSORS_ONLN);
   r.online_cpus = online > 0 ? static_cast<int>(online) : 1;
-  cpu_set_t set;
-  if (sched_getaffinity(0, sizeof(set), &set) == 0) {
-    r.affinity_cpus = CPU_COUNT(&set);
-    for (int cpu = 0; cpu < CPU_SETSIZE; ++cpu) {
-      if (CPU_ISSET(cpu, &set)) r.affinity_ids.push_back(cpu);
+  // A mask sized for the kernel's possible CPUs: a fixed cpu_set_t holds 1024, and past
+  // that sched_getaffinity fails with EINVAL (found by review, session 43).
+  for (int bits = CPU_SETSIZE; bits <= (1 << 20) && r.affinity_ids.empty(); bits *= 2) {
+    cpu_set_t* set = CPU_ALLOC(bits);
+    if (set == nullptr) break;
+    const size_t bytes = CPU_ALLOC_SIZE(bits);
+    const bool read = sched_getaffinity(0, bytes, set) == 0;
+    const bool too_small = !read && errno == EINVAL;
+    if (read) {
+      for (int cpu = 0; cpu < bits; ++cpu) {
+        if (CPU_ISSET_S(cpu, bytes, set)) r.affinity_ids.push_back(cpu);
+      }
     }
-  } else {
-    r.affinity_cpus = r.online_cpus;  // affinity_ids stays empty: unknown
+    CPU_FREE(set);
+    if (!too_small) break;
   }
+  // Unreadable: every online CPU, ids unknown (affinity_ids empty).
+  r.affinity_cpus =
+      r.affinity_ids.empty() ? r.online_cpus : static_cast<int>(r.affinity_ids.size());
   std::string self;
   if (read_kernel_file("/proc/self/cgroup", &self)) {
     r.quota_cpus = cgroup_quota_cpus("/sys/fs/cgroup", self);

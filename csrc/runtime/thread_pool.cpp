@@ -104,13 +104,18 @@ ThreadPool::ThreadPool(int num_threads, std::vector<int> cpus)
     // test_limits.py's memory limit libgomp ended the process (2026-11-27).
     pthread_setname_np(workers_.back().native_handle(), kCopyThreadName);
     if (!cpus_.empty()) {
-      cpu_set_t set;
-      CPU_ZERO(&set);
-      for (int cpu : cpus_) {
-        if (cpu >= 0 && cpu < CPU_SETSIZE) CPU_SET(cpu, &set);
+      // Sized for the highest id (a fixed cpu_set_t holds 1024 CPUs).
+      const int bits = std::max(CPU_SETSIZE, *std::max_element(cpus_.begin(), cpus_.end()) + 1);
+      if (cpu_set_t* set = CPU_ALLOC(bits)) {
+        const size_t bytes = CPU_ALLOC_SIZE(bits);
+        CPU_ZERO_S(bytes, set);
+        for (int cpu : cpus_) {
+          if (cpu >= 0) CPU_SET_S(cpu, bytes, set);
+        }
+        // Best effort: a failed binding (CPU offline, cgroup) leaves the thread free.
+        pthread_setaffinity_np(workers_.back().native_handle(), bytes, set);
+        CPU_FREE(set);
       }
-      // Best effort: a failed binding (CPU offline, cgroup) leaves the thread free.
-      pthread_setaffinity_np(workers_.back().native_handle(), sizeof(set), &set);
     }
   }
 }
