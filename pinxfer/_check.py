@@ -51,7 +51,13 @@ def require_cuda(op: str, hint: str = "") -> None:
 
 
 def as_device(value: DeviceLike) -> torch.device:
-    """A device argument as a torch.device (an int is that GPU), neither resolved nor checked."""
+    """A device argument as a torch.device (an int is that GPU), neither resolved nor checked.
+    A bool is refused (``True`` read as GPU 1)."""
+    if isinstance(value, bool):
+        raise TypeError(
+            f"pinxfer: expected a device (a torch.device, a string such as 'cuda:0', or a "
+            f"GPU index), got bool {value!r}"
+        )
     return torch.device("cuda", value) if isinstance(value, int) else torch.device(value)
 
 

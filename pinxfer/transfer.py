@@ -399,26 +399,48 @@ def to_host(obj: Any) -> HostTransfer:
         RuntimeError: if pinxfer was built without CUDA or no GPU is usable.
     """
     _check.require_cuda("to_host")
-    if torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(
-            "pinxfer.to_host: called while the current CUDA stream is capturing a graph; its "
-            "handle waits on an event that a capture never records, so it cannot be captured. "
-            "Inside the capture copy into a pinned buffer allocated before it "
-            "(`host_buf.copy_(t, non_blocking=True)`), and read host_buf after "
-            "`graph.replay()` and `torch.cuda.current_stream().synchronize()`."
-        )
+    devices: set[torch.device] = set()
+
+    def note_device(t: torch.Tensor) -> torch.Tensor:
+        if t.device.type == "cuda":
+            devices.add(t.device)
+        return t
+
+    # Every device's current stream is asked before any copy is queued (the current device's
+    # alone let a tensor of another GPU whose stream captured be copied into the capture).
+    map_tensors(obj, note_device)
+    for d in devices:
+        with torch.cuda.device(d):
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(
+                    f"pinxfer.to_host: called while {d}'s current stream is capturing a graph; "
+                    "its handle waits on an event that a capture never records, so it cannot "
+                    "be captured. Inside the capture copy into a pinned buffer allocated "
+                    "before it (`host_buf.copy_(t, non_blocking=True)`), and read host_buf "
+                    "after `graph.replay()` and `torch.cuda.current_stream().synchronize()`."
+                )
     streams: dict[torch.device, torch.cuda.Stream] = {}
 
     def copy_one(t: torch.Tensor) -> torch.Tensor:
         if t.device.type != "cuda":
             return t
         with torch.cuda.device(t.device):
+            # torch's copy_ into pinned memory with non_blocking=True applies a conjugate or
+            # negative bit on the host right after queuing the copy, before its bytes land,
+            # which then overwrite it (pytorch issue 146286; found by review, session 43):
+            # resolved here on the GPU, in the stream's order, the copy moves final values.
+            if t.is_conj():
+                t = t.resolve_conj()
+            if t.is_neg():
+                t = t.resolve_neg()
             # numa_node=None: the pool of this GPU's node (the current device now).
             host = empty(tuple(t.shape), dtype=t.dtype)
             stream = torch.cuda.current_stream(t.device)
-            host.copy_(t, non_blocking=True)
             if host.numel() > 0:
+                # Before the copy is queued, so no interrupt between them frees the block
+                # with its use unrecorded.
                 record_stream(host, stream)
+            host.copy_(t, non_blocking=True)
         streams[t.device] = stream
         return host
 

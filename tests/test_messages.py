@@ -109,3 +109,11 @@ def test_range_beside_tensors_in_a_batch():
     assert torch.equal(out[0], x)
     if HAS_CUDA:
         assert out[0].is_pinned()
+
+
+@pytest.mark.parametrize("flag", [True, False])
+def test_a_bool_is_not_a_device(flag):
+    """to_device(x, True) went to cuda:1 (True is an int to Python): a bool is refused with a
+    TypeError naming what a device may be (review, session 43)."""
+    with pytest.raises(TypeError, match="expected a device .* got bool"):
+        pinxfer.to_device(torch.ones(4), flag)

@@ -803,6 +803,20 @@ def test_to_host_cannot_be_read_early():
     assert h.ready()
 
 
+@pytest.mark.parametrize("view", ["conj", "neg"])
+def test_to_host_of_a_conj_or_neg_view_copies_its_values(view):
+    """torch's non_blocking copy into pinned memory applies the view's bit on the host before
+    the bytes land, which then overwrite it (pytorch issue 146286): to_host resolves the view
+    on the GPU first. The copy is kept queued behind a sleep, where the bug showed."""
+    x = torch.randn(1 << 20, dtype=torch.complex64, device="cuda")
+    v = x.conj() if view == "conj" else torch._neg_view(x)
+    expected = v.resolve_conj().resolve_neg().cpu()
+    pinxfer.to_host(x).wait()  # the pool's block for the timed call is cached
+    torch.cuda._sleep(20 * SLEEP)
+    h = pinxfer.to_host(v)
+    assert torch.equal(h.wait(), expected)
+
+
 def test_to_host_nested_noncontiguous_and_cpu_leaves():
     a = torch.randn(64, 33, device="cuda").t()
     h = pinxfer.to_host({"a": a, "c": torch.ones(2), "s": "x", "e": torch.empty(0, device="cuda")})

@@ -100,9 +100,10 @@ void check_not_capturing(const char* op, c10::DeviceIndex index) {
 at::Tensor dense_source(const at::Tensor& t, const char* op) {
   TORCH_CHECK(t.device().is_cpu(), "pinxfer.", op, ": expected CPU tensors, got one on ",
               t.device(), ". Tensors already on a GPU need no staging: use tensor.to(device).");
-  TORCH_CHECK(t.layout() == at::kStrided && !t.is_quantized(), "pinxfer.", op,
-              ": expected dense (strided, non-quantized) tensors, got layout ", t.layout(),
-              " dtype ", t.scalar_type(), ". Use tensor.to(device) for these.");
+  TORCH_CHECK(t.layout() == at::kStrided && !t.is_quantized() && !t.is_nested(), "pinxfer.", op,
+              ": expected dense (strided, non-quantized, non-nested) tensors, got layout ",
+              t.layout(), " dtype ", t.scalar_type(), t.is_nested() ? " (nested)" : "",
+              ". Use tensor.to(device) for these.");
   // resolve_conj / resolve_neg are dispatched ops even when they return `t` itself (about
   // 0.5 µs each on the H100 host, per leaf of a batch): called only where a bit is set.
   // contiguous() returns `t` without a dispatch when it already is.
