@@ -115,5 +115,5 @@ def test_range_beside_tensors_in_a_batch():
 def test_a_bool_is_not_a_device(flag):
     """to_device(x, True) went to cuda:1 (True is an int to Python): a bool is refused with a
     TypeError naming what a device may be (review, session 43)."""
-    with pytest.raises(TypeError, match="expected a device .* got bool"):
+    with pytest.raises(TypeError, match=r"expected a device .* got bool"):
         pinxfer.to_device(torch.ones(4), flag)
