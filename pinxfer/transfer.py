@@ -396,13 +396,23 @@ def to_host(obj: Any) -> HostTransfer:
         host result once it is complete.
 
     Raises:
-        RuntimeError: if pinxfer was built without CUDA or no GPU is usable.
+        RuntimeError: if pinxfer was built without CUDA or no GPU is usable, or a
+            tensor's device is capturing a CUDA graph.
+        ValueError: for a sparse, nested or quantized CUDA tensor (``t.to("cpu")``
+            copies those), before any copy is queued.
     """
     _check.require_cuda("to_host")
     devices: set[torch.device] = set()
 
     def note_device(t: torch.Tensor) -> torch.Tensor:
         if t.device.type == "cuda":
+            if t.layout != torch.strided or t.is_nested or t.is_quantized:
+                kind = "nested" if t.is_nested else "quantized" if t.is_quantized else t.layout
+                raise ValueError(
+                    f"pinxfer.to_host: expected dense CUDA tensors, got a {kind} one "
+                    f"({tuple(t.shape) if not t.is_nested else 'nested'}, {t.dtype}); copy "
+                    "it with t.to('cpu') instead"
+                )
             devices.add(t.device)
         return t
 

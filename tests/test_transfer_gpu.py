@@ -817,6 +817,20 @@ def test_to_host_of_a_conj_or_neg_view_copies_its_values(view):
     assert torch.equal(h.wait(), expected)
 
 
+@pytest.mark.parametrize("make", ["sparse", "nested"])
+def test_to_host_refuses_what_has_no_dense_memory_before_copying_anything(make):
+    """Sparse, nested and quantized CUDA tensors reached empty()/copy_ and got torch's errors
+    (review, session 43): now a ValueError names the tensor and says what to do, and no copy
+    of the batch's other tensors is queued."""
+    x = torch.randn(4, 4, device="cuda")
+    if make == "sparse":
+        bad = x.to_sparse()
+    else:
+        bad = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)], device="cuda")
+    with pytest.raises(ValueError, match=r"expected dense CUDA tensors.*t.to\('cpu'\)"):
+        pinxfer.to_host({"ok": x, "bad": bad})
+
+
 def test_to_host_nested_noncontiguous_and_cpu_leaves():
     a = torch.randn(64, 33, device="cuda").t()
     h = pinxfer.to_host({"a": a, "c": torch.ones(2), "s": "x", "e": torch.empty(0, device="cuda")})
