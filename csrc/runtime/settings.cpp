@@ -129,8 +129,8 @@ const Row kRows[] = {
        char* end = nullptr;
        errno = 0;
        const long ranks = std::strtol(text.c_str(), &end, 10);  // atoi's overflow is undefined
-       const bool read = errno == 0 && end != text.c_str() && ranks <= INT32_MAX;
-       s.cpus.local_world_size = read ? std::max(1, static_cast<int>(ranks)) : 1;
+       const bool read = errno == 0 && end != text.c_str() && ranks >= 1 && ranks <= INT32_MAX;
+       s.cpus.local_world_size = read ? static_cast<int>(ranks) : 1;
        return std::to_string(s.cpus.local_world_size);
      },
      [](Settings&) { return std::string("1"); }, "default"},
