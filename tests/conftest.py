@@ -204,14 +204,21 @@ _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def child_env(env=None) -> dict:
-    """The environment of a child interpreter that imports this checkout's pinxfer."""
+    """The environment of a child interpreter that imports this checkout's pinxfer: this
+    process's, with `env` on top (a None value removes that variable)."""
     full_env = dict(os.environ)
-    full_env.update(env or {})
+    for name, value in (env or {}).items():
+        if value is None:
+            full_env.pop(name, None)
+        else:
+            full_env[name] = value
     full_env["PYTHONPATH"] = _REPO + os.pathsep + full_env.get("PYTHONPATH", "")
     return full_env
 
 
-def run_child(code: str, *, env=None, prefix=(), timeout=120) -> subprocess.CompletedProcess:
+def run_child(
+    code: str, *, env=None, prefix=(), timeout=120, preexec_fn=None
+) -> subprocess.CompletedProcess:
     """Runs `code` in a fresh interpreter from the repository root (so it imports
     this checkout's pinxfer); a hang fails through the timeout."""
     return subprocess.run(
@@ -221,6 +228,7 @@ def run_child(code: str, *, env=None, prefix=(), timeout=120) -> subprocess.Comp
         capture_output=True,
         text=True,
         timeout=timeout,
+        preexec_fn=preexec_fn,
     )
 
 

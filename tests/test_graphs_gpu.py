@@ -633,6 +633,76 @@ def test_a_capture_reusing_a_released_pool_id_keeps_its_own_memory():
     assert s["graph_segments.current"] == 0 and s["held_blocks.current"] == 0, s
 
 
+def test_a_pool_shared_with_a_graph_from_before_install_is_served_by_torch_to_the_end():
+    """A `pool=` handle made before install() may already count a graph captured on torch's
+    allocator (torch.compile's cudagraph pool is one). A capture on it after install() is
+    served by torch's allocator from begin to release: when pinxfer counted it, the first
+    graph's release (which reaches pinxfer) gave back the second graph's memory while that
+    graph lived, and eager tensors took it over (session 43's note). pinxfer's own calls
+    there have nowhere to put their memory: they say so."""
+    n = 2 * MiB
+    x = torch.zeros(n, dtype=torch.uint8, device="cuda")
+    _warm_up(lambda: x.add_(0))
+    handle = torch.cuda.graph_pool_handle()
+    pinxfer_refusal = []
+
+    def capture(value, try_pinxfer=False):
+        g = torch.cuda.CUDAGraph()
+
+        def body():
+            h = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+            h.fill_(value)
+            x.copy_(h, non_blocking=True)
+            if try_pinxfer:
+                with pytest.raises(RuntimeError, match=r"made before pinxfer\.install") as e:
+                    pinxfer.empty(1024)
+                pinxfer_refusal.append(str(e.value))
+            return h.data_ptr()
+
+        return g, _capture_on_side_stream(g, body, pool=handle)
+
+    before, _ = capture(3)  # on torch's allocator: torch counts one graph on the pool
+    pinxfer.install()
+    base = _stats()
+    after, ptr_after = capture(5, try_pinxfer=True)
+    assert pinxfer_refusal, "pinxfer.empty inside the capture did not raise"
+    s = _stats()
+    assert s["graph_segments.current"] == base["graph_segments.current"], s  # torch's memory
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a release pinxfer could not pass on warns
+        del before
+        gc.collect()
+    torch.cuda.synchronize()
+    eager = [torch.full((n,), 9, dtype=torch.uint8).pin_memory() for _ in range(8)]
+    assert ptr_after not in {t.data_ptr() for t in eager}, "the graph's block went to a tensor"
+    x.zero_()
+    after.replay()
+    torch.cuda.synchronize()
+    assert torch.all(x == 5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        del after
+        gc.collect()
+    pinxfer.uninstall()
+
+
+def test_uninstall_refuses_while_a_capture_is_open():
+    pinxfer.install()
+    x = torch.zeros(16, device="cuda")
+    _warm_up(lambda: x.add_(1))
+    g = torch.cuda.CUDAGraph()
+
+    def body():
+        x.add_(1)
+        with pytest.raises(RuntimeError, match="capture is open"):
+            pinxfer.uninstall()
+
+    _capture_on_side_stream(g, body)
+    assert pinxfer.is_installed()
+    del g
+    gc.collect()
+
+
 _FORK_CHILD = r"""
 import os, sys, torch, pinxfer
 pinxfer.install()

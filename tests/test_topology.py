@@ -9,8 +9,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -20,7 +18,7 @@ import torch
 import pinxfer
 from pinxfer.topology import GpuTopology, parse_cpulist
 
-from .conftest import requires_cuda
+from .conftest import requires_cuda, run_child
 
 native = pinxfer._C
 
@@ -189,19 +187,11 @@ def test_env_sysfs_root_is_the_cpp_default(tmp_path):
         "import torch, pinxfer; native = pinxfer._C; "
         "print(repr(native.sysfs_root()), pinxfer.numa_nodes())"
     )
-    repo = str(Path(__file__).resolve().parent.parent)
-    env = {k: v for k, v in os.environ.items() if k != "PINXFER_SYSFS_ROOT"}
-    for extra, expected in (
-        ({"PINXFER_SYSFS_ROOT": root}, f"{root!r} {{0: [0, 1], 5: [2, 3]}}"),
-        ({}, "'/sys'"),
+    for root_setting, expected in (
+        (root, f"{root!r} {{0: [0, 1], 5: [2, 3]}}"),
+        (None, "'/sys'"),
     ):
-        out = subprocess.run(
-            [sys.executable, "-c", code],
-            env={**env, **extra},
-            cwd=repo,
-            capture_output=True,
-            text=True,
-        )
+        out = run_child(code, env={"PINXFER_SYSFS_ROOT": root_setting})
         assert out.returncode == 0, out.stdout + out.stderr
         assert out.stdout.startswith(expected), out.stdout
 
@@ -258,26 +248,18 @@ _POOL_WORKERS = textwrap.dedent("""
 def _pool_workers(
     root: str, total_threads: int, affinity: list[int] | None = None
 ) -> dict[int, list[list[int]]]:
-    env = dict(
-        os.environ,
-        PINXFER_SYSFS_ROOT=root,
-        PINXFER_NUM_THREADS=str(total_threads),
-        PINXFER_DISABLE_CUDA="1",
+    env = {
+        "PINXFER_SYSFS_ROOT": root,
+        "PINXFER_NUM_THREADS": str(total_threads),
+        "PINXFER_DISABLE_CUDA": "1",
         # The copies must run on the node pools' workers under test: with torch's intra-op
         # team still spinning from the clone below, 'auto' may copy on that team instead and
         # start no worker (once on a loaded 16-core GPU host, 2026-11-27).
-        PINXFER_TORCH_TEAM="off",
-    )
-    env.pop("PINXFER_NUMA_NODE", None)
+        "PINXFER_TORCH_TEAM": "off",
+        "PINXFER_NUMA_NODE": None,
+    }
     preexec = None if affinity is None else (lambda: os.sched_setaffinity(0, affinity))
-    out = subprocess.run(
-        [sys.executable, "-c", _POOL_WORKERS],
-        env=env,
-        capture_output=True,
-        text=True,
-        cwd=str(Path(__file__).resolve().parent.parent),
-        preexec_fn=preexec,
-    )
+    out = run_child(_POOL_WORKERS, env=env, preexec_fn=preexec)
     assert out.returncode == 0, out.stdout + out.stderr
     workers = out.stdout.split("WORKERS", 1)[1].strip().splitlines()[0]
     return {int(node): w for node, w in json.loads(workers).items()}
@@ -367,14 +349,6 @@ def test_a_gpu_on_a_node_the_machine_does_not_have_is_unbound(tmp_path):
             t = pinxfer.empty(1 << 20, dtype=torch.uint8)
         print("NODE", node, sum("does not have" in str(w.message) for w in caught))
     """)
-    env = dict(os.environ, PINXFER_SYSFS_ROOT=root)
-    env.pop("PINXFER_NUMA_NODE", None)
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        env=env,
-        capture_output=True,
-        text=True,
-        cwd=str(Path(__file__).resolve().parent.parent),
-    )
+    out = run_child(code, env={"PINXFER_SYSFS_ROOT": root, "PINXFER_NUMA_NODE": None})
     assert out.returncode == 0, out.stdout + out.stderr
     assert "NODE -1 1" in out.stdout, out.stdout + out.stderr

@@ -24,6 +24,7 @@ struct GraphPool {
 struct Capture {
   PoolId id;
   StreamFilter filter;
+  bool served_elsewhere;  // begin_capture_served_elsewhere: the pool is not pinxfer's
 };
 
 // The registry's state, made while the extension loads, leaked on purpose (no destruction at
@@ -74,16 +75,24 @@ size_t live_pools() {
   return n;
 }
 
-void begin_allocate_to_pool(PoolId id, StreamFilter filter, int device) {
-  TORCH_CHECK(id != kShared, "pinxfer: begin_allocate_to_pool got the pool id (0, 0), which "
-                             "names the shared pool, not a graph pool");
-  const std::lock_guard<std::mutex> no_unmap_or_return_under_way(capture_begins_mutex());
-  std::unique_lock<std::shared_mutex> lock(registry_mutex());
+namespace {
+void check_not_routed_locked(PoolId id) {
   for (const Capture& c : captures()) {
     TORCH_CHECK(c.id != id, "pinxfer: begin_allocate_to_pool: already allocating to graph pool ",
                 id_text(id),
                 "; end_allocate_to_pool must come first (torch's CUDAGraph pairs them)");
   }
+}
+}  // namespace
+
+void begin_allocate_to_pool(PoolId id, StreamFilter filter, int device) {
+  TORCH_CHECK(id != kShared && id != kServedElsewhere,
+              "pinxfer: begin_allocate_to_pool got the "
+              "pool id ",
+              id_text(id), ", which names no graph pool");
+  const std::lock_guard<std::mutex> no_unmap_or_return_under_way(capture_begins_mutex());
+  std::unique_lock<std::shared_mutex> lock(registry_mutex());
+  check_not_routed_locked(id);
   GraphPool& pool = pools()[id];
   // A released pool used again before its memory was given back: it lives on.
   if (pool.use_count == 0) {
@@ -95,7 +104,17 @@ void begin_allocate_to_pool(PoolId id, StreamFilter filter, int device) {
       std::find(pool.devices.begin(), pool.devices.end(), device) == pool.devices.end()) {
     pool.devices.push_back(device);
   }
-  captures().push_back({id, std::move(filter)});
+  captures().push_back({id, std::move(filter), false});
+  g_no_capture.store(false, std::memory_order_relaxed);
+}
+
+void begin_capture_served_elsewhere(PoolId id, StreamFilter filter) {
+  // The lock an unmap holds (hold_off_captures_to_unmap): this capture must not begin while
+  // pinned memory is being unregistered either.
+  const std::lock_guard<std::mutex> no_unmap_under_way(capture_begins_mutex());
+  std::unique_lock<std::shared_mutex> lock(registry_mutex());
+  check_not_routed_locked(id);
+  captures().push_back({id, std::move(filter), true});
   g_no_capture.store(false, std::memory_order_relaxed);
 }
 
@@ -104,9 +123,10 @@ bool end_allocate_to_pool(PoolId id) {
   auto& list = captures();
   for (auto it = list.begin(); it != list.end(); ++it) {
     if (it->id == id) {
+      const bool ours = !it->served_elsewhere;
       list.erase(it);
       g_no_capture.store(list.empty(), std::memory_order_relaxed);
-      return true;
+      return ours;
     }
   }
   return false;
@@ -115,9 +135,9 @@ bool end_allocate_to_pool(PoolId id) {
 bool release_pool(PoolId id) {
   std::unique_lock<std::shared_mutex> lock(registry_mutex());
   auto it = pools().find(id);
-  if (it == pools().end()) return false;
-  TORCH_CHECK(it->second.use_count > 0, "pinxfer: release_pool: graph pool ", id_text(id),
-              " is not in use (released more often than begun)");
+  // Not in use: released already, and its id since served elsewhere (a capture after a
+  // later install(), whose graph's release this is). The other allocator counts it.
+  if (it == pools().end() || it->second.use_count == 0) return false;
   if (--it->second.use_count == 0) released().push_back(id);
   return true;
 }
@@ -130,7 +150,7 @@ PoolId pool_for_current_stream() {
   // they run under the shared lock only, never under a pool lock.
   std::shared_lock<std::shared_mutex> lock(registry_mutex());
   for (const Capture& c : captures()) {
-    if (c.filter(current)) return c.id;
+    if (c.filter(current)) return c.served_elsewhere ? kServedElsewhere : c.id;
   }
   return kShared;
 }
@@ -172,9 +192,22 @@ bool take_released(bool sync_all, std::vector<PoolId>* ids) {
   return true;
 }
 
+void raise_capture_served_elsewhere(const char* op) {
+  TORCH_CHECK(false, op,
+              ": called while the current CUDA stream is capturing a graph into a pool made "
+              "before pinxfer.install() (a `pool=` handle, or torch.compile's cudagraph pool, "
+              "that graphs captured before install() may share). torch's own host allocator "
+              "serves that capture, so that its count of the pool's graphs stays whole, and "
+              "pinxfer cannot allocate into it. Make the pool handle after install() (for "
+              "torch.compile: call torch._dynamo.reset() after install()), or allocate the "
+              "pinned buffer before the capture and keep it alive while the graph lives.");
+}
+
 void check_capture_allocation(const char* op) {
   if (!cuda::current_stream_is_capturing()) return;
-  TORCH_CHECK(pool_for_current_stream() != kShared, op,
+  const PoolId pool = pool_for_current_stream();
+  if (pool == kServedElsewhere) raise_capture_served_elsewhere(op);
+  TORCH_CHECK(pool != kShared, op,
               ": called while the current CUDA stream is capturing a graph, but the pinned memory "
               "would not belong to the graph (pinxfer is not installed as torch's host allocator, "
               "or the capture was not begun by torch.cuda.graph). It could then be reused while a "

@@ -38,6 +38,10 @@ namespace pinxfer::graph_pools {
 // torch's c10::MempoolId_t, without including torch's allocator headers here.
 using PoolId = std::pair<uint64_t, uint64_t>;
 constexpr PoolId kShared{0, 0};  // not a graph pool: the shared free sets
+// What pool_for_current_stream() answers while the current stream's capture is served by the
+// host allocator installed before pinxfer's (begin_capture_served_elsewhere): not a pool id
+// torch hands out (its ids have a zero half).
+constexpr PoolId kServedElsewhere{UINT64_MAX, UINT64_MAX};
 using StreamFilter = std::function<bool(c10::Stream)>;
 
 // torch's begin_allocate_to_pool: counts one use of `id` (creating the pool on
@@ -46,14 +50,24 @@ using StreamFilter = std::function<bool(c10::Stream)>;
 // before the pool's memory is reused). Throws if `id` is already routed, as
 // torch does ("already recording to mempool_id").
 void begin_allocate_to_pool(PoolId id, StreamFilter filter, int device);
-// Stops routing to `id`. False if pinxfer is not routing `id`: the capture was begun on
-// the host allocator installed before pinxfer's (host_allocator.cpp passes it on there).
+// A capture on a pool id that torch's own allocator may already count graphs on (made before
+// pinxfer.install(): a `pool=` handle shared with a graph captured before it). That allocator
+// serves the capture from begin to release (host_allocator.cpp passes each step on); the
+// registry only knows that the capture is open (nothing is unmapped or synchronized during
+// it) and which streams it routes: pool_for_current_stream() answers kServedElsewhere there.
+// Throws if `id` is already routed.
+void begin_capture_served_elsewhere(PoolId id, StreamFilter filter);
+// Stops routing to `id`. False if the pool is not pinxfer's: the capture was begun on the
+// host allocator installed before pinxfer's, or served there (host_allocator.cpp passes it
+// on there).
 bool end_allocate_to_pool(PoolId id);
-// Drops one use of `id`; at zero the pool is released (see take_released). False if
-// pinxfer never began `id` (as above); throws if it is released more often than begun.
+// Drops one use of `id`; at zero the pool is released (see take_released). False if `id` is
+// not a pinxfer pool in use (as above; also a released pool whose id a later capture took to
+// the other allocator).
 bool release_pool(PoolId id);
 
-// The graph pool the current thread's current stream allocates to, or kShared.
+// The graph pool the current thread's current stream allocates to, kShared, or
+// kServedElsewhere.
 // Lock-free while no capture is routed.
 PoolId pool_for_current_stream();
 // True while any begin_allocate_to_pool has no end yet (never in a forked child, whose
@@ -89,9 +103,11 @@ std::unique_lock<std::mutex> hold_off_capture_begins();
 std::unique_lock<std::mutex> hold_off_captures_to_unmap();
 
 // Raises a c10::Error naming `op` if the current stream is capturing a CUDA
-// graph but the allocation would not go to a graph pool (pinxfer not installed,
-// or the capture was not begun through torch): such memory could be reused
-// while a replay reads it. Cheap when CUDA has not been used.
+// graph but the allocation would not go to a pinxfer graph pool (pinxfer not installed,
+// the capture was not begun through torch, or it is served elsewhere): such memory could be
+// reused while a replay reads it. Cheap when CUDA has not been used.
 void check_capture_allocation(const char* op);
+// The error for a pinxfer allocation `op` on a stream whose capture is served elsewhere.
+[[noreturn]] void raise_capture_served_elsewhere(const char* op);
 
 }  // namespace pinxfer::graph_pools

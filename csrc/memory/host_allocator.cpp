@@ -5,6 +5,9 @@
 #include <vector>
 
 #include <ATen/core/CachingHostAllocator.h>
+#if PINXFER_WITH_CUDA
+#include <ATen/cuda/MemPool.h>
+#endif
 #include <c10/util/Exception.h>
 #include <torch/version.h>
 
@@ -23,9 +26,7 @@ graph_pools::PoolId to_id(c10::MempoolId_t id) {
 
 class PoolHostAllocator final : public at::HostAllocator {
  public:
-  c10::DataPtr allocate(size_t n) override {
-    return pool_for_node(numa_node_for_current_device()).allocate(n);
-  }
+  c10::DataPtr allocate(size_t n) override;
 
   void copy_data(void* dest, const void* src, std::size_t count) const override {
     default_copy_data(dest, src, count);
@@ -46,10 +47,12 @@ class PoolHostAllocator final : public at::HostAllocator {
 
   // ---- torch's graph-pool contract (CUDAGraph::capture_begin/capture_end/reset;
   // memory/graph_pools.h has the semantics). The same virtuals in torch 2.11 and 2.14.
+  // A pool id made before install() may already count graphs captured on torch's allocator
+  // (a `pool=` handle, torch.compile's cudagraph pool): torch then serves the capture, and
+  // every later step of it (otherwise the first graph's release, which reaches pinxfer, would
+  // give back the second graph's memory while it lives; session 43's note).
   void begin_allocate_to_pool(c10::MempoolId_t pool_id,
-                              std::function<bool(c10::Stream)> filter) override {
-    graph_pools::begin_allocate_to_pool(to_id(pool_id), std::move(filter), cuda::current_device());
-  }
+                              std::function<bool(c10::Stream)> filter) override;
 
   // A capture begun before install() was begun on torch's allocator: its end and its
   // release go there too (torch asks whichever allocator is installed at each step; found
@@ -119,6 +122,43 @@ std::mutex g_install_mutex;
 std::atomic<at::HostAllocator*> g_torch_allocator{nullptr};
 std::atomic<bool> g_installed{false};
 
+// torch makes graph pool ids from two counters that only grow (at::cuda::MemPool::
+// graph_pool_handle: {n, 0} for a graph's own pool, {0, n} for a handle). The first ids made
+// after the latest install(): anything below was made before it. Written under
+// g_install_mutex before g_installed; read by captures begun while installed.
+std::atomic<uint64_t> g_first_graph_id_after_install{0};
+std::atomic<uint64_t> g_first_handle_id_after_install{0};
+
+bool made_before_install(c10::MempoolId_t id) {
+  return id.first != 0 ? id.first < g_first_graph_id_after_install.load()
+                       : id.second < g_first_handle_id_after_install.load();
+}
+
+c10::DataPtr PoolHostAllocator::allocate(size_t n) {
+  // The one pool id pinxfer compares here is its sentinel; the lookup is one atomic load
+  // unless a capture is open.
+  if (graph_pools::pool_for_current_stream() == graph_pools::kServedElsewhere) {
+    return g_torch_allocator.load()->allocate(n);
+  }
+  return pool_for_node(numa_node_for_current_device()).allocate(n);
+}
+
+void PoolHostAllocator::begin_allocate_to_pool(c10::MempoolId_t pool_id,
+                                               std::function<bool(c10::Stream)> filter) {
+  at::HostAllocator* previous = g_torch_allocator.load();
+  if (previous == nullptr || !made_before_install(pool_id)) {
+    graph_pools::begin_allocate_to_pool(to_id(pool_id), std::move(filter), cuda::current_device());
+    return;
+  }
+  previous->begin_allocate_to_pool(pool_id, filter);
+  try {
+    graph_pools::begin_capture_served_elsewhere(to_id(pool_id), std::move(filter));
+  } catch (...) {
+    previous->end_allocate_to_pool(pool_id);  // the capture does not begin: it has no end
+    throw;
+  }
+}
+
 void PoolHostAllocator::end_allocate_to_pool(c10::MempoolId_t pool_id) {
   if (graph_pools::end_allocate_to_pool(to_id(pool_id))) return;
   at::HostAllocator* previous = g_torch_allocator.load();
@@ -178,6 +218,10 @@ bool install_host_allocator(bool enable) {
   if (enable == g_installed.load()) return true;
   if (enable) {
     at::HostAllocator* current = at::getHostAllocator(at::kCUDA);
+    // Before torch can ask pinxfer to begin a capture. Taking an id of each kind moves torch's
+    // counters on by one: harmless, ids are not dense.
+    g_first_graph_id_after_install = at::cuda::MemPool::graph_pool_handle(false).first;
+    g_first_handle_id_after_install = at::cuda::MemPool::graph_pool_handle(true).second;
     at::setHostAllocator(at::kCUDA, ours, kPriority);
     // torch keeps an allocator registered at a higher priority without a word: pinxfer would
     // then think itself installed and stop fencing frees, while torch reported every copy to
@@ -194,6 +238,10 @@ bool install_host_allocator(bool enable) {
     // is destroyed, not on the one that served its capture: torch's own would
     // look its pool up, fail (std::out_of_range in a destructor) and abort the
     // process. So pinxfer stays installed while one of its graph pools lives.
+    // A capture torch's allocator serves for pinxfer (begin_capture_served_elsewhere) would
+    // end on torch's directly and stay open in pinxfer's registry.
+    TORCH_CHECK(!graph_pools::any_capture_open(),
+                "pinxfer.uninstall(): a CUDA graph capture is open; end it first.");
     const size_t live = graph_pools::live_pools();
     TORCH_CHECK(live == 0, "pinxfer.uninstall(): ", live,
                 " CUDA graph pool(s) captured while "

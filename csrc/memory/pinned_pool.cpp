@@ -113,6 +113,11 @@ c10::DataPtr PinnedPool::allocate(size_t size, Use use) {
   // memory must come from that pool (see "CUDA graph pools" at the bottom).
   if (const graph_pools::PoolId graph = graph_pools::pool_for_current_stream();
       graph != graph_pools::kShared) {
+    // host_allocator.cpp hands torch's allocations there to the other allocator; pinxfer's
+    // own calls have nowhere to put the memory.
+    if (graph == graph_pools::kServedElsewhere) {
+      graph_pools::raise_capture_served_elsewhere("a pinxfer pinned allocation");
+    }
     return allocate_for_graph(request, graph);
   }
   if (c10::DataPtr hit = take_cached(request, use)) return hit;

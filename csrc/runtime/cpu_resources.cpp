@@ -6,6 +6,8 @@
 #include <cerrno>
 #include <sstream>
 #include <stdexcept>
+#include <string>
+#include <vector>
 
 #include "runtime/parse.h"
 #include "runtime/topology.h"
@@ -57,28 +59,44 @@ double min_quota_up(const std::string& mount, std::string path, bool v2) {
   return best;
 }
 
+// One line of /proc/self/cgroup: "hierarchy-id:controllers:path"; v2's is "0::/path".
+struct CgroupLine {
+  std::string controllers;  // comma-separated; empty for the v2 hierarchy
+  std::string path;
+
+  bool is_v2() const { return controllers.empty(); }
+  bool has_controller(const char* name) const {
+    return ("," + controllers + ",").find("," + std::string(name) + ",") != std::string::npos;
+  }
+  // The path under a mount point: "" for the root ("/").
+  std::string relative_path() const { return path == "/" ? "" : path; }
+};
+
+std::vector<CgroupLine> parse_proc_self_cgroup(const std::string& text) {
+  std::istringstream lines(text);
+  std::string line;
+  std::vector<CgroupLine> out;
+  while (std::getline(lines, line)) {
+    const size_t a = line.find(':');
+    const size_t b = a == std::string::npos ? a : line.find(':', a + 1);
+    if (b == std::string::npos) continue;
+    out.push_back({line.substr(a + 1, b - a - 1), line.substr(b + 1)});
+  }
+  return out;
+}
+
 }  // namespace
 
 double cgroup_quota_cpus(const std::string& cgroup_root, const std::string& proc_self_cgroup) {
-  std::istringstream lines(proc_self_cgroup);
-  std::string line;
   double best = 0;
-  while (std::getline(lines, line)) {
-    // "hierarchy-id:controllers:path"; v2's line is "0::/path".
-    const size_t a = line.find(':'), b = line.find(':', a + 1);
-    if (a == std::string::npos || b == std::string::npos) continue;
-    const std::string controllers = line.substr(a + 1, b - a - 1), path = line.substr(b + 1);
+  for (const CgroupLine& line : parse_proc_self_cgroup(proc_self_cgroup)) {
     double q = 0;
-    if (controllers.empty()) {
-      q = min_quota_up(cgroup_root, path, /*v2=*/true);
+    if (line.is_v2()) {
+      q = min_quota_up(cgroup_root, line.path, /*v2=*/true);
     } else {
-      std::istringstream names(controllers);
-      std::string name;
-      bool has_cpu = false;
-      while (std::getline(names, name, ',')) has_cpu = has_cpu || name == "cpu";
-      if (!has_cpu) continue;
-      q = min_quota_up(cgroup_root + "/" + controllers, path, /*v2=*/false);
-      if (q == 0) q = min_quota_up(cgroup_root + "/cpu", path, /*v2=*/false);
+      if (!line.has_controller("cpu")) continue;
+      q = min_quota_up(cgroup_root + "/" + line.controllers, line.path, /*v2=*/false);
+      if (q == 0) q = min_quota_up(cgroup_root + "/cpu", line.path, /*v2=*/false);
     }
     if (q > 0 && (best == 0 || q < best)) best = q;
   }
@@ -86,17 +104,12 @@ double cgroup_quota_cpus(const std::string& cgroup_root, const std::string& proc
 }
 
 int cgroup_cpuset_cpus(const std::string& cgroup_root, const std::string& proc_self_cgroup) {
-  std::istringstream lines(proc_self_cgroup);
-  std::string line;
-  while (std::getline(lines, line)) {
-    const size_t a = line.find(':'), b = line.find(':', a + 1);
-    if (a == std::string::npos || b == std::string::npos) continue;
-    const std::string controllers = line.substr(a + 1, b - a - 1), path = line.substr(b + 1);
-    const std::string rel = path == "/" ? "" : path;
+  for (const CgroupLine& line : parse_proc_self_cgroup(proc_self_cgroup)) {
+    const std::string rel = line.relative_path();
     std::vector<std::string> files;
-    if (controllers.empty()) {
+    if (line.is_v2()) {
       files = {cgroup_root + rel + "/cpuset.cpus.effective"};
-    } else if (("," + controllers + ",").find(",cpuset,") != std::string::npos) {
+    } else if (line.has_controller("cpuset")) {
       files = {cgroup_root + "/cpuset" + rel + "/cpuset.effective_cpus",
                cgroup_root + "/cpuset" + rel + "/cpuset.cpus"};
     }
