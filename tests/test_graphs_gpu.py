@@ -402,6 +402,9 @@ def test_feature_host_memory_stats():
     flat = dict(s.items()) if isinstance(s, dict) else {}
     assert any("active" in k for k in flat), flat
     assert max(v for k, v in flat.items() if "active_bytes" in k and "current" in k) >= 5 * MiB
+    # The accumulated counts (they were always 0): a request made, a segment pinned, timed.
+    for key in ("active_requests.allocated", "allocations.allocated", "host_alloc_time.count"):
+        assert flat.get(key, 0) >= 1, (key, flat)
     del h
     reset = getattr(torch.cuda, "reset_peak_host_memory_stats", None)
     if reset is not None:

@@ -30,14 +30,21 @@ int64_t LimitingResource::cap() {
 bool LimitingResource::try_reserve(int64_t bytes) {
   const int64_t limit = cap();
   int64_t current = reserved_.load();
+  int64_t after = 0;
   do {
-    if (limit > 0 && current + bytes > limit) return false;
-  } while (!reserved_.compare_exchange_weak(current, current + bytes));
+    // A request near 2^63 bytes (a size checked_round_up still accepts) would overflow the
+    // sum and pass the cap (found by review, session 44): refused here, mmap refuses it too.
+    if (__builtin_add_overflow(current, bytes, &after)) return false;
+    if (limit > 0 && after > limit) return false;
+  } while (!reserved_.compare_exchange_weak(current, after));
   return true;
 }
 
 bool LimitingResource::reserve_with_relief(int64_t bytes) {
   if (try_reserve(bytes)) return true;
+  // Above the cap on its own: no relief makes room, and relief would unmap every pool's
+  // cache and synchronize for nothing.
+  if (const int64_t limit = cap(); limit > 0 && bytes > limit) return false;
   Relief* relief = relief_.load();
   if (relief == nullptr) return false;
   relief->release_cached();
@@ -49,6 +56,11 @@ bool LimitingResource::reserve_with_relief(int64_t bytes) {
 HostRegion LimitingResource::map(size_t bytes, int numa_node, RegionTimings* timings) {
   const auto asked = static_cast<int64_t>(bytes);
   if (!reserve_with_relief(asked)) {
+    // Uncapped, only a sum past 2^63 - 1 bytes is refused: no machine has that memory.
+    TORCH_CHECK_WITH(OutOfMemoryError, cap() > 0, "pinxfer: out of pinned memory: ", bytes,
+                     " bytes more than the ", reserved_.load(),
+                     " bytes pinned now is past the largest size pinxfer can count (2^63 - 1 "
+                     "bytes)");
     CapReached reached;
     reached.cap = cap();
     reached.reserved = reserved_.load();

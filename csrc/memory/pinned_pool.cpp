@@ -63,12 +63,15 @@ std::atomic<bool> g_warned_event_error{false};
 // On unless the host-allocator adaptor is installed (see the header).
 std::atomic<bool> g_fence_unrecorded_frees{true};
 
-// Whether a block of this kind freed with no recorded use is fenced on the current stream:
-// only CUDA-registered memory can be read by torch's unreported copies, and only while the
-// fence is on.
-bool fenced_when_unrecorded(LockKind kind) {
-  return kind == LockKind::kCudaRegistered &&
-         g_fence_unrecorded_frees.load(std::memory_order_relaxed);
+bool fence_is_on() { return g_fence_unrecorded_frees.load(std::memory_order_relaxed); }
+
+// Whether a block freed with no recorded use is fenced on the current stream: only
+// CUDA-registered memory can be read by torch's unreported copies, and only while the fence
+// is on or was on while the block lived (a block handed out before install() may have been
+// copied unreported, then freed after it; found by review, session 44). LOCK: pool mutex_
+bool fenced_when_unrecorded_locked(const Block* block) {
+  return block->segment->region.kind == LockKind::kCudaRegistered &&
+         (fence_is_on() || block->lived_unreported);
 }
 
 // A stream's fence batch is flushed (one event for all its blocks) at this many blocks
@@ -245,6 +248,13 @@ c10::DataPtr PinnedPool::hand_out_new_segment(const Request& request, const Host
   // critical section that makes the segment visible: no other thread ever sees
   // it free (see the invariants in pinned_pool.h).
   std::lock_guard<std::mutex> lock(mutex_);
+  // The graph pool may have been released and its memory returned while this segment was
+  // mapped (the capture ended, its graph was destroyed): no graph can read this memory, and
+  // a segment of a pool with no free sets breaks the first split or free (found by review,
+  // session 44). It is shared memory then.
+  if (graph != graph_pools::kShared && graph_free_.find(graph) == graph_free_.end()) {
+    graph = graph_pools::kShared;
+  }
   auto* segment = new Segment{region, this, request.small, generation_, nullptr};
   auto* block = new Block();
   block->ptr = static_cast<char*>(region.ptr);
@@ -270,6 +280,7 @@ c10::DataPtr PinnedPool::hand_out_new_segment(const Request& request, const Host
 c10::DataPtr PinnedPool::hand_out_locked(Block* block, size_t size) {
   TORCH_INTERNAL_ASSERT(block->in_use && block->pending_events == 0 && block->stream_uses.empty());
   block->requested = size;
+  block->lived_unreported = fence_is_on();
   live_.insert(block);
   ++stats_.num_allocs;
   stats_.requested_bytes.add(static_cast<int64_t>(size));
@@ -478,13 +489,14 @@ void PinnedPool::delete_block(void* ctx) {
 }
 
 std::vector<c10::Stream> PinnedPool::streams_to_wait_for(std::vector<c10::Stream> uses,
-                                                         LockKind kind, bool* fenced) {
+                                                         LockKind kind, bool fence_unrecorded,
+                                                         bool* fenced) {
   *fenced = false;
   // Only CUDA-registered memory can be read by a copy still in flight: without
   // a usable CUDA device (CPU build, no GPU, forked child) no CUDA work exists
   // in this process, and recording an event would be an error.
   if (kind != LockKind::kCudaRegistered && !cuda::cuda_usable()) return {};
-  if (!uses.empty() || !fenced_when_unrecorded(kind)) return uses;
+  if (!uses.empty() || !fence_unrecorded) return uses;
   // No recorded use: torch's copy_(non_blocking=True) told only its own
   // allocator. Fence on the current stream, where such a copy most likely ran.
   c10::Stream current(c10::Stream::DEFAULT, c10::Device(c10::DeviceType::CPU));
@@ -500,6 +512,7 @@ void PinnedPool::free(Block* block) {
   // so neither a neighbour's free nor empty_cache can touch it meanwhile.
   std::vector<c10::Stream> uses;
   LockKind kind;
+  bool fence_unrecorded = false;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     TORCH_INTERNAL_ASSERT(live_.erase(block) == 1, "pinxfer: freeing a block that is not live");
@@ -521,10 +534,11 @@ void PinnedPool::free(Block* block) {
       return;
     }
     kind = block->segment->region.kind;
+    fence_unrecorded = fenced_when_unrecorded_locked(block);
     // No stream to wait for (no recorded use, and no fence: streams_to_wait_for would
     // answer none): free in this critical section, without a second. A small block goes
     // to the bin of its size, where the next request of that size takes it.
-    if (block->stream_uses.empty() && !fenced_when_unrecorded(kind)) {
+    if (block->stream_uses.empty() && !fence_unrecorded) {
       cache_freed_locked(block);
       check_invariants_locked();
       return;
@@ -533,7 +547,8 @@ void PinnedPool::free(Block* block) {
   }
   debug_pause();
   bool fenced = false;
-  const std::vector<c10::Stream> streams = streams_to_wait_for(std::move(uses), kind, &fenced);
+  const std::vector<c10::Stream> streams =
+      streams_to_wait_for(std::move(uses), kind, fence_unrecorded, &fenced);
   std::vector<PendingUse> pending;
   bool event_failed = false;
   std::string error;
@@ -768,20 +783,20 @@ std::vector<cuda::Event> PinnedPool::flush_fences_locked() {
   return markers;
 }
 
-void PinnedPool::flush_fences_and_wait() {
+void PinnedPool::flush_fences_and_wait(bool may_wait) {
   std::vector<cuda::Event> markers;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     markers = flush_fences_locked();
   }
-  if (graph_pools::any_capture_open()) return;
+  if (!may_wait) return;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     stats_.num_event_waits += static_cast<int64_t>(markers.size());
   }
   // A marker may be recycled meanwhile (its blocks released by another thread): waiting
-  // on it then is merely early or late; process_events decides from each event itself.
-  for (const auto& marker : markers) cuda::event_synchronize(marker);
+  // on it then is merely early or late (or fails); process_events decides from each event.
+  for (const auto& marker : markers) (void)cuda::event_synchronize(marker);
 }
 
 void PinnedPool::keep_until_done(c10::Storage storage, const c10::Stream& stream) {
@@ -819,12 +834,14 @@ void PinnedPool::synchronize_pending() {
     }
   }
   // The last event of each stream covers the earlier ones (stream order).
-  // An event may be recycled meanwhile; waiting on it then is merely early.
-  // No wait while a capture is open (as flush_fences_and_wait): the events done already
-  // are still released below.
-  const bool wait = !graph_pools::any_capture_open();
+  // An event may be recycled meanwhile; waiting on it then is merely early (or fails).
+  // No wait while a capture is open (as release_cached's): the events done already are
+  // still released below. The capture-begins lock is held across the waits, so none begins
+  // during them (a check alone let one begin during a long wait; found by review, session 44).
+  const auto no_capture = graph_pools::hold_off_captures_to_unmap();
+  const bool wait = no_capture.owns_lock();
   if (wait) {
-    for (const auto& ev : events) cuda::event_synchronize(ev);
+    for (const auto& ev : events) (void)cuda::event_synchronize(ev);
   }
   std::lock_guard<std::mutex> lock(mutex_);
   if (wait) stats_.num_event_waits += static_cast<int64_t>(events.size());
@@ -871,14 +888,13 @@ void PinnedPool::unmap_segments(std::vector<Segment*> segments) {
 }
 
 size_t PinnedPool::release_cached() {
-  flush_fences_and_wait();
-  // While a CUDA graph capture pinxfer knows of is open, nothing is unmapped (the cap's
-  // relief and empty_cache then release nothing; graph_pools.h says why, as it forbids the
-  // waits flush_fences_and_wait and synchronize_pending skip then), and none begins until the
-  // last unmap. The next call after the capture releases what is free. (A capture pinxfer
-  // does not know of, begun without install(), is met by unmap_region: a region CUDA would
-  // not unregister stays mapped.)
+  // While a CUDA graph capture pinxfer knows of is open, nothing is waited for or unmapped
+  // (the cap's relief and empty_cache then release nothing; graph_pools.h says why), and
+  // none begins from the first wait to the last unmap. The next call after the capture
+  // releases what is free. (A capture pinxfer does not know of, begun without install(), is
+  // met by unmap_region: a region CUDA would not unregister stays mapped.)
   const auto unmapping = graph_pools::hold_off_captures_to_unmap();
+  flush_fences_and_wait(unmapping.owns_lock());
   std::vector<Segment*> segments;
   {
     std::lock_guard<std::mutex> lock(mutex_);

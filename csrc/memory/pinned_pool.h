@@ -31,7 +31,8 @@
 //    del x` on one stream; torch's copy_ only tells its *installed* host
 //    allocator, see host_allocator.cpp). While pinxfer is installed as that
 //    allocator torch reports every copy, so the adaptor turns the fence off
-//    (set_fence_unrecorded_frees(false)), as torch's own allocator does.
+//    (set_fence_unrecorded_frees(false)), as torch's own allocator does; a block
+//    handed out before install() keeps its fence (Block::lived_unreported).
 //    A fenced *small* block records no event of its own: it joins its stream's
 //    fence batch, and one event (a marker) recorded after the batch's last free
 //    covers the whole batch (flush_fence_locked; csrc/README.md "The free fence").
@@ -117,6 +118,10 @@ struct Block {
   std::vector<c10::Stream> stream_uses;  // streams that used it while live. LOCK: pool mutex_
   uint64_t held_seq = 0;  // when it became held (PinnedPool::hold_sequence()). LOCK: pool mutex_
   bool binned = false;    // in its pool's bin of this size (state "binned"). LOCK: pool mutex_
+  // The free fence was on while it was live (pinxfer not installed then): torch may have
+  // copied from it without telling pinxfer, so its free is fenced even if install() came
+  // since. LOCK: pool mutex_
+  bool lived_unreported = false;
 };
 constexpr int kPoisoned = -1;
 
@@ -261,9 +266,9 @@ class PinnedPool {
   static void delete_block(void* ctx);
   void free(Block* block);
   // Streams a freed block must wait for: its recorded uses, or the fence
-  // (the current stream) when it has none. Sets *fenced for the fence.
+  // (the current stream) when it has none and `fence_unrecorded`. Sets *fenced for the fence.
   std::vector<c10::Stream> streams_to_wait_for(std::vector<c10::Stream> uses, LockKind kind,
-                                               bool* fenced);
+                                               bool fence_unrecorded, bool* fenced);
 
   // Marks a block taken from the free set (or a new segment's first block)
   // live for a caller who asked for `size` bytes; returns its DataPtr.
@@ -311,10 +316,11 @@ class PinnedPool {
   // or not recorded).
   cuda::Event flush_fence_locked(const c10::Stream& stream, StreamFifo& fifo);
   std::vector<cuda::Event> flush_fences_locked();
-  // Flushes every fence batch and waits for the markers, so the batches' blocks
-  // are free once their streams' work queued before this call is done. While a
-  // capture pinxfer knows of is open it only flushes (the wait could break it).
-  void flush_fences_and_wait();
+  // Flushes every fence batch and, if `may_wait`, waits for the markers, so the batches'
+  // blocks are free once their streams' work queued before this call is done. The caller
+  // passes false while a capture pinxfer knows of is open (the wait could break it), and
+  // holds hold_off_captures_to_unmap() across the call so that none begins.
+  void flush_fences_and_wait(bool may_wait);
   void unmap_segments(std::vector<Segment*> segments);
   // Removes fully free segments (of one pool kind, or both) from the free sets
   // and the stats; the caller unmaps them with unmap_segments().

@@ -272,20 +272,32 @@ bool is_cuda_pinned(const void* ptr) {
   return attr.type == cudaMemoryTypeHost;
 }
 
-bool try_record_event(const c10::Stream& stream, Event* out, std::string* error) {
-  const int device = stream.device_index();
-  cudaEvent_t ev = nullptr;
-  {
-    std::lock_guard<std::mutex> lock(g_events_mutex);
+namespace {
+// The free list of `device`'s events, made on first use; null if memory ran out (callers
+// are deleters: nothing may escape them; found by review, session 44). LOCK: g_events_mutex
+std::vector<cudaEvent_t>* free_events_locked(int device) noexcept {
+  try {
     if (g_events_generation != fork_generation()) {
       g_free_events = new std::vector<std::vector<cudaEvent_t>>();
       g_events_generation = fork_generation();
     }
     if (static_cast<int>(g_free_events->size()) <= device) g_free_events->resize(device + 1);
-    auto& list = (*g_free_events)[device];
-    if (!list.empty()) {
-      ev = list.back();
-      list.pop_back();
+    return &(*g_free_events)[device];
+  } catch (...) {
+    return nullptr;
+  }
+}
+}  // namespace
+
+bool try_record_event(const c10::Stream& stream, Event* out, std::string* error) {
+  const int device = stream.device_index();
+  cudaEvent_t ev = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(g_events_mutex);
+    std::vector<cudaEvent_t>* list = free_events_locked(device);
+    if (list != nullptr && !list->empty()) {
+      ev = list->back();
+      list->pop_back();
     }
   }
   // Callers are deleters (PinnedPool::free): nothing may escape. CUDAGuard
@@ -359,27 +371,27 @@ bool event_done(const Event& event, std::string* error) {
   return true;
 }
 
-void event_synchronize(const Event& event) {
+bool event_synchronize(const Event& event) {
   const cudaError_t err = cudaEventSynchronize(static_cast<cudaEvent_t>(event.handle));
-  TORCH_CHECK(err == cudaSuccess, "pinxfer: cudaEventSynchronize failed: ", error_text(err));
+  if (err != cudaSuccess) (void)cudaGetLastError();
+  return err == cudaSuccess;
 }
 
 void event_wait_sleeping(const Event& event) {
   using Clock = std::chrono::steady_clock;
-  const auto ev = static_cast<cudaEvent_t>(event.handle);
   const auto spin_until = Clock::now() + std::chrono::microseconds(kEventWaitSpinUs);
   // The sleeps are short: keep this thread's timer slack (50 us by default) from
   // stretching each one, and give the caller's back afterwards.
   const int old_slack = prctl(PR_GET_TIMERSLACK, 0, 0, 0, 0);
   bool slack_set = false;
   for (;;) {
-    const cudaError_t err = cudaEventQuery(ev);
-    if (err == cudaSuccess) break;
-    if (err != cudaErrorNotReady) {
-      (void)cudaGetLastError();
+    // event_done: relaxed (a pool worker's query would invalidate another thread's
+    // global-mode capture; found by review, session 44), "not ready" cleared.
+    std::string error;
+    if (event_done(event, &error)) {
+      if (error.empty()) break;
       if (slack_set) prctl(PR_SET_TIMERSLACK, static_cast<unsigned long>(old_slack), 0, 0, 0);
-      TORCH_CHECK(false,
-                  "pinxfer: cudaEventQuery failed while waiting for a copy: ", error_text(err));
+      TORCH_CHECK(false, "pinxfer: while waiting for a copy: ", error);
     }
     if (Clock::now() < spin_until) continue;
     if (!slack_set && old_slack > 1000) {
@@ -391,12 +403,20 @@ void event_wait_sleeping(const Event& event) {
 }
 
 void release_event(const Event& event) {
-  std::lock_guard<std::mutex> lock(g_events_mutex);
-  if (g_events_generation != fork_generation()) return;  // parent's event: drop it
-  if (static_cast<int>(g_free_events->size()) <= event.device) {
-    g_free_events->resize(event.device + 1);
+  const auto ev = static_cast<cudaEvent_t>(event.handle);
+  {
+    std::lock_guard<std::mutex> lock(g_events_mutex);
+    if (g_events_generation != fork_generation()) return;  // parent's event: drop it
+    try {
+      if (std::vector<cudaEvent_t>* list = free_events_locked(event.device)) {
+        list->push_back(ev);
+        return;
+      }
+    } catch (...) {
+      // no room to keep it: destroyed below (called from destructors: nothing may escape)
+    }
   }
-  (*g_free_events)[event.device].push_back(static_cast<cudaEvent_t>(event.handle));
+  if (cudaEventDestroy(ev) != cudaSuccess) (void)cudaGetLastError();
 }
 
 bool current_stream_if_active(c10::Stream* out) {
@@ -532,7 +552,7 @@ Event record_event(const c10::Stream&) {
   TORCH_CHECK(false, "pinxfer was built without CUDA: stream events are unavailable");
 }
 bool event_done(const Event&, std::string*) { return true; }
-void event_synchronize(const Event&) {}
+bool event_synchronize(const Event&) { return true; }
 void release_event(const Event&) {}
 bool current_stream_if_active(c10::Stream*) { return false; }
 bool stream_is_capturing(const c10::Stream&, std::string*) { return false; }

@@ -76,8 +76,11 @@ bool try_record_event(const c10::Stream& stream, Event* out, std::string* error)
 // ready" is reported as complete-with-error through *error (the caller decides).
 bool event_done(const Event& event, std::string* error);
 // Blocks until the event completes (cudaEventSynchronize: the driver spins,
-// since our events are made without cudaEventBlockingSync).
-void event_synchronize(const Event& event);
+// since our events are made without cudaEventBlockingSync). A wait is only a hint: the
+// pools wait on copies of handles that another thread may recycle (or destroy, when its
+// record fails) meanwhile, and decide from event_done afterwards; so a failure is cleared
+// and answered false, never thrown.
+bool event_synchronize(const Event& event);
 // Blocks until the event completes without holding a core: polls for
 // kEventWaitSpinUs, then sleeps kEventWaitSleepUs between polls. For waits
 // that last as long as a chunk's DMA (hundreds of µs): a staging thread

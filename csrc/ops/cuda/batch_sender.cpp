@@ -100,7 +100,18 @@ struct BatchSender::Job : SerialJobs::Job {
     made.reset();
   }
   ~Job() override {
-    drop_untaken_outputs();
+    try {
+      drop_untaken_outputs();
+    } catch (...) {
+      // recordStream failed (nothing may escape a destructor; found by review, session 44):
+      // the copies may still write into the outputs, so they are waited for before the
+      // outputs' memory goes back to torch's allocator.
+      if (copied_on && cudaStreamSynchronize(copied_on->stream()) != cudaSuccess) {
+        (void)cudaGetLastError();
+      }
+      outs.clear();
+      made.reset();
+    }
     if (event.handle != nullptr) cuda::release_event(event);
     if (outputs_made.handle != nullptr) cuda::release_event(outputs_made);
   }

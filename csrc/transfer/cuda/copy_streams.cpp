@@ -45,10 +45,11 @@ void stream_wait(const c10::cuda::CUDAStream& waiter, const c10::cuda::CUDAStrea
 }
 
 bool stream_busy(const c10::cuda::CUDAStream& stream) {
-  const cudaError_t state = cudaStreamQuery(stream.stream());
-  if (state == cudaErrorNotReady) return true;
-  C10_CUDA_CHECK(state);
-  return false;
+  // stream_idle queries with the thread's capture mode relaxed and clears "not ready" from
+  // CUDA's last-error slot (a plain cudaStreamQuery from a sender's thread invalidated
+  // another thread's global-mode capture; found by review, session 44). An error reads as
+  // busy: this only picks the staging stores, and the copy itself reports the error.
+  return !cuda::stream_idle(stream.unwrap());
 }
 
 at::Tensor device_empty(at::IntArrayRef sizes, const at::TensorOptions& options) {

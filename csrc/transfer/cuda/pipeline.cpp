@@ -691,7 +691,15 @@ void direct_copy(const at::Tensor& src, at::Tensor& out, const c10::cuda::CUDASt
   Range range("pinxfer::h2d");
   C10_CUDA_CHECK(cudaMemcpyAsync(out.data_ptr(), src.const_data_ptr(), src.nbytes(),
                                  cudaMemcpyHostToDevice, stream.stream()));
-  record_source_use(src, stream);
+  // After the copy: keep_until_done's event must follow it. If recording fails, nothing
+  // keeps the source while the queued copy reads it, and the caller may free it as soon as
+  // the error reaches it: the copy is waited for first (found by review, session 44).
+  try {
+    record_source_use(src, stream);
+  } catch (...) {
+    if (cudaStreamSynchronize(stream.stream()) != cudaSuccess) (void)cudaGetLastError();
+    throw;
+  }
 }
 
 void packed_copy(const std::vector<at::Tensor>& srcs, const std::vector<size_t>& offsets,
@@ -747,6 +755,9 @@ void packed_copy(const std::vector<at::Tensor>& srcs, const std::vector<size_t>&
         const auto [lo, hi] = group_bytes(group_of[i]);
         if (serial && hi == total) steps.staged = Clock::now();
         Range range("pinxfer::h2d");
+        // A copy thread's current device may be another GPU (or none yet): a copy queued
+        // there would make a context on it (found by review, session 44).
+        const c10::cuda::CUDAGuard on_device(device);
         C10_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(packed.data_ptr()) + lo, base + lo,
                                        hi - lo, cudaMemcpyHostToDevice, stream.stream()));
       }
