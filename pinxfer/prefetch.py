@@ -297,8 +297,7 @@ def _submit_failed(err: Exception, step: int) -> tuple:
     anything that reads the batch): raised in the consumer at that batch's own step, after
     the batches before it, as a failed transfer is (until session 43 it was raised a step
     early, in place of the batch before it, which was dropped)."""
-    _note(err, f"raised while pinxfer.prefetch transferred batch {step}")
-    return (_ERROR, err, None)
+    return _failed(err, f"raised while pinxfer.prefetch transferred batch {step}")
 
 
 def _send(lease: Any, to: Delivery, event_on: torch.cuda.Stream | None, step: int) -> tuple:
@@ -320,8 +319,7 @@ def _send(lease: Any, to: Delivery, event_on: torch.cuda.Stream | None, step: in
         lease.done(None)
         if not isinstance(err, Exception):
             raise
-        _note(err, f"raised while pinxfer.prefetch transferred batch {step}")
-        return (_ERROR, err, None)
+        return _failed(err, f"raised while pinxfer.prefetch transferred batch {step}")
     return (_ITEM, out, event)
 
 
@@ -638,8 +636,7 @@ class _CallerPass:
     def _take_failed(self, err: Exception, sent: _Sent) -> tuple:
         """_take's item for a batch whose take raised ``err``, once no copy reads it."""
         torch.cuda.synchronize(self.device)  # no copy may still read the batch
-        _note(err, f"raised while pinxfer.prefetch transferred batch {sent.step}")
-        return (_ERROR, err, None)
+        return _failed(err, f"raised while pinxfer.prefetch transferred batch {sent.step}")
 
     def consumer_busy(self) -> bool:
         """A consumer is inside next(): this pass's, or the thread's that took it over."""
@@ -810,7 +807,7 @@ def _produce(p: _Pass) -> None:
             del item
             p.step += 1
     except BaseException as err:  # noqa: BLE001 - e.g. stream creation failed
-        p.queue.put((_ERROR, err, None))
+        p.queue.put(_failed(err, "raised in pinxfer.prefetch's transfer thread"))
     finally:
         if p.stop.is_set():
             p.queue.put((_END, None, None))  # unblocks a consumer waiting in get()
@@ -819,6 +816,20 @@ def _produce(p: _Pass) -> None:
 def _note(err: BaseException, text: str) -> None:
     if hasattr(err, "add_note"):  # Python >= 3.11
         err.add_note(text)
+
+
+def _failed(err: BaseException, text: str) -> tuple:
+    """The (_ERROR, ...) item for a batch whose transfer raised ``err``, noted with ``text``.
+    A StopIteration is wrapped in a RuntimeError (as PEP 479 does in generators): raised
+    from the consumer's next() it would end the pass silently, dropping the batches left
+    (found by review, session 44: a transfer= function that called next() on an exhausted
+    iterator)."""
+    if isinstance(err, StopIteration):
+        wrapped = RuntimeError(f"{text}: StopIteration")
+        wrapped.__cause__ = err
+        err = wrapped
+    _note(err, text)
+    return (_ERROR, err, None)
 
 
 class Prefetcher:
@@ -1046,6 +1057,12 @@ def prefetch(
     (dict, list, tuple, namedtuple, dataclass) and non-tensor fields pass through. An
     exception raised by the source is raised by the consumer's ``next()`` at the same step,
     after the batches before it.
+
+    Reading ahead means the source is asked for the next batch before the last one has been
+    read: a batch's staging (sender threads) or its copy from pinned memory may still be
+    reading its tensors. So a source must not refill tensors it has yielded (a generator
+    that reuses one buffer): the batch would arrive with later bytes, unnoticed. Yield new
+    tensors (as a DataLoader does) or copies.
 
     Without CUDA: ``device=None`` means ``"cpu"``: batches are prefetched by the
     thread and yielded unchanged (so loading still overlaps the consumer). Asking

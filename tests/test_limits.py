@@ -92,6 +92,32 @@ def test_bad_size_never_aliases_a_live_block(fresh_pool):
     assert pinxfer.memory_stats()["requested_bytes.current"] == 0
 
 
+def test_a_size_whose_sum_with_the_pinned_bytes_passes_int64_is_out_of_memory(fresh_pool):
+    """A size under 2^63 - 1 whose sum with what is pinned is over it: the cap's count
+    overflowed (undefined; in practice it went negative, so the cap let maps through) until
+    session 44. Now an OutOfMemoryError that says so, and the counts stay exact."""
+    held = pinxfer.empty(4 << 20, dtype=torch.uint8)
+    reserved = pinxfer.memory_stats()["reserved_bytes.current"]
+    with pytest.raises(torch.OutOfMemoryError, match=r"2\^63 - 1"):
+        pinxfer.empty(INT64_MAX - (1 << 20) + 1, dtype=torch.uint8)
+    assert pinxfer.memory_stats()["reserved_bytes.current"] == reserved
+    again = pinxfer.empty(4 << 20, dtype=torch.uint8)
+    assert again.data_ptr() != held.data_ptr()
+
+
+def test_a_request_above_the_cap_alone_gives_back_no_cache(fresh_pool):
+    """No relief can make room for a request larger than the cap: it raises at once and
+    leaves the cache mapped (relief unmapped every pool's cache first)."""
+    pinxfer.set_max_pinned_bytes(16 << 20)
+    cached = pinxfer.empty(4 << 20, dtype=torch.uint8)
+    del cached
+    unmaps = pinxfer.memory_stats()["num_segment_unmaps"]
+    with pytest.raises(torch.OutOfMemoryError, match="cap is 16777216"):
+        pinxfer.empty(32 << 20, dtype=torch.uint8)
+    assert pinxfer.memory_stats()["num_segment_unmaps"] == unmaps
+    assert pinxfer.memory_stats()["reserved_bytes.current"] > 0
+
+
 def test_quantized_dtype_is_refused_by_empty():
     with pytest.raises(ValueError, match="quantized dtype"):
         pinxfer.empty(3, dtype=torch.qint8)

@@ -129,6 +129,24 @@ def test_transfer_exception_raised_at_its_step():
     assert got == [0, 1]
 
 
+@pytest.mark.parametrize("producer", ["caller", "thread"])
+def test_a_stop_iteration_in_transfer_is_an_error_not_the_end(producer):
+    """Raised from next(), a StopIteration ends a for loop: the batches left were dropped
+    without a word (found by review, session 44). It comes as a RuntimeError, as PEP 479
+    makes it in a generator."""
+
+    def transfer(b):
+        if b == 2:
+            next(iter([]))
+        return b
+
+    got = []
+    with pytest.raises(RuntimeError, match="StopIteration") as info:
+        got.extend(pinxfer.prefetch(range(5), device="cpu", transfer=transfer, producer=producer))
+    assert got == [0, 1]
+    assert isinstance(info.value.__cause__, StopIteration)
+
+
 def test_early_break_stops_thread_while_prefetcher_still_referenced():
     closed = threading.Event()
 

@@ -81,16 +81,9 @@ class SlotSource:
             slot_bytes = _check.integer(
                 slot_bytes, "prefetch(slots=True)", "slot_bytes", lo=1, hi=_check.INT64_MAX
             )
-            # The ring is page-locked whole: checked here, before os.ftruncate and mmap
-            # meet a size no machine has.
-            ring_bytes = header_bytes(num_slots) + num_slots * round_up(slot_bytes, PAGE)
-            ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-            if ring_bytes > ram:
+            if (too_big := _ring_past_ram(num_slots, slot_bytes)) is not None:
                 raise ValueError(
-                    f"pinxfer.prefetch(slots=True): {num_slots} slots of slot_bytes={slot_bytes} "
-                    f"make a {ring_bytes} B ring, more than this machine's {ram} B of memory (the "
-                    "ring is pinned whole); pass slot_bytes= the largest batch's bytes, or fewer "
-                    "num_slots"
+                    f"{too_big}; pass slot_bytes= the largest batch's bytes, or fewer num_slots"
                 )
         self.depth = depth
         ctx = loader.multiprocessing_context or multiprocessing.get_context()
@@ -100,6 +93,7 @@ class SlotSource:
         self._loader = LoaderCopy(loader, ring.handle)
         self._pass: _SlotPass | None = None
         self._warned_too_big = False
+        self._sizing_refused = False  # the first batch's size made a ring past the memory
         self._finalizer = weakref.finalize(self, _close, self._loader, ring)
 
     @property
@@ -127,6 +121,12 @@ class SlotSource:
 
     def __iter__(self) -> _SlotPass:
         """A pass: one lease per batch."""
+        if self._ring.closed:
+            raise RuntimeError(
+                "pinxfer.prefetch(slots=True): this Prefetcher's slot ring is closed (its "
+                "`with` block ended, or slots.close() was called); make a new Prefetcher to "
+                "iterate the loader again"
+            )
         if self._pass is not None:
             self._pass.close()
         fresh = not self._loader.has_live_workers()
@@ -171,12 +171,27 @@ class SlotSource:
                 RuntimeWarning,
                 stacklevel=2,
             )
-        if item.reason == "sizing" and not ring.slot_bytes:
+        if item.reason == "sizing" and not ring.slot_bytes and not self._sizing_refused:
             tensors = _batch.tensors_in(item.batch)
             if all(plain_dense_cpu(t) for t in tensors):
                 need = bytes_in_slot(tensors)
                 if need:
-                    ring.size(round_up(int(need * _HEADROOM), _SIZE_ROUND))
+                    slot_bytes = round_up(int(need * _HEADROOM), _SIZE_ROUND)
+                    # Sized from the first batch, the ring is checked as a given slot_bytes
+                    # is: pinned whole, a ring past the machine's memory would meet the OOM
+                    # killer (found by review, session 44). The batches then take torch's path.
+                    too_big = _ring_past_ram(ring.num_slots, slot_bytes)
+                    if too_big is None:
+                        ring.size(slot_bytes)
+                    else:
+                        self._sizing_refused = True
+                        warnings.warn(
+                            f"{too_big}, sized from the first batch: the batches take the "
+                            "staging path instead (pass slots=False, or a loader with smaller "
+                            "batches or fewer workers)",
+                            RuntimeWarning,
+                            stacklevel=2,
+                        )
 
     def close(self) -> None:
         """Stops the workers and frees the ring (also done when collected, and at exit)."""
@@ -184,6 +199,21 @@ class SlotSource:
             self._pass.close()
             self._pass = None
         self._finalizer()
+
+
+def _ring_past_ram(num_slots: int, slot_bytes: int) -> str | None:
+    """Why a ring of ``num_slots`` slots of ``slot_bytes`` cannot be pinned here (it is
+    page-locked whole: more than the machine's memory), or None if it can be tried. Checked
+    before os.ftruncate and mmap meet a size no machine has."""
+    ring_bytes = header_bytes(num_slots) + num_slots * round_up(slot_bytes, PAGE)
+    ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if ring_bytes <= ram:
+        return None
+    return (
+        f"pinxfer.prefetch(slots=True): {num_slots} slots of slot_bytes={slot_bytes} make a "
+        f"{ring_bytes} B ring, more than this machine's {ram} B of memory (the ring is pinned "
+        "whole)"
+    )
 
 
 def _close(loader: LoaderCopy, ring: Ring) -> None:
@@ -195,23 +225,39 @@ class _SlotPass:
     """One pass over the loader copy, for the prefetch producer thread."""
 
     def __init__(self, source: SlotSource, it: Iterator[Any]):
-        self.source, self.it = source, it
+        # Weak: the source holds its pass, and a strong reference back made a cycle that kept
+        # the ring (page-locked memory, file descriptors, persistent workers) alive after
+        # the Prefetcher was dropped, until Python's cyclic collector ran (found by review,
+        # session 44: 15 descriptors more per epoch with gc disabled).
+        self._source = weakref.ref(source)
+        self.it = it
 
     def __iter__(self) -> _SlotPass:
         return self
 
+    def _source_or_raise(self) -> SlotSource:
+        source = self._source()
+        if source is None:
+            raise RuntimeError(
+                "pinxfer.prefetch(slots=True): the Prefetcher of this pass was collected, "
+                "and its slot ring closed with it; keep the Prefetcher while iterating"
+            )
+        return source
+
     def __next__(self) -> Any:
         if self.it is None:
             raise StopIteration
-        self.source._ring.return_finished(self.source.depth)
-        return self.source._lease_for(next(self.it))
+        source = self._source_or_raise()
+        source._ring.return_finished(source.depth)
+        return source._lease_for(next(self.it))
 
     def close(self) -> None:
         """End of the pass: copies waited for, slots back; workers stopped unless persistent."""
         it, self.it = self.it, None
-        ring = self.source._ring
-        if ring.closed:
+        source = self._source()
+        if source is None or source._ring.closed:
             return  # the ring's finaliser stopped the workers
+        ring = source._ring
         ring.return_all()
-        if it is not None and self.source._loader.end_pass(it):
+        if it is not None and source._loader.end_pass(it):
             ring.reset_free()  # slots of batches the workers never delivered

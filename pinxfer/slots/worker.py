@@ -49,16 +49,32 @@ from pinxfer.slots.layout import FREE, Header, TensorRef, next_ref
 FALLBACK_REASONS = ("sizing", "too_big", "unsupported", "no_free_slot")
 
 
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` still exists. Asked by pid, not by parentage: under the
+    forkserver start method (Python 3.14's default on Linux) a worker's parent is the fork
+    server, and a parentage check reported the trainer gone at every wait for a slot longer
+    than 0.5 s (found by review, session 44)."""
+    if os.getppid() == pid:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # it exists, under another user
+    return True
+
+
 class RingHandle:
     """What a worker needs to reach the ring; pickled into spawned workers (the memfd
     goes with DupFd), inherited as is by forked ones. ``free_q`` is replaced by the
     trainer when it resets the queue (before new workers start)."""
 
     def __init__(
-        self, ring_id: str, fd: int, num_slots: int, free_q: Any, wait_s: float, ppid: int
+        self, ring_id: str, fd: int, num_slots: int, free_q: Any, wait_s: float, trainer_pid: int
     ):
         self.ring_id, self.fd, self.num_slots = ring_id, fd, num_slots
-        self.free_q, self.wait_s, self.ppid = free_q, wait_s, ppid
+        self.free_q, self.wait_s, self.trainer_pid = free_q, wait_s, trainer_pid
 
     def __reduce__(self):
         return (
@@ -69,15 +85,15 @@ class RingHandle:
                 self.num_slots,
                 self.free_q,
                 self.wait_s,
-                self.ppid,
+                self.trainer_pid,
             ),
         )
 
 
 def _handle_from_pickle(
-    ring_id: str, dup: Any, num_slots: int, free_q: Any, wait_s: float, ppid: int
+    ring_id: str, dup: Any, num_slots: int, free_q: Any, wait_s: float, trainer_pid: int
 ) -> RingHandle:
-    return RingHandle(ring_id, dup.detach(), num_slots, free_q, wait_s, ppid)
+    return RingHandle(ring_id, dup.detach(), num_slots, free_q, wait_s, trainer_pid)
 
 
 class SlotBatch:
@@ -159,7 +175,7 @@ class WorkerRing:
                 slot = self.handle.free_q.get(timeout=max(0.0, min(0.5, left)))
                 break
             except queue.Empty:
-                if os.getppid() != self.handle.ppid:
+                if not _alive(self.handle.trainer_pid):
                     raise RuntimeError("pinxfer slots: the trainer process is gone") from None
                 if left <= 0:
                     return None
