@@ -601,3 +601,19 @@ def test_a_batch_the_sender_refuses_raises_at_its_own_step_after_the_batch_befor
         p._next_locked()
     assert any(f"batch {refused}" in note for note in getattr(raised.value, "__notes__", []))
     assert p.finished  # an error ends the pass, as a source's or a transfer's does
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"transfer": 3}, TypeError, "transfer must be a callable"),
+        ({"chunk_bytes": 100}, ValueError, "chunk_bytes"),
+        ({"num_buffers": 0}, ValueError, "num_buffers"),
+        ({"chunk_bytes": "big"}, TypeError, "chunk_bytes"),
+    ],
+)
+def test_bad_arguments_are_refused_when_the_prefetcher_is_made(kwargs, error, match):
+    """Not at the first batch of a GPU pass (and never on a CPU one); found by review,
+    session 44."""
+    with pytest.raises(error, match=match):
+        pinxfer.prefetch(range(3), device="cpu", **kwargs)

@@ -258,6 +258,8 @@ class _SlotPass:
         if source is None or source._ring.closed:
             return  # the ring's finaliser stopped the workers
         ring = source._ring
-        ring.return_all()
-        if it is not None and source._loader.end_pass(it):
-            ring.reset_free()  # slots of batches the workers never delivered
+        try:
+            ring.return_all()  # raises if a worker wrote a slot the trainer held
+        finally:
+            if it is not None and source._loader.end_pass(it):
+                ring.reset_free()  # slots of batches the workers never delivered
