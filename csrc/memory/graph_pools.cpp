@@ -142,6 +142,13 @@ bool release_pool(PoolId id) {
   return true;
 }
 
+bool while_registered(PoolId id, const std::function<void()>& fn) {
+  std::shared_lock<std::shared_mutex> lock(registry_mutex());
+  if (pools().find(id) == pools().end()) return false;
+  fn();
+  return true;
+}
+
 PoolId pool_for_current_stream() {
   if (g_no_capture.load(std::memory_order_relaxed)) return kShared;
   c10::Stream current(c10::Stream::DEFAULT, c10::Device(c10::DeviceType::CPU));

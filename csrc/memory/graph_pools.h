@@ -66,6 +66,11 @@ bool end_allocate_to_pool(PoolId id);
 // the other allocator).
 bool release_pool(PoolId id);
 
+// Runs `fn` with the registry's shared lock held if `id` is still one of its pools (not yet
+// taken for return by take_released); returns whether it ran. `fn` may take a pool's lock
+// (the order: registry, then pool) and nothing else.
+bool while_registered(PoolId id, const std::function<void()>& fn);
+
 // The graph pool the current thread's current stream allocates to, kShared, or
 // kServedElsewhere.
 // Lock-free while no capture is routed.

@@ -15,6 +15,7 @@
 #include "memory/pinned_pool.h"
 #include "memory/placement.h"
 #include "memory/pool_registry.h"
+#include "runtime/fork.h"
 
 namespace pinxfer {
 
@@ -43,6 +44,7 @@ class PoolHostAllocator final : public at::HostAllocator {
   void empty_cache() override {
     release_graph_memory();
     for (PinnedPool* pool : all_pools()) pool->release_cached();
+    empty_previous_allocator_cache();
   }
 
   // ---- torch's graph-pool contract (CUDAGraph::capture_begin/capture_end/reset;
@@ -128,7 +130,15 @@ class PoolHostAllocator final : public at::HostAllocator {
 // Above torch's own registration (priority 0); setHostAllocator replaces
 // when the new priority is >= the current one, so we restore torch's at ours.
 constexpr uint8_t kPriority = 64;
-std::mutex g_install_mutex;
+// Leaked, and made anew in a forked child: a parent thread inside install() at fork() would
+// otherwise leave it locked there for good (review, session 44).
+std::mutex* g_install_mutex = new std::mutex();
+void install_mutex_child_after_fork() { g_install_mutex = new std::mutex(); }
+struct InstallForkHandler {
+  InstallForkHandler() {
+    register_fork_child_handler(ForkChildStep::kHostAllocator, &install_mutex_child_after_fork);
+  }
+} g_install_fork_handler;
 // Written under g_install_mutex, read lock-free by record_event.
 std::atomic<at::HostAllocator*> g_torch_allocator{nullptr};
 std::atomic<bool> g_installed{false};
@@ -156,7 +166,15 @@ c10::DataPtr PoolHostAllocator::allocate(size_t n) {
 
 void PoolHostAllocator::begin_allocate_to_pool(c10::MempoolId_t pool_id,
                                                std::function<bool(c10::Stream)> filter) {
+  // uninstall() holds this lock across its checks and the swap: a capture torch began on
+  // pinxfer just before it would otherwise register here after the checks and end on
+  // torch's allocator, open in pinxfer's registry for good (found by review, session 44).
+  std::lock_guard<std::mutex> no_uninstall(*g_install_mutex);
   at::HostAllocator* previous = g_torch_allocator.load();
+  if (!g_installed.load() && previous != nullptr) {
+    previous->begin_allocate_to_pool(pool_id, std::move(filter));  // uninstalled meanwhile
+    return;
+  }
   if (previous == nullptr || !made_before_install(pool_id)) {
     graph_pools::begin_allocate_to_pool(to_id(pool_id), std::move(filter), cuda::current_device());
     return;
@@ -165,7 +183,10 @@ void PoolHostAllocator::begin_allocate_to_pool(c10::MempoolId_t pool_id,
   try {
     graph_pools::begin_capture_served_elsewhere(to_id(pool_id), std::move(filter));
   } catch (...) {
-    previous->end_allocate_to_pool(pool_id);  // the capture does not begin: it has no end
+    // The capture does not begin: it has no end, and its graph no release (CUDAGraph counts
+    // the pool as its own only once the begin returns). torch's begin counted a use.
+    previous->end_allocate_to_pool(pool_id);
+    previous->release_pool(pool_id);
     throw;
   }
 }
@@ -225,7 +246,7 @@ std::vector<at::HostSegmentInfo> PoolHostAllocator::get_segments() {
 bool install_host_allocator(bool enable) {
 #if PINXFER_WITH_CUDA
   static PoolHostAllocator* ours = new PoolHostAllocator();  // leaked: lives past exit
-  std::lock_guard<std::mutex> lock(g_install_mutex);
+  std::lock_guard<std::mutex> lock(*g_install_mutex);
   if (enable == g_installed.load()) return true;
   if (enable) {
     at::HostAllocator* current = at::getHostAllocator(at::kCUDA);
@@ -279,6 +300,16 @@ bool install_host_allocator(bool enable) {
 }
 
 bool host_allocator_installed() { return g_installed.load(); }
+
+void empty_previous_allocator_cache() {
+#if PINXFER_WITH_CUDA
+  if (!g_installed.load()) return;
+  at::HostAllocator* previous = g_torch_allocator.load();
+  if (previous == nullptr) return;
+  const auto no_capture = graph_pools::hold_off_captures_to_unmap();
+  if (no_capture.owns_lock()) previous->empty_cache();
+#endif
+}
 
 #if PINXFER_WITH_CUDA
 namespace {

@@ -18,6 +18,14 @@ namespace pinxfer {
 bool install_host_allocator(bool enable);
 bool host_allocator_installed();
 
+// While installed: empties the cache of the allocator torch had before (torch's own). Graphs
+// captured on pools made before install() are served there (memory/graph_pools.h,
+// begin_capture_served_elsewhere), and torch frees a released graph pool only in its
+// empty_cache, which nothing else reaches then. Nothing while a capture is open (torch's
+// cudaFreeHost synchronizes). Called by both empty_caches (pinxfer's and torch's, which
+// reaches pinxfer's allocator).
+void empty_previous_allocator_cache();
+
 // TEST-ONLY: registers, at `priority`, a host allocator that passes every call on to the
 // one torch has now: another library's, for the tests of install()'s priority check.
 // Process-wide and for good (tests call it in a fresh process). False in CPU-only builds.

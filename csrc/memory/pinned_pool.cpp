@@ -121,7 +121,11 @@ c10::DataPtr PinnedPool::allocate(size_t size, Use use) {
     if (graph == graph_pools::kServedElsewhere) {
       graph_pools::raise_capture_served_elsewhere("a pinxfer pinned allocation");
     }
-    return allocate_for_graph(request, graph);
+    if (std::optional<c10::DataPtr> out = allocate_for_graph(request, graph)) {
+      return std::move(*out);
+    }
+    // The pool's memory was taken back since the routing (the capture ended, the graph was
+    // destroyed): no graph reads this allocation, so it is shared memory.
   }
   if (c10::DataPtr hit = take_cached(request, use)) return hit;
   debug_pause();
@@ -971,17 +975,25 @@ void PinnedPool::hold_locked(Block* block) {
   stats_.held_blocks.add(1);
 }
 
-c10::DataPtr PinnedPool::allocate_for_graph(const Request& request, graph_pools::PoolId graph) {
-  {
+std::optional<c10::DataPtr> PinnedPool::allocate_for_graph(const Request& request,
+                                                           graph_pools::PoolId graph) {
+  std::optional<c10::DataPtr> hit;
+  // Under the registry's lock: a pool taken for return between the routing and here would
+  // otherwise get its free sets back from the operator[] below, and a segment mapped for it
+  // would stay a graph's that the registry no longer knows, never shared nor unmapped
+  // (found by review, session 44).
+  const bool registered = graph_pools::while_registered(graph, [&] {
     std::lock_guard<std::mutex> lock(mutex_);
     GraphFreeSets& sets = graph_free_[graph];  // created on the graph's first block here
     if (Block* block =
             take_from_set_locked(request.small ? sets.small : sets.large, request.rounded)) {
       ++stats_.num_cache_hits;
       ++stats_.num_graph_allocs;
-      return hand_out_locked(block, request.size);
+      hit = hand_out_locked(block, request.size);
     }
-  }
+  });
+  if (!registered) return std::nullopt;
+  if (hit) return hit;
   // A miss maps a segment for the graph alone (no merging of shared segments:
   // a graph keeps its memory until released, so it takes only what it needs).
   const size_t segment_size = request.small ? kSmallSegment : request.rounded;
@@ -1013,6 +1025,14 @@ std::vector<PinnedPool::BlockInfo> PinnedPool::block_infos() {
     }
   }
   return out;
+}
+
+bool PinnedPool::holds_shared_blocks() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (const Block* b : held_) {
+    if (b->segment->graph == graph_pools::kShared) return true;
+  }
+  return false;
 }
 
 size_t PinnedPool::return_graph_memory(const std::vector<graph_pools::PoolId>& ids,

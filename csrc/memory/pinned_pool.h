@@ -215,6 +215,10 @@ class PinnedPool {
   // queued before held_upto was read, can still run (it read held_upto, then
   // synchronized the devices with no capture open). Returns the blocks freed.
   size_t return_graph_memory(const std::vector<graph_pools::PoolId>& ids, uint64_t held_upto);
+  // True if a held block lies in a shared segment (freed while a stream that used it was
+  // capturing): only a synchronize of every device proves its readers done. Blocks held in
+  // a graph's own segments wait for that graph's release instead.
+  bool holds_shared_blocks();
   // Process-wide count of blocks ever held; a block held later has a larger number.
   static uint64_t hold_sequence();
 
@@ -389,8 +393,10 @@ class PinnedPool {
     FreeSet small, large;
   };
   // allocate() for a capture routed to graph pool `graph`: a fit from its own
-  // free sets, else a new segment owned by it (never a shared block).
-  c10::DataPtr allocate_for_graph(const Request& request, graph_pools::PoolId graph);
+  // free sets, else a new segment owned by it (never a shared block). nullopt if the pool
+  // has left the registry since the routing (released and taken for return: its capture
+  // ended), and a segment mapped meanwhile is made shared (hand_out_new_segment).
+  std::optional<c10::DataPtr> allocate_for_graph(const Request& request, graph_pools::PoolId graph);
   // The free set a free block of `segment` belongs in: the shared one of its
   // kind, or its graph pool's.
   FreeSet& free_set_locked(const Segment* segment);

@@ -88,8 +88,12 @@ size_t release_graph_memory() {
   const auto returning = graph_pools::hold_off_capture_begins();
   // Read before the synchronize: only blocks held by then are covered by it.
   const uint64_t held_upto = PinnedPool::hold_sequence();
+  // Only held blocks of shared segments need every device synchronized: those of a live
+  // graph's segments stay held whatever a synchronize says, and a released graph's
+  // devices are synchronized by take_released (counting those forced a synchronize of
+  // every device at each release and empty_cache while any graph lived; review, session 44).
   bool held = false;
-  for (PinnedPool* pool : all_pools()) held = held || pool->stats().held_blocks.current > 0;
+  for (PinnedPool* pool : all_pools()) held = held || pool->holds_shared_blocks();
   std::vector<graph_pools::PoolId> ids;
   if (!graph_pools::take_released(/*sync_all=*/held, &ids)) return 0;  // a capture is open
   if (ids.empty() && !held) return 0;

@@ -53,6 +53,7 @@ int64_t empty_cache() {
   release_graph_memory();  // released CUDA graph pools first (memory/pool_registry.h)
   int64_t bytes = 0;
   for (PinnedPool* p : all_pools()) bytes += static_cast<int64_t>(p->release_cached());
+  empty_previous_allocator_cache();  // graphs served by torch's allocator (not counted here)
   return bytes;
 }
 

@@ -372,6 +372,10 @@ bool event_done(const Event& event, std::string* error) {
 }
 
 bool event_synchronize(const Event& event) {
+  // Relaxed, as event_done: a capture pinxfer does not know of (begun without install())
+  // may be open in another thread, and a wait in global mode would invalidate it.
+  RelaxedCaptureMode relaxed;
+  if (relaxed.entered() != cudaSuccess) return false;
   const cudaError_t err = cudaEventSynchronize(static_cast<cudaEvent_t>(event.handle));
   if (err != cudaSuccess) (void)cudaGetLastError();
   return err == cudaSuccess;

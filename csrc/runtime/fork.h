@@ -34,6 +34,7 @@ enum class ForkChildStep : int {
   kPinnedPools,      // memory/pool_registry.cpp: per-node pools and the cap's accounting
   kPinInplace,       // ops/cpu/pin_inplace_cpu.cpp: the pin_ registry and its lock
   kBatchSenders,     // ops/cuda/batch_sender.cpp: prefetch's per-device senders (threads gone)
+  kHostAllocator,    // memory/host_allocator.cpp: install()'s lock
   kCount,
 };
 

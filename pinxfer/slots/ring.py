@@ -64,7 +64,7 @@ from pinxfer.slots.layout import (
     refs_in,
     round_up,
 )
-from pinxfer.slots.worker import FALLBACK_REASONS, RingHandle, SlotBatch
+from pinxfer.slots.worker import FALLBACK_REASONS, RingHandle, SlotBatch, process_alive
 from pinxfer.transfer import to_device
 
 if TYPE_CHECKING:
@@ -169,7 +169,7 @@ class Ring:
                 if slot in self.held:
                     continue
                 if self.header.state(slot) == TAKEN:
-                    if _process_alive(self.header.writer(slot)[0]):
+                    if process_alive(self.header.writer(slot)[0]):
                         continue  # a worker that did not stop: its slot stays out
                     self.stats["reclaimed"] += 1
                 self._put_free(slot)
@@ -356,13 +356,3 @@ class SlotLease:
         ring, self._ring = self._ring, None
         if ring is not None:
             ring.release(self._slot, self._tag, event)
-
-
-def _process_alive(pid: int) -> bool:
-    """False for a pid that is gone or a zombie (it can write no memory)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X")

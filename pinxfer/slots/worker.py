@@ -49,20 +49,20 @@ from pinxfer.slots.layout import FREE, Header, TensorRef, next_ref
 FALLBACK_REASONS = ("sizing", "too_big", "unsupported", "no_free_slot")
 
 
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` still exists. Asked by pid, not by parentage: under the
-    forkserver start method (Python 3.14's default on Linux) a worker's parent is the fork
-    server, and a parentage check reported the trainer gone at every wait for a slot longer
-    than 0.5 s (found by review, session 44)."""
+def process_alive(pid: int) -> bool:
+    """False for a pid that is gone or a zombie (it can write no memory, and a trainer that
+    is one has exited). Asked by pid, not by parentage alone: under the forkserver start
+    method (Python 3.14's default on Linux) a worker's parent is the fork server, and a
+    parentage check reported the trainer gone at every wait for a slot longer than 0.5 s
+    (found by review, session 44)."""
     if os.getppid() == pid:
-        return True
+        return True  # a parent that had exited would have handed its children on
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
         return False
-    except PermissionError:
-        return True  # it exists, under another user
-    return True
+    return state not in ("Z", "X")
 
 
 class RingHandle:
@@ -175,7 +175,7 @@ class WorkerRing:
                 slot = self.handle.free_q.get(timeout=max(0.0, min(0.5, left)))
                 break
             except queue.Empty:
-                if not _alive(self.handle.trainer_pid):
+                if not process_alive(self.handle.trainer_pid):
                     raise RuntimeError("pinxfer slots: the trainer process is gone") from None
                 if left <= 0:
                     return None
