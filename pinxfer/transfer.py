@@ -402,23 +402,21 @@ def to_host(obj: Any) -> HostTransfer:
             copies those), before any copy is queued.
     """
     _check.require_cuda("to_host")
+    leaves = tensors_in(obj)
     devices: set[torch.device] = set()
-
-    def note_device(t: torch.Tensor) -> torch.Tensor:
-        if t.device.type == "cuda":
-            if t.layout != torch.strided or t.is_nested or t.is_quantized:
-                kind = "nested" if t.is_nested else "quantized" if t.is_quantized else t.layout
-                raise ValueError(
-                    f"pinxfer.to_host: expected dense CUDA tensors, got a {kind} one "
-                    f"({tuple(t.shape) if not t.is_nested else 'nested'}, {t.dtype}); copy "
-                    "it with t.to('cpu') instead"
-                )
-            devices.add(t.device)
-        return t
-
+    for t in leaves:
+        if t.device.type != "cuda":
+            continue
+        if t.layout != torch.strided or t.is_nested or t.is_quantized:
+            kind = "nested" if t.is_nested else "quantized" if t.is_quantized else t.layout
+            raise ValueError(
+                f"pinxfer.to_host: expected dense CUDA tensors, got a {kind} one "
+                f"({tuple(t.shape) if not t.is_nested else 'nested'}, {t.dtype}); copy "
+                "it with t.to('cpu') instead"
+            )
+        devices.add(t.device)
     # Every device's current stream is asked before any copy is queued (the current device's
     # alone let a tensor of another GPU whose stream captured be copied into the capture).
-    map_tensors(obj, note_device)
     for d in devices:
         with torch.cuda.device(d):
             if torch.cuda.is_current_stream_capturing():
@@ -455,7 +453,9 @@ def to_host(obj: Any) -> HostTransfer:
         return host
 
     with profiler_range("pinxfer::d2h"):
-        result = map_tensors(obj, copy_one)
+        # The batch is walked once more only to rebuild it around the copies.
+        copies = iter([copy_one(t) for t in leaves])
+        result = map_tensors(obj, lambda _t: next(copies))
         events = []
         for stream in streams.values():
             ev = torch.cuda.Event()
