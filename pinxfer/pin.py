@@ -61,7 +61,7 @@ def _threads(num_threads: int | None) -> int:
         "num_threads",
         lo=0,
         hi=_check.INT64_MAX,
-        hint=" (0 or None: the pool's default; more than the pool has: all)",
+        hint=" (0 or None: the pool's default)",
     )
 
 

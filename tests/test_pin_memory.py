@@ -189,6 +189,45 @@ def test_overlapping_views_become_contiguous():
     assert out.is_contiguous() and torch.equal(out, big)
 
 
+def test_element_wise_copies_on_the_workers_run_in_the_callers_modes():
+    """The chunks of an element-wise copy (overlapping views, conj/neg) run on the pool's
+    workers with the caller's thread-local state and below autograd: under inference_mode a
+    worker's chunk copy into the inference output raised, and under no_grad the workers
+    recorded autograd history on the result, racing each other (found by review, session
+    44). Large enough to be split: 64 rows of 256 KiB, two threads."""
+    with torch.inference_mode():
+        big = torch.randn(1, 1 << 16).expand(64, 1 << 16)
+        out = pinxfer.pin_memory(big, numa_node=0, num_threads=2)
+        assert out.is_inference() and torch.equal(out, big)
+        z = torch.randn(64, 1 << 15, dtype=torch.complex64).conj()
+        out = pinxfer.pin_memory(z, numa_node=0, num_threads=2)
+        assert torch.equal(out, z.resolve_conj())
+    leaf = torch.randn(1, 1 << 16, requires_grad=True)
+    with torch.no_grad():
+        for _ in range(20):
+            out = pinxfer.pin_memory(leaf.expand(64, 1 << 16), numa_node=0, num_threads=2)
+            assert not out.requires_grad and out.grad_fn is None
+
+
+def test_pin_of_pool_memory_reached_through_another_storage_is_refused():
+    """torch.from_numpy(p.numpy()) of a pool tensor is another storage over the pool's
+    pages: pin_ then unpin_ unlocked them under the pool's live blocks (found by review,
+    session 44)."""
+    p = pinxfer.pin_memory(torch.randn(1 << 18), numa_node=0)
+    alias = torch.from_numpy(p.numpy())
+    with pytest.raises(RuntimeError, match="lies in pinxfer's pinned pool"):
+        pinxfer.pin_(alias)
+    assert pinxfer.is_pinned(p)
+
+
+def test_pin_memory_under_vmap_takes_the_operators_path():
+    """A functorch wrapper reads as a plain CPU tensor but has no storage: the fast path
+    refused it ('expected a tensor with storage'); it goes to the operator (session 44)."""
+    x = torch.randn(3, 4)
+    out = torch.func.vmap(pinxfer.pin_memory)(x)
+    assert torch.equal(out, x)
+
+
 def test_conj_and_neg_views_are_resolved():
     z = random_tensor((300, 7), torch.complex64, seed=3).conj()
     assert z.is_conj()

@@ -226,6 +226,15 @@ def test_cgroup_cpuset_is_the_containers_share_of_the_host(tmp_path):
     self_v1 = "12:memory:/docker/abc\n3:cpuset:/docker/abc\n"
     assert native.cgroup_cpuset_cpus(str(tmp_path), self_v1) == 4
     assert native.cgroup_cpuset_cpus(str(tmp_path), "garbage\n") == 0
+    # A container that sees only its own cgroup, mounted at the root, while /proc/self/cgroup
+    # names the host's path: the nearest readable ancestor counts, as for the quota (the
+    # leaf alone read nothing; found by review, session 44).
+    own = tmp_path / "container"
+    (own / "cpuset").mkdir(parents=True)
+    (own / "cpuset" / "cpuset.cpus").write_text("0-1\n")
+    assert native.cgroup_cpuset_cpus(str(own), "3:cpuset:/docker/abc\n") == 2
+    (own / "cpuset.cpus.effective").write_text("0-3\n")
+    assert native.cgroup_cpuset_cpus(str(own), "0::/kubepods/pod1/abc\n") == 4
     # Those 16 CPUs shared by 8 unbound ranks: divided, 2 CPUs each (below 4 none kept back).
     threads, why = native.copy_threads_for(16, 16, 0.0, 8)
     assert threads == 2 and "shared by LOCAL_WORLD_SIZE=8" in why

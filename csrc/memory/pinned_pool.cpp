@@ -929,6 +929,15 @@ void PinnedPool::reset_accumulated_stats() {
   stats_.reset_accumulated();
 }
 
+bool PinnedPool::overlaps_segments(uintptr_t lo, uintptr_t hi) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (const Segment* seg : segments_) {
+    const auto begin = reinterpret_cast<uintptr_t>(seg->region.ptr);
+    if (lo < begin + seg->region.size && begin < hi) return true;
+  }
+  return false;
+}
+
 bool PinnedPool::owns_live_block(void* ctx) {
   std::lock_guard<std::mutex> lock(mutex_);
   return live_.count(static_cast<Block*>(ctx)) != 0;

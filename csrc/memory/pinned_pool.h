@@ -190,6 +190,9 @@ class PinnedPool {
 
   // True if ctx is a live block of this pool (validates a foreign ctx).
   bool owns_live_block(void* ctx);
+  // True if [lo, hi) overlaps a segment of this pool: memory reached through another
+  // DataPtr (torch.from_numpy of a pool tensor's numpy view) that pin_ must not lock.
+  bool overlaps_segments(uintptr_t lo, uintptr_t hi);
   // The pool of which ctx is a live block, or nullptr. Answered by the
   // registry, which knows every pool (memory/pool_registry.cpp).
   static PinnedPool* owner_of(void* ctx);

@@ -40,8 +40,10 @@ namespace pinxfer::python {
 const at::Tensor* plain_dense_cpu(PyObject* obj) {
   if (Py_TYPE(obj) != reinterpret_cast<PyTypeObject*>(THPVariableClass)) return nullptr;
   const at::Tensor& t = THPVariable_Unpack(obj);
+  // has_storage: a functorch wrapper (under vmap/grad) reads as a plain CPU tensor but has
+  // no memory of its own; the operator's path handles it (found by review, session 44).
   if (!t.is_cpu() || t.requires_grad() || t.layout() != at::kStrided || t.is_nested() ||
-      t.is_quantized()) {
+      t.is_quantized() || !t.has_storage()) {
     return nullptr;
   }
   return &t;

@@ -45,16 +45,26 @@ double quota_of_dir(const std::string& dir, bool v2) {
   }
 }
 
-// The smallest quota of `path` and its ancestors under `mount` (in a container
-// the path is often "/").
-double min_quota_up(const std::string& mount, std::string path, bool v2) {
-  double best = 0;
+// A cgroup path and each of its ancestors, as paths under a mount point: "/a/b" gives
+// "/a/b", "/a", "" (the mount's root). In a container the path is often "/", or names a
+// cgroup the container cannot see (only its own is mounted): the nearest readable one counts.
+std::vector<std::string> path_and_ancestors(std::string path) {
+  std::vector<std::string> out;
   while (true) {
-    const double q = quota_of_dir(mount + (path == "/" ? "" : path), v2);
-    if (q > 0 && (best == 0 || q < best)) best = q;
+    out.push_back(path == "/" ? "" : path);
     if (path.empty() || path == "/") break;
     const size_t slash = path.find_last_of('/');
     path = slash == 0 || slash == std::string::npos ? "/" : path.substr(0, slash);
+  }
+  return out;
+}
+
+// The smallest quota of `path` and its ancestors under `mount`.
+double min_quota_up(const std::string& mount, const std::string& path, bool v2) {
+  double best = 0;
+  for (const std::string& dir : path_and_ancestors(path)) {
+    const double q = quota_of_dir(mount + dir, v2);
+    if (q > 0 && (best == 0 || q < best)) best = q;
   }
   return best;
 }
@@ -68,8 +78,6 @@ struct CgroupLine {
   bool has_controller(const char* name) const {
     return ("," + controllers + ",").find("," + std::string(name) + ",") != std::string::npos;
   }
-  // The path under a mount point: "" for the root ("/").
-  std::string relative_path() const { return path == "/" ? "" : path; }
 };
 
 std::vector<CgroupLine> parse_proc_self_cgroup(const std::string& text) {
@@ -105,22 +113,27 @@ double cgroup_quota_cpus(const std::string& cgroup_root, const std::string& proc
 
 int cgroup_cpuset_cpus(const std::string& cgroup_root, const std::string& proc_self_cgroup) {
   for (const CgroupLine& line : parse_proc_self_cgroup(proc_self_cgroup)) {
-    const std::string rel = line.relative_path();
-    std::vector<std::string> files;
-    if (line.is_v2()) {
-      files = {cgroup_root + rel + "/cpuset.cpus.effective"};
-    } else if (line.has_controller("cpuset")) {
-      files = {cgroup_root + "/cpuset" + rel + "/cpuset.effective_cpus",
-               cgroup_root + "/cpuset" + rel + "/cpuset.cpus"};
-    }
-    for (const std::string& file : files) {
-      std::string text;
-      if (!read_kernel_file(file, &text)) continue;
-      try {
-        const size_t n = parse_cpulist(text).size();
-        if (n > 0) return static_cast<int>(n);
-      } catch (const std::exception&) {
-        // unreadable: as if absent
+    if (!line.is_v2() && !line.has_controller("cpuset")) continue;
+    // The nearest readable cpuset, walking up as min_quota_up does (the leaf alone missed a
+    // container's own cgroup mounted at the root: found by review, session 44). An effective
+    // list already narrows by every ancestor.
+    for (const std::string& dir : path_and_ancestors(line.path)) {
+      std::vector<std::string> files;
+      if (line.is_v2()) {
+        files = {cgroup_root + dir + "/cpuset.cpus.effective"};
+      } else {
+        files = {cgroup_root + "/cpuset" + dir + "/cpuset.effective_cpus",
+                 cgroup_root + "/cpuset" + dir + "/cpuset.cpus"};
+      }
+      for (const std::string& file : files) {
+        std::string text;
+        if (!read_kernel_file(file, &text)) continue;
+        try {
+          const size_t n = parse_cpulist(text).size();
+          if (n > 0) return static_cast<int>(n);
+        } catch (const std::exception&) {
+          // unreadable: as if absent
+        }
       }
     }
   }

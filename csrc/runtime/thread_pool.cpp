@@ -83,8 +83,10 @@ ThreadPool::ThreadPool(int num_threads, std::vector<int> cpus)
   for (int i = 0; i < num_threads - 1; ++i) {
     try {
       workers_.emplace_back([this, i] { worker_loop(i); });
-    } catch (const std::system_error& e) {
-      // The OS refused a thread (address space, ulimit -u, cgroup pids.max).
+    } catch (const std::exception& e) {
+      // The OS refused a thread (std::system_error: address space, ulimit -u, cgroup
+      // pids.max), or its state could not be allocated (std::bad_alloc: caught too since
+      // session 44's review, which found it escaping with started threads joinable).
       // A constructor that throws runs no destructor: stop and join the
       // workers already started here, or they would wait on a condition
       // variable that is about to be destroyed (a hang at

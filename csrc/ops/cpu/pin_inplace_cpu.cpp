@@ -313,6 +313,15 @@ void pin_(const at::Tensor& self) {
   TORCH_CHECK(PinnedPool::owner_of(self.storage().data_ptr().get_context()) == nullptr,
               "pinxfer.pin_: refused, the tensor already lives in pinxfer's pinned pool "
               "(from pinxfer.empty / pinxfer.pin_memory); it needs no pin_.");
+  // The same memory reached through another storage (torch.from_numpy(p.numpy()) of a pool
+  // tensor): its unpin_ would unlock the pool's pages under the pool's live blocks (found by
+  // review, session 44).
+  for (PinnedPool* pool : all_pools()) {
+    TORCH_CHECK(!pool->overlaps_segments(range.lo, range.hi),
+                "pinxfer.pin_: refused, the tensor's memory lies in pinxfer's pinned pool "
+                "(reached through another storage, e.g. torch.from_numpy of a pool tensor); "
+                "it is pinned already and needs no pin_.");
+  }
 
   Orphans orphans;  // destroyed after the lock is released
   std::lock_guard<std::mutex> lock(g_mutex);
@@ -402,6 +411,14 @@ void unpin_(const at::Tensor& self) {
       TORCH_CHECK(false, "pinxfer.unpin_: refused, the tensor's memory is not pinned by "
                          "pinxfer.pin_ (nothing to undo).");
     }
+    // cudaHostUnregister synchronizes the device, which an open capture forbids (CUDA
+    // refuses it, or the capture is invalidated): as the deleter and the sweep, never during
+    // one (found by review, session 44). Held to the unregister, so none begins meanwhile.
+    const auto unpinning = graph_pools::hold_off_captures_to_unmap();
+    TORCH_CHECK(unpinning.owns_lock(),
+                "pinxfer.unpin_: refused while a CUDA graph capture is open (unpinning "
+                "synchronizes the device, which would break the capture); call it after the "
+                "capture ends. The tensor stays pinned.");
     unlock_registration_locked(it->first, it->second);
     wrapped = unwrap_locked(it->second);
     reg = std::move(it->second);

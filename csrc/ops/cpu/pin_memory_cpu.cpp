@@ -24,6 +24,7 @@
 #include <ATen/EmptyTensor.h>
 #include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
 #include <c10/util/ParallelGuard.h>
 #include <torch/library.h>
 
@@ -181,14 +182,20 @@ void copy_plain(at::Tensor& out, const at::Tensor& self, size_t nbytes, ThreadPo
 
 // Element-wise copy split along dim 0. Each chunk runs torch's copy kernel
 // inline (ParallelGuard): no nested use of torch's intra-op pool from our
-// workers.
+// workers. A copy of values, as torch's pin: below autograd. The workers run with the
+// caller's thread-local state (inference mode, dispatch keys): without it a chunk copy
+// into an inference-mode output failed on a worker ("inplace update to inference tensor"),
+// and under no_grad the workers recorded autograd history on the output, racing each other
+// (found by review, session 44).
 void parallel_elementwise_copy(at::Tensor& dst, const at::Tensor& src, ThreadPool& pool,
                                int max_threads) {
   if (dst.dim() == 0 || dst.size(0) <= 1) {
     c10::ParallelGuard guard(true);
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
     dst.copy_(src);
     return;
   }
+  const at::ThreadLocalState callers_state;
   const int64_t rows = dst.size(0);
   const size_t row_bytes = std::max<size_t>(1, dst.numel() / rows * dst.element_size());
   const size_t grain = std::max<size_t>(1, (kCopyUnit * kUnitsPerChunk) / row_bytes);
@@ -196,7 +203,9 @@ void parallel_elementwise_copy(at::Tensor& dst, const at::Tensor& src, ThreadPoo
   host_parallel_for(
       pool, static_cast<size_t>(rows), grain, awake_grain,
       [&](size_t begin, size_t end) {
+        const at::ThreadLocalStateGuard as_the_caller(callers_state);
         c10::ParallelGuard guard(true);
+        at::AutoDispatchBelowADInplaceOrView below_autograd;
         const auto b = static_cast<int64_t>(begin);
         const auto len = static_cast<int64_t>(end - begin);
         dst.narrow(0, b, len).copy_(src.narrow(0, b, len));
