@@ -300,6 +300,23 @@ def test_settings_are_read_once():
     assert out.returncode == 0 and "ok" in out.stdout, out.stdout + out.stderr
 
 
+@pytest.mark.parametrize(
+    ("text", "ranks"),
+    [("4", "4"), (" 4\n", "4"), ("4x", "1"), ("0x8", "1"), ("-4294967288", "1"), ("", "1")],
+)
+def test_local_world_size_is_read_whole_or_means_one(text, ranks):
+    """torchrun's variable, not ours to reject: a value that is not a whole number of ranks
+    means 1 ("4x" read as 4 and "0x8" as 0 until session 44's review)."""
+    code = """
+        import pinxfer
+        names, values, _, _ = zip(*pinxfer._C.settings())
+        print("RANKS", dict(zip(names, values))["LOCAL_WORLD_SIZE"])
+    """
+    out = run_fresh(code, LOCAL_WORLD_SIZE=text)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"RANKS {ranks}" in out.stdout, out.stdout
+
+
 def test_derived_threads_follow_local_world_size_and_affinity():
     code = """
         import os, torch, pinxfer

@@ -71,6 +71,7 @@ def reference_cpulist(text: str) -> list[int]:
         ("", []),
         ("\n", []),
         ("3,1,2,1", [1, 2, 3]),
+        (" 0-3, 8 ,10 - 11\n", [0, 1, 2, 3, 8, 10, 11]),  # blanks around items and ids
     ],
 )
 def test_parse_cpulist(text, expected):
@@ -90,7 +91,10 @@ def test_parse_cpulist_matches_reference_on_random_lists():
 
 
 @pytest.mark.parametrize(
-    "text", ["a", "0-", "-3", "3-1", "0-3,x", "1.5", "0--2", "0,,3", ",1", "0-999999999"]
+    "text",
+    # "0 1" and "1 0-3": blanks inside an item were dropped, reading CPU 1 and 10-3 (found by
+    # review, session 44).
+    ["a", "0-", "-3", "3-1", "0-3,x", "1.5", "0--2", "0,,3", ",1", "0-999999999", "0 1", "1 0-3"],
 )
 def test_parse_cpulist_malformed_raises_value_error(text):
     with pytest.raises(ValueError, match="malformed CPU list"):

@@ -122,16 +122,27 @@ int parse_cpu_id(const std::string& digits, const std::string& whole) {
 }
 }  // namespace
 
+namespace {
+std::string trimmed(const std::string& text) {
+  size_t begin = 0, end = text.size();
+  while (begin < end && is_space(text[begin])) ++begin;
+  while (end > begin && is_space(text[end - 1])) --end;
+  return text.substr(begin, end - begin);
+}
+}  // namespace
+
 std::vector<int> parse_cpulist(const std::string& text) {
-  std::string compact;
-  for (char c : text) {
-    if (!is_space(c)) compact.push_back(c);
-  }
   std::vector<int> cpus;
-  std::stringstream items(compact);
+  // Blanks around items and ids are allowed (the kernel's trailing newline, "0-3, 8"); inside
+  // an id they are a mistake: "0 1" read as CPU 1 when every blank was dropped (found by
+  // review, session 44).
+  const std::string list = trimmed(text);
+  if (list.empty()) return cpus;  // an empty list is no CPUs
+  std::stringstream items(list);
   std::string item;
   while (std::getline(items, item, ',')) {
-    // An empty list is no CPUs; an empty item inside one ("0,,3", "0,") is a mistake.
+    item = trimmed(item);
+    // An empty item inside a list ("0,,3", "0,") is a mistake.
     TORCH_CHECK_VALUE(!item.empty(), "pinxfer: malformed CPU list '", shown(text),
                       "': an empty item between commas");
     const auto dash = item.find('-');
@@ -139,8 +150,8 @@ std::vector<int> parse_cpulist(const std::string& text) {
       cpus.push_back(parse_cpu_id(item, text));
       continue;
     }
-    const int lo = parse_cpu_id(item.substr(0, dash), text);
-    const int hi = parse_cpu_id(item.substr(dash + 1), text);
+    const int lo = parse_cpu_id(trimmed(item.substr(0, dash)), text);
+    const int hi = parse_cpu_id(trimmed(item.substr(dash + 1)), text);
     TORCH_CHECK_VALUE(hi >= lo, "pinxfer: malformed CPU list '", shown(text),
                       "': range end below its start");
     for (int c = lo; c <= hi; ++c) cpus.push_back(c);

@@ -129,7 +129,11 @@ const Row kRows[] = {
        char* end = nullptr;
        errno = 0;
        const long ranks = std::strtol(text.c_str(), &end, 10);  // atoi's overflow is undefined
-       const bool read = errno == 0 && end != text.c_str() && ranks >= 1 && ranks <= INT32_MAX;
+       // The whole text, as the other variables are read ("4x" and "0x8" read as 4 and 0, and
+       // doctor showed a value no one wrote: review, session 44); a trailing newline is fine.
+       while (end != nullptr && (*end == ' ' || *end == '\t' || *end == '\n')) ++end;
+       const bool read =
+           errno == 0 && end != text.c_str() && *end == '\0' && ranks >= 1 && ranks <= INT32_MAX;
        s.cpus.local_world_size = read ? static_cast<int>(ranks) : 1;
        return std::to_string(s.cpus.local_world_size);
      },
