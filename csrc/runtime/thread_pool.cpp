@@ -379,6 +379,9 @@ bool ThreadPool::wakes_ahead_now() const {
 
 void ThreadPool::wake_ahead(int helpers) {
   helpers = std::min<int>(helpers, static_cast<int>(workers_.size()));
+  // Without a spin (PINXFER_SPIN_US=0, not adaptive) a worker woken ahead finds no job, goes
+  // back to sleep at once and post() wakes it again: two wake-ups for one (review, session 44).
+  if (spin_us_ == 0 && !spin_adaptive_) return;
   if (helpers <= 0 || !wakes_ahead_now()) return;
   c10::SmallVector<int, 16> to_wake;
   // No allocation under the lock: a throw there would leave the workers taken off asleep_
