@@ -20,6 +20,7 @@ import pytest
 import pinxfer
 from pinxfer import _ops
 from tests import fresh
+from tests.conftest import run_child
 
 native = pinxfer._C
 REPO = str(Path(__file__).resolve().parent.parent)
@@ -315,6 +316,35 @@ def test_local_world_size_is_read_whole_or_means_one(text, ranks):
     out = run_fresh(code, LOCAL_WORLD_SIZE=text)
     assert out.returncode == 0, out.stdout + out.stderr
     assert f"RANKS {ranks}" in out.stdout, out.stdout
+
+
+def test_an_openmp_binding_of_the_main_thread_is_not_the_processs_cpus():
+    """OMP_PROC_BIND makes libgomp bind the initial thread to one place as torch loads it:
+    pinxfer read that one CPU as the process's, ran one copy thread, and its workers
+    inherited the caller's core (found by review, session 44). It now reads the process's
+    cpuset (or the online CPUs), and binds its workers there. A real interpreter: the
+    binding happens when libgomp loads, which the fresh-process zygote did without it."""
+    code = """
+        import os, torch, pinxfer
+        bound = len(os.sched_getaffinity(0))
+        names, values, _, _ = zip(*pinxfer._C.settings())
+        threads = dict(zip(names, values))["PINXFER_NUM_THREADS"]
+        pinxfer.pin_memory(torch.randn(4 << 20), numa_node=0, num_threads=2)
+        masks = set()
+        for tid in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{tid}/status") as f:
+                lines = dict(l.split(":", 1) for l in f.read().splitlines() if ":" in l)
+            if lines["Name"].strip() == "pinxfer-copy":
+                masks.add(len(pinxfer._ops.parse_cpulist(lines["Cpus_allowed_list"])))
+        print("RESULT", bound, os.cpu_count(), min(masks), threads)
+    """
+    out = run_child(code, env={"OMP_PROC_BIND": "true", "PINXFER_NUM_THREADS": None})
+    assert out.returncode == 0, out.stdout + out.stderr
+    bound, cpus, worker_cpus, threads = out.stdout.split("RESULT ", 1)[1].split(" ", 3)
+    if int(bound) >= int(cpus) or int(cpus) < 2:
+        pytest.skip(f"libgomp did not bind the main thread here ({bound} of {cpus} CPUs)")
+    assert "OpenMP's binding" in threads, threads
+    assert int(worker_cpus) > int(bound), (worker_cpus, bound)
 
 
 def test_derived_threads_follow_local_world_size_and_affinity():

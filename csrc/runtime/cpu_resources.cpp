@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdlib>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -112,6 +113,11 @@ double cgroup_quota_cpus(const std::string& cgroup_root, const std::string& proc
 }
 
 int cgroup_cpuset_cpus(const std::string& cgroup_root, const std::string& proc_self_cgroup) {
+  return static_cast<int>(cgroup_cpuset_ids(cgroup_root, proc_self_cgroup).size());
+}
+
+std::vector<int> cgroup_cpuset_ids(const std::string& cgroup_root,
+                                   const std::string& proc_self_cgroup) {
   for (const CgroupLine& line : parse_proc_self_cgroup(proc_self_cgroup)) {
     if (!line.is_v2() && !line.has_controller("cpuset")) continue;
     // The nearest readable cpuset, walking up as min_quota_up does (the leaf alone missed a
@@ -129,16 +135,41 @@ int cgroup_cpuset_cpus(const std::string& cgroup_root, const std::string& proc_s
         std::string text;
         if (!read_kernel_file(file, &text)) continue;
         try {
-          const size_t n = parse_cpulist(text).size();
-          if (n > 0) return static_cast<int>(n);
+          std::vector<int> ids = parse_cpulist(text);
+          if (!ids.empty()) return ids;
         } catch (const std::exception&) {
           // unreadable: as if absent
         }
       }
     }
   }
-  return 0;
+  return {};
 }
+
+namespace {
+// Whether libgomp was asked to bind threads (it then binds the initial thread, this one,
+// to its first place as torch loads it): the variables libgomp reads for that.
+bool openmp_binds_threads() {
+  const char* bind = std::getenv("OMP_PROC_BIND");
+  if (bind != nullptr && *bind != '\0' && lower_case(bind).rfind("false", 0) != 0) return true;
+  for (const char* name : {"OMP_PLACES", "GOMP_CPU_AFFINITY"}) {
+    const char* value = std::getenv(name);
+    if (value != nullptr && *value != '\0') return true;
+  }
+  return false;
+}
+
+// The machine's online CPUs' ids; empty if unreadable.
+std::vector<int> online_cpu_ids() {
+  std::string text;
+  if (!read_kernel_file("/sys/devices/system/cpu/online", &text)) return {};
+  try {
+    return parse_cpulist(text);
+  } catch (const std::exception&) {
+    return {};
+  }
+}
+}  // namespace
 
 CpuResources current_cpu_resources() {
   CpuResources r;
@@ -164,13 +195,26 @@ CpuResources current_cpu_resources() {
   r.affinity_cpus =
       r.affinity_ids.empty() ? r.online_cpus : static_cast<int>(r.affinity_ids.size());
   std::string self;
+  std::vector<int> cpuset;
   if (read_kernel_file("/proc/self/cgroup", &self)) {
     r.quota_cpus = cgroup_quota_cpus("/sys/fs/cgroup", self);
     // A container's cpuset is its machine: ranks sharing a 16-CPU container of a 128-CPU
     // host read as already divided by their launcher (affinity 16 < 128) and each started
     // a full set of copy threads (found by review, session 43).
-    const int cpuset = cgroup_cpuset_cpus("/sys/fs/cgroup", self);
-    if (cpuset > 0 && cpuset < r.online_cpus) r.online_cpus = cpuset;
+    cpuset = cgroup_cpuset_ids("/sys/fs/cgroup", self);
+    const int cpuset_cpus = static_cast<int>(cpuset.size());
+    if (cpuset_cpus > 0 && cpuset_cpus < r.online_cpus) r.online_cpus = cpuset_cpus;
+  }
+  // An OpenMP binding of this thread is not the process's limit: with OMP_PROC_BIND set,
+  // pinxfer read one CPU, ran one copy thread, and bound its workers to the caller's core
+  // (found by review, session 44).
+  if (openmp_binds_threads()) {
+    std::vector<int> process = cpuset.empty() ? online_cpu_ids() : cpuset;
+    if (process.size() > r.affinity_ids.size() && !r.affinity_ids.empty()) {
+      r.affinity_ids = std::move(process);
+      r.affinity_cpus = static_cast<int>(r.affinity_ids.size());
+      r.affinity_from_cpuset = true;
+    }
   }
   return r;
 }

@@ -17,6 +17,11 @@ struct CpuResources {
   double quota_cpus = 0;          // cgroup CPU quota in CPUs (cpu.max), 0: none
   int local_world_size = 1;       // processes of the job on this host (torchrun)
   std::vector<int> affinity_ids;  // the CPU ids in sched_getaffinity, sorted; empty: unknown
+  // The calling thread's mask was OpenMP's binding of it (OMP_PROC_BIND, OMP_PLACES,
+  // GOMP_CPU_AFFINITY: libgomp binds the initial thread as torch loads it), narrower than
+  // what the process may use: affinity_* are then the cgroup cpuset's CPUs (else the online
+  // ones), and the copy pools bind their workers there rather than to that one thread's CPUs.
+  bool affinity_from_cpuset = false;
 };
 
 // The cgroup v2 (cpu.max) or v1 (cpu.cfs_quota_us / cpu.cfs_period_us) CPU
@@ -30,6 +35,9 @@ double cgroup_quota_cpus(const std::string& cgroup_root, const std::string& proc
 // cpuset.effective_cpus or cpuset.cpus): a container's share of the host. 0 when there is
 // no cpuset or it cannot be read.
 int cgroup_cpuset_cpus(const std::string& cgroup_root, const std::string& proc_self_cgroup);
+// The same CPUs' ids, sorted; empty as above.
+std::vector<int> cgroup_cpuset_ids(const std::string& cgroup_root,
+                                   const std::string& proc_self_cgroup);
 
 // This process's CpuResources as the kernel reports them. local_world_size is left
 // at 1: it is torchrun's LOCAL_WORLD_SIZE, which the settings table reads.

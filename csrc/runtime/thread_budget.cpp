@@ -12,6 +12,9 @@ int copy_threads_for(const CpuResources& cpus, std::string* why) {
   std::ostringstream reason;
   int usable = std::max(1, cpus.affinity_cpus);
   reason << cpus.affinity_cpus << " CPUs in the affinity mask";
+  if (cpus.affinity_from_cpuset) {
+    reason << " (the process's cpuset: OpenMP's binding left this thread fewer)";
+  }
   if (cpus.quota_cpus > 0 && std::ceil(cpus.quota_cpus) < usable) {
     usable = std::max(1, static_cast<int>(std::ceil(cpus.quota_cpus)));
     reason << ", cgroup quota " << cpus.quota_cpus << " CPUs";

@@ -620,7 +620,10 @@ ThreadPool& thread_pool_for_node(int numa_node) {
     const Settings& s = settings();
     const NodePoolPlan plan =
         node_pool_plan(default_num_threads(), cpus, s.cpus.affinity_ids, s.copy_threads_from_env);
-    return new ThreadPool(plan.threads, plan.cpus);
+    // Unbound workers inherit the creating thread's mask: under an OpenMP binding that is
+    // one core, so they are bound to the process's CPUs instead (CpuResources says why).
+    const bool unbound_under_omp = plan.cpus.empty() && s.cpus.affinity_from_cpuset;
+    return new ThreadPool(plan.threads, unbound_under_omp ? s.cpus.affinity_ids : plan.cpus);
   });
 }
 
