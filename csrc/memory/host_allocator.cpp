@@ -303,7 +303,8 @@ bool host_allocator_installed() { return g_installed.load(); }
 
 void empty_previous_allocator_cache() {
 #if PINXFER_WITH_CUDA
-  if (!g_installed.load()) return;
+  // Not in a forked child (no CUDA there: torch's allocator would query the parent's events).
+  if (!g_installed.load() || !cuda::cuda_usable()) return;
   at::HostAllocator* previous = g_torch_allocator.load();
   if (previous == nullptr) return;
   const auto no_capture = graph_pools::hold_off_captures_to_unmap();
