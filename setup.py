@@ -24,6 +24,7 @@ import glob
 import os
 import sys
 
+import setuptools
 from setuptools import setup
 
 
@@ -171,7 +172,20 @@ print(
     flush=True,
 )
 
+
+def _license_metadata() -> dict[str, object]:
+    """pinxfer's license in the form this setuptools understands (pyproject.toml lists
+    "license" as dynamic for this): PEP 639's SPDX expression and license file from setuptools
+    77, where the free-text field is deprecated; the free-text field before 77, which does not
+    know license_expression."""
+    release = tuple(int(part) for part in setuptools.__version__.split(".")[:2] if part.isdigit())
+    if release >= (77, 0):
+        return {"license_expression": "BSD-3-Clause", "license_files": ["LICENSE"]}
+    return {"license": "BSD-3-Clause"}
+
+
 setup(
+    **_license_metadata(),
     ext_modules=[
         Extension(
             "pinxfer._C",
