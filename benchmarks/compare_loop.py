@@ -129,10 +129,12 @@ def rounds_table(pairs: list[tuple[dict, dict]], title: str) -> str:
             ]
             cell, higher, seen = rounds_cell(got, ".2f", rounds)
             cells.append(cell)
-            if rounds > 1 and seen:
+            # "In every round" only where every round has both figures; a tie is neither.
+            if rounds > 1 and seen == rounds:
+                lower = sum(y < x for x, y in got if x is not None and y is not None)
                 cells_seen += 1
                 higher_every += higher == seen
-                lower_every += higher == 0
+                lower_every += lower == seen
         out.append("| " + " | ".join(cells) + " |")
     judged = _judged(pairs[-1][1])
     passed = ", ".join(f"{_passed(b)} -> {_passed(a)}" for b, a in pairs)
@@ -140,7 +142,7 @@ def rounds_table(pairs: list[tuple[dict, dict]], title: str) -> str:
     if rounds > 1:
         out.append(
             f"cells higher after in every round: {higher_every}; lower in every round: "
-            f"{lower_every} (of {cells_seen})"
+            f"{lower_every} (of {cells_seen} cells that every round has)"
         )
     before, after = pairs[-1]
     for sb, sa in zip(before.get("small_rows", []), after.get("small_rows", [])):

@@ -69,7 +69,11 @@ def test_compare_loop_counts_the_rounds_a_change_moved_a_row(tmp_path):
     # xt: before 1.40 and 1.44 -> median 1.42; after 1.48 and 1.42 -> 1.45; higher in round 1 only
     assert "| 1.42→1.45 1/2 | 0.71→0.72 1/2 |" in row
     assert "rows meeting every target: 0 -> 0, 0 -> 1 of 1" in proc.stdout
-    assert "cells higher after in every round: 0; lower in every round: 0 (of 2)" in proc.stdout
+    every = "cells higher after in every round: {}; lower in every round: {} (of 2 cells that"
+    assert every.format(0, 0) in proc.stdout
+    # A tie is neither higher nor lower (it once counted as lower in every round).
+    tied = [str(tmp_path / "run0.json")] * 4
+    assert every.format(0, 0) in _compare_loop(tied).stdout
 
     session = {
         "runs": {"old": {"r1": runs[0], "r2": runs[2]}, "new": {"r1": runs[1], "r2": runs[3]}}

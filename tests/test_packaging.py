@@ -101,7 +101,9 @@ def test_the_license_is_declared_in_the_form_the_building_setuptools_knows(tmp_p
 
     proc = _setup_py("sdist", "--dist-dir", str(tmp_path))
     deprecations = [
-        line for line in proc.stderr.splitlines() if "license" in line.lower() and "deprecat" in line
+        line
+        for line in proc.stderr.splitlines()
+        if "license" in line.lower() and "deprecat" in line
     ]
     assert not deprecations, proc.stderr[-3000:]
     (archive,) = tmp_path.glob("pinxfer-*.tar.gz")
