@@ -706,6 +706,28 @@ def test_uninstall_refuses_while_a_capture_is_open():
     gc.collect()
 
 
+def test_install_refuses_inside_a_capture_torchs_allocator_serves():
+    """Installed mid-capture, the capture's later pinned allocations would come from pinxfer's
+    shared pool, reusable while the graph replays."""
+    pinxfer.uninstall()
+    x = torch.zeros(16, device="cuda")
+    _warm_up(lambda: x.add_(1))
+    g = torch.cuda.CUDAGraph()
+
+    def body():
+        x.add_(1)
+        with pytest.raises(RuntimeError, match="current stream is capturing a CUDA graph"):
+            pinxfer.install()
+
+    _capture_on_side_stream(g, body)
+    assert not pinxfer.is_installed()
+    g.replay()
+    torch.cuda.synchronize()
+    assert int(x[0]) == 4  # three warm-up adds and the replay's (a capture runs nothing)
+    del g
+    gc.collect()
+
+
 _FORK_CHILD = r"""
 import os, sys, torch, pinxfer
 pinxfer.install()
