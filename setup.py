@@ -167,7 +167,7 @@ print(
     f"  sources      {len(sources)} files under csrc/\n"
     f"  CUDA_HOME    {cpp_extension.CUDA_HOME}\n"
     f"  compile      {compile_mode}{', warnings are errors (PINXFER_WERROR=1)' if werror else ''}\n"
-    "  Compiling takes about 4-5 minutes on 2 cores (each file includes all of torch's "
+    "  Compiling takes about 10-13 minutes on 2 cores (each file includes all of torch's "
     "headers);\n  `pip install -v` shows each file as it compiles ([n/N] lines).\n",
     flush=True,
 )
