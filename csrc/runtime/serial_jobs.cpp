@@ -26,8 +26,18 @@ bool SerialJobs::Job::failed() const { return state_.load(std::memory_order_acqu
 
 void SerialJobs::Job::rethrow() const { std::rethrow_exception(error_); }
 
+namespace {
+std::string dropped_message(const std::string& queue_name) {
+  return queue_name + ": the job was dropped before it ran (settled, or the queue was closed)";
+}
+}  // namespace
+
 SerialJobs::SerialJobs(int64_t spin_us, std::string name, int workers)
-    : spin_us_(spin_us), name_(std::move(name)) {
+    : spin_us_(spin_us),
+      name_(std::move(name)),
+      dropped_fallback_(
+          std::make_exception_ptr(c10::Error({__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
+                                             dropped_message(name_)))) {
   TORCH_CHECK(workers >= 1, name_, ": a job queue needs at least one worker, got ", workers);
   workers_.reserve(static_cast<size_t>(workers));
   try {
@@ -67,10 +77,14 @@ void SerialJobs::wait(const std::shared_ptr<Job>& job) {
   done_.wait(lock, [&] { return job->state_.load(std::memory_order_acquire) >= kDone; });
 }
 
-void SerialJobs::drop_locked(Job& job) {
-  job.error_ = std::make_exception_ptr(
-      c10::Error({__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
-                 name_ + ": the job was dropped before it ran (settled, or the queue was closed)"));
+void SerialJobs::drop_locked(Job& job) noexcept {
+  try {
+    // Its own error: a waiter may add context to what it catches.
+    job.error_ = std::make_exception_ptr(
+        c10::Error({__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, dropped_message(name_)));
+  } catch (...) {
+    job.error_ = dropped_fallback_;
+  }
   job.state_.store(kFailed, std::memory_order_release);
 }
 

@@ -78,10 +78,14 @@ class SerialJobs {
  private:
   enum State : int { kQueued = 0, kRunning, kDone, kFailed };
   void work();
-  void drop_locked(Job& job);
+  void drop_locked(Job& job) noexcept;
 
   const int64_t spin_us_;
   const std::string name_;
+  // What a dropped job fails with where a fresh error cannot be built: dropping happens
+  // under the lock and in close() from the destructor, where building one (allocating) could
+  // throw midway and leave a job neither queued nor failed, its waiter blocked for good.
+  const std::exception_ptr dropped_fallback_;
   std::mutex mu_;
   std::condition_variable work_;            // the workers: a job queued, or close()
   std::condition_variable done_;            // waiters: a job done or failed
