@@ -397,15 +397,25 @@ def test_feature_host_memory_stats():
     fn = getattr(torch.cuda, "host_memory_stats", None)
     if fn is None:
         pytest.skip("this torch has no torch.cuda.host_memory_stats")
+    reset_accumulated = getattr(torch.cuda, "reset_accumulated_host_memory_stats", None)
+    if reset_accumulated is not None:
+        reset_accumulated()
+    pinxfer.empty_cache()  # the request below maps a segment of its own
     h = torch.empty(5 * MiB, dtype=torch.uint8, pin_memory=True)
     s = fn()
     flat = dict(s.items()) if isinstance(s, dict) else {}
     assert any("active" in k for k in flat), flat
     assert max(v for k, v in flat.items() if "active_bytes" in k and "current" in k) >= 5 * MiB
-    # The accumulated counts (they were always 0): a request made, a segment pinned, timed.
+    # The accumulated counts (they were always 0): a request made, a segment pinned, timed,
+    # and the bytes of both (session 45).
     for key in ("active_requests.allocated", "allocations.allocated", "host_alloc_time.count"):
         assert flat.get(key, 0) >= 1, (key, flat)
+    for key in ("active_bytes.allocated", "allocated_bytes.allocated"):
+        assert flat.get(key, 0) >= 5 * MiB, (key, flat)
     del h
+    pinxfer.empty_cache()
+    after = dict(fn().items())
+    assert after.get("allocated_bytes.freed", 0) >= 5 * MiB, after
     reset = getattr(torch.cuda, "reset_peak_host_memory_stats", None)
     if reset is not None:
         reset()

@@ -104,13 +104,17 @@ class PoolHostAllocator final : public at::HostAllocator {
     out.allocated_bytes.peak = sum.reserved_bytes.peak;
     out.num_host_alloc = sum.num_segment_maps;
     out.num_host_free = sum.num_segment_unmaps;
-    // Counts torch's Stat keeps as `allocated`/`freed`: requests and segments (pinxfer counts
-    // no byte totals, so the byte stats' stay 0), and the time to pin a segment (mapping,
-    // touching, locking: what cudaHostAlloc does for torch) or to unpin one, in microseconds.
+    // What torch's Stat keeps as `allocated`/`freed`: requests, bytes handed out and given
+    // back, segments and their bytes, and the time to pin a segment (mapping, touching,
+    // locking: what cudaHostAlloc does for torch) or to unpin one, in microseconds.
     out.active_requests.allocated = sum.num_allocs;
     out.active_requests.freed = sum.num_frees;
+    out.active_bytes.allocated = sum.allocated_bytes.gained;
+    out.active_bytes.freed = sum.allocated_bytes.lost;
     out.allocations.allocated = sum.num_segment_maps;
     out.allocations.freed = sum.num_segment_unmaps;
+    out.allocated_bytes.allocated = sum.reserved_bytes.gained;
+    out.allocated_bytes.freed = sum.reserved_bytes.lost;
     out.host_alloc_time.total = (sum.map_time_ns + sum.touch_time_ns + sum.lock_time_ns) / 1000;
     out.host_alloc_time.count = sum.num_segment_maps;
     out.host_free_time.total = sum.unpin_time_ns / 1000;

@@ -12,6 +12,10 @@ void PoolStats::reset_peaks() {
 }
 
 void PoolStats::reset_accumulated() {
+  for (StatCounter* c : {&requested_bytes, &allocated_bytes, &reserved_bytes, &active_blocks,
+                         &pending_blocks, &segments, &graph_segments, &held_blocks}) {
+    c->gained = c->lost = 0;
+  }
   num_allocs = num_frees = num_cache_hits = num_cache_misses = 0;
   num_segment_maps = num_segment_unmaps = num_segment_merges = 0;
   num_ooms = num_event_waits = num_fenced_frees = num_event_errors = 0;
@@ -30,6 +34,8 @@ PoolStats& PoolStats::operator+=(const PoolStats& o) {
                               {&held_blocks, &o.held_blocks}}) {
     mine->current += theirs->current;
     mine->peak += theirs->peak;
+    mine->gained += theirs->gained;
+    mine->lost += theirs->lost;
   }
   for (size_t k = 0; k < reserved_by_kind.size(); ++k) reserved_by_kind[k] += o.reserved_by_kind[k];
   for (auto [mine, theirs] : {std::pair{&num_allocs, &o.num_allocs},

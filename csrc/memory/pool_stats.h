@@ -12,11 +12,18 @@
 
 namespace pinxfer {
 
-// A gauge with its high-water mark since the last reset_peaks().
+// A gauge with its high-water mark since the last reset_peaks(), and what it gained and lost
+// since the last reset_accumulated() (torch's HostStats reports them as allocated / freed).
 struct StatCounter {
   int64_t current = 0, peak = 0;
+  int64_t gained = 0, lost = 0;
   void add(int64_t v) {
     current += v;
+    if (v >= 0) {
+      gained += v;
+    } else {
+      lost -= v;
+    }
     if (current > peak) peak = current;
   }
 };
