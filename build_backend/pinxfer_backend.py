@@ -30,7 +30,18 @@ setuptools >= 77.0.3; older ones require setuptools on Python >= 3.12), so ``pip
 works offline; ``get_requires_for_build_*`` asks for setuptools only where it is missing or
 too old (and that needs an index). Without torch there, every hook fails in
 seconds with one message saying what to run. With ``--no-build-isolation`` torch is already
-importable and nothing is probed.
+importable and nothing is probed; pip then installs no build requirements either, so the hooks
+that make a wheel check that the setuptools they import can (an old one fails otherwise with
+setuptools' "invalid command 'bdist_wheel'").
+
+What pip's build isolation hides from the probe: its default isolation runs this backend in
+the target interpreter with ``PYTHONPATH`` replaced by a directory whose ``sitecustomize.py``
+drops site-packages (and ``PYTHONNOUSERSITE=1``); the probe unsets both, but the user's own
+``PYTHONPATH`` is gone, so a torch reached only through it (``module load pytorch`` on a
+cluster) is not found: the message then says to use ``--no-build-isolation``. Build tools that
+run the backend in a virtual environment of their own (``python -m build``, uv, pip's opt-in
+venv isolation) leave nothing to probe but that environment: ``PINXFER_TORCH_PYTHON`` names
+the interpreter to use instead.
 """
 
 from __future__ import annotations
@@ -79,6 +90,19 @@ def _fail(message: str):
     raise BuildEnvironmentError("\npinxfer: " + message + "\n")
 
 
+def _under_pips_default_isolation() -> bool:
+    """Whether pip's default build isolation runs this backend: in the interpreter being
+    installed into, with PYTHONPATH naming a directory whose sitecustomize.py drops
+    site-packages from sys.path, and PYTHONNOUSERSITE=1 (pip's build_env "virtual" mode).
+    pip's opt-in venv isolation, python -m build and uv run it in a venv of their own."""
+    if os.environ.get("PYTHONNOUSERSITE") != "1":
+        return False
+    entries = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    return any(
+        entry and os.path.isfile(os.path.join(entry, "sitecustomize.py")) for entry in entries
+    )
+
+
 @functools.cache
 def _torch_environment() -> dict | None:
     """The target interpreter's view (see _PROBE), or None when torch is importable here
@@ -88,11 +112,13 @@ def _torch_environment() -> dict | None:
         return None
     python = python or sys.executable
     env = dict(os.environ)
-    # pip's isolation: PYTHONPATH names a sitecustomize that hides site-packages, and
-    # PYTHONNOUSERSITE hides the user's. Without them the interpreter sees what it sees
-    # when pinxfer is later imported.
-    env.pop("PYTHONPATH", None)
-    env.pop("PYTHONNOUSERSITE", None)
+    if _under_pips_default_isolation():
+        # Without pip's PYTHONPATH and PYTHONNOUSERSITE the interpreter sees its
+        # site-packages, as when pinxfer is later imported. (The user's own PYTHONPATH, which
+        # pip replaced, cannot be restored: _no_torch_message says so.) Elsewhere the
+        # environment is the user's, PYTHONPATH included, and is left as it is.
+        env.pop("PYTHONPATH", None)
+        env.pop("PYTHONNOUSERSITE", None)
     try:
         proc = subprocess.run(
             [python, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=300
@@ -107,23 +133,51 @@ def _torch_environment() -> dict | None:
         )
     found = json.loads(line[len("PINXFER_PROBE") :])
     if "torch" not in found:
-        isolated_venv = sys.prefix != sys.base_prefix and not os.environ.get("PINXFER_TORCH_PYTHON")
-        _fail(
-            f"cannot build: the Python being installed into ({found['executable']}) cannot "
-            f"import torch ({found['torch_error']}), and pinxfer compiles against the torch it "
-            "will run with. Install torch there first, then pinxfer:\n"
-            f"    {found['executable']} -m pip install torch\n"
-            f"    {found['executable']} -m pip install .\n"
-            + (
-                "This build runs in a separate virtual environment (python -m build, uv?): set "
-                "PINXFER_TORCH_PYTHON=/path/to/the/python/with/torch, or build without "
-                "isolation (python -m build --no-isolation, pip install --no-build-isolation .).\n"
-                if isolated_venv
-                else "(PINXFER_TORCH_PYTHON=/path/to/python builds against another interpreter's "
-                "torch.)\n"
-            )
-        )
+        _fail(_no_torch_message(found["executable"], found["torch_error"]))
     return found
+
+
+def _no_torch_message(python: str, torch_error: str) -> str:
+    """What to do when the probed interpreter cannot import torch. The advice depends on who
+    runs this backend, and what works there comes first."""
+    why = "pinxfer compiles against the torch it will run with"
+    install_commands = f"    {python} -m pip install torch\n    {python} -m pip install .\n"
+    if os.environ.get("PINXFER_TORCH_PYTHON"):
+        return (
+            f"cannot build: PINXFER_TORCH_PYTHON names {python}, which cannot import torch "
+            f"({torch_error}), and {why}. Point PINXFER_TORCH_PYTHON at the Python pinxfer "
+            "will run with, or install torch there first, then pinxfer:\n" + install_commands
+        )
+    if _under_pips_default_isolation():
+        # pip replaced the user's PYTHONPATH before starting this process: whether it held a
+        # torch cannot be known here, so the message gives the test that tells the two apart.
+        return (
+            f"cannot build: the Python being installed into ({python}) cannot import torch "
+            f"with PYTHONPATH unset ({torch_error}), and {why}.\n"
+            f'* If `{python} -c "import torch"` works in your shell, that torch comes from '
+            "PYTHONPATH (`module load pytorch` and the like), which pip's build isolation "
+            "hides from the build: build without isolation, against that torch:\n"
+            f"    {python} -m pip install --no-build-isolation .\n"
+            "* Otherwise install torch there first, then pinxfer:\n" + install_commands
+        )
+    if sys.prefix != sys.base_prefix:
+        # A venv that pip's default isolation did not set up: most likely the build tool's
+        # own, which holds only the build requirements, so installing torch there is no use.
+        return (
+            f"cannot build: this build runs in a virtual environment of its own ({python}: "
+            f"python -m build, uv, pip's venv isolation?), which cannot import torch "
+            f"({torch_error}), and {why}. Name the Python pinxfer will run with, and build "
+            "again:\n"
+            "    export PINXFER_TORCH_PYTHON=/path/to/the/python/with/torch\n"
+            "or build without isolation, in the environment that has torch:\n"
+            "    python -m build --no-isolation   (uv build --no-build-isolation, "
+            "pip install --no-build-isolation .)\n"
+            f"(If {python} is itself the environment pinxfer is for, install torch there.)\n"
+        )
+    return (
+        f"cannot build: the Python being installed into ({python}) cannot import torch "
+        f"({torch_error}), and {why}. Install torch there first, then pinxfer:\n" + install_commands
+    )
 
 
 def _use_target_torch() -> None:
@@ -155,11 +209,18 @@ def _setuptools_requirements() -> list[str]:
         setuptools, wheel = _local_version("setuptools"), _local_version("wheel")
     else:
         setuptools, wheel = found["setuptools"], found["wheel"]
-    if setuptools is not None:
-        have = _version_tuple(setuptools)
-        if have >= _SELF_SUFFICIENT_SETUPTOOLS or (have >= _MIN_SETUPTOOLS_WITH_WHEEL and wheel):
-            return []
-    return [_WANTED_SETUPTOOLS]
+    return [] if _setuptools_builds_wheels(setuptools, wheel) else [_WANTED_SETUPTOOLS]
+
+
+def _setuptools_builds_wheels(setuptools: str | None, wheel: str | None) -> bool:
+    """Whether setuptools of this version (None: absent) builds wheels and editable installs,
+    given the version of the `wheel` package beside it (None: absent)."""
+    if setuptools is None:
+        return False
+    have = _version_tuple(setuptools)
+    return have >= _SELF_SUFFICIENT_SETUPTOOLS or (
+        have >= _MIN_SETUPTOOLS_WITH_WHEEL and wheel is not None
+    )
 
 
 def _local_version(name: str) -> str | None:
@@ -185,10 +246,41 @@ def _setuptools_backend():
         from setuptools import build_meta
     except ImportError as err:
         _fail(
-            f"setuptools is not importable ({err}): `pip install 'setuptools>=64'` in the "
+            f"setuptools is not importable ({err}): `pip install 'setuptools>=70.1'` in the "
             "environment pinxfer installs into, then build again."
         )
     return build_meta
+
+
+def _wheel_backend():
+    """setuptools' backend for the hooks that make a wheel or its metadata (both run
+    bdist_wheel), once the setuptools it imported is known to build wheels. Under
+    --no-build-isolation pip installs no build requirements, so the environment's own
+    setuptools builds, however old: before 70.1 without the `wheel` package it fails with
+    "invalid command 'bdist_wheel'" and no hint."""
+    build_meta = _setuptools_backend()
+    import setuptools
+
+    wheel = _local_version("wheel")  # what setuptools < 70.1 finds bdist_wheel through
+    if not _setuptools_builds_wheels(setuptools.__version__, wheel):
+        with_wheel = f"wheel {wheel}" if wheel else "no `wheel` package"
+        _fail(
+            f"cannot build a wheel with setuptools {setuptools.__version__} "
+            f"(imported from {os.path.dirname(setuptools.__file__)}) and {with_wheel}: "
+            f"building needs setuptools >= {_version_text(_SELF_SUFFICIENT_SETUPTOOLS)}, or "
+            f">= {_version_text(_MIN_SETUPTOOLS_WITH_WHEEL)} with `wheel` (older ones stop "
+            "with \"invalid command 'bdist_wheel'\"). Under --no-build-isolation pip "
+            "installs no build requirements, so this environment's own setuptools builds. "
+            "Upgrade it there:\n"
+            f"    {sys.executable} -m pip install '{_WANTED_SETUPTOOLS}'\n"
+            "or build with isolation (without --no-build-isolation), where pip installs a "
+            "recent setuptools for the build (from a package index)."
+        )
+    return build_meta
+
+
+def _version_text(version: tuple[int, ...]) -> str:
+    return ".".join(map(str, version))
 
 
 def _requirements(hook: str, config_settings) -> list[str]:
@@ -203,7 +295,8 @@ def _requirements(hook: str, config_settings) -> list[str]:
     return [r for r in wanted if not (r.startswith("wheel") and importlib.util.find_spec("wheel"))]
 
 
-# ---- PEP 517 / PEP 660 hooks: setuptools' own, after _use_target_torch ----
+# ---- PEP 517 / PEP 660 hooks: setuptools' own, after _use_target_torch (and, for
+# those that make a wheel or its metadata, the check that setuptools can) ----
 
 
 def get_requires_for_build_wheel(config_settings=None):
@@ -219,25 +312,19 @@ def get_requires_for_build_sdist(config_settings=None):
 
 
 def prepare_metadata_for_build_wheel(metadata_directory, config_settings=None):
-    return _setuptools_backend().prepare_metadata_for_build_wheel(
-        metadata_directory, config_settings
-    )
+    return _wheel_backend().prepare_metadata_for_build_wheel(metadata_directory, config_settings)
 
 
 def prepare_metadata_for_build_editable(metadata_directory, config_settings=None):
-    return _setuptools_backend().prepare_metadata_for_build_editable(
-        metadata_directory, config_settings
-    )
+    return _wheel_backend().prepare_metadata_for_build_editable(metadata_directory, config_settings)
 
 
 def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
-    return _setuptools_backend().build_wheel(wheel_directory, config_settings, metadata_directory)
+    return _wheel_backend().build_wheel(wheel_directory, config_settings, metadata_directory)
 
 
 def build_editable(wheel_directory, config_settings=None, metadata_directory=None):
-    return _setuptools_backend().build_editable(
-        wheel_directory, config_settings, metadata_directory
-    )
+    return _wheel_backend().build_editable(wheel_directory, config_settings, metadata_directory)
 
 
 def build_sdist(sdist_directory, config_settings=None):

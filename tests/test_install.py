@@ -10,6 +10,8 @@ isolated environment). Quick, no compiling. The full ``pip wheel .`` build carri
 
 from __future__ import annotations
 
+import glob
+import importlib.metadata
 import json
 import os
 import shutil
@@ -18,6 +20,7 @@ import sys
 import tarfile
 import time
 import venv
+import zipfile
 
 import pytest
 import torch
@@ -31,9 +34,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BACKEND_DIR = os.path.join(ROOT, "build_backend")
 
 
-def _run_hook(code: str, tmp_path, env_extra=None, timeout=300) -> subprocess.CompletedProcess:
-    """Runs ``code`` with the backend imported as ``backend``, in an interpreter that sees
-    no site-packages (pip's build isolation hides them the same way), from the checkout."""
+def _run_hook(
+    code: str, tmp_path, env_extra=None, timeout=300, interpreter=(sys.executable, "-S")
+) -> subprocess.CompletedProcess:
+    """Runs ``code`` with the backend imported as ``backend``, by default in an interpreter
+    that sees no site-packages (pip's build isolation hides them the same way), from the
+    checkout."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PINXFER_TORCH_PYTHON")}
     env.update(env_extra or {})
     script = (
@@ -42,7 +48,7 @@ def _run_hook(code: str, tmp_path, env_extra=None, timeout=300) -> subprocess.Co
     )
     with checkout_setup_lock():
         return subprocess.run(
-            [sys.executable, "-S", "-c", script],
+            [*interpreter, "-c", script],
             cwd=ROOT,
             env=env,
             capture_output=True,
@@ -145,8 +151,194 @@ def test_backend_without_torch_fails_in_seconds_saying_what_to_run(tmp_path):
     assert elapsed < 30, elapsed
     assert "Traceback" not in proc.stderr, proc.stderr
     assert "cannot import torch" in proc.stderr
+    assert f"PINXFER_TORCH_PYTHON names {python}" in proc.stderr
     assert f"{python} -m pip install torch" in proc.stderr
     assert f"{python} -m pip install ." in proc.stderr
+
+
+def _site_dir_of(distribution: str) -> str:
+    """The directory that holds an installed distribution (its site-packages). From its
+    metadata: importlib.util.find_spec("pip") would switch off setuptools' distutils shim in
+    this process (its meta-path finder does that when pip is looked for), and the later
+    in-process imports of setuptools (test_packaging) would fail."""
+    return str(importlib.metadata.distribution(distribution).locate_file(""))
+
+
+def test_pip_isolation_hiding_a_pythonpath_torch_says_no_build_isolation(tmp_path):
+    """torch reached only through PYTHONPATH (`module load pytorch` on a cluster) in a venv
+    without torch: pip's default build isolation replaces PYTHONPATH, so the build cannot see
+    that torch. The message must lead to `pip install --no-build-isolation .` (PINXFER_TORCH_
+    PYTHON cannot bring PYTHONPATH back), and must not call pip's isolation a venv of the
+    build tool's own (it ran in the target venv). Real pip, offline, fails in seconds. If
+    pip ever makes its venv isolation the default, this fails with the venv message."""
+    env_dir = tmp_path / "venv-torch-on-pythonpath"
+    venv.create(env_dir, with_pip=False)
+    python = str(env_dir / "bin" / "python")
+    module_load = os.pathsep.join(dict.fromkeys([_site_dir_of("torch"), _site_dir_of("pip")]))
+    env = {k: v for k, v in os.environ.items() if k != "PINXFER_TORCH_PYTHON"}
+    env.update(PYTHONPATH=module_load, PIP_CONFIG_FILE=os.devnull)
+    env.pop("PYTHONNOUSERSITE", None)
+    finds_torch = "import importlib.util as u; print(u.find_spec('torch') is not None)"
+
+    def sees_torch(pythonpath: str | None) -> bool:
+        probe_env = {k: v for k, v in env.items() if k != "PYTHONPATH"}
+        if pythonpath is not None:
+            probe_env["PYTHONPATH"] = pythonpath
+        out = subprocess.run(
+            [python, "-c", finds_torch], env=probe_env, capture_output=True, text=True, timeout=60
+        )
+        return out.stdout.strip() == "True"
+
+    # The premise: this venv's torch is PYTHONPATH's, and only PYTHONPATH's.
+    assert sees_torch(module_load) and not sees_torch(None)
+    with checkout_setup_lock():
+        proc = subprocess.run(
+            [python, "-m", "pip", "wheel", "--no-deps", "--no-index", "-w", str(tmp_path), ROOT],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0, output[-4000:]
+    assert f"({python}) cannot import torch with PYTHONPATH unset" in output, output[-4000:]
+    no_isolation = f"{python} -m pip install --no-build-isolation ."
+    assert no_isolation in output, output[-4000:]
+    assert output.index(no_isolation) < output.index(f"{python} -m pip install torch")
+    assert "virtual environment of its own" not in output
+
+
+def test_build_in_a_venv_of_its_own_names_pinxfer_torch_python_first(tmp_path):
+    """python -m build (uv, pip's venv isolation) runs the backend in a throwaway venv that
+    holds only the build requirements: installing torch there is no use. The advice starts
+    with PINXFER_TORCH_PYTHON, the one way that keeps isolation, then building without it."""
+    env_dir = tmp_path / "build-env"
+    venv.create(env_dir, with_pip=False)
+    python = str(env_dir / "bin" / "python")
+    # As python -m build runs it: the build venv's own interpreter, site-packages and all,
+    # and no PYTHONNOUSERSITE (empty is unset), which only pip's default isolation sets.
+    proc = _run_hook(
+        "backend.get_requires_for_build_wheel()",
+        tmp_path,
+        env_extra={"PYTHONNOUSERSITE": ""},
+        interpreter=(python,),
+    )
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert f"a virtual environment of its own ({python}" in proc.stderr, proc.stderr
+    first_advice = proc.stderr.index("PINXFER_TORCH_PYTHON=/path/to/the/python/with/torch")
+    assert first_advice < proc.stderr.index("python -m build --no-isolation")
+    assert f"{python} -m pip install torch" not in proc.stderr
+
+
+def _fake_build_environment(root, setuptools: str, wheel: str | None):
+    """What --no-build-isolation puts in front of the backend, reduced to what its setuptools
+    check reads: a torch that is importable (so nothing is probed), a setuptools package of
+    the given version whose build_meta only names the hook called, and, if ``wheel`` names a
+    version, the wheel distribution's metadata (setuptools < 70.1 finds bdist_wheel through
+    it). Run under ``python -S``: nothing else is importable."""
+    (root / "torch").mkdir(parents=True)
+    (root / "torch" / "__init__.py").write_text("")
+    (root / "setuptools").mkdir()
+    (root / "setuptools" / "__init__.py").write_text(f"__version__ = {setuptools!r}\n")
+    hooks = (
+        "prepare_metadata_for_build_wheel",
+        "prepare_metadata_for_build_editable",
+        "build_wheel",
+        "build_editable",
+        "build_sdist",
+    )
+    (root / "setuptools" / "build_meta.py").write_text(
+        "".join(f"def {hook}(*args):\n    return 'stub {hook}'\n" for hook in hooks)
+    )
+    if wheel is not None:
+        dist_info = root / f"wheel-{wheel}.dist-info"
+        dist_info.mkdir()
+        (dist_info / "METADATA").write_text(
+            f"Metadata-Version: 2.1\nName: wheel\nVersion: {wheel}\n"
+        )
+
+
+def _call_hook(hook: str, site, tmp_path) -> subprocess.CompletedProcess:
+    return _run_hook(
+        f"sys.path.insert(0, {str(site)!r})\n"
+        f"print('RESULT', backend.{hook}({str(tmp_path / 'out')!r}))\n",
+        tmp_path,
+    )
+
+
+WHEEL_HOOKS = [
+    "prepare_metadata_for_build_wheel",
+    "prepare_metadata_for_build_editable",
+    "build_wheel",
+    "build_editable",
+]
+
+
+@pytest.mark.parametrize(
+    ("setuptools", "wheel", "builds"),
+    [
+        ("65.5.0", None, False),  # bundled with Python 3.11's ensurepip; no bdist_wheel
+        ("63.4.3", "0.45.1", False),  # no PEP 660 editables before 64
+        ("65.5.0", "0.45.1", True),  # bdist_wheel from the wheel package
+        ("70.1.0", None, True),  # bdist_wheel built in
+    ],
+)
+@pytest.mark.parametrize("hook", WHEEL_HOOKS)
+def test_wheel_hooks_refuse_a_setuptools_that_cannot_build_wheels(
+    tmp_path, hook, setuptools, wheel, builds
+):
+    """Under --no-build-isolation pip installs no build requirements, so an old setuptools in
+    the environment (a --system-site-packages venv's, Python 3.11's bundled 65.5) builds and
+    stopped with setuptools' "invalid command 'bdist_wheel'". The backend stops first with
+    the version, where it came from, and the fix."""
+    site = tmp_path / "site"
+    _fake_build_environment(site, setuptools, wheel)
+    proc = _call_hook(hook, site, tmp_path)
+    if builds:
+        assert proc.returncode == 0, proc.stderr
+        assert f"RESULT stub {hook}" in proc.stdout
+        return
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert f"cannot build a wheel with setuptools {setuptools}" in proc.stderr
+    assert f"(imported from {site / 'setuptools'})" in proc.stderr
+    assert ("and wheel 0.45.1" if wheel else "and no `wheel` package") in proc.stderr
+    assert f"{sys.executable} -m pip install 'setuptools>=70.1'" in proc.stderr
+    assert "--no-build-isolation" in proc.stderr
+
+
+def test_an_sdist_builds_with_an_old_setuptools(tmp_path):
+    """An sdist needs no bdist_wheel: the check is not in its way."""
+    site = tmp_path / "site"
+    _fake_build_environment(site, "65.5.0", None)
+    proc = _call_hook("build_sdist", site, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "RESULT stub build_sdist" in proc.stdout
+
+
+def test_pythons_bundled_old_setuptools_is_refused_with_the_fix(tmp_path):
+    """The same with a real old setuptools: the one Python 3.11's ensurepip bundles (65.5.0,
+    the setuptools of a fresh 3.11 venv), unpacked from its wheel; no index needed."""
+    import ensurepip
+
+    bundled = glob.glob(
+        os.path.join(os.path.dirname(ensurepip.__file__), "_bundled", "setuptools-*.whl")
+    )
+    if not bundled:
+        pytest.skip("this Python bundles no setuptools (3.12 and later)")
+    site = tmp_path / "site"
+    with zipfile.ZipFile(bundled[0]) as whl:
+        whl.extractall(site)
+    (site / "torch").mkdir()
+    (site / "torch" / "__init__.py").write_text("")
+    version = os.path.basename(bundled[0]).split("-")[1]
+    proc = _call_hook("prepare_metadata_for_build_wheel", site, tmp_path)
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert "error: invalid command" not in proc.stdout + proc.stderr  # setuptools' own
+    assert f"cannot build a wheel with setuptools {version}" in proc.stderr, proc.stderr
+    assert f"(imported from {site / 'setuptools'})" in proc.stderr
 
 
 # ---------------------------------------------------------------- the build stamp
@@ -264,8 +456,6 @@ def test_pip_wheel_builds_with_isolation_and_no_index(tmp_path):
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     wheels = list(tmp_path.glob("pinxfer-*.whl"))
     assert len(wheels) == 1
-    import zipfile
-
     with zipfile.ZipFile(wheels[0]) as whl:
         names = whl.namelist()
         so_name = next(n for n in names if n.startswith("pinxfer/_C") and n.endswith(".so"))
