@@ -593,6 +593,45 @@ def test_pin_memory_after_idle_gaps_wakes_its_helpers_ahead_and_copies_every_byt
     assert out.stdout.strip() == "OK", out.stdout
 
 
+def test_pin_memory_with_the_most_copy_threads_from_two_threads_copies_every_byte():
+    """The pool's wake-up lists (ThreadPool::post, wake_ahead, wake_relayed) hold 16 workers
+    inline and are kept per calling thread between calls (session 45): as many copy threads
+    as this machine allows (PINXFER_NUM_THREADS' maximum: 16, or the CPUs where there are
+    more, and only there do the lists outgrow their inline room), 32 pieces a call, after
+    gaps (the helpers asleep: woken ahead, relayed, at the offer) and back to back, from two
+    Python threads at once: every byte must be the source's, and no call may hang."""
+    code = textwrap.dedent("""
+        import threading, time, torch, pinxfer
+        def run(seed, errors):
+            try:
+                gen = torch.Generator().manual_seed(seed)
+                src = torch.empty(32 << 20, dtype=torch.uint8)
+                for i in range(12):
+                    pinxfer._C._set_wake_ahead(i % 3 != 2)
+                    src.random_(0, 256, generator=gen)
+                    if i % 2:
+                        time.sleep(0.003)
+                    out = pinxfer.pin_memory(src)
+                    assert torch.equal(out, src), (seed, i)
+            except BaseException as e:
+                errors.append(e)
+        errors = []
+        threads = [threading.Thread(target=run, args=(s, errors)) for s in (1, 2)]
+        for t in threads: t.start()
+        for t in threads: t.join()
+        pinxfer._C._set_wake_ahead(True)
+        assert not errors, errors
+        print("OK")
+    """)
+    most_threads = max(16, len(os.sched_getaffinity(0)))  # thread_budget's max_copy_threads
+    env = dict(os.environ, PINXFER_NUM_THREADS=str(most_threads), PINXFER_TORCH_TEAM="off")
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "OK", out.stdout
+
+
 _FIRST_THING = {
     "pin_memory": "t = pinxfer.pin_memory(torch.randn(1000))",
     "pin_memory_batch": "t = pinxfer.pin_memory({'a': [torch.randn(10, 10).t()]})['a'][0]",

@@ -261,11 +261,27 @@ namespace {
 [[gnu::noinline]] void reserve_room(c10::SmallVectorImpl<int>& list, size_t workers) {
   list.reserve(workers);
 }
+
+// A list of worker indices kept by the calling thread between calls (emptied here, with room
+// for `workers`): a pool of more than 16 workers would otherwise allocate the list on every
+// post, on the transfer's path. Each function has its own (`Tag`); none of them calls
+// another while it holds its list.
+template <typename Tag>
+c10::SmallVectorImpl<int>& scratch_list(size_t workers) {
+  thread_local c10::SmallVector<int, 16> list;
+  list.clear();
+  reserve_room(list, workers);
+  return list;
+}
+struct RelayedOfWakeRelayed {};
+struct ToWakeOfPost {};
+struct RelayedOfPost {};
+struct ToWakeOfWakeAhead {};
 }  // namespace
 
 void ThreadPool::wake_relayed() {
-  c10::SmallVector<int, 16> relayed;
-  reserve_room(relayed, workers_.size());  // no allocation under the lock (post() says why)
+  // No allocation under the lock (post() says why).
+  c10::SmallVectorImpl<int>& relayed = scratch_list<RelayedOfWakeRelayed>(workers_.size());
   {
     std::lock_guard<std::mutex> lock(mutex_);
     relayed.append(relay_.begin(), relay_.end());
@@ -316,12 +332,11 @@ constexpr int kWakeHedge = 2;
 
 void ThreadPool::post(const std::shared_ptr<Job>& job) {
   job->started = std::chrono::steady_clock::now();
-  c10::SmallVector<int, 16> to_wake, relayed;
   // Room for every worker before the job is queued (each list holds workers' indices, each
   // at most once): a failed allocation after the job is queued would leave a job that no
   // Offer handle can withdraw, whose helpers could read a source after its caller returned.
-  reserve_room(to_wake, workers_.size());
-  reserve_room(relayed, workers_.size());
+  c10::SmallVectorImpl<int>& to_wake = scratch_list<ToWakeOfPost>(workers_.size());
+  c10::SmallVectorImpl<int>& relayed = scratch_list<RelayedOfPost>(workers_.size());
   {
     std::lock_guard<std::mutex> lock(mutex_);
     jobs_.push_back(job);
@@ -383,10 +398,9 @@ void ThreadPool::wake_ahead(int helpers) {
   // back to sleep at once and post() wakes it again: two wake-ups for one (review, session 44).
   if (spin_us_ == 0 && !spin_adaptive_) return;
   if (helpers <= 0 || !wakes_ahead_now()) return;
-  c10::SmallVector<int, 16> to_wake;
   // No allocation under the lock: a throw there would leave the workers taken off asleep_
   // asleep for good, never to be woken.
-  reserve_room(to_wake, workers_.size());
+  c10::SmallVectorImpl<int>& to_wake = scratch_list<ToWakeOfWakeAhead>(workers_.size());
   {
     std::lock_guard<std::mutex> lock(mutex_);
     take_sleepers(helpers, to_wake);
