@@ -179,9 +179,20 @@ def _license_metadata() -> dict[str, object]:
     77, where the free-text field is deprecated; the free-text field before 77, which does not
     know license_expression."""
     release = tuple(int(part) for part in setuptools.__version__.split(".")[:2] if part.isdigit())
-    if release >= (77, 0):
+    if release >= (77, 0) and _packaging_knows_licenses():
         return {"license_expression": "BSD-3-Clause", "license_files": ["LICENSE"]}
     return {"license": "BSD-3-Clause"}
+
+
+def _packaging_knows_licenses() -> bool:
+    """setuptools checks an SPDX expression with `packaging.licenses` (packaging >= 24.2), and an
+    installed older `packaging` comes before the copy setuptools bundles on sys.path: the
+    expression would then fail the build (ImportError) where the free-text field works."""
+    try:
+        import packaging.licenses  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 setup(

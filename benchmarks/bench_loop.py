@@ -590,9 +590,7 @@ def compact_table(rows: list[dict], small: list[dict]) -> str:
     for nbytes, pattern in sorted(by, key=lambda k: (k[0], PATTERNS.index(k[1]))):
         w = by[(nbytes, pattern)]
         pinned = w.get("torch_pinned_to")
-        torch_best = min(
-            (w[k]["median_us"] for k in ("torch_to", "torch_pin_to") if k in w), default=None
-        )
+        torch_best = min((w[k]["median_us"] for k in TORCH_WAYS if k in w), default=None)
         torch_batch = min((w[k]["median_us"] for k in BATCH_TORCH_WAYS if k in w), default=None)
         ours = [
             w.get(k)

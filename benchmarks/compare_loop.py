@@ -109,6 +109,27 @@ def rounds_cell(
     return text, higher, len(both)
 
 
+def _judges_the_batch_against_the_batch_pinned(run: dict) -> bool:
+    """bench_loop since session 45: batch rows against the batch pinned (four DMAs), and
+    torch_to_nb among torch's ways; such runs keep the old ratio as ratio_pinned_one_tensor."""
+    return any("ratio_pinned_one_tensor" in row for row in run.get("rows", []))
+
+
+def method_warnings(runs: list[dict]) -> list[str]:
+    """A line saying the runs were judged by different methods, whose ratios differ for
+    reasons other than the change compared; none where they agree."""
+    methods = {_judges_the_batch_against_the_batch_pinned(run) for run in runs}
+    if len(methods) < 2:
+        return []
+    return [
+        "",
+        "WARNING: these runs were judged by different methods (bench_loop before and since "
+        "session 45: batch rows against one pinned tensor or the batch pinned, torch_to_nb "
+        "among torch's ways or not); their x torch and x pinned ratios are not comparable "
+        "one to one.",
+    ]
+
+
 def rounds_table(pairs: list[tuple[dict, dict]], title: str) -> str:
     """Rounds of (before, after) runs: per cell the medians over the rounds and, with more
     than one round, in how many the after run's ratio was the higher."""
@@ -116,6 +137,7 @@ def rounds_table(pairs: list[tuple[dict, dict]], title: str) -> str:
     indexed = [(_index(b), _index(a)) for b, a in pairs]
     head = _header()
     out = table_head(f"{title}: median ratios, before -> after", rounds, head)
+    out += method_warnings([run for pair in pairs for run in pair])
     higher_every = lower_every = cells_seen = 0
     for size, pattern in _row_order(pairs[-1][1]):
         cells = [size, pattern]
@@ -170,6 +192,7 @@ def side_by_side_table(runs: list[dict], title: str) -> str:
     indexed = [_index(run) for run in runs]
     columns = [*_header(), "missed (" + " / ".join(f"run {i + 1}" for i in range(len(runs))) + ")"]
     out = table_head(f"{title}: median ratios, run by run", 1, columns)
+    out += method_warnings(runs)
     for size, pattern in _row_order(runs[-1]):
         cells = [size, pattern]
         for way, key in _ratio_cells():

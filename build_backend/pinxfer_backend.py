@@ -137,6 +137,14 @@ def _torch_environment() -> dict | None:
     return found
 
 
+def _in_a_temporary_directory(path: str) -> bool:
+    """True for a path under the temporary directory, where build tools make their venvs."""
+    import tempfile
+
+    temp = os.path.realpath(tempfile.gettempdir())
+    return os.path.realpath(path).startswith(temp + os.sep)
+
+
 def _no_torch_message(python: str, torch_error: str) -> str:
     """What to do when the probed interpreter cannot import torch. The advice depends on who
     runs this backend, and what works there comes first."""
@@ -160,9 +168,11 @@ def _no_torch_message(python: str, torch_error: str) -> str:
             f"    {python} -m pip install --no-build-isolation .\n"
             "* Otherwise install torch there first, then pinxfer:\n" + install_commands
         )
-    if sys.prefix != sys.base_prefix:
-        # A venv that pip's default isolation did not set up: most likely the build tool's
-        # own, which holds only the build requirements, so installing torch there is no use.
+    if sys.prefix != sys.base_prefix and _in_a_temporary_directory(sys.prefix):
+        # A venv in the temporary directory that pip's default isolation did not set up: a
+        # build tool's own (python -m build, uv), which holds only the build requirements, so
+        # installing torch there is no use. A venv elsewhere is the user's (e.g. with
+        # --no-build-isolation): the last message, install torch there, is the one.
         return (
             f"cannot build: this build runs in a virtual environment of its own ({python}: "
             f"python -m build, uv, pip's venv isolation?), which cannot import torch "
@@ -269,8 +279,8 @@ def _wheel_backend():
             f"(imported from {os.path.dirname(setuptools.__file__)}) and {with_wheel}: "
             f"building needs setuptools >= {_version_text(_SELF_SUFFICIENT_SETUPTOOLS)}, or "
             f">= {_version_text(_MIN_SETUPTOOLS_WITH_WHEEL)} with `wheel` (older ones stop "
-            "with \"invalid command 'bdist_wheel'\"). Under --no-build-isolation pip "
-            "installs no build requirements, so this environment's own setuptools builds. "
+            "with \"invalid command 'bdist_wheel'\"). This is the setuptools of the environment "
+            "the build runs in (with --no-build-isolation pip installs none for the build). "
             "Upgrade it there:\n"
             f"    {sys.executable} -m pip install '{_WANTED_SETUPTOOLS}'\n"
             "or build with isolation (without --no-build-isolation), where pip installs a "

@@ -197,9 +197,10 @@ def install() -> None:
     copies on side streams).
 
     Raises:
-        RuntimeError: this pinxfer was built without CUDA (no CUDA host allocator to replace).
+        RuntimeError: this pinxfer was built without CUDA (no CUDA host allocator to replace),
+            or the current stream is capturing a CUDA graph (install before capturing).
     """
-    fast.install()
+    fast.install(torch.cuda.is_initialized())
 
 
 def uninstall() -> None:

@@ -74,6 +74,15 @@ def test_compare_loop_counts_the_rounds_a_change_moved_a_row(tmp_path):
     # A tie is neither higher nor lower (it once counted as lower in every round).
     tied = [str(tmp_path / "run0.json")] * 4
     assert every.format(0, 0) in _compare_loop(tied).stdout
+    assert "WARNING" not in proc.stdout
+    # A run judged by session 45's method (the batch against the batch pinned) beside one
+    # judged by the earlier one: said at the top.
+    newer = _loop_run(0.72)
+    newer["rows"][0]["ratio_pinned_one_tensor"] = {"median": 0.7, "min": 0.7}
+    with open(tmp_path / "newer.json", "w") as f:
+        json.dump(newer, f)
+    mixed = _compare_loop([paths[0], str(tmp_path / "newer.json")])
+    assert "WARNING: these runs were judged by different methods" in mixed.stdout
 
     session = {
         "runs": {"old": {"r1": runs[0], "r2": runs[2]}, "new": {"r1": runs[1], "r2": runs[3]}}

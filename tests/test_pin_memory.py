@@ -594,12 +594,12 @@ def test_pin_memory_after_idle_gaps_wakes_its_helpers_ahead_and_copies_every_byt
 
 
 def test_pin_memory_with_the_most_copy_threads_from_two_threads_copies_every_byte():
-    """The pool's wake-up lists (ThreadPool::post, wake_ahead, wake_relayed) hold 16 workers
-    inline and are kept per calling thread between calls (session 45): as many copy threads
-    as this machine allows (PINXFER_NUM_THREADS' maximum: 16, or the CPUs where there are
-    more, and only there do the lists outgrow their inline room), 32 pieces a call, after
-    gaps (the helpers asleep: woken ahead, relayed, at the offer) and back to back, from two
-    Python threads at once: every byte must be the source's, and no call may hang."""
+    """The pool's wake-up lists (ThreadPool::post, wake_ahead, wake_relayed; 128 workers on
+    the caller's stack since session 45, 16 before): as many copy threads as this machine
+    allows (PINXFER_NUM_THREADS' maximum: 16, or the CPUs where there are more), 32 pieces a
+    call, after gaps (the helpers asleep: woken ahead, relayed, at the offer) and back to
+    back, from two Python threads at once: every byte must be the source's, and no call may
+    hang."""
     code = textwrap.dedent("""
         import threading, time, torch, pinxfer
         def run(seed, errors):

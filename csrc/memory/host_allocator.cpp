@@ -253,15 +253,6 @@ bool install_host_allocator(bool enable) {
   std::lock_guard<std::mutex> lock(*g_install_mutex);
   if (enable == g_installed.load()) return true;
   if (enable) {
-    // A capture open on torch's allocator would go on allocating after the swap, from
-    // pinxfer's shared pool, whose blocks are reused while the graph's replays read them.
-    // pinxfer sees the calling thread's capture here; one open on another thread it cannot
-    // see without asking CUDA on every allocation (~140 ns; README "Limitations").
-    TORCH_CHECK(!cuda::current_stream_is_capturing(),
-                "pinxfer.install(): the current stream is capturing a CUDA graph, which "
-                "torch's host allocator serves; its later pinned allocations would come from "
-                "pinxfer's pool, which does not keep them for the graph. Call install() "
-                "before the capture begins or after it ends.");
     at::HostAllocator* current = at::getHostAllocator(at::kCUDA);
     // Before torch can ask pinxfer to begin a capture. Taking an id of each kind moves torch's
     // counters on by one: harmless, ids are not dense.

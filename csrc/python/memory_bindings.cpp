@@ -57,7 +57,19 @@ int64_t empty_cache() {
   return bytes;
 }
 
-void install() {
+// torch_cuda_initialized: torch.cuda.is_initialized(), from the caller. A capture needs torch's
+// CUDA state, and asking CUDA before torch did would start the driver in a process that may
+// fork CUDA-using children next (install() made no CUDA call before; review, session 45).
+void install(bool torch_cuda_initialized) {
+  // A capture open on torch's allocator would go on allocating after the swap, from
+  // pinxfer's shared pool, whose blocks are reused while the graph's replays read them.
+  // pinxfer sees the calling thread's capture here; one open on another thread it cannot
+  // see without asking CUDA on every allocation (~140 ns; README "Limitations").
+  TORCH_CHECK(!torch_cuda_initialized || !cuda::current_stream_is_capturing(),
+              "pinxfer.install(): the current stream is capturing a CUDA graph, which torch's "
+              "host allocator serves; its later pinned allocations would come from pinxfer's "
+              "pool, which does not keep them for the graph. Call install() before the "
+              "capture begins or after it ends.");
   TORCH_CHECK(install_host_allocator(true),
               "pinxfer.install(): this pinxfer was built without CUDA, so there is no CUDA host "
               "allocator to replace. Rebuild against a CUDA build of torch with a CUDA toolkit.");
@@ -85,8 +97,10 @@ void bind_memory(pybind11::module_& m) {
         "hard cap on the bytes reserved by all pools (0: no cap)");
   m.def("get_max_pinned_bytes", wrap_pybind_function_no_gil([] { return max_pinned_bytes(); }),
         "the cap in bytes (0: no cap)");
-  m.def("install", wrap_pybind_function_no_gil(&install),
-        "makes the pool torch's CUDA host allocator; raises in a build without CUDA");
+  m.def("install", wrap_pybind_function_no_gil(&install), pybind11::arg("torch_cuda_initialized"),
+        "install(torch_cuda_initialized): makes the pool torch's CUDA host allocator; raises "
+        "in a build without CUDA, or while the current stream captures a graph (asked only "
+        "where torch initialised CUDA)");
   m.def("uninstall", wrap_pybind_function_no_gil([] { install_host_allocator(false); }),
         "gives torch its own CUDA host allocator back");
   m.def("is_installed", wrap_pybind_function_no_gil([] { return host_allocator_installed(); }),

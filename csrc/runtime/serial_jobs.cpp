@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstring>
 #include <random>
+#include <stdexcept>
 #include <utility>
 #include <vector>
 
@@ -35,9 +36,8 @@ std::string dropped_message(const std::string& queue_name) {
 SerialJobs::SerialJobs(int64_t spin_us, std::string name, int workers)
     : spin_us_(spin_us),
       name_(std::move(name)),
-      dropped_fallback_(
-          std::make_exception_ptr(c10::Error({__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
-                                             dropped_message(name_)))) {
+      // Not a c10::Error: shared by every job dropped this way, it must not take context.
+      dropped_fallback_(std::make_exception_ptr(std::runtime_error(dropped_message(name_)))) {
   TORCH_CHECK(workers >= 1, name_, ": a job queue needs at least one worker, got ", workers);
   workers_.reserve(static_cast<size_t>(workers));
   try {

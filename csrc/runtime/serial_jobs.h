@@ -85,6 +85,7 @@ class SerialJobs {
   // What a dropped job fails with where a fresh error cannot be built: dropping happens
   // under the lock and in close() from the destructor, where building one (allocating) could
   // throw midway and leave a job neither queued nor failed, its waiter blocked for good.
+  // A std::runtime_error (immutable): every job dropped this way shares it.
   const std::exception_ptr dropped_fallback_;
   std::mutex mu_;
   std::condition_variable work_;            // the workers: a job queued, or close()

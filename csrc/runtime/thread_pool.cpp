@@ -262,26 +262,18 @@ namespace {
   list.reserve(workers);
 }
 
-// A list of worker indices kept by the calling thread between calls (emptied here, with room
-// for `workers`): a pool of more than 16 workers would otherwise allocate the list on every
-// post, on the transfer's path. Each function has its own (`Tag`); none of them calls
-// another while it holds its list.
-template <typename Tag>
-c10::SmallVectorImpl<int>& scratch_list(size_t workers) {
-  thread_local c10::SmallVector<int, 16> list;
-  list.clear();
-  reserve_room(list, workers);
-  return list;
-}
-struct RelayedOfWakeRelayed {};
-struct ToWakeOfPost {};
-struct RelayedOfPost {};
-struct ToWakeOfWakeAhead {};
+// Worker indices a call wakes, on the caller's stack: room for the workers of any pool but a
+// very large host's, so that post() allocates nothing on the transfer's path (with room for
+// 16 it allocated on every post of a pool of more workers, on hosts with more than 16 CPUs;
+// lists kept per thread instead could be used after their thread_local destructor ran at
+// exit: review, session 45). 512 bytes a list.
+constexpr unsigned kWakeListInline = 128;
+using WakeList = c10::SmallVector<int, kWakeListInline>;
 }  // namespace
 
 void ThreadPool::wake_relayed() {
-  // No allocation under the lock (post() says why).
-  c10::SmallVectorImpl<int>& relayed = scratch_list<RelayedOfWakeRelayed>(workers_.size());
+  WakeList relayed;
+  reserve_room(relayed, workers_.size());  // no allocation under the lock (post() says why)
   {
     std::lock_guard<std::mutex> lock(mutex_);
     relayed.append(relay_.begin(), relay_.end());
@@ -335,8 +327,9 @@ void ThreadPool::post(const std::shared_ptr<Job>& job) {
   // Room for every worker before the job is queued (each list holds workers' indices, each
   // at most once): a failed allocation after the job is queued would leave a job that no
   // Offer handle can withdraw, whose helpers could read a source after its caller returned.
-  c10::SmallVectorImpl<int>& to_wake = scratch_list<ToWakeOfPost>(workers_.size());
-  c10::SmallVectorImpl<int>& relayed = scratch_list<RelayedOfPost>(workers_.size());
+  WakeList to_wake, relayed;
+  reserve_room(to_wake, workers_.size());
+  reserve_room(relayed, workers_.size());
   {
     std::lock_guard<std::mutex> lock(mutex_);
     jobs_.push_back(job);
@@ -400,7 +393,8 @@ void ThreadPool::wake_ahead(int helpers) {
   if (helpers <= 0 || !wakes_ahead_now()) return;
   // No allocation under the lock: a throw there would leave the workers taken off asleep_
   // asleep for good, never to be woken.
-  c10::SmallVectorImpl<int>& to_wake = scratch_list<ToWakeOfWakeAhead>(workers_.size());
+  WakeList to_wake;
+  reserve_room(to_wake, workers_.size());
   {
     std::lock_guard<std::mutex> lock(mutex_);
     take_sleepers(helpers, to_wake);
