@@ -699,18 +699,25 @@ def test_a_pool_shared_with_a_graph_from_before_install_is_served_by_torch_to_th
     pinxfer.uninstall()
 
 
-def test_uninstall_refuses_while_a_capture_is_open():
-    pinxfer.install()
+def _capture_an_add_refusing(call, match):
+    """Captures x.add_(1) (after the usual warm-up: three adds) on a side stream, with call()
+    inside the capture raising a RuntimeError that matches `match`. Returns (graph, x)."""
     x = torch.zeros(16, device="cuda")
     _warm_up(lambda: x.add_(1))
     g = torch.cuda.CUDAGraph()
 
     def body():
         x.add_(1)
-        with pytest.raises(RuntimeError, match="capture is open"):
-            pinxfer.uninstall()
+        with pytest.raises(RuntimeError, match=match):
+            call()
 
     _capture_on_side_stream(g, body)
+    return g, x
+
+
+def test_uninstall_refuses_while_a_capture_is_open():
+    pinxfer.install()
+    g, _ = _capture_an_add_refusing(pinxfer.uninstall, "capture is open")
     assert pinxfer.is_installed()
     del g
     gc.collect()
@@ -720,16 +727,7 @@ def test_install_refuses_inside_a_capture_torchs_allocator_serves():
     """Installed mid-capture, the capture's later pinned allocations would come from pinxfer's
     shared pool, reusable while the graph replays."""
     pinxfer.uninstall()
-    x = torch.zeros(16, device="cuda")
-    _warm_up(lambda: x.add_(1))
-    g = torch.cuda.CUDAGraph()
-
-    def body():
-        x.add_(1)
-        with pytest.raises(RuntimeError, match="current stream is capturing a CUDA graph"):
-            pinxfer.install()
-
-    _capture_on_side_stream(g, body)
+    g, x = _capture_an_add_refusing(pinxfer.install, "current stream is capturing a CUDA graph")
     assert not pinxfer.is_installed()
     g.replay()
     torch.cuda.synchronize()
