@@ -285,6 +285,35 @@ def test_spin_is_adaptive_unless_set():
     assert "at most 1000" in value
 
 
+@pytest.mark.parametrize(
+    ("policy", "spincount", "read_as"),
+    [
+        ("  PASSIVE\n", None, ("passive", None)),  # libgomp skips the blanks, ignores the case
+        ("Active", " 1000 ", ("active", "1000")),
+        (None, " \t", (None, "")),  # blanks only: no word, libgomp's default spin
+    ],
+)
+def test_libgomps_words_are_read_as_libgomp_reads_them(policy, spincount, read_as):
+    """libgomp reads OMP_WAIT_POLICY and GOMP_SPINCOUNT past blanks around the word and in
+    any case. pinxfer read " passive" as another word, so it assumed torch's team spins
+    after each region (the spin window) when the team in fact slept at once."""
+    env = {k: v for k, v in (("OMP_WAIT_POLICY", policy), ("GOMP_SPINCOUNT", spincount)) if v}
+    out = run_fresh(
+        """
+        import torch, pinxfer
+        names, values, sources, _docs = zip(*pinxfer._C.settings())
+        rows = dict(zip(names, zip(values, sources)))
+        for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
+            value, source = rows[name]
+            print("ROW", name, repr(value if source == "env" else None))
+    """,
+        **env,
+    )
+    assert out.returncode == 0, out.stderr
+    got = dict(line.split()[1:] for line in out.stdout.splitlines() if line.startswith("ROW "))
+    assert got == {"OMP_WAIT_POLICY": repr(read_as[0]), "GOMP_SPINCOUNT": repr(read_as[1])}
+
+
 def test_settings_are_read_once():
     out = run_fresh(
         """

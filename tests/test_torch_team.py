@@ -265,7 +265,10 @@ def test_back_to_back_copies_on_the_team_skip_the_proc_read():
 
 
 @needs_cpus
-@pytest.mark.parametrize("env", [{"OMP_WAIT_POLICY": "passive"}, {"GOMP_SPINCOUNT": "1000"}])
+@pytest.mark.parametrize(
+    "env",
+    [{"OMP_WAIT_POLICY": "passive"}, {"OMP_WAIT_POLICY": " Passive\n"}, {"GOMP_SPINCOUNT": "1000"}],
+)
 def test_a_team_that_may_sleep_at_once_is_read_at_every_probe(env):
     """OMP_WAIT_POLICY=passive (the team sleeps after each region) or a GOMP_SPINCOUNT set:
     no probe is answered by the spin window, every one reads /proc (and a sleeping team is

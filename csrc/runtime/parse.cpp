@@ -167,4 +167,11 @@ std::string lower_case(std::string text) {
   return text;
 }
 
+std::string gomp_word(const std::string& text) {
+  const auto blank = [](unsigned char c) { return std::isspace(c) != 0; };
+  auto first = std::find_if_not(text.begin(), text.end(), blank);
+  auto last = std::find_if_not(text.rbegin(), text.rend(), blank).base();
+  return first < last ? lower_case(std::string(first, last)) : std::string();
+}
+
 }  // namespace pinxfer

@@ -30,4 +30,9 @@ std::vector<int> parse_cpulist(const std::string& text);
 // against sysfs, libgomp's variables).
 std::string lower_case(std::string text);
 
+// A word of a libgomp variable as libgomp reads it (env.c skips blanks before and after the
+// word, and compares case-insensitively): `text` without its leading and trailing ASCII
+// blanks, lower-cased. "  PASSIVE\n" is "passive"; blanks only are "".
+std::string gomp_word(const std::string& text);
+
 }  // namespace pinxfer

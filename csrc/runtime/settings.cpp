@@ -236,7 +236,7 @@ const Row kRows[] = {
      "libgomp's: 'passive' stops torch's team spinning after a region (then the torch-team "
      "probe reads /proc at every copy)",
      [](const char*, const std::string& text, Settings& s) {
-       return s.omp_wait_policy = lower_case(text);
+       return s.omp_wait_policy = gomp_word(text);
      },
      [](Settings&) { return std::string("(unset: torch's team spins after each region)"); },
      "default"},
@@ -245,7 +245,7 @@ const Row kRows[] = {
      "libgomp's: how long torch's team spins after a region; where set, the torch-team probe "
      "reads /proc at every copy",
      [](const char*, const std::string& text, Settings& s) {
-       return s.gomp_spincount = lower_case(text);
+       return s.gomp_spincount = gomp_word(text);
      },
      [](Settings&) { return std::string("(unset: libgomp's 300000 spins)"); }, "default"},
 };
