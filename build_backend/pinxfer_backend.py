@@ -301,8 +301,10 @@ def _requirements(hook: str, config_settings) -> list[str]:
         return extra
     backend = _setuptools_backend()
     wanted = getattr(backend, hook)(config_settings)
-    # setuptools < 70.1 asks for "wheel"; drop it when the target environment has it.
-    return [r for r in wanted if not (r.startswith("wheel") and importlib.util.find_spec("wheel"))]
+    # setuptools < 70.1 asks for "wheel"; drop it when the target environment has it (read
+    # as _wheel_backend reads it: installed metadata on the path _use_target_torch extended).
+    have_wheel = _local_version("wheel") is not None
+    return [r for r in wanted if not (r.startswith("wheel") and have_wheel)]
 
 
 # ---- PEP 517 / PEP 660 hooks: setuptools' own, after _use_target_torch (and, for
