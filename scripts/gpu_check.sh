@@ -508,8 +508,10 @@ if want loop; then
   awk '/^== loop table/ {p = 1} p' "$LOGS/loop.log" | tail -60
   [ "$rc" -ne 0 ] && tail -30 "$LOGS/loop.log"
   echo "loop: $(( $(date +%s) - t0 )) s"
-  # The run's verdicts beside its exit status: bench_loop exits 0 with targets missed.
-  verdicts=$(grep -m1 '^targets: ' "$LOGS/loop.log")
+  # The run's verdicts beside its exit status: bench_loop exits 0 with targets missed. The
+  # last line is the whole run's (with --process-per-size each size's child prints its own
+  # first; the first of those was taken for the run's, session 46).
+  verdicts=$(grep '^targets: ' "$LOGS/loop.log" | tail -n 1)
   record loop "$(status_of "$rc")${verdicts:+ ($verdicts)}"
 fi
 
