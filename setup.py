@@ -10,7 +10,7 @@ Configuration (printed at build time):
       -> CPU-only variant: the allocator page-locks with mlock, CUDA ops are absent.
 
 Debug information: none by default (-g0: half the compile time, a _C of a few MB);
-PINXFER_DEBUG_INFO=1 keeps Python's -g.
+PINXFER_DEBUG_INFO=1 builds with -g.
 
 Sanitizer builds (orthogonal to the above), PINXFER_SANITIZE=...:
   * address -> ASan + UBSan (-fsanitize=address,undefined); any UBSan report aborts
@@ -120,10 +120,12 @@ if werror:
 # Without debug information by default: Python's CFLAGS carry -g, which doubles each
 # file's compile time (torch's headers' debug info: 26 s against 13 s for one file on this
 # project's 2-core machine) and made _C 67 MB. Symbols stay, so a crash's stack still names
-# functions. PINXFER_DEBUG_INFO=1 keeps -g (line numbers in gdb); sanitizer builds always do.
+# functions. PINXFER_DEBUG_INFO=1 builds with -g (line numbers in gdb); sanitizer builds always do.
 debug_info = os.environ.get("PINXFER_DEBUG_INFO", "0") == "1"
 if not (debug_info or sanitize):
     cxx_flags.append("-g0")
+elif debug_info and not sanitize:
+    cxx_flags.append("-g")  # whether or not this Python's CFLAGS carry it
 link_flags = []
 define_macros = [
     ("PINXFER_WITH_CUDA", "1" if with_cuda else "0"),

@@ -221,7 +221,7 @@ def test_pin_memory_on_the_team_of_dtypes_torchs_copy_does_not_copy():
         ("passive", "", 16, 16, 0),  # the team sleeps at once
         ("", "1000", 16, 16, 0),  # set: not second-guessed
         ("", "infinite", 16, 16, 0),
-        ("", "", 17, 16, 0),  # more threads than CPUs: libgomp spins 1000 times only
+        ("", "", 17, 16, 0),  # more threads than CPUs: libgomp spins 100 times only
     ],
 )
 def test_team_spin_window_follows_libgomps_spin(policy, spincount, threads, cpus, window):

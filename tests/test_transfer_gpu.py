@@ -1190,6 +1190,61 @@ def test_sender_landing_modes(mode):
         assert long["flagged"] >= 3, got
 
 
+_SMALL_ROAD_CHILD = """
+    import json, time, torch, pinxfer
+    g = torch.Generator().manual_seed(11)
+    sizes = [4096, 64 * 1024, 256 * 1024]  # the small road: up to 256 KiB
+    def allocs():
+        return pinxfer.memory_stats()["num_allocs"]
+    def send_all(gap_s, behind_kernel):
+        # Each source is overwritten as soon as to_device returns: its bytes must have been
+        # read by then (into a pool block or the driver's staging), whatever the road, even
+        # with the DMA still queued behind a GPU kernel.
+        # Made first: between two sends back to back nothing may take long enough to be a gap.
+        xs = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+              for _ in range(12) for n in sizes]
+        wants = [x.clone() for x in xs]
+        ys, before = [], allocs()
+        for i, x in enumerate(xs):
+            if gap_s:
+                time.sleep(gap_s)
+            if behind_kernel:
+                torch.cuda._sleep(2_000_000)
+            ys.append(pinxfer.to_device(x, torch.device("cuda", 0)))
+            x.fill_(i % 256)  # after the return, before the copy may have run
+        pool_blocks = allocs() - before
+        ok = all(torch.equal(y.cpu(), want) for y, want in zip(ys, wants))
+        return dict(ok=ok, calls=len(xs), pool_blocks=pool_blocks)
+    pinxfer.to_device(torch.ones(4096, dtype=torch.uint8), torch.device("cuda", 0))  # warm up
+    torch.cuda.synchronize()
+    print(json.dumps(dict(b2b=send_all(0, False), queued=send_all(0, True),
+                          gap=send_all(0.01, False))))
+"""
+
+
+@pytest.mark.parametrize("road", ["pool", "driver", "auto"])
+def test_small_road_sends_every_byte_read_before_the_return(road):
+    """PINXFER_SMALL_ROAD: a pageable to_device of up to 256 KiB sent through a pool block
+    (`pool`), by the driver's own staging (`driver`: no pool block), or by the driver's only
+    after an idle gap of the calling thread (`auto`). Every road reads the whole source
+    before it returns (the source is overwritten at once), with or without a GPU kernel
+    queued ahead of the copy, back to back and after 10 ms gaps."""
+    got = last_json(run_child(_SMALL_ROAD_CHILD, env={"PINXFER_SMALL_ROAD": road}))
+    for pattern in ("b2b", "queued", "gap"):
+        assert got[pattern]["ok"], (pattern, got)
+    calls = got["b2b"]["calls"]
+    pool_blocks = {pattern: got[pattern]["pool_blocks"] for pattern in ("b2b", "queued", "gap")}
+    if road == "pool":
+        assert pool_blocks == {"b2b": calls, "queued": calls, "gap": calls}, got
+    elif road == "driver":
+        assert pool_blocks == {"b2b": 0, "queued": 0, "gap": 0}, got
+    else:
+        # Back to back the pool's road (the first call of a pattern may follow the previous
+        # pattern's checks: a gap); after each 10 ms sleep the driver's.
+        assert pool_blocks["b2b"] >= calls - 1, got
+        assert pool_blocks["gap"] == 0, got
+
+
 _WORKERS_CHILD = """
     import json, torch, pinxfer
     from pinxfer.transfer import DEFAULT_CHUNK_BYTES, DEFAULT_NUM_BUFFERS

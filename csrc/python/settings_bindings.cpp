@@ -145,7 +145,8 @@ void bind_settings(pybind11::module_& m) {
         pybind11::arg("spincount"), pybind11::arg("team_threads"), pybind11::arg("cpus"),
         "TEST-ONLY: _team_spin_window_us(wait_policy, spincount, team_threads, cpus) -> int: "
         "how long after a region the team is taken as spinning without a /proc read "
-        "(lower-cased OMP_WAIT_POLICY and GOMP_SPINCOUNT, '' unset; csrc/runtime/torch_team.h)");
+        "(OMP_WAIT_POLICY and GOMP_SPINCOUNT trimmed and lower-cased, '' unset or blank; "
+        "csrc/runtime/torch_team.h)");
   m.def(
       "_last_team_region_trace",
       [] {

@@ -151,7 +151,10 @@ namespace {
 // to its first place as torch loads it): the variables libgomp reads for that.
 bool openmp_binds_threads() {
   const char* bind = std::getenv("OMP_PROC_BIND");
-  if (bind != nullptr && *bind != '\0' && lower_case(bind).rfind("false", 0) != 0) return true;
+  if (bind != nullptr) {
+    const std::string word = gomp_word(bind);  // past blanks and case, as libgomp reads it
+    if (!word.empty() && word.rfind("false", 0) != 0) return true;
+  }
   for (const char* name : {"OMP_PLACES", "GOMP_CPU_AFFINITY"}) {
     const char* value = std::getenv(name);
     if (value != nullptr && *value != '\0') return true;

@@ -362,8 +362,8 @@ int team_spin_window_us(const std::string& wait_policy, const std::string& spinc
                         int team_threads, int cpus) {
   // libgomp (env.c): unset, the team spins 300000 times after a region (about a millisecond
   // or more on current x86: each spin is a `pause`), 'passive' makes that 0, and with more
-  // of its threads than CPUs it spins only 1000 times. A GOMP_SPINCOUNT of any value is not
-  // second-guessed: the probe then reads /proc at every copy, as it always did.
+  // of its threads than CPUs it spins only 100 times (1000 with 'active'). A GOMP_SPINCOUNT of any
+  // value is not second-guessed: the probe then reads /proc at every copy, as it always did.
   if (wait_policy == "passive" || !spincount.empty() || team_threads > cpus) return 0;
   return kTeamSpinWindowUs;
 }

@@ -107,7 +107,8 @@ struct TorchTeamState {
 // How long after a region on torch's team ends its members are surely still spinning, so
 // that torch_team_awake() answers without reading /proc: kTeamSpinWindowUs, or 0 where
 // libgomp does not spin that long (OMP_WAIT_POLICY=passive, GOMP_SPINCOUNT set, or a team of
-// more threads than the CPUs the process may use). Lower-cased environment values, "" unset.
+// more threads than the CPUs the process may use). The environment values as gomp_word reads
+// them (runtime/parse.h: trimmed, lower-cased), "" unset or blank.
 constexpr int kTeamSpinWindowUs = 100;
 int team_spin_window_us(const std::string& wait_policy, const std::string& spincount,
                         int team_threads, int cpus);

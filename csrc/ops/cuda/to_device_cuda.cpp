@@ -165,6 +165,8 @@ at::Tensor send_to_device(const at::Tensor& self, c10::Device device,
     if (nbytes == 0) return out;
     if (pinned) {
       transfer::direct_copy(src, out, cur);
+    } else if (transfer::small_send_by_driver()) {
+      transfer::driver_staged_copy(src, out, cur);
     } else {
       transfer::caller_staged_copy(src, out, index, cur);
     }
