@@ -1239,9 +1239,10 @@ def test_small_road_sends_every_byte_read_before_the_return(road):
     elif road == "driver":
         assert pool_blocks == {"b2b": 0, "queued": 0, "gap": 0}, got
     else:
-        # Back to back the pool's road (the first call of a pattern may follow the previous
-        # pattern's checks: a gap); after each 10 ms sleep the driver's.
-        assert pool_blocks["b2b"] >= calls - 1, got
+        # Back to back the pool's road: the first call of a pattern follows the making of its
+        # sources (a gap), and a call descheduled for 200 us on a busy host is one too;
+        # after each 10 ms sleep the driver's.
+        assert pool_blocks["b2b"] >= calls - 4, got
         assert pool_blocks["gap"] == 0, got
 
 
