@@ -139,6 +139,7 @@ at::Tensor send_to_device(const at::Tensor& self, c10::Device device,
                           const transfer::StagingOptions& options, LargeCopies large,
                           const at::Tensor* into) {
   check_cuda_usable("to_device");
+  const bool follows_gap = transfer::send_follows_gap();  // PINXFER_SMALL_ROAD=auto's clock
   const c10::DeviceIndex index = resolve_device(device, "to_device");
   c10::cuda::CUDAGuard guard(index);
   const at::Tensor src = dense_source(self, "to_device");
@@ -165,7 +166,7 @@ at::Tensor send_to_device(const at::Tensor& self, c10::Device device,
     if (nbytes == 0) return out;
     if (pinned) {
       transfer::direct_copy(src, out, cur);
-    } else if (transfer::small_send_by_driver()) {
+    } else if (transfer::small_send_by_driver(follows_gap)) {
       transfer::driver_staged_copy(src, out, cur);
     } else {
       transfer::caller_staged_copy(src, out, index, cur);

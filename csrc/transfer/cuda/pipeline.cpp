@@ -714,16 +714,21 @@ const SmallRoadSetting& small_road_setting() {
   return setting;
 }
 
-thread_local int64_t t_last_small_send_ns = 0;  // 0: none yet (the first one follows a gap)
+thread_local int64_t t_last_send_ns = 0;  // 0: none yet (the first send follows a gap)
 }  // namespace
 
-bool small_send_by_driver() {
+bool send_follows_gap() {
   const SmallRoadSetting& setting = small_road_setting();
-  if (setting.road != SmallRoad::kAuto) return setting.road == SmallRoad::kDriver;
+  if (setting.road != SmallRoad::kAuto) return false;
   const int64_t now = steady_now_ns();
-  const bool after_gap = now - t_last_small_send_ns > setting.gap_ns;
-  t_last_small_send_ns = now;
-  return after_gap;
+  const bool follows_gap = now - t_last_send_ns > setting.gap_ns;
+  t_last_send_ns = now;
+  return follows_gap;
+}
+
+bool small_send_by_driver(bool follows_gap) {
+  const SmallRoad road = small_road_setting().road;
+  return road == SmallRoad::kDriver || (road == SmallRoad::kAuto && follows_gap);
 }
 
 void direct_copy(const at::Tensor& src, at::Tensor& out, const c10::cuda::CUDAStream& stream) {

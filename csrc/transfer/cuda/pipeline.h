@@ -106,14 +106,18 @@ void caller_staged_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex
 void driver_staged_copy(const at::Tensor& src, at::Tensor& out,
                         const c10::cuda::CUDAStream& stream);
 
-// Whether the calling thread's next small pageable send takes the driver's road
-// (driver_staged_copy) rather than the pool's (caller_staged_copy): PINXFER_SMALL_ROAD's
-// 'pool' never, 'driver' always, 'auto' after an idle gap of this thread (its last small
-// send longer ago than twice PINXFER_SPIN_US: as prefetch's sender tells a long consumer
-// step), where every step of the pool's road runs on a core that has just woken (issue 22:
-// the driver's road was the shorter there on the H100, 4-256 KiB, session 46). Each call
-// counts as this thread's last small send.
-bool small_send_by_driver();
+// Called once at the start of each to_device send of the calling thread: whether it follows
+// an idle gap of this thread (its last send, of any size, longer ago than twice
+// PINXFER_SPIN_US, as prefetch's sender tells a long consumer step). Read (and the clock
+// asked) only under PINXFER_SMALL_ROAD=auto; false otherwise.
+bool send_follows_gap();
+
+// Whether a small pageable send takes the driver's road (driver_staged_copy) rather than the
+// pool's (caller_staged_copy): PINXFER_SMALL_ROAD's 'pool' never, 'driver' always, 'auto'
+// when the send follows a gap (send_follows_gap), where every step of the pool's road runs
+// on a core that has just woken (issue 22: the driver's road was the shorter there on the
+// H100, 4-256 KiB, session 46).
+bool small_send_by_driver(bool follows_gap);
 
 // What the calling thread's last single-block transfer did (a diagnostic for
 // benchmarks/diag_midsize.py; thread-local, so a reader sees its own thread's last call).
