@@ -1215,10 +1215,28 @@ _SMALL_ROAD_CHILD = """
         pool_blocks = allocs() - before
         ok = all(torch.equal(y.cpu(), want) for y, want in zip(ys, wants))
         return dict(ok=ok, calls=len(xs), pool_blocks=pool_blocks)
+    def managed():
+        # A CPU tensor over CUDA managed memory: a cudaMemcpyAsync from it reads it later, so
+        # it must go through a pool block on every road. Made with the driver API.
+        import ctypes
+        cuda = ctypes.CDLL("libcuda.so.1")
+        n, ptr = 64 * 1024, ctypes.c_uint64()
+        assert cuda.cuMemAllocManaged(ctypes.byref(ptr), ctypes.c_size_t(n), 1) == 0
+        x = torch.frombuffer((ctypes.c_uint8 * n).from_address(ptr.value), dtype=torch.uint8)
+        x.copy_(torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g))
+        want, before = x.clone(), allocs()
+        torch.cuda._sleep(2_000_000)  # the copy queued behind a kernel
+        y = pinxfer.to_device(x, torch.device("cuda", 0))
+        x.fill_(7)
+        pool_blocks = allocs() - before
+        ok = torch.equal(y.cpu(), want)
+        del x
+        assert cuda.cuMemFree_v2(ptr) == 0
+        return dict(ok=ok, pool_blocks=pool_blocks)
     pinxfer.to_device(torch.ones(4096, dtype=torch.uint8), torch.device("cuda", 0))  # warm up
     torch.cuda.synchronize()
     print(json.dumps(dict(b2b=send_all(0, False), queued=send_all(0, True),
-                          gap=send_all(0.01, False))))
+                          gap=send_all(0.01, False), managed=managed())))
 """
 
 
@@ -1228,8 +1246,11 @@ def test_small_road_sends_every_byte_read_before_the_return(road):
     (`pool`), by the driver's own staging (`driver`: no pool block), or by the driver's only
     after an idle gap of the calling thread (`auto`). Every road reads the whole source
     before it returns (the source is overwritten at once), with or without a GPU kernel
-    queued ahead of the copy, back to back and after 10 ms gaps."""
+    queued ahead of the copy, back to back and after 10 ms gaps. A source in CUDA managed
+    memory, which a cudaMemcpyAsync would read after the return, goes through a pool block
+    on every road."""
     got = last_json(run_child(_SMALL_ROAD_CHILD, env={"PINXFER_SMALL_ROAD": road}))
+    assert got["managed"] == {"ok": True, "pool_blocks": 1}, got
     for pattern in ("b2b", "queued", "gap"):
         assert got[pattern]["ok"], (pattern, got)
     calls = got["b2b"]["calls"]

@@ -97,12 +97,14 @@ constexpr size_t kCurrentStreamBytes = kSerialBytes;
 void caller_staged_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex device,
                         const c10::cuda::CUDAStream& stream);
 
-// A small pageable source sent by the CUDA driver: one cudaMemcpyAsync from the pageable
-// memory on `stream`. The driver copies it into its own pinned staging before the call
-// returns (the CUDA runtime's "API synchronization behavior": pageable to device memory),
-// so the source may be changed or freed at once, as after caller_staged_copy. One driver
-// call instead of the pool road's several (the pool's event query, the copy, the DMA call,
-// the block's event record): measured against it with PINXFER_SMALL_ROAD (issue 22).
+// A small pageable source (memory CUDA knows nothing of: source_use.h's
+// SourceMemory::kPageable; not managed memory, which the copy would read later) sent by the
+// CUDA driver: one cudaMemcpyAsync from the pageable memory on `stream`. The driver copies it into
+// its own pinned staging before the call returns (the CUDA runtime's "API synchronization
+// behavior": pageable to device memory), so the source may be changed or freed at once, as after
+// caller_staged_copy. One driver call instead of the pool road's several (the pool's event query,
+// the copy, the DMA call, the block's event record): measured against it with PINXFER_SMALL_ROAD
+// (issue 22).
 void driver_staged_copy(const at::Tensor& src, at::Tensor& out,
                         const c10::cuda::CUDAStream& stream);
 
