@@ -130,9 +130,6 @@ std::map<std::string, double> call_breakdown(int64_t iterations) {
     out["caller_staged_copy_4KiB"] = ns_per_call(
         iterations, [&] { transfer::caller_staged_copy(pageable, dst, device, cur); },
         [] { C10_CUDA_CHECK(cudaDeviceSynchronize()); });
-    out["driver_staged_copy_4KiB"] = ns_per_call(
-        iterations, [&] { transfer::driver_staged_copy(pageable, dst, cur); },
-        [] { C10_CUDA_CHECK(cudaDeviceSynchronize()); });
     const auto staging = ops::staging_options(int64_t{16} << 20, 4, "auto", -1);
     out["send_to_device_4KiB"] = ns_per_call(
         iterations, [&] { (void)ops::send_to_device(pageable, cuda_device, staging); },

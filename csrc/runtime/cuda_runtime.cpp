@@ -261,22 +261,15 @@ std::string host_unregister(void* ptr) {
   return error_text(err);
 }
 
-HostMemoryKind host_memory_kind(const void* ptr) {
-  if (!cuda_usable()) return HostMemoryKind::kPageable;  // no CUDA: nothing is registered
+bool is_cuda_pinned(const void* ptr) {
+  if (!cuda_usable()) return false;
   cudaPointerAttributes attr{};
   const cudaError_t err = cudaPointerGetAttributes(&attr, ptr);
   if (err != cudaSuccess) {
     (void)cudaGetLastError();
-    return HostMemoryKind::kOther;
+    return false;
   }
-  switch (attr.type) {
-    case cudaMemoryTypeHost:
-      return HostMemoryKind::kPinned;
-    case cudaMemoryTypeUnregistered:
-      return HostMemoryKind::kPageable;
-    default:
-      return HostMemoryKind::kOther;
-  }
+  return attr.type == cudaMemoryTypeHost;
 }
 
 namespace {
@@ -554,7 +547,7 @@ std::string host_register_user(void*, size_t, bool* already_registered) {
   *already_registered = false;
   return "pinxfer was built without CUDA";
 }
-HostMemoryKind host_memory_kind(const void*) { return HostMemoryKind::kPageable; }
+bool is_cuda_pinned(const void*) { return false; }
 bool try_record_event(const c10::Stream&, Event*, std::string* error) {
   *error = "pinxfer was built without CUDA";
   return false;

@@ -58,16 +58,8 @@ int64_t inject_host_unregister_failures(int64_t n);
 // earlier pin_ of a tensor sharing a page). Returns "" on success.
 std::string host_register_user(void* ptr, size_t size, bool* already_registered);
 
-// What CUDA says of the memory at ptr: page-locked host memory (cudaMemoryTypeHost), memory it
-// knows nothing of (cudaMemoryTypeUnregistered: pageable host memory), or anything else
-// (managed or device memory, or the query failed).
-enum class HostMemoryKind { kPinned, kPageable, kOther };
-HostMemoryKind host_memory_kind(const void* ptr);
-
 // True if ptr lies in memory CUDA considers page-locked host memory.
-inline bool is_cuda_pinned(const void* ptr) {
-  return host_memory_kind(ptr) == HostMemoryKind::kPinned;
-}
+bool is_cuda_pinned(const void* ptr);
 
 // An opaque recorded event. Created from a per-device free list, so steady
 // state creates none.

@@ -230,18 +230,6 @@ const Row kRows[] = {
      },
      [](Settings& s) { return s.sender_outputs; }, "default"},
 
-    {"PINXFER_SMALL_ROAD",
-     "the road of a pageable to_device of at most 256 KiB: pool, driver or auto",
-     [](const char* name, const std::string& text, Settings& s) {
-       return s.small_road = env_one_of(
-                  name, text, kSmallRoadNames,
-                  "'pool' (the default: the caller copies it into a pool block and sends that), "
-                  "'driver' (one cudaMemcpyAsync from the pageable source: the CUDA driver "
-                  "stages it) or 'auto' (the driver's road after an idle gap of the calling "
-                  "thread, the pool's back to back)");
-     },
-     [](Settings& s) { return s.small_road; }, "default"},
-
     // libgomp's, read and never set: after a region torch's team spins (libgomp: 300000 spins
     // by default) unless these say otherwise; pinxfer then asks /proc at every copy.
     {"OMP_WAIT_POLICY",

@@ -44,9 +44,6 @@ inline constexpr const char* kSenderLandingNames[] = {"auto", "flag", "event"};
 // The values PINXFER_SENDER_OUTPUTS accepts: on whose stream prefetch's batch sender makes a
 // batch's device memory (ops/cuda/batch_sender.h, "Outputs").
 inline constexpr const char* kSenderOutputsNames[] = {"worker", "consumer", "auto"};
-// The values PINXFER_SMALL_ROAD accepts: which road a small pageable to_device takes
-// (transfer/cuda/pipeline.h, SmallRoad).
-inline constexpr const char* kSmallRoadNames[] = {"pool", "driver", "auto"};
 
 // The position of `text` in one of the name lists above, or -1: the one mapping from a
 // setting's name to its enum, whose values are in the list's order.
@@ -74,7 +71,6 @@ struct Settings {
   std::string sender_landing = "auto";  // PINXFER_SENDER_LANDING, one of kSenderLandingNames
   int sender_workers = 2;               // PINXFER_SENDER_WORKERS: batches in flight at a sender
   std::string sender_outputs = "auto";  // PINXFER_SENDER_OUTPUTS, one of kSenderOutputsNames
-  std::string small_road = "pool";      // PINXFER_SMALL_ROAD, one of kSmallRoadNames
   // libgomp's own variables, read (never set) to know whether torch's team keeps spinning
   // after a region (runtime/torch_team.h, team_spin_window_us): as gomp_word reads them (trimmed,
   // lower-cased), "" if unset or blank.

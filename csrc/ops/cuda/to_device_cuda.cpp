@@ -139,14 +139,11 @@ at::Tensor send_to_device(const at::Tensor& self, c10::Device device,
                           const transfer::StagingOptions& options, LargeCopies large,
                           const at::Tensor* into) {
   check_cuda_usable("to_device");
-  const bool follows_gap = transfer::send_follows_gap();  // PINXFER_SMALL_ROAD=auto's clock
   const c10::DeviceIndex index = resolve_device(device, "to_device");
   c10::cuda::CUDAGuard guard(index);
   const at::Tensor src = dense_source(self, "to_device");
   const size_t nbytes = src.nbytes();
-  const transfer::SourceMemory memory =
-      nbytes > 0 ? transfer::source_memory(src) : transfer::SourceMemory::kPageable;
-  const bool pinned = memory == transfer::SourceMemory::kDmaPinned;
+  const bool pinned = nbytes > 0 && transfer::is_dma_pinned(src);
   // A pipelined copy's helpers are woken first, so that they rise during the steps below
   // (pipeline.h, CopyCrew).
   const bool pipelined = nbytes > transfer::kCurrentStreamBytes && !pinned;
@@ -168,9 +165,6 @@ at::Tensor send_to_device(const at::Tensor& self, c10::Device device,
     if (nbytes == 0) return out;
     if (pinned) {
       transfer::direct_copy(src, out, cur);
-    } else if (memory == transfer::SourceMemory::kPageable &&
-               transfer::small_send_by_driver(follows_gap)) {
-      transfer::driver_staged_copy(src, out, cur);
     } else {
       transfer::caller_staged_copy(src, out, index, cur);
     }

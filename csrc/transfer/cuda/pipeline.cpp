@@ -17,8 +17,6 @@
 #include "memory/placement.h"
 #include "memory/pool_registry.h"
 #include "runtime/cuda_runtime.h"
-#include "runtime/settings.h"
-#include "runtime/steady_time.h"
 #include "runtime/thread_pool.h"
 #include "runtime/torch_team.h"
 #include "transfer/chunk_plan.h"
@@ -687,48 +685,6 @@ void caller_staged_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex
     throw;
   }
   return_staging(staging, pool, stream);
-}
-
-void driver_staged_copy(const at::Tensor& src, at::Tensor& out,
-                        const c10::cuda::CUDAStream& stream) {
-  Range range("pinxfer::h2d");
-  C10_CUDA_CHECK(cudaMemcpyAsync(out.data_ptr(), src.const_data_ptr(), src.nbytes(),
-                                 cudaMemcpyHostToDevice, stream.stream()));
-}
-
-namespace {
-enum class SmallRoad { kPool, kDriver, kAuto };  // kSmallRoadNames' order
-
-struct SmallRoadSetting {
-  SmallRoad road;
-  int64_t gap_ns;  // 'auto': a longer pause of the calling thread is a gap
-};
-
-const SmallRoadSetting& small_road_setting() {
-  static const SmallRoadSetting setting = [] {
-    const Settings& s = settings();
-    const int index = name_index(kSmallRoadNames, s.small_road);
-    TORCH_INTERNAL_ASSERT(index >= 0, "pinxfer: PINXFER_SMALL_ROAD was not checked");
-    return SmallRoadSetting{static_cast<SmallRoad>(index), int64_t{2000} * s.spin_us};
-  }();
-  return setting;
-}
-
-thread_local int64_t t_last_send_ns = 0;  // 0: none yet (the first send follows a gap)
-}  // namespace
-
-bool send_follows_gap() {
-  const SmallRoadSetting& setting = small_road_setting();
-  if (setting.road != SmallRoad::kAuto) return false;
-  const int64_t now = steady_now_ns();
-  const bool follows_gap = now - t_last_send_ns > setting.gap_ns;
-  t_last_send_ns = now;
-  return follows_gap;
-}
-
-bool small_send_by_driver(bool follows_gap) {
-  const SmallRoad road = small_road_setting().road;
-  return road == SmallRoad::kDriver || (road == SmallRoad::kAuto && follows_gap);
 }
 
 void direct_copy(const at::Tensor& src, at::Tensor& out, const c10::cuda::CUDAStream& stream) {

@@ -97,30 +97,6 @@ constexpr size_t kCurrentStreamBytes = kSerialBytes;
 void caller_staged_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex device,
                         const c10::cuda::CUDAStream& stream);
 
-// A small pageable source (memory CUDA knows nothing of: source_use.h's
-// SourceMemory::kPageable; not managed memory, which the copy would read later) sent by the
-// CUDA driver: one cudaMemcpyAsync from the pageable memory on `stream`. The driver copies it into
-// its own pinned staging before the call returns (the CUDA runtime's "API synchronization
-// behavior": pageable to device memory), so the source may be changed or freed at once, as after
-// caller_staged_copy. One driver call instead of the pool road's several (the pool's event query,
-// the copy, the DMA call, the block's event record): measured against it with PINXFER_SMALL_ROAD
-// (issue 22).
-void driver_staged_copy(const at::Tensor& src, at::Tensor& out,
-                        const c10::cuda::CUDAStream& stream);
-
-// Called once at the start of each to_device send of the calling thread: whether it follows
-// an idle gap of this thread (its last send, of any size, longer ago than twice
-// PINXFER_SPIN_US, as prefetch's sender tells a long consumer step). Read (and the clock
-// asked) only under PINXFER_SMALL_ROAD=auto; false otherwise.
-bool send_follows_gap();
-
-// Whether a small pageable send takes the driver's road (driver_staged_copy) rather than the
-// pool's (caller_staged_copy): PINXFER_SMALL_ROAD's 'pool' never, 'driver' always, 'auto'
-// when the send follows a gap (send_follows_gap), where every step of the pool's road runs
-// on a core that has just woken (issue 22: the driver's road was the shorter there on the
-// H100, 4-256 KiB, session 46).
-bool small_send_by_driver(bool follows_gap);
-
 // What the calling thread's last single-block transfer did (a diagnostic for
 // benchmarks/diag_midsize.py; thread-local, so a reader sees its own thread's last call).
 // Times are microseconds from the call's start; helper figures are as the caller left.

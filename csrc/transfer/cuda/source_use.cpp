@@ -32,20 +32,12 @@ void record_source_use(const at::Tensor& src, const c10::cuda::CUDAStream& strea
   keeper_for(stream.device_index()).keep_until_done(src.storage(), stream.unwrap());
 }
 
-SourceMemory source_memory(const at::Tensor& src) {
+bool is_dma_pinned(const at::Tensor& src) {
   void* ctx = src.storage().data_ptr().get_context();
   if (PinnedPool* pool = PinnedPool::owner_of(ctx)) {
-    return pool->lock_kind_of(ctx) == LockKind::kCudaRegistered ? SourceMemory::kDmaPinned
-                                                                : SourceMemory::kPageable;
+    return pool->lock_kind_of(ctx) == LockKind::kCudaRegistered;
   }
-  switch (cuda::host_memory_kind(src.data_ptr())) {
-    case cuda::HostMemoryKind::kPinned:
-      return SourceMemory::kDmaPinned;
-    case cuda::HostMemoryKind::kPageable:
-      return SourceMemory::kPageable;
-    default:
-      return SourceMemory::kOther;
-  }
+  return cuda::is_cuda_pinned(src.data_ptr());
 }
 
 }  // namespace pinxfer::transfer

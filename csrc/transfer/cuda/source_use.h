@@ -16,18 +16,9 @@
 
 namespace pinxfer::transfer {
 
-// How a transfer may read a source's memory: the DMA engine directly (cudaHostRegister'ed or
-// cudaHostAlloc'ed; not memory pinxfer mlocked), only through a host copy (pageable memory
-// CUDA knows nothing of: a pageable cudaMemcpyAsync stages it in the driver before
-// returning), or memory CUDA knows otherwise (managed memory: a cudaMemcpyAsync from it reads
-// it later, so only a host copy into pinxfer's staging frees the source at the return).
-enum class SourceMemory { kDmaPinned, kPageable, kOther };
-SourceMemory source_memory(const at::Tensor& src);
-
-// True if the DMA engine can read the tensor's memory directly.
-inline bool is_dma_pinned(const at::Tensor& src) {
-  return source_memory(src) == SourceMemory::kDmaPinned;
-}
+// True if the DMA engine can read the tensor's memory directly
+// (cudaHostRegister'ed or cudaHostAlloc'ed; not memory pinxfer mlocked).
+bool is_dma_pinned(const at::Tensor& src);
 
 // Tells whoever owns `src`'s memory that `stream` reads it.
 void record_source_use(const at::Tensor& src, const c10::cuda::CUDAStream& stream);
