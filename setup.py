@@ -122,10 +122,10 @@ if werror:
 # project's 2-core machine) and made _C 67 MB. Symbols stay, so a crash's stack still names
 # functions. PINXFER_DEBUG_INFO=1 builds with -g (line numbers in gdb); sanitizer builds always do.
 debug_info = os.environ.get("PINXFER_DEBUG_INFO", "0") == "1"
-if not (debug_info or sanitize):
-    cxx_flags.append("-g0")
-elif debug_info and not sanitize:
+if debug_info and not sanitize:  # a sanitizer build adds -g itself, below
     cxx_flags.append("-g")  # whether or not this Python's CFLAGS carry it
+elif not sanitize:
+    cxx_flags.append("-g0")
 link_flags = []
 define_macros = [
     ("PINXFER_WITH_CUDA", "1" if with_cuda else "0"),
@@ -172,7 +172,7 @@ except RuntimeError:
 debug_info_text = (
     "-g (PINXFER_DEBUG_INFO=1 or a sanitizer)"
     if debug_info or sanitize
-    else "none (-g0; PINXFER_DEBUG_INFO=1 keeps -g)"
+    else "none (-g0; PINXFER_DEBUG_INFO=1 builds with -g)"
 )
 Extension = cpp_extension.CUDAExtension if with_cuda else cpp_extension.CppExtension
 print(

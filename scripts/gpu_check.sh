@@ -510,8 +510,8 @@ if want loop; then
   echo "loop: $(( $(date +%s) - t0 )) s"
   # The run's verdicts beside its exit status: bench_loop exits 0 with targets missed. The
   # last line is the whole run's (with --process-per-size each size's child prints its own
-  # first; the first of those was taken for the run's, session 46).
-  # A run that failed has no line of its own: its last one would be a size's child's.
+  # first; the first of those was taken for the run's, session 46). A run that failed has no
+  # line of its own: its last one would be a size's child's.
   verdicts=""
   [ "$rc" -eq 0 ] && verdicts=$(grep '^targets: ' "$LOGS/loop.log" | tail -n 1)
   record loop "$(status_of "$rc")${verdicts:+ ($verdicts)}"
