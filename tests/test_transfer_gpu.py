@@ -361,6 +361,51 @@ def test_chunk_timeline_covers_every_chunk_in_order():
     assert pinxfer._C._last_chunk_timeline() == []  # off: nothing recorded
 
 
+SMALL_SEND_STEPS = [
+    "usable",
+    "device",
+    "source",
+    "pinned_check",
+    "capture_check",
+    "sources_released",
+    "stream",
+    "output",
+]
+
+
+@pytest.mark.parametrize("nbytes", [4096, MiB // 4])
+def test_step_stamps_of_a_small_send_cover_its_steps_in_order(nbytes):
+    """The diagnostic step stamps (benchmarks/diag_small_steps.py) of a small to_device: a
+    pageable source's call names every step of the caller-staged road in the order it runs,
+    each ending no earlier than the one before it, inside the Python call, on the clock of
+    time.perf_counter_ns; a pinned source's call names the direct road's. The copies are
+    exact with the stamps on, and with them off a call leaves the last record as it was."""
+    pinxfer._C._set_step_stamps(True)
+    try:
+        for seed in range(3):
+            x = _random_bytes(nbytes, seed=seed)
+            for source, road in (
+                (x, ["block", "staged", "queued", "returned"]),
+                (x.pin_memory(), ["queued"]),  # torch's pinned memory: one DMA
+            ):
+                called = time.perf_counter_ns()
+                y = pinxfer.to_device(source)
+                returned = time.perf_counter_ns()
+                record = pinxfer._C._last_step_stamps()
+                _check(y, x)
+                names = [name for name, _ in record["steps"]]
+                assert names == SMALL_SEND_STEPS + road
+                ends = [end_us for _, end_us in record["steps"]]
+                assert ends[0] >= 0 and ends == sorted(ends)
+                assert called <= record["entered_ns"]
+                assert record["entered_ns"] + ends[-1] * 1e3 <= returned + 1000  # µs -> ns
+    finally:
+        pinxfer._C._set_step_stamps(False)
+    before = pinxfer._C._last_step_stamps()
+    _check(pinxfer.to_device(_random_bytes(nbytes, seed=9)), _random_bytes(nbytes, seed=9))
+    assert pinxfer._C._last_step_stamps() == before  # off: nothing recorded
+
+
 def test_copy_does_not_wait_for_busy_current_stream():
     x = torch.randn(8 * MiB)
     pinxfer.to_device(x)  # warm

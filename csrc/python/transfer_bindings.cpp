@@ -17,6 +17,7 @@
 #include "python/plain_batch.h"
 #include "runtime/settings.h"
 #include "runtime/steady_time.h"
+#include "runtime/step_stamps.h"
 #include "transfer/cuda/pipeline.h"
 #endif
 
@@ -370,6 +371,21 @@ void bind_transfer(pybind11::module_& m) {
       "sources, streams), output_us (device output), block_us (pinned block from the pool), "
       "staged_us (bytes copied in; -1 when copy threads packed them), queued_us (DMAs), "
       "returned_us (block back to the pool), total_us (views made)");
+  m.def("_set_step_stamps", &set_step_stamps,
+        "DIAGNOSTIC: _set_step_stamps(on): this process's small to_device calls stamp their "
+        "host steps (read by _last_step_stamps)");
+  m.def(
+      "_last_step_stamps",
+      [] {
+        const StepStampsRecord record = last_step_stamps();
+        pybind11::dict d;
+        d["entered_ns"] = record.entered_ns;
+        d["steps"] = record.steps;
+        return d;
+      },
+      "DIAGNOSTIC: _last_step_stamps() -> dict: this thread's last stamped call: entered_ns "
+      "(its entry on time.perf_counter_ns's clock) and steps, a list of (name, microseconds "
+      "from the entry to the step's end) in order; steps is empty if none was stamped");
   m.def("_set_chunk_timeline", &transfer::set_chunk_timeline,
         "DIAGNOSTIC: _set_chunk_timeline(on): this process's single-block to_device "
         "transfers record a timing event per DMA span (read by _last_chunk_timeline)");

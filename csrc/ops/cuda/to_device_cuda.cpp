@@ -15,6 +15,7 @@
 #include "ops/kernels.h"
 #include "runtime/checked_size.h"
 #include "runtime/cuda_runtime.h"
+#include "runtime/step_stamps.h"
 #include "transfer/chunk_plan.h"
 #include "transfer/cuda/copy_streams.h"
 #include "transfer/cuda/pipeline.h"
@@ -138,19 +139,26 @@ transfer::StagingOptions staging_options(int64_t chunk_bytes, int64_t num_buffer
 at::Tensor send_to_device(const at::Tensor& self, c10::Device device,
                           const transfer::StagingOptions& options, LargeCopies large,
                           const at::Tensor* into) {
+  StepStamps stamps;  // a diagnostic, off by default (runtime/step_stamps.h)
   check_cuda_usable("to_device");
+  stamps.mark("usable");
   const c10::DeviceIndex index = resolve_device(device, "to_device");
   c10::cuda::CUDAGuard guard(index);
+  stamps.mark("device");
   const at::Tensor src = dense_source(self, "to_device");
   const size_t nbytes = src.nbytes();
+  stamps.mark("source");
   const bool pinned = nbytes > 0 && transfer::is_dma_pinned(src);
+  stamps.mark("pinned_check");
   // A pipelined copy's helpers are woken first, so that they rise during the steps below
   // (pipeline.h, CopyCrew).
   const bool pipelined = nbytes > transfer::kCurrentStreamBytes && !pinned;
   transfer::CopyCrew crew =
       pipelined ? transfer::muster_copy_crew(index, nbytes) : transfer::CopyCrew{};
   check_not_capturing("to_device", index);
+  stamps.mark("capture_check");
   transfer::release_finished_sources(index);
+  stamps.mark("sources_released");
   if (pipelined) crew.checked = std::chrono::steady_clock::now();  // the trace's steps
 
   const c10::cuda::CUDAStream cur = c10::cuda::getCurrentCUDAStream(index);
@@ -161,13 +169,17 @@ at::Tensor send_to_device(const at::Tensor& self, c10::Device device,
                         "pinxfer: a transfer's given output does not match its source");
   if (nbytes <= transfer::kCurrentStreamBytes) {
     // Small: on the caller's stream, by the caller (pipeline.h says why).
+    stamps.mark("stream");
     at::Tensor out = into != nullptr ? *into : transfer::device_empty(src.sizes(), on_device);
+    stamps.mark("output");
     if (nbytes == 0) return out;
     if (pinned) {
       transfer::direct_copy(src, out, cur);
+      stamps.mark("queued");
     } else {
-      transfer::caller_staged_copy(src, out, index, cur);
+      transfer::caller_staged_copy(src, out, index, cur, &stamps);
     }
+    stamps.publish();
     return out;
   }
   const bool on_current = large == LargeCopies::kCurrentStream;
