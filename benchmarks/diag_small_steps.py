@@ -50,20 +50,21 @@ def step_durations(pinxfer, t0: int, t1: int) -> dict[str, float]:
     """The last stamped call's steps as durations (µs), with the Python call's ends."""
     record = pinxfer._C._last_step_stamps()
     steps = record["steps"]
-    assert steps, "no stamped call: is pinxfer._C._set_step_stamps(True) on?"
+    # A call that published nothing (another road, an error) leaves the last record as it was.
+    assert steps and record["entered_ns"] >= t0, "this call left no stamps: not the small road?"
     out = {"python_in": (record["entered_ns"] - t0) / 1e3}
-    before = 0.0
+    previous_end = 0.0
     for name, end_us in steps:
-        out[name] = end_us - before
-        before = end_us
-    out["python_out"] = (t1 - record["entered_ns"]) / 1e3 - before
+        out[name] = end_us - previous_end
+        previous_end = end_us
+    out["python_out"] = (t1 - record["entered_ns"]) / 1e3 - previous_end
     return out
 
 
 def measure(pinxfer, nbytes: int, rounds: int, gap: str, loop_ways: bool) -> dict[str, Any]:
     dev = torch.device("cuda", torch.cuda.current_device())
     sync = torch.cuda.synchronize
-    before = gap_before_timed_call(gap, sync)
+    gap_before = gap_before_timed_call(gap, sync)
     t = torch.randn(nbytes // 4)
     pinned = t.pin_memory()
     if loop_ways:
@@ -89,7 +90,7 @@ def measure(pinxfer, nbytes: int, rounds: int, gap: str, loop_ways: bool) -> dic
             fn = ways[name]
             fn()  # the untimed twin, as bench_loop's cells
             sync()
-            before()
+            gap_before()
             t0 = time.perf_counter_ns()
             res = fn()
             t1 = time.perf_counter_ns()
@@ -130,15 +131,16 @@ def main() -> None:
         sys.exit(f"diag_small_steps: sizes above the small road's bound: {too_large}")
     result: dict[str, Any] = {
         "torch": torch.__version__,
-        "gpu": torch.cuda.get_device_name(),
+        "device": torch.cuda.get_device_name(),
         "stage_copy": os.environ.get("PINXFER_STAGE_COPY", "auto"),
         "rounds": args.rounds,
         "loop_ways": args.loop_ways,
+        "gaps": {},
     }
     pinxfer._C._set_step_stamps(True)
     try:
         for gap in args.gaps.split(","):
-            result[gap] = {
+            result["gaps"][gap] = {
                 size_label(n): measure(pinxfer, n, args.rounds, gap, args.loop_ways) for n in sizes
             }
     finally:

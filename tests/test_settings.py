@@ -376,6 +376,41 @@ def test_an_openmp_binding_of_the_main_thread_is_not_the_processs_cpus():
     assert int(worker_cpus) > int(bound), (worker_cpus, bound)
 
 
+def test_blank_omp_places_binds_nothing_so_a_narrowed_mask_stays_the_processs():
+    """OMP_PLACES of blanks alone is invalid to libgomp, which then binds nothing, and so is
+    any OMP_PLACES or GOMP_CPU_AFFINITY under OMP_PROC_BIND=false: a mask the process narrowed
+    itself (here to one CPU, before torch loads) is its own, not OpenMP's binding, and
+    pinxfer's copy threads keep to it. pinxfer used to take any non-empty OMP_PLACES, and any
+    value with OMP_PROC_BIND=false, for a binding and spread its copy threads over the whole
+    cpuset (found by review, sessions 46 and 47)."""
+    code = """
+        import os
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+        import torch, pinxfer
+        names, values, _, _ = zip(*pinxfer._C.settings())
+        threads = dict(zip(names, values))["PINXFER_NUM_THREADS"]
+        pinxfer.pin_memory(torch.randn(4 << 20), numa_node=0, num_threads=2)
+        masks = set()
+        for tid in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{tid}/status") as f:
+                lines = dict(l.split(":", 1) for l in f.read().splitlines() if ":" in l)
+            if lines["Name"].strip() == "pinxfer-copy":
+                masks.add(len(pinxfer._ops.parse_cpulist(lines["Cpus_allowed_list"])))
+        print("RESULT", max(masks, default=0), threads)  # 0: no copy threads beside this one
+    """
+    unset = {"OMP_PROC_BIND": None, "OMP_PLACES": None, "GOMP_CPU_AFFINITY": None}
+    for env in (
+        {"OMP_PLACES": " \t "},
+        {"OMP_PROC_BIND": " False", "OMP_PLACES": "cores"},
+        {"OMP_PROC_BIND": "false", "GOMP_CPU_AFFINITY": "0"},
+    ):
+        out = run_child(code, env={**unset, **env, "PINXFER_NUM_THREADS": None})
+        assert out.returncode == 0, (env, out.stdout + out.stderr)
+        worker_cpus, threads = out.stdout.split("RESULT ", 1)[1].split(" ", 1)
+        assert "OpenMP's binding" not in threads, (env, threads)
+        assert int(worker_cpus) <= 1, (env, worker_cpus)
+
+
 def test_derived_threads_follow_local_world_size_and_affinity():
     code = """
         import os, torch, pinxfer

@@ -24,6 +24,7 @@
 #include "ops/kernels.h"
 #include "python/call_breakdown.h"
 #include "runtime/cuda_runtime.h"
+#include "runtime/step_stamps.h"
 
 #if PINXFER_WITH_CUDA
 #include <ATen/detail/CUDAHooksInterface.h>
@@ -128,7 +129,11 @@ std::map<std::string, double> call_breakdown(int64_t iterations) {
         ns_per_call(iterations, [device] { transfer::release_finished_sources(device); });
     const c10::cuda::CUDAStream cur = c10::cuda::getCurrentCUDAStream(device);
     out["caller_staged_copy_4KiB"] = ns_per_call(
-        iterations, [&] { transfer::caller_staged_copy(pageable, dst, device, cur); },
+        iterations,
+        [&] {
+          StepStamps unpublished;  // stamps (if on) that no record will show
+          transfer::caller_staged_copy(pageable, dst, device, cur, unpublished);
+        },
         [] { C10_CUDA_CHECK(cudaDeviceSynchronize()); });
     const auto staging = ops::staging_options(int64_t{16} << 20, 4, "auto", -1);
     out["send_to_device_4KiB"] = ns_per_call(

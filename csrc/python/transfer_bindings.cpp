@@ -372,8 +372,8 @@ void bind_transfer(pybind11::module_& m) {
       "staged_us (bytes copied in; -1 when copy threads packed them), queued_us (DMAs), "
       "returned_us (block back to the pool), total_us (views made)");
   m.def("_set_step_stamps", &set_step_stamps,
-        "DIAGNOSTIC: _set_step_stamps(on): this process's small to_device calls stamp their "
-        "host steps (read by _last_step_stamps)");
+        "DIAGNOSTIC: _set_step_stamps(on): this process's to_device calls stamp their host "
+        "steps, and those of the small road (<= 256 KiB) publish them (_last_step_stamps)");
   m.def(
       "_last_step_stamps",
       [] {

@@ -148,18 +148,23 @@ std::vector<int> cgroup_cpuset_ids(const std::string& cgroup_root,
 
 namespace {
 // Whether libgomp was asked to bind threads (it then binds the initial thread, this one,
-// to its first place as torch loads it): the variables libgomp reads for that.
+// to its first place as torch loads it): the variables libgomp reads for that, as it reads
+// them (gomp_word: past blanks and case).
 bool openmp_binds_threads() {
-  const char* bind = std::getenv("OMP_PROC_BIND");
-  if (bind != nullptr) {
-    const std::string word = gomp_word(bind);  // past blanks and case, as libgomp reads it
-    if (!word.empty() && word.rfind("false", 0) != 0) return true;
+  if (const char* bind = std::getenv("OMP_PROC_BIND")) {
+    const std::string word = gomp_word(bind);
+    // false: libgomp then ignores OMP_PLACES and GOMP_CPU_AFFINITY and binds nothing.
+    if (word.rfind("false", 0) == 0) return false;
+    if (!word.empty()) return true;
   }
-  for (const char* name : {"OMP_PLACES", "GOMP_CPU_AFFINITY"}) {
-    const char* value = std::getenv(name);
-    if (value != nullptr && *value != '\0') return true;
+  // OMP_PLACES of blanks alone is invalid to every libgomp, which then binds nothing (so is
+  // any other value it cannot parse; those are taken for a binding here). Not so
+  // GOMP_CPU_AFFINITY: the libgomp of many GCC releases, torch's bundled one among them, reads
+  // an empty or blank list as CPU 0 and binds (newer ones call it invalid). Any value counts.
+  if (const char* places = std::getenv("OMP_PLACES")) {
+    if (!gomp_word(places).empty()) return true;
   }
-  return false;
+  return std::getenv("GOMP_CPU_AFFINITY") != nullptr;
 }
 
 // The machine's online CPUs' ids; empty if unreadable.

@@ -1,8 +1,10 @@
 // DIAGNOSTIC: named host steps of one call, for finding where a call's time goes after an idle
-// gap (issue 22, benchmarks/diag_small_steps.py). Off by default: a call pays one relaxed load
-// per stamp site. While on (set_step_stamps), a call that holds a StepStamps stamps each step's
-// end on the steady clock (CLOCK_MONOTONIC, as Python's time.perf_counter_ns) and, at its end,
-// leaves them as the calling thread's last (last_step_stamps).
+// gap (issue 22, benchmarks/diag_small_steps.py). Off by default: a call reads one relaxed flag
+// (when its StepStamps is made) and branches on a member at each step. While on
+// (set_step_stamps), a call that holds a StepStamps stamps each step's end on the steady clock
+// (CLOCK_MONOTONIC, as Python's time.perf_counter_ns) into a buffer of its thread, which keeps its
+// room from call to call, and a call that publishes leaves them as the thread's last
+// (last_step_stamps): stamping allocates nothing once the thread's buffers have grown.
 #pragma once
 
 #include <cstdint>
@@ -22,7 +24,8 @@ struct StepStampsRecord {
 };
 StepStampsRecord last_step_stamps();
 
-// One call's stamps, on its stack: the entry is stamped at construction.
+// One call's stamps, on its stack: the entry is stamped at construction. One at a time on a
+// thread (a second one made while another lives would share its buffer).
 class StepStamps {
  public:
   StepStamps();
@@ -39,8 +42,6 @@ class StepStamps {
   void mark_now(const char* step);
 
   bool on_;
-  int64_t entered_ns_ = 0;
-  std::vector<std::pair<const char*, int64_t>> marks_;  // names are string literals
 };
 
 }  // namespace pinxfer

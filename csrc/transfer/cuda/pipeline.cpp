@@ -17,6 +17,7 @@
 #include "memory/placement.h"
 #include "memory/pool_registry.h"
 #include "runtime/cuda_runtime.h"
+#include "runtime/step_stamps.h"
 #include "runtime/thread_pool.h"
 #include "runtime/torch_team.h"
 #include "transfer/chunk_plan.h"
@@ -661,17 +662,14 @@ void set_helper_stall_us(int64_t us) {
 }
 
 void caller_staged_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex device,
-                        const c10::cuda::CUDAStream& stream, StepStamps* stamps) {
+                        const c10::cuda::CUDAStream& stream, StepStamps& stamps) {
   const size_t nbytes = src.nbytes();
   TORCH_INTERNAL_ASSERT(nbytes <= kCurrentStreamBytes, "pinxfer: caller_staged_copy of ", nbytes,
                         " bytes");
-  const auto mark = [stamps](const char* step) {
-    if (stamps != nullptr) stamps->mark(step);
-  };
   PinnedPool& pool = pool_for_node(numa_node_for_device(device));
   std::vector<c10::DataPtr> staging;
   staging.push_back(pool.allocate(nbytes));
-  mark("block");
+  stamps.mark("block");
   {
     Range range("pinxfer::stage");
     // Read by the DMA at once: nontemporal (the policy for a transfer this
@@ -680,7 +678,7 @@ void caller_staged_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex
     stage_copy(static_cast<char*>(staging[0].get()), static_cast<const char*>(src.const_data_ptr()),
                nbytes, policy.kind_for(nbytes, nbytes));
   }
-  mark("staged");
+  stamps.mark("staged");
   try {
     Range range("pinxfer::h2d");
     C10_CUDA_CHECK(cudaMemcpyAsync(out.data_ptr(), staging[0].get(), nbytes, cudaMemcpyHostToDevice,
@@ -689,9 +687,9 @@ void caller_staged_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex
     return_staging(staging, pool, stream);
     throw;
   }
-  mark("queued");
+  stamps.mark("queued");
   return_staging(staging, pool, stream);
-  mark("returned");
+  stamps.mark("returned");
 }
 
 void direct_copy(const at::Tensor& src, at::Tensor& out, const c10::cuda::CUDAStream& stream) {

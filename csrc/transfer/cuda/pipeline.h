@@ -39,11 +39,12 @@
 #include <cstdint>
 #include <vector>
 
-#include "runtime/step_stamps.h"
 #include "transfer/chunk_plan.h"
 #include "transfer/stage_copy.h"
 
 namespace pinxfer {
+
+class StepStamps;  // runtime/step_stamps.h
 class ThreadPool;
 }  // namespace pinxfer
 
@@ -95,9 +96,9 @@ constexpr size_t kCurrentStreamBytes = kSerialBytes;
 // caller's current stream. No copy threads are woken, no cross-stream event.
 // The block goes back to the pool marked as read by `stream`, so it is reused
 // only after the DMA.
-// `stamps` (may be null): its steps block, staged, queued and returned are marked.
+// Marks its steps block, staged, queued and returned in `stamps` (a diagnostic, off by default).
 void caller_staged_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex device,
-                        const c10::cuda::CUDAStream& stream, StepStamps* stamps = nullptr);
+                        const c10::cuda::CUDAStream& stream, StepStamps& stamps);
 
 // What the calling thread's last single-block transfer did (a diagnostic for
 // benchmarks/diag_midsize.py; thread-local, so a reader sees its own thread's last call).
