@@ -159,6 +159,24 @@ def gap_before_timed_call(gap: str, sync) -> Callable[[], None]:
     return gpu_gap
 
 
+def timed_after_twin(
+    fn: Callable[[], Any], sync: Callable[[], None], gap_before: Callable[[], None]
+) -> tuple[int, int, int]:
+    """One timed call of a way as bench_loop's cells make it: an untimed call of the same way
+    (synchronized), the gap (gap_before_timed_call), then the timed call and a synchronize.
+    Returns time.perf_counter_ns() at the call, at its return and at the synchronize's end."""
+    fn()
+    sync()
+    gap_before()
+    t0 = time.perf_counter_ns()
+    res = fn()
+    t1 = time.perf_counter_ns()
+    sync()
+    t2 = time.perf_counter_ns()
+    del res
+    return t0, t1, t2
+
+
 def measure(
     sizes: list[int],
     rounds: int,

@@ -47,7 +47,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_loop import GAP_S, balanced_rounds, gpu_sleep_cycles, parse_sizes, size_label
 from diag_batch import make_batch
-from diag_midsize import gap_before_timed_call
+from diag_midsize import gap_before_timed_call, timed_after_twin
 
 
 def packed_bytes(batch: dict) -> torch.Tensor:
@@ -89,18 +89,9 @@ def measure_gap(pinxfer, sizes: list[int], rounds: int, gap: str) -> dict:
         call: dict[str, list[float]] = {w: [] for w in ways}
         for order in balanced_rounds(list(ways), rounds):
             for name in order:
-                fn = ways[name]
-                fn()  # the untimed twin, as bench_loop's cells
-                sync()
-                before()
-                t0 = time.perf_counter()
-                res = fn()
-                t1 = time.perf_counter()
-                sync()
-                t2 = time.perf_counter()
-                del res
-                call[name].append((t1 - t0) * 1e6)
-                wall[name].append((t2 - t0) * 1e6)
+                t0, t1, t2 = timed_after_twin(ways[name], sync, before)
+                call[name].append((t1 - t0) / 1e3)
+                wall[name].append((t2 - t0) / 1e3)
         out[size_label(nbytes)] = {
             w: {
                 "median_us": round(statistics.median(wall[w]), 1),

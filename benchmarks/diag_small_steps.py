@@ -30,7 +30,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from typing import Any
 
 import torch
@@ -39,7 +38,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_loop import balanced_rounds, call_ways, parse_sizes, size_label
 from diag_batch import make_batch
-from diag_midsize import gap_before_timed_call
+from diag_midsize import gap_before_timed_call, timed_after_twin
 
 
 def median_of(rows: list[dict[str, float]]) -> dict[str, float]:
@@ -87,16 +86,7 @@ def measure(pinxfer, nbytes: int, rounds: int, gap: str, loop_ways: bool) -> dic
     previous = "none"
     for order in balanced_rounds(list(ways), rounds):
         for name in order:
-            fn = ways[name]
-            fn()  # the untimed twin, as bench_loop's cells
-            sync()
-            gap_before()
-            t0 = time.perf_counter_ns()
-            res = fn()
-            t1 = time.perf_counter_ns()
-            sync()
-            t2 = time.perf_counter_ns()
-            del res
+            t0, t1, t2 = timed_after_twin(ways[name], sync, gap_before)
             row = {"wall": (t2 - t0) / 1e3, "call": (t1 - t0) / 1e3, "sync": (t2 - t1) / 1e3}
             if name == "px_to_device":
                 row |= step_durations(pinxfer, t0, t1)

@@ -347,15 +347,10 @@ def test_local_world_size_is_read_whole_or_means_one(text, ranks):
     assert f"RANKS {ranks}" in out.stdout, out.stdout
 
 
-def test_an_openmp_binding_of_the_main_thread_is_not_the_processs_cpus():
-    """OMP_PROC_BIND makes libgomp bind the initial thread to one place as torch loads it:
-    pinxfer read that one CPU as the process's, ran one copy thread, and its workers
-    inherited the caller's core (found by review, session 44). It now reads the process's
-    cpuset (or the online CPUs), and binds its workers there. A real interpreter: the
-    binding happens when libgomp loads, which the fresh-process zygote did without it."""
-    code = """
-        import os, torch, pinxfer
-        bound = len(os.sched_getaffinity(0))
+# A child's reading, after `import os, torch, pinxfer`: pinxfer's PINXFER_NUM_THREADS setting
+# (threads) and the CPU count of each of its copy threads' masks (masks), after a pin that
+# starts them. The OpenMP binding tests below share it.
+_COPY_THREAD_CPUS = textwrap.dedent("""
         names, values, _, _ = zip(*pinxfer._C.settings())
         threads = dict(zip(names, values))["PINXFER_NUM_THREADS"]
         pinxfer.pin_memory(torch.randn(4 << 20), numa_node=0, num_threads=2)
@@ -365,8 +360,23 @@ def test_an_openmp_binding_of_the_main_thread_is_not_the_processs_cpus():
                 lines = dict(l.split(":", 1) for l in f.read().splitlines() if ":" in l)
             if lines["Name"].strip() == "pinxfer-copy":
                 masks.add(len(pinxfer._ops.parse_cpulist(lines["Cpus_allowed_list"])))
-        print("RESULT", bound, os.cpu_count(), min(masks), threads)
-    """
+""")
+
+
+def test_an_openmp_binding_of_the_main_thread_is_not_the_processs_cpus():
+    """OMP_PROC_BIND makes libgomp bind the initial thread to one place as torch loads it:
+    pinxfer read that one CPU as the process's, ran one copy thread, and its workers
+    inherited the caller's core (found by review, session 44). It now reads the process's
+    cpuset (or the online CPUs), and binds its workers there. A real interpreter: the
+    binding happens when libgomp loads, which the fresh-process zygote did without it."""
+    code = (
+        textwrap.dedent("""
+            import os, torch, pinxfer
+            bound = len(os.sched_getaffinity(0))
+        """)
+        + _COPY_THREAD_CPUS
+        + 'print("RESULT", bound, os.cpu_count(), min(masks), threads)\n'
+    )
     out = run_child(code, env={"OMP_PROC_BIND": "true", "PINXFER_NUM_THREADS": None})
     assert out.returncode == 0, out.stdout + out.stderr
     bound, cpus, worker_cpus, threads = out.stdout.split("RESULT ", 1)[1].split(" ", 3)
@@ -383,21 +393,15 @@ def test_blank_omp_places_binds_nothing_so_a_narrowed_mask_stays_the_processs():
     pinxfer's copy threads keep to it. pinxfer used to take any non-empty OMP_PLACES, and any
     value with OMP_PROC_BIND=false, for a binding and spread its copy threads over the whole
     cpuset (found by review, sessions 46 and 47)."""
-    code = """
-        import os
-        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
-        import torch, pinxfer
-        names, values, _, _ = zip(*pinxfer._C.settings())
-        threads = dict(zip(names, values))["PINXFER_NUM_THREADS"]
-        pinxfer.pin_memory(torch.randn(4 << 20), numa_node=0, num_threads=2)
-        masks = set()
-        for tid in os.listdir("/proc/self/task"):
-            with open(f"/proc/self/task/{tid}/status") as f:
-                lines = dict(l.split(":", 1) for l in f.read().splitlines() if ":" in l)
-            if lines["Name"].strip() == "pinxfer-copy":
-                masks.add(len(pinxfer._ops.parse_cpulist(lines["Cpus_allowed_list"])))
-        print("RESULT", max(masks, default=0), threads)  # 0: no copy threads beside this one
-    """
+    code = (
+        textwrap.dedent("""
+            import os
+            os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+            import torch, pinxfer
+        """)
+        + _COPY_THREAD_CPUS
+        + 'print("RESULT", max(masks, default=0), threads)  # 0: no copy threads but this one\n'
+    )
     unset = {"OMP_PROC_BIND": None, "OMP_PLACES": None, "GOMP_CPU_AFFINITY": None}
     for env in (
         {"OMP_PLACES": " \t "},
