@@ -3,8 +3,11 @@ event-gated reuse (a block is never handed out while a copy may read it)."""
 
 from __future__ import annotations
 
+import gc
 import os
 import textwrap
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -253,6 +256,86 @@ def test_a_fence_batch_flushed_while_its_stream_captures_is_held():
     again = pinxfer.empty(64 * KiB, dtype=torch.uint8)
     assert again.data_ptr() != ptr  # held: not handed out
     del big, again, g
+
+
+def _capture_begun_during_a_paused_record(work_on_another_thread, side, dev):
+    """Runs work_on_another_thread (a free, or an allocation that flushes a fence batch) on
+    a thread of its own with every event record of the pool paused after its capture check,
+    and begins a capture on `side` during that pause; the record then lands in the capture.
+    Returns the pool's stats from before and after."""
+    gc.collect()  # no pool tensor freed by the graph's own gc.collect() during the pause
+    before = pinxfer.memory_stats()
+    pinxfer._C._set_use_record_pause_us(400_000)
+    worker = threading.Thread(target=work_on_another_thread)
+    g = torch.cuda.CUDAGraph()
+    try:
+        worker.start()
+        time.sleep(0.15)  # the worker has asked the stream (not capturing) and pauses
+        with torch.cuda.graph(g, stream=side, capture_error_mode="relaxed"):
+            dev.add_(1)
+            worker.join()  # its record goes into this capture
+    finally:
+        pinxfer._C._set_use_record_pause_us(0)
+        worker.join()
+    after = pinxfer.memory_stats()
+    g.replay()
+    torch.cuda.synchronize()
+    del g
+    return before, after
+
+
+def test_a_capture_begun_between_a_frees_check_and_its_event_record_holds_the_block():
+    """A block freed on one thread while another begins a capture on the stream that read
+    it: the free asked the stream (not capturing), then recorded its event, which the
+    capture took as a node of its graph. That event says nothing of the copy queued before
+    the capture, so the free holds the block as a free under a capture does, and never
+    reuses the event (found by review in session 44; before session 48 the block waited for
+    the captured event)."""
+    side = torch.cuda.Stream()
+    dev = torch.empty(64 * KiB, dtype=torch.uint8, device="cuda")
+    a = pinxfer.empty(64 * KiB, dtype=torch.uint8)
+    with torch.cuda.stream(side):
+        dev.copy_(a, non_blocking=True)
+        pinxfer.record_stream(a, side)  # a recorded use: the free records an event of its own
+    ptr = a.data_ptr()
+    last_reference = [a]
+    del a
+    before, after = _capture_begun_during_a_paused_record(last_reference.clear, side, dev)
+    assert after["held_blocks.current"] == before["held_blocks.current"] + 1, (before, after)
+    assert after["pending_blocks.current"] == before["pending_blocks.current"], (before, after)
+    again = pinxfer.empty(64 * KiB, dtype=torch.uint8)
+    assert again.data_ptr() != ptr  # held: not handed out
+    del again
+    pinxfer.empty_cache()  # synchronizes, then gives held blocks back
+    assert pinxfer.memory_stats()["held_blocks.current"] == before["held_blocks.current"]
+
+
+def test_a_capture_begun_between_a_fence_flushs_check_and_its_marker_holds_the_batch():
+    """The same race for a fence batch: its marker is recorded at a flush (here a miss on
+    another thread), after the flush asked the stream; a capture begun in between took the
+    marker, so the batch is held and the marker never waited for."""
+    side = torch.cuda.Stream()
+    dev = torch.empty(64 * KiB, dtype=torch.uint8, device="cuda")
+    with torch.cuda.stream(side):
+        a = pinxfer.empty(64 * KiB, dtype=torch.uint8)
+        dev.copy_(a, non_blocking=True)
+        ptr = a.data_ptr()
+        del a  # no recorded use: fenced on `side`, its current stream
+    miss_bytes = _bytes_no_cached_block_fits()
+    made = []
+    before, after = _capture_begun_during_a_paused_record(
+        lambda: made.append(pinxfer.empty(miss_bytes, dtype=torch.uint8)), side, dev
+    )
+    assert after["num_fenced_frees"] >= 1
+    assert after["held_blocks.current"] == before["held_blocks.current"] + 1, (before, after)
+    assert after["pending_blocks.current"] == before["pending_blocks.current"] - 1
+    assert after["num_fence_markers"] == before["num_fence_markers"], (before, after)
+    again = pinxfer.empty(64 * KiB, dtype=torch.uint8)
+    assert again.data_ptr() != ptr  # held: not handed out
+    del again
+    made.clear()
+    pinxfer.empty_cache()
+    assert pinxfer.memory_stats()["held_blocks.current"] == before["held_blocks.current"]
 
 
 def test_a_small_block_goes_to_the_bin_of_its_size_once_its_copy_is_done():

@@ -84,8 +84,45 @@ constexpr size_t kFenceBatchBlocks = 8;
 constexpr size_t kFenceBatchBytes = size_t{256} << 10;
 
 std::atomic<int64_t> g_debug_pause_us{0};
+std::atomic<int64_t> g_use_record_pause_us{0};
+
+// What record_use_event got.
+enum class UseEvent { kRecorded, kCapturing, kFailed };
+
+// An event on `stream` behind the work queued on it so far, for a caller that has just asked
+// the stream whether it captures (it did not) and read graph_pools::captures_begun() before
+// asking (`captures_seen`). Another thread may begin a capture on the stream between that
+// question and this record; the record is then a node of its graph and says nothing of the
+// work queued before the capture, so a block waiting for it could be reused while a copy still
+// reads it. So the stream is asked again after the record, and the registry's count of
+// captures read again: either says a capture may have begun, and the answer is kCapturing
+// (the caller holds the block, as a free under a capture does) with the event given up,
+// neither waited for nor ever reused (each replay of the graph may record it). A capture that
+// begins and ends entirely between the record and the second question, unknown to the
+// registry (not begun through torch with pinxfer installed), is not seen: the freeing thread
+// would have to be descheduled across a whole capture between two of its CUDA calls.
+// kFailed: a CUDA error (in *error); no event to wait for.
+UseEvent record_use_event(const c10::Stream& stream, uint64_t captures_seen, cuda::Event* out,
+                          std::string* error) {
+  const int64_t pause_us = g_use_record_pause_us.load(std::memory_order_relaxed);
+  if (pause_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(pause_us));
+  if (!cuda::try_record_event(stream, out, error)) return UseEvent::kFailed;
+  std::string check_error;
+  const bool capturing = cuda::stream_is_capturing(stream, &check_error);
+  if (capturing || !check_error.empty() || graph_pools::captures_begun() != captures_seen) {
+    *out = cuda::Event{};  // given up: see above
+    if (!check_error.empty()) {
+      *error = check_error;
+      return UseEvent::kFailed;
+    }
+    return UseEvent::kCapturing;
+  }
+  return UseEvent::kRecorded;
+}
 
 }  // namespace
+
+void set_use_record_pause_us(int64_t us) { g_use_record_pause_us.store(us < 0 ? 0 : us); }
 
 void debug_pause() {
   const int64_t us = g_debug_pause_us.load(std::memory_order_relaxed);
@@ -553,6 +590,7 @@ void PinnedPool::free(Block* block) {
   bool fenced = false;
   const std::vector<c10::Stream> streams =
       streams_to_wait_for(std::move(uses), kind, fence_unrecorded, &fenced);
+  const uint64_t captures_seen = graph_pools::captures_begun();
   std::vector<PendingUse> pending;
   bool event_failed = false;
   std::string error;
@@ -581,18 +619,29 @@ void PinnedPool::free(Block* block) {
     return;
   }
   std::vector<c10::Stream> waited;
+  bool captured_meanwhile = false;  // a capture began on a stream since the question above
   for (const auto& s : streams) {
-    if (event_failed) break;
+    if (event_failed) break;  // the capture question above failed
     cuda::Event ev;
-    if (cuda::try_record_event(s, &ev, &error)) {
+    const UseEvent got = record_use_event(s, captures_seen, &ev, &error);
+    if (got == UseEvent::kRecorded) {
       pending.push_back({PendingUse::Kind::kBlock, ev, block});
       waited.push_back(s);
-    } else {
-      event_failed = true;
+      continue;
     }
+    event_failed = got == UseEvent::kFailed;
+    captured_meanwhile = got == UseEvent::kCapturing;
+    break;
   }
   std::lock_guard<std::mutex> lock(mutex_);
   if (fenced) ++stats_.num_fenced_frees;
+  if (captured_meanwhile) {
+    // The events recorded before it are sound but no longer needed: the block is held.
+    for (auto& p : pending) cuda::release_event(p.event);
+    hold_locked(block);
+    check_invariants_locked();
+    return;
+  }
   if (event_failed) {
     // We cannot prove the copies reading this block are done: never reuse it.
     // It stays in_use (poisoned) and its memory stays reserved.
@@ -737,9 +786,15 @@ cuda::Event PinnedPool::flush_fence_locked(const c10::Stream& stream, StreamFifo
   // Recorded under the lock: a marker covers exactly the fenced entries queued before
   // it, each freed before this record.
   std::string error;
-  const bool capturing = cuda::stream_is_capturing(stream, &error);
+  const uint64_t captures_seen = graph_pools::captures_begun();
+  bool capturing = cuda::stream_is_capturing(stream, &error);
   cuda::Event marker;
-  if (!capturing && error.empty() && cuda::try_record_event(stream, &marker, &error)) {
+  UseEvent got = UseEvent::kFailed;
+  if (!capturing && error.empty()) {
+    got = record_use_event(stream, captures_seen, &marker, &error);
+    capturing = got == UseEvent::kCapturing;
+  }
+  if (got == UseEvent::kRecorded) {
     PendingUse use;
     use.kind = PendingUse::Kind::kFenceMarker;
     use.event = marker;
@@ -748,8 +803,9 @@ cuda::Event PinnedPool::flush_fence_locked(const c10::Stream& stream, StreamFifo
     return marker;
   }
   // No marker: the batch (the fenced entries behind the last marker) leaves the FIFO.
-  // A capture began on the stream since the frees: an event now would be a graph node,
-  // so the blocks are held, as a free under capture is. A CUDA error: poisoned.
+  // A capture began on the stream since the frees (or during the marker's record:
+  // record_use_event): an event now would be a graph node, so the blocks are held, as a free
+  // under capture is. A CUDA error: poisoned.
   auto last_marker = std::find_if(fifo.uses.rbegin(), fifo.uses.rend(), [](const PendingUse& u) {
     return u.kind == PendingUse::Kind::kFenceMarker;
   });

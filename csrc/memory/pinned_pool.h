@@ -422,5 +422,9 @@ class PinnedPool {
 void set_debug_pause_us(int64_t us);
 // Sleeps as set_debug_pause_us says (nothing when off): where the pauses are.
 void debug_pause();
+// Test-only: every event a freed block's stream use (or a fence batch) records sleeps this
+// long first, after the capture check before it (0: off), so that a test can begin a capture
+// on the stream in between (pinned_pool.cpp, record_use_event).
+void set_use_record_pause_us(int64_t us);
 
 }  // namespace pinxfer

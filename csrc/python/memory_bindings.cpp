@@ -110,6 +110,10 @@ void bind_memory(pybind11::module_& m) {
   m.def("_set_debug_pause_us",
         wrap_pybind_function_no_gil([](int64_t us) { set_debug_pause_us(us); }),
         "TEST-ONLY: allocate/free sleep this many microseconds between their critical sections");
+  m.def("_set_use_record_pause_us",
+        wrap_pybind_function_no_gil([](int64_t us) { set_use_record_pause_us(us); }),
+        "TEST-ONLY: a freed block's event record (and a fence batch's) sleeps this many "
+        "microseconds after the stream's capture check, before the record");
   // TEST-ONLY fault injection, not an API: the next n cudaHostRegister calls of the pool's
   // segment mapping fail (as cudaErrorMemoryAllocation), so tests can check the documented
   // fallback (mlock, one warning).
