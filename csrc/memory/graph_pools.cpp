@@ -38,8 +38,6 @@ std::vector<Capture>* g_captures = new std::vector<Capture>();
 std::vector<PoolId>* g_released = new std::vector<PoolId>();  // use count reached 0
 // captures().empty(), readable without the lock (the allocation fast path).
 std::atomic<bool> g_no_capture{true};
-// captures_begun(): only grows (a forked child keeps counting from the parent's value).
-std::atomic<uint64_t> g_captures_begun{0};
 
 std::shared_mutex& registry_mutex() { return *g_registry_mutex; }
 std::mutex& capture_begins_mutex() { return *g_capture_begins_mutex; }
@@ -108,7 +106,6 @@ void begin_allocate_to_pool(PoolId id, StreamFilter filter, int device) {
   }
   captures().push_back({id, std::move(filter), false});
   g_no_capture.store(false, std::memory_order_relaxed);
-  g_captures_begun.fetch_add(1, std::memory_order_seq_cst);
 }
 
 void begin_capture_served_elsewhere(PoolId id, StreamFilter filter) {
@@ -119,7 +116,6 @@ void begin_capture_served_elsewhere(PoolId id, StreamFilter filter) {
   check_not_routed_locked(id);
   captures().push_back({id, std::move(filter), true});
   g_no_capture.store(false, std::memory_order_relaxed);
-  g_captures_begun.fetch_add(1, std::memory_order_seq_cst);
 }
 
 bool end_allocate_to_pool(PoolId id) {
@@ -167,8 +163,6 @@ PoolId pool_for_current_stream() {
 }
 
 bool any_capture_open() { return !g_no_capture.load(std::memory_order_relaxed); }
-
-uint64_t captures_begun() { return g_captures_begun.load(std::memory_order_seq_cst); }
 
 std::unique_lock<std::mutex> hold_off_capture_begins() {
   return std::unique_lock<std::mutex>(capture_begins_mutex());

@@ -78,11 +78,6 @@ PoolId pool_for_current_stream();
 // True while any begin_allocate_to_pool has no end yet (never in a forked child, whose
 // registry starts empty).
 bool any_capture_open();
-// How many captures torch has told the registry of so far (begin_allocate_to_pool and
-// begin_capture_served_elsewhere; only while installed). A caller that asks a stream whether
-// it captures and then records an event on it reads this before the question and after the
-// record: a change means a capture began in between (pinned_pool.cpp, record_use_event).
-uint64_t captures_begun();
 // Graph pools whose graphs have not released them yet (use count > 0): torch
 // will call release_pool for each on the host allocator installed *then*.
 size_t live_pools();

@@ -84,45 +84,54 @@ constexpr size_t kFenceBatchBlocks = 8;
 constexpr size_t kFenceBatchBytes = size_t{256} << 10;
 
 std::atomic<int64_t> g_debug_pause_us{0};
-std::atomic<int64_t> g_use_record_pause_us{0};
+// Test-only (hold_use_records): records held, and how many are waiting now.
+std::atomic<bool> g_use_records_held{false};
+std::atomic<int> g_use_records_waiting{0};
+constexpr auto kUseRecordHoldLimit = std::chrono::seconds(10);
 
-// What record_use_event got.
-enum class UseEvent { kRecorded, kCapturing, kFailed };
+// Whether a stream may get an event that says when the work queued on it so far is done.
+enum class StreamState {
+  kClear,      // not capturing (record_use_event: and the event is recorded)
+  kCapturing,  // capturing a CUDA graph: an event recorded there is captured, no such event
+  kFailed,     // a CUDA error (in *error)
+};
 
-// An event on `stream` behind the work queued on it so far, for a caller that has just asked
-// the stream whether it captures (it did not) and read graph_pools::captures_begun() before
-// asking (`captures_seen`). Another thread may begin a capture on the stream between that
-// question and this record; the record is then a node of its graph and says nothing of the
-// work queued before the capture, so a block waiting for it could be reused while a copy still
-// reads it. So the stream is asked again after the record, and the registry's count of
-// captures read again: either says a capture may have begun, and the answer is kCapturing
-// (the caller holds the block, as a free under a capture does) with the event given up,
-// neither waited for nor ever reused (each replay of the graph may record it). A capture that
-// begins and ends entirely between the record and the second question, unknown to the
-// registry (not begun through torch with pinxfer installed), is not seen: the freeing thread
-// would have to be descheduled across a whole capture between two of its CUDA calls.
-// kFailed: a CUDA error (in *error); no event to wait for.
-UseEvent record_use_event(const c10::Stream& stream, uint64_t captures_seen, cuda::Event* out,
-                          std::string* error) {
-  const int64_t pause_us = g_use_record_pause_us.load(std::memory_order_relaxed);
-  if (pause_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(pause_us));
-  if (!cuda::try_record_event(stream, out, error)) return UseEvent::kFailed;
-  std::string check_error;
-  const bool capturing = cuda::stream_is_capturing(stream, &check_error);
-  if (capturing || !check_error.empty() || graph_pools::captures_begun() != captures_seen) {
-    *out = cuda::Event{};  // given up: see above
-    if (!check_error.empty()) {
-      *error = check_error;
-      return UseEvent::kFailed;
+StreamState capture_state(const c10::Stream& stream, std::string* error) {
+  const bool capturing = cuda::stream_is_capturing(stream, error);
+  if (!error->empty()) return StreamState::kFailed;
+  return capturing ? StreamState::kCapturing : StreamState::kClear;
+}
+
+// An event on `stream` behind the work queued on it so far, for a freed block or a fence
+// batch's marker: kClear with *out recorded, unless the stream captures (kCapturing: the
+// caller holds the blocks, as a free under a capture does) or CUDA fails (kFailed).
+// The stream is asked before the record and again after it: another thread may begin a
+// capture on the stream in between, and the capture then takes the record, which says nothing
+// of the work queued before the capture (its query fails afterwards: cudaErrorInvalidValue on
+// an H100, session 48). Such an event is abandoned: neither waited for nor put back in the
+// free list (one cudaEvent_t leaked per race). Not seen: a capture that begins after the first
+// question and ends before the second, the freeing thread descheduled across all of it.
+StreamState record_use_event(const c10::Stream& stream, cuda::Event* out, std::string* error) {
+  const StreamState before = capture_state(stream, error);
+  if (before != StreamState::kClear) return before;
+  if (g_use_records_held.load()) {  // tests only: a capture may begin on the stream now
+    g_use_records_waiting.fetch_add(1);
+    const auto deadline = std::chrono::steady_clock::now() + kUseRecordHoldLimit;
+    while (g_use_records_held.load() && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
     }
-    return UseEvent::kCapturing;
+    g_use_records_waiting.fetch_sub(1);
   }
-  return UseEvent::kRecorded;
+  if (!cuda::try_record_event(stream, out, error)) return StreamState::kFailed;
+  const StreamState after = capture_state(stream, error);
+  if (after != StreamState::kClear) *out = cuda::Event{};  // abandoned: see above
+  return after;
 }
 
 }  // namespace
 
-void set_use_record_pause_us(int64_t us) { g_use_record_pause_us.store(us < 0 ? 0 : us); }
+void hold_use_records(bool hold) { g_use_records_held.store(hold); }
+int use_records_waiting() { return g_use_records_waiting.load(); }
 
 void debug_pause() {
   const int64_t us = g_debug_pause_us.load(std::memory_order_relaxed);
@@ -590,68 +599,50 @@ void PinnedPool::free(Block* block) {
   bool fenced = false;
   const std::vector<c10::Stream> streams =
       streams_to_wait_for(std::move(uses), kind, fence_unrecorded, &fenced);
-  const uint64_t captures_seen = graph_pools::captures_begun();
-  std::vector<PendingUse> pending;
-  bool event_failed = false;
-  std::string error;
-  // An event recorded on a capturing stream becomes a node of the graph and
-  // says nothing about when the captured copy (or a replay) reads the block:
-  // hold it until a device synchronize with no capture open.
-  bool capturing = false;
-  for (const auto& s : streams) {
-    capturing = cuda::stream_is_capturing(s, &error) || capturing;
-    if (!error.empty()) event_failed = true;
-  }
-  if (capturing && !event_failed) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (fenced) ++stats_.num_fenced_frees;
-    hold_locked(block);
-    check_invariants_locked();
-    return;
-  }
+  // An event recorded on a capturing stream is captured and says nothing about when the
+  // captured copy (or a replay) reads the block: the block is held until a device
+  // synchronize with no capture open (record_use_event).
   // The fence of a small block: no event of its own, a place in the stream's fence batch
-  // (one event for up to kFenceBatchBlocks frees). segment->small never changes.
-  if (fenced && !event_failed && block->segment->small) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    ++stats_.num_fenced_frees;
-    fence_in_batch_locked(block, streams.front());
-    check_invariants_locked();
-    return;
-  }
+  // (one event for up to kFenceBatchBlocks frees, recorded at the batch's flush), so its
+  // stream is only asked now. segment->small never changes.
+  const bool in_fence_batch = fenced && block->segment->small;
+  std::vector<PendingUse> pending;
   std::vector<c10::Stream> waited;
-  bool captured_meanwhile = false;  // a capture began on a stream since the question above
-  for (const auto& s : streams) {
-    if (event_failed) break;  // the capture question above failed
-    cuda::Event ev;
-    const UseEvent got = record_use_event(s, captures_seen, &ev, &error);
-    if (got == UseEvent::kRecorded) {
+  std::string error;
+  StreamState state = StreamState::kClear;
+  if (in_fence_batch) {
+    state = capture_state(streams.front(), &error);
+  } else {
+    for (const auto& s : streams) {
+      cuda::Event ev;
+      state = record_use_event(s, &ev, &error);
+      if (state != StreamState::kClear) break;
       pending.push_back({PendingUse::Kind::kBlock, ev, block});
       waited.push_back(s);
-      continue;
     }
-    event_failed = got == UseEvent::kFailed;
-    captured_meanwhile = got == UseEvent::kCapturing;
-    break;
   }
   std::lock_guard<std::mutex> lock(mutex_);
   if (fenced) ++stats_.num_fenced_frees;
-  if (captured_meanwhile) {
-    // The events recorded before it are sound but no longer needed: the block is held.
+  if (state != StreamState::kClear) {
+    // The events recorded on the streams before are sound, but no longer needed.
     for (auto& p : pending) cuda::release_event(p.event);
-    hold_locked(block);
+    if (state == StreamState::kCapturing) {
+      hold_locked(block);
+    } else {
+      // We cannot prove the copies reading this block are done: never reuse it.
+      // It stays in_use (poisoned) and its memory stays reserved.
+      ++stats_.num_event_errors;
+      block->pending_events = kPoisoned;
+      if (!g_warned_event_error.exchange(true)) {
+        TORCH_WARN("pinxfer: could not record a CUDA event for a freed pinned block (", error,
+                   "); the block is kept out of the cache so no copy can read reused memory.");
+      }
+    }
     check_invariants_locked();
     return;
   }
-  if (event_failed) {
-    // We cannot prove the copies reading this block are done: never reuse it.
-    // It stays in_use (poisoned) and its memory stays reserved.
-    ++stats_.num_event_errors;
-    block->pending_events = kPoisoned;
-    if (!g_warned_event_error.exchange(true)) {
-      TORCH_WARN("pinxfer: could not record a CUDA event for a freed pinned block (", error,
-                 "); the block is kept out of the cache so no copy can read reused memory.");
-    }
-    for (auto& p : pending) cuda::release_event(p.event);
+  if (in_fence_batch) {
+    fence_in_batch_locked(block, streams.front());
     check_invariants_locked();
     return;
   }
@@ -786,15 +777,10 @@ cuda::Event PinnedPool::flush_fence_locked(const c10::Stream& stream, StreamFifo
   // Recorded under the lock: a marker covers exactly the fenced entries queued before
   // it, each freed before this record.
   std::string error;
-  const uint64_t captures_seen = graph_pools::captures_begun();
-  bool capturing = cuda::stream_is_capturing(stream, &error);
   cuda::Event marker;
-  UseEvent got = UseEvent::kFailed;
-  if (!capturing && error.empty()) {
-    got = record_use_event(stream, captures_seen, &marker, &error);
-    capturing = got == UseEvent::kCapturing;
-  }
-  if (got == UseEvent::kRecorded) {
+  const StreamState state = record_use_event(stream, &marker, &error);
+  const bool capturing = state == StreamState::kCapturing;
+  if (state == StreamState::kClear) {
     PendingUse use;
     use.kind = PendingUse::Kind::kFenceMarker;
     use.event = marker;
@@ -804,7 +790,7 @@ cuda::Event PinnedPool::flush_fence_locked(const c10::Stream& stream, StreamFifo
   }
   // No marker: the batch (the fenced entries behind the last marker) leaves the FIFO.
   // A capture began on the stream since the frees (or during the marker's record:
-  // record_use_event): an event now would be a graph node, so the blocks are held, as a free
+  // record_use_event): an event now would be captured, so the blocks are held, as a free
   // under capture is. A CUDA error: poisoned.
   auto last_marker = std::find_if(fifo.uses.rbegin(), fifo.uses.rend(), [](const PendingUse& u) {
     return u.kind == PendingUse::Kind::kFenceMarker;

@@ -422,9 +422,11 @@ class PinnedPool {
 void set_debug_pause_us(int64_t us);
 // Sleeps as set_debug_pause_us says (nothing when off): where the pauses are.
 void debug_pause();
-// Test-only: every event a freed block's stream use (or a fence batch) records sleeps this
-// long first, after the capture check before it (0: off), so that a test can begin a capture
-// on the stream in between (pinned_pool.cpp, record_use_event).
-void set_use_record_pause_us(int64_t us);
+// Test-only: while held, every event a freed block's stream use (or a fence batch's flush)
+// records waits, after the capture check before it, until released (at most 10 s), so that a
+// test can begin a capture on the stream in between (pinned_pool.cpp, record_use_event);
+// use_records_waiting() says how many wait now.
+void hold_use_records(bool hold);
+int use_records_waiting();
 
 }  // namespace pinxfer

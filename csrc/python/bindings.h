@@ -12,8 +12,8 @@
 namespace pinxfer::python {
 
 // The pinned pool: memory_stats, reset_*, empty_cache, the cap, install/uninstall,
-// build_info, and the test hooks _set_debug_pause_us, _set_use_record_pause_us,
-// _inject_host_register_failures, _inject_host_unregister_failures.
+// build_info, and the test hooks _set_debug_pause_us, _hold_use_records,
+// _use_records_waiting, _inject_host_register_failures, _inject_host_unregister_failures.
 void bind_memory(pybind11::module_& m);
 // The settings object and the thread-budget derivations (csrc/runtime/settings.h,
 // thread_budget.h, cpu_resources.h), cuda_unusable_reason.

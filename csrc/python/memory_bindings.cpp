@@ -110,10 +110,11 @@ void bind_memory(pybind11::module_& m) {
   m.def("_set_debug_pause_us",
         wrap_pybind_function_no_gil([](int64_t us) { set_debug_pause_us(us); }),
         "TEST-ONLY: allocate/free sleep this many microseconds between their critical sections");
-  m.def("_set_use_record_pause_us",
-        wrap_pybind_function_no_gil([](int64_t us) { set_use_record_pause_us(us); }),
-        "TEST-ONLY: a freed block's event record (and a fence batch's) sleeps this many "
-        "microseconds after the stream's capture check, before the record");
+  m.def("_hold_use_records", wrap_pybind_function_no_gil([](bool hold) { hold_use_records(hold); }),
+        "TEST-ONLY: while True, a freed block's event record (and a fence batch's) waits after "
+        "the stream's capture check, until False (at most 10 s)");
+  m.def("_use_records_waiting", wrap_pybind_function_no_gil([] { return use_records_waiting(); }),
+        "TEST-ONLY: event records waiting now (_hold_use_records)");
   // TEST-ONLY fault injection, not an API: the next n cudaHostRegister calls of the pool's
   // segment mapping fail (as cudaErrorMemoryAllocation), so tests can check the documented
   // fallback (mlock, one warning).
