@@ -16,7 +16,9 @@ from __future__ import annotations
 import functools
 import operator
 import os
-from typing import Any
+import sys
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 
@@ -29,6 +31,47 @@ INT64_MAX = 2**63 - 1
 DeviceLike = torch.device | str | int
 
 _cuda_usable_in_pid: int | None = None  # the process that found CUDA usable
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def never_traced(op: str, why: str) -> Callable[[_F], _F]:
+    """A public function that torch.compile must run whole, never trace (nor anything it
+    calls): ``why`` it cannot be in a graph.
+
+    Traced, the wrapper raises a RuntimeError that names ``pinxfer.<op>`` and says why:
+    with ``fullgraph=True`` the compile fails with that message; without it dynamo runs the
+    wrapper eagerly, which then calls the function with dynamo off for everything it calls
+    (``torch._dynamo.disable``). Not only the wrapper: dynamo would otherwise still compile
+    each function the call makes, each of them then traced on its own (``require_cuda``
+    trusting a traced caller skipped its CUDA check that way). No compile can be running
+    before something imported ``torch._dynamo``, and until then the function is called
+    directly: importing dynamo costs about 1.6 s.
+    """
+
+    def wrap(fn: _F) -> _F:
+        disabled: Callable[..., Any] | None = None
+
+        @functools.wraps(fn)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            nonlocal disabled
+            if torch.compiler.is_compiling():
+                raise RuntimeError(
+                    f"pinxfer.{op} cannot be traced by torch.compile: {why}. Call it outside "
+                    "the compiled function, or compile without fullgraph=True (the call then "
+                    "runs eagerly)."
+                )
+            dynamo = sys.modules.get("torch._dynamo")
+            if dynamo is None:
+                return fn(*args, **kwargs)
+            if disabled is None:  # two threads may both make one: either is right
+                disabled = dynamo.disable(fn, recursive=True)
+            return disabled(*args, **kwargs)
+
+        return run  # type: ignore[return-value]
+
+    return wrap
 
 
 def require_cuda(op: str, hint: str = "") -> None:

@@ -380,6 +380,7 @@ class HostTransfer:
         return f"HostTransfer(ready={self.ready()})"
 
 
+@_check.never_traced("to_host", "its handle waits on a CUDA event, which a graph cannot hold")
 def to_host(obj: Any) -> HostTransfer:
     """Starts copying GPU tensors to pinned host memory; returns a handle to wait on.
 
@@ -395,9 +396,13 @@ def to_host(obj: Any) -> HostTransfer:
         A :class:`HostTransfer`; call ``.wait()`` (or read ``.tensor``) to get the
         host result once it is complete.
 
+    Under ``torch.compile`` it is not traced: its handle waits on a CUDA event, which a
+    graph cannot hold. Without ``fullgraph=True`` the call runs eagerly (a graph break);
+    with it, the compile raises, naming this function.
+
     Raises:
         RuntimeError: if pinxfer was built without CUDA or no GPU is usable, or a
-            tensor's device is capturing a CUDA graph.
+            tensor's device is capturing a CUDA graph, or when traced (above).
         ValueError: for a sparse, nested or quantized CUDA tensor (``t.to("cpu")``
             copies those), before any copy is queued.
     """

@@ -88,3 +88,35 @@ def test_empty_and_pin_memory_compile_with_inductor():
     empty_out, pinned_out = compiled(fn, backend="inductor")(x)
     assert torch.equal(empty_out, x) and torch.equal(pinned_out, x)
     assert pinxfer.is_pool_tensor(pinned_out)
+
+
+def _outcome(fn, *args):
+    """fn(*args)'s result, or the message of the exception it raised."""
+    try:
+        return fn(*args)
+    except Exception as exc:  # compared between eager and compiled runs
+        return f"{type(exc).__name__}: {exc}"
+
+
+def test_to_host_under_compile_runs_eagerly():
+    """to_host is never traced (its handle waits on an event a graph cannot hold): compiled
+    without fullgraph the call runs eagerly and ends as in eager, an error on a machine
+    without a GPU (before session 48 the traced call skipped the CUDA check and returned a
+    handle there), the host copy on one with a GPU (tests/test_transfer_gpu.py checks it)."""
+
+    def fn(x):
+        return pinxfer.to_host(x * 2).wait()
+
+    x = torch.arange(6.0)
+    eager = _outcome(fn, x)
+    traced = _outcome(torch.compile(fn, backend="eager"), x)
+    if isinstance(eager, str):
+        assert traced == eager
+    else:
+        assert torch.equal(traced, eager)
+
+
+def test_to_host_under_fullgraph_compile_says_it_cannot_be_traced():
+    f = compiled(lambda x: pinxfer.to_host(x * 2), backend="eager")
+    with pytest.raises(Exception, match=r"pinxfer\.to_host cannot be traced by torch\.compile"):
+        f(torch.arange(6.0))

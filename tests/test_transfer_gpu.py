@@ -831,6 +831,25 @@ def test_to_host_roundtrip_and_wait():
     assert h.ready()
 
 
+def test_to_host_under_compile_copies_what_eager_copies():
+    """Compiled without fullgraph, to_host runs eagerly between two graphs (it raises while
+    dynamo traces it): the result is the pool copy eager gives, the GPU work around it
+    compiled (tests/test_compile.py checks the fullgraph refusal)."""
+    torch._dynamo.reset()
+
+    def step(x):
+        y = x * 2 + 1
+        host = pinxfer.to_host(y).wait()
+        return host, y.sum()
+
+    x = torch.randn(1000, 257, device="cuda")
+    host, total = torch.compile(step, backend="aot_eager")(x)
+    assert host.device.type == "cpu" and pinxfer.is_pool_tensor(host)
+    assert torch.equal(host, (x * 2 + 1).cpu())
+    assert torch.allclose(total, (x * 2 + 1).sum())
+    torch._dynamo.reset()
+
+
 def test_to_host_cannot_be_read_early():
     x = torch.randn(4 * MiB, device="cuda")
     expected = (x + 1).cpu()
