@@ -37,18 +37,27 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 
 
 def never_traced(op: str, why: str) -> Callable[[_F], _F]:
-    """A public function that torch.compile must run whole, never trace (nor anything it
-    calls): ``why`` it cannot be in a graph.
+    """A public function that torch.compile must call, never trace (nor anything it calls):
+    ``why`` it cannot be in a graph.
 
-    Traced, the wrapper raises a RuntimeError that names ``pinxfer.<op>`` and says why:
-    with ``fullgraph=True`` the compile fails with that message; without it dynamo runs the
-    wrapper eagerly, which then calls the function with dynamo off for everything it calls
-    (``torch._dynamo.disable``). Not only the wrapper: dynamo would otherwise still compile
-    each function the call makes, each of them then traced on its own (``require_cuda``
-    trusting a traced caller skipped its CUDA check that way). No compile can be running
-    before something imported ``torch._dynamo``, and until then the function is called
-    directly: importing dynamo costs about 1.6 s.
+    The wrapper carries the marks ``torch._dynamo.disable`` gives its own wrappers
+    (``_torchdynamo_disable``, and ``_torchdynamo_disable_msg``, the reason dynamo prints),
+    so dynamo breaks the graph at the call: the code before and after it stays compiled, the
+    call runs for real (a ``try`` around it catches what it raises, as in eager), and
+    ``fullgraph=True`` fails naming ``pinxfer.<op>`` and the reason. Called, the wrapper runs
+    the function with dynamo off for everything it calls (``torch._dynamo.disable``,
+    recursive): dynamo would otherwise compile each function the call makes, each traced on
+    its own (``require_cuda``, traced so, trusted a caller's op to check CUDA and skipped its
+    check). The marks are private to dynamo, which reads them with ``getattr_static`` and a
+    default, so a torch that does not know one ignores it; if dynamo traces into the wrapper
+    anyway, it raises the same message. No compile can be running before something imported
+    ``torch._dynamo``, and until then the function is called directly: importing dynamo costs
+    about 1.6 s.
     """
+    message = (
+        f"pinxfer.{op} cannot be traced by torch.compile: {why}. Call it outside the "
+        "compiled function, or compile without fullgraph=True (the call then breaks the graph)"
+    )
 
     def wrap(fn: _F) -> _F:
         disabled: Callable[..., Any] | None = None
@@ -57,11 +66,7 @@ def never_traced(op: str, why: str) -> Callable[[_F], _F]:
         def run(*args: Any, **kwargs: Any) -> Any:
             nonlocal disabled
             if torch.compiler.is_compiling():
-                raise RuntimeError(
-                    f"pinxfer.{op} cannot be traced by torch.compile: {why}. Call it outside "
-                    "the compiled function, or compile without fullgraph=True (the call then "
-                    "runs eagerly)."
-                )
+                raise RuntimeError(message)
             dynamo = sys.modules.get("torch._dynamo")
             if dynamo is None:
                 return fn(*args, **kwargs)
@@ -69,6 +74,8 @@ def never_traced(op: str, why: str) -> Callable[[_F], _F]:
                 disabled = dynamo.disable(fn, recursive=True)
             return disabled(*args, **kwargs)
 
+        run._torchdynamo_disable = True  # type: ignore[attr-defined]
+        run._torchdynamo_disable_msg = message  # type: ignore[attr-defined]
         return run  # type: ignore[return-value]
 
     return wrap

@@ -397,8 +397,8 @@ def to_host(obj: Any) -> HostTransfer:
         host result once it is complete.
 
     Under ``torch.compile`` it is not traced: its handle waits on a CUDA event, which a
-    graph cannot hold. Without ``fullgraph=True`` the call runs eagerly (a graph break);
-    with it, the compile raises, naming this function.
+    graph cannot hold. Without ``fullgraph=True`` the graph breaks at the call, which runs
+    as in eager; with it, the compile raises, naming this function.
 
     Raises:
         RuntimeError: if pinxfer was built without CUDA or no GPU is usable, or a

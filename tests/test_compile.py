@@ -98,25 +98,48 @@ def _outcome(fn, *args):
         return f"{type(exc).__name__}: {exc}"
 
 
-def test_to_host_under_compile_runs_eagerly():
+def test_to_host_under_compile_breaks_the_graph_at_the_call():
     """to_host is never traced (its handle waits on an event a graph cannot hold): compiled
-    without fullgraph the call runs eagerly and ends as in eager, an error on a machine
-    without a GPU (before session 48 the traced call skipped the CUDA check and returned a
-    handle there), the host copy on one with a GPU (tests/test_transfer_gpu.py checks it)."""
+    without fullgraph, the graph breaks at the call, the code before it stays compiled and
+    the call itself runs as in eager: on a machine without a GPU it raises eager's error
+    (before session 48 the traced call skipped the CUDA check and returned a handle there),
+    with one the CPU tensor passes through and the code after it is a second graph (the GPU
+    copy is checked in tests/test_transfer_gpu.py). Not the whole function run uncompiled,
+    as when to_host raised while traced (0 graphs)."""
+    graphs = []
+
+    def counting_backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
 
     def fn(x):
-        return pinxfer.to_host(x * 2).wait()
+        y = x.exp()
+        handle = pinxfer.to_host(y)
+        return handle.wait().cos()
 
     x = torch.arange(6.0)
     eager = _outcome(fn, x)
-    traced = _outcome(torch.compile(fn, backend="eager"), x)
+    traced = _outcome(torch.compile(fn, backend=counting_backend), x)
     if isinstance(eager, str):
         assert traced == eager
+        assert len(graphs) == 1, graphs  # x.exp(), compiled and run before the call
     else:
         assert torch.equal(traced, eager)
+        assert len(graphs) == 2, graphs
+
+
+def test_import_pinxfer_does_not_import_dynamo():
+    """never_traced calls through torch._dynamo.disable only once something else imported
+    dynamo: importing it costs about 1.6 s."""
+    code = "import sys, pinxfer; print('torch._dynamo' in sys.modules)"
+    run = fresh.run(code, env=dict(os.environ), cwd=REPO, timeout=120)
+    assert run.returncode == 0 and run.stdout.strip() == "False", run.stdout + run.stderr
 
 
 def test_to_host_under_fullgraph_compile_says_it_cannot_be_traced():
     f = compiled(lambda x: pinxfer.to_host(x * 2), backend="eager")
-    with pytest.raises(Exception, match=r"pinxfer\.to_host cannot be traced by torch\.compile"):
+    with pytest.raises(Exception, match=r"to_host") as raised:
         f(torch.arange(6.0))
+    # The reason, where this torch prints it (torch._dynamo reads _torchdynamo_disable_msg).
+    if "reason: None" not in str(raised.value):
+        assert "pinxfer.to_host cannot be traced by torch.compile" in str(raised.value)

@@ -832,10 +832,14 @@ def test_to_host_roundtrip_and_wait():
 
 
 def test_to_host_under_compile_copies_what_eager_copies():
-    """Compiled without fullgraph, to_host runs eagerly between two graphs (it raises while
-    dynamo traces it): the result is the pool copy eager gives, the GPU work around it
-    compiled (tests/test_compile.py checks the fullgraph refusal)."""
-    torch._dynamo.reset()
+    """Compiled without fullgraph, the graph breaks at to_host (never traced: its handle
+    waits on an event), the call copies as in eager, and the GPU work before and after it
+    is compiled, one graph each (tests/test_compile.py checks the fullgraph refusal)."""
+    graphs = []
+
+    def counting_backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
 
     def step(x):
         y = x * 2 + 1
@@ -843,11 +847,15 @@ def test_to_host_under_compile_copies_what_eager_copies():
         return host, y.sum()
 
     x = torch.randn(1000, 257, device="cuda")
-    host, total = torch.compile(step, backend="aot_eager")(x)
+    torch._dynamo.reset()
+    try:
+        host, total = torch.compile(step, backend=counting_backend)(x)
+    finally:
+        torch._dynamo.reset()
     assert host.device.type == "cpu" and pinxfer.is_pool_tensor(host)
     assert torch.equal(host, (x * 2 + 1).cpu())
     assert torch.allclose(total, (x * 2 + 1).sum())
-    torch._dynamo.reset()
+    assert len(graphs) == 2, graphs
 
 
 def test_to_host_cannot_be_read_early():
