@@ -1052,6 +1052,7 @@ def _slots_by_default(
     return _requested_device(device).type == "cuda"
 
 
+@_check.never_traced("prefetch", "it starts threads and CUDA streams a graph cannot hold")
 def prefetch(
     iterable: Iterable,
     device: DeviceLike | None = None,

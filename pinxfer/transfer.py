@@ -51,6 +51,7 @@ DEFAULT_CHUNK_BYTES = 4 << 20
 DEFAULT_NUM_BUFFERS = 16
 
 
+@_check.never_traced("copy_stream", "it returns a CUDA stream, made outside any graph")
 def copy_stream(device: DeviceLike | None = None) -> torch.cuda.Stream:
     """The CUDA stream pinxfer's host -> device copies to ``device`` run on.
 

@@ -143,3 +143,24 @@ def test_to_host_under_fullgraph_compile_says_it_cannot_be_traced():
     # The reason, where this torch prints it (torch._dynamo reads _torchdynamo_disable_msg).
     if "reason: None" not in str(raised.value):
         assert "pinxfer.to_host cannot be traced by torch.compile" in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        pytest.param(lambda x: pinxfer.prefetch([x], device="cuda"), id="prefetch"),
+        pytest.param(lambda x: pinxfer.transfer.copy_stream(), id="copy_stream"),
+    ],
+)
+def test_calls_that_make_threads_or_streams_are_never_traced(call):
+    """prefetch and copy_stream are never traced either (never_traced): compiled, each ends
+    as in eager. Traced, their CUDA check trusted an op that is not there: on a machine
+    without a GPU dynamo failed inside torch (InternalTorchDynamoError) where eager raises
+    pinxfer's message (found by review, session 48)."""
+    x = torch.arange(6.0)
+    eager = _outcome(call, x)
+    traced = _outcome(torch.compile(call, backend="eager"), x)
+    if isinstance(eager, str):
+        assert traced == eager
+    else:
+        assert type(traced) is type(eager)
