@@ -42,8 +42,9 @@ def never_traced(op: str, why: str) -> Callable[[_F], _F]:
 
     The wrapper carries the marks ``torch._dynamo.disable`` gives its own wrappers
     (``_torchdynamo_disable``, and ``_torchdynamo_disable_msg``, the reason dynamo prints),
-    so dynamo breaks the graph at the call: the code before and after it stays compiled, the
-    call runs for real (a ``try`` around it catches what it raises, as in eager), and
+    so dynamo breaks the graph at the call: the code before and after it stays compiled (unless
+    the call sits in a ``try`` block: dynamo then runs the whole function uncompiled), the call
+    runs for real, and
     ``fullgraph=True`` fails naming ``pinxfer.<op>`` and the reason. Called, the wrapper runs
     the function with dynamo off for everything it calls (``torch._dynamo.disable``,
     recursive): dynamo would otherwise compile each function the call makes, each traced on

@@ -1052,7 +1052,9 @@ def _slots_by_default(
     return _requested_device(device).type == "cuda"
 
 
-@_check.never_traced("prefetch", "it starts threads and CUDA streams a graph cannot hold")
+@_check.never_traced(
+    "prefetch", "it makes a Prefetcher, whose passes run threads and CUDA streams outside any graph"
+)
 def prefetch(
     iterable: Iterable,
     device: DeviceLike | None = None,

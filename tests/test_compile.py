@@ -1,7 +1,9 @@
 """torch.compile(fullgraph=True) of code that calls pinxfer.empty and pinxfer.pin_memory (CPU:
 the ops run their real kernels, so the results are real pool tensors; the GPU side of compile,
-to_device, is in test_graphs_gpu.py). Traced, pin_memory always copies: a graph cannot branch on
-whether its input is pinned when it runs (csrc/README.md, "pinxfer's own calls under capture")."""
+to_device, is in test_graphs_gpu.py), and the calls that are never traced (to_host, prefetch,
+transfer.copy_stream: _check.never_traced), compiled as in eager. Traced, pin_memory always
+copies: a graph cannot branch on whether its input is pinned when it runs (csrc/README.md,
+"pinxfer's own calls under capture")."""
 
 from __future__ import annotations
 

@@ -123,8 +123,9 @@ StreamState record_use_event(const c10::Stream& stream, cuda::Event* out, std::s
     g_use_records_waiting.fetch_sub(1);
   }
   if (!cuda::try_record_event(stream, out, error)) return StreamState::kFailed;
+  // Abandoned (see above) also when the question fails: the event may have been captured.
   const StreamState after = capture_state(stream, error);
-  if (after != StreamState::kClear) *out = cuda::Event{};  // abandoned: see above
+  if (after != StreamState::kClear) *out = cuda::Event{};
   return after;
 }
 
@@ -634,7 +635,8 @@ void PinnedPool::free(Block* block) {
       ++stats_.num_event_errors;
       block->pending_events = kPoisoned;
       if (!g_warned_event_error.exchange(true)) {
-        TORCH_WARN("pinxfer: could not record a CUDA event for a freed pinned block (", error,
+        TORCH_WARN("pinxfer: could not record or check a CUDA event for a freed pinned block (",
+                   error,
                    "); the block is kept out of the cache so no copy can read reused memory.");
       }
     }
@@ -743,7 +745,7 @@ void PinnedPool::take_back_if_stream_idle_locked(size_t rounded) {
       });
   if (!batch_holds_size || graph_pools::any_capture_open()) return;
   std::string error;
-  if (cuda::stream_is_capturing(current, &error) || !error.empty()) return;
+  if (capture_state(current, &error) != StreamState::kClear) return;
   // Under the lock: every entry in the FIFO was queued, its event or marker recorded on
   // this stream, before this query, so an idle stream has completed them all.
   if (!cuda::stream_idle(current)) return;
@@ -813,7 +815,7 @@ cuda::Event PinnedPool::flush_fence_locked(const c10::Stream& stream, StreamFifo
     }
   }
   if (!capturing && !g_warned_event_error.exchange(true)) {
-    TORCH_WARN("pinxfer: could not record a CUDA event for freed pinned blocks (", error,
+    TORCH_WARN("pinxfer: could not record or check a CUDA event for freed pinned blocks (", error,
                "); the blocks are kept out of the cache so no copy can read reused memory.");
   }
   return {};

@@ -317,10 +317,10 @@ class PinnedPool {
   // The free fence of a small block: queued in `stream`'s fence batch, which is
   // flushed once it holds kFenceBatchBlocks blocks or kFenceBatchBytes bytes.
   void fence_in_batch_locked(Block* block, const c10::Stream& stream);
-  // Records the marker that covers `fifo`'s batch. If the stream is capturing now
-  // (the event would be a graph node) the batch's blocks are held instead; if the
-  // event cannot be recorded they are poisoned. Returns the marker (none: no batch,
-  // or not recorded).
+  // Records the marker that covers `fifo`'s batch. If the stream is capturing now or
+  // began to during the record (the event would be captured: record_use_event) the
+  // batch's blocks are held instead; on a CUDA error they are poisoned. Returns the marker (none:
+  // no batch, or not recorded).
   cuda::Event flush_fence_locked(const c10::Stream& stream, StreamFifo& fifo);
   std::vector<cuda::Event> flush_fences_locked();
   // Flushes every fence batch and, if `may_wait`, waits for the markers, so the batches'
