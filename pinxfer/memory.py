@@ -175,6 +175,9 @@ def memory_stats(numa_node: int | None = None) -> collections.OrderedDict[str, i
     return _ops.memory_stats(_check.numa_node(numa_node, "memory_stats"))
 
 
+@_check.never_traced(
+    "record_stream", "it records the stream current when it runs, not when a graph was traced"
+)
 def record_stream(tensor: torch.Tensor, stream: StreamLike | None = None) -> None:
     """Marks that CUDA work queued on ``stream`` (default: the current stream) reads
     or writes ``tensor``, a pool tensor. Its block is not handed out again before

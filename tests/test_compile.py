@@ -1,9 +1,9 @@
 """torch.compile(fullgraph=True) of code that calls pinxfer.empty and pinxfer.pin_memory (CPU:
 the ops run their real kernels, so the results are real pool tensors; the GPU side of compile,
 to_device, is in test_graphs_gpu.py), and the calls that are never traced (to_host, prefetch,
-transfer.copy_stream: _check.never_traced), compiled as in eager. Traced, pin_memory always
-copies: a graph cannot branch on whether its input is pinned when it runs (csrc/README.md,
-"pinxfer's own calls under capture")."""
+transfer.copy_stream, record_stream: _check.never_traced), compiled as in eager. Traced,
+pin_memory always copies: a graph cannot branch on whether its input is pinned when it runs
+(csrc/README.md, "pinxfer's own calls under capture")."""
 
 from __future__ import annotations
 
@@ -152,13 +152,15 @@ def test_to_host_under_fullgraph_compile_says_it_cannot_be_traced():
     [
         pytest.param(lambda x: pinxfer.prefetch([x], device="cuda"), id="prefetch"),
         pytest.param(lambda x: pinxfer.transfer.copy_stream(), id="copy_stream"),
+        pytest.param(lambda x: pinxfer.record_stream(pinxfer.empty(4)), id="record_stream"),
     ],
 )
 def test_calls_that_make_threads_or_streams_are_never_traced(call):
-    """prefetch and copy_stream are never traced either (never_traced): compiled, each ends
-    as in eager. Traced, their CUDA check trusted an op that is not there: on a machine
-    without a GPU dynamo failed inside torch (InternalTorchDynamoError) where eager raises
-    pinxfer's message (found by review, session 48)."""
+    """prefetch, copy_stream and record_stream are never traced either (never_traced):
+    compiled, each ends as in eager. Traced, their CUDA check trusted an op that is not
+    there: on a machine without a GPU dynamo failed inside torch (InternalTorchDynamoError,
+    or torch's "no NVIDIA driver") where eager raises pinxfer's message (found by review,
+    session 48); and a traced record_stream would record the stream current at tracing."""
     x = torch.arange(6.0)
     eager = _outcome(call, x)
     traced = _outcome(torch.compile(call, backend="eager"), x)
