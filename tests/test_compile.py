@@ -160,7 +160,7 @@ def test_calls_that_make_threads_or_streams_are_never_traced(call):
     compiled, each ends as in eager. Traced, their CUDA check trusted an op that is not
     there: on a machine without a GPU dynamo failed inside torch (InternalTorchDynamoError,
     or torch's "no NVIDIA driver") where eager raises pinxfer's message (found by review,
-    session 48); and a traced record_stream would record the stream current at tracing."""
+    session 48)."""
     x = torch.arange(6.0)
     eager = _outcome(call, x)
     traced = _outcome(torch.compile(call, backend="eager"), x)
