@@ -231,16 +231,24 @@ def test_a_miss_flushes_the_fence_batches():
     del big, again
 
 
-def test_a_fence_batch_flushed_while_its_stream_captures_is_held():
-    # Frees fenced on a stream that then begins a capture: an event recorded now would be a
-    # node of the graph, so the flush (here: a miss on another stream) holds the batch.
+def _block_fenced_on_a_side_stream():
+    """A 64 KiB pool block copied to the GPU on a side stream and freed there with no recorded
+    use, so it waits in that stream's fence batch: (the stream, the copy's target, the
+    block's address)."""
     side = torch.cuda.Stream()
     dev = torch.empty(64 * KiB, dtype=torch.uint8, device="cuda")
     with torch.cuda.stream(side):
         a = pinxfer.empty(64 * KiB, dtype=torch.uint8)
         dev.copy_(a, non_blocking=True)
         ptr = a.data_ptr()
-        del a
+        del a  # no recorded use: fenced on `side`, its current stream
+    return side, dev, ptr
+
+
+def test_a_fence_batch_flushed_while_its_stream_captures_is_held():
+    # Frees fenced on a stream that then begins a capture: an event recorded now would be a
+    # node of the graph, so the flush (here: a miss on another stream) holds the batch.
+    side, dev, ptr = _block_fenced_on_a_side_stream()
     before = pinxfer.memory_stats()
     miss_bytes = _bytes_no_cached_block_fits()
     g = torch.cuda.CUDAGraph()
@@ -338,13 +346,7 @@ def test_a_capture_begun_between_a_fence_flush_check_and_its_marker_holds_the_ba
     another thread), after the flush asked the stream; a capture begun in between took the
     marker, so the batch is held and the marker never waited for. Relaxed capture: the
     worker's miss maps a segment during the capture."""
-    side = torch.cuda.Stream()
-    dev = torch.empty(64 * KiB, dtype=torch.uint8, device="cuda")
-    with torch.cuda.stream(side):
-        a = pinxfer.empty(64 * KiB, dtype=torch.uint8)
-        dev.copy_(a, non_blocking=True)
-        ptr = a.data_ptr()
-        del a  # no recorded use: fenced on `side`, its current stream
+    side, dev, ptr = _block_fenced_on_a_side_stream()
     miss_bytes = _bytes_no_cached_block_fits()
     made = []
     before, after = _capture_begun_during_a_held_record(
