@@ -315,6 +315,9 @@ def pin_memory(
     return _pin_batch(obj, node, threads)
 
 
+@_check.never_traced(
+    "pin_", "it page-locks the memory of the tensor it is given, in place, when it runs"
+)
 def pin_(tensor: torch.Tensor) -> torch.Tensor:
     """Page-locks ``tensor``'s memory in place, without copying.
 
@@ -355,6 +358,7 @@ def pin_(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+@_check.never_traced("unpin_", "it unlocks the memory of the tensor it is given, when it runs")
 def unpin_(tensor: torch.Tensor) -> torch.Tensor:
     """Undoes :func:`pin_` on ``tensor``'s storage (``cudaHostUnregister`` or
     ``munlock`` of exactly what ``pin_`` locked). Raises RuntimeError if ``pin_``

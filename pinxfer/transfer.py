@@ -28,7 +28,7 @@ from pinxfer._batch import map_tensors, tensors_in
 from pinxfer._check import DeviceLike
 from pinxfer._ops import plain_dense_cpu
 from pinxfer._plain import plain_batch, rebuilt_batch
-from pinxfer.memory import empty, record_stream
+from pinxfer.memory import empty
 
 #: "cuda" without an index: the operators read it as the caller's current device.
 _CURRENT_CUDA = torch.device("cuda")
@@ -452,8 +452,11 @@ def to_host(obj: Any) -> HostTransfer:
             stream = torch.cuda.current_stream(t.device)
             if host.numel() > 0:
                 # Before the copy is queued, so no interrupt between them frees the block
-                # with its use unrecorded.
-                record_stream(host, stream)
+                # with its use unrecorded. The op itself: host is a pool tensor made just
+                # above and stream a torch.cuda.Stream, what the public record_stream checks,
+                # and to_host already runs outside dynamo (never_traced), which record_stream
+                # would enter again for each leaf.
+                _ops.record_stream(host, stream.stream_id, stream.device_index, stream.device_type)
             host.copy_(t, non_blocking=True)
         streams[t.device] = stream
         return host

@@ -1,9 +1,9 @@
 """torch.compile(fullgraph=True) of code that calls pinxfer.empty and pinxfer.pin_memory (CPU:
 the ops run their real kernels, so the results are real pool tensors; the GPU side of compile,
 to_device, is in test_graphs_gpu.py), and the calls that are never traced (to_host, prefetch,
-transfer.copy_stream, record_stream: _check.never_traced), compiled as in eager. Traced,
-pin_memory always copies: a graph cannot branch on whether its input is pinned when it runs
-(csrc/README.md, "pinxfer's own calls under capture")."""
+transfer.copy_stream, record_stream, pin_, unpin_: _check.never_traced), compiled as in
+eager. Traced, pin_memory always copies: a graph cannot branch on whether its input is pinned
+when it runs (csrc/README.md, "pinxfer's own calls under capture")."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import torch
 
 import pinxfer
 from tests import fresh
+from tests.graph_count import CountingBackend
 
 REPO = str(Path(__file__).resolve().parent.parent)
 
@@ -108,11 +109,7 @@ def test_to_host_under_compile_breaks_the_graph_at_the_call():
     with one the CPU tensor passes through and the code after it is a second graph (the GPU
     copy is checked in tests/test_transfer_gpu.py). Not the whole function run uncompiled,
     as when to_host raised while traced (0 graphs)."""
-    graphs = []
-
-    def counting_backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
+    backend = CountingBackend()
 
     def fn(x):
         y = x.exp()
@@ -121,13 +118,13 @@ def test_to_host_under_compile_breaks_the_graph_at_the_call():
 
     x = torch.arange(6.0)
     eager = _outcome(fn, x)
-    traced = _outcome(torch.compile(fn, backend=counting_backend), x)
+    traced = _outcome(torch.compile(fn, backend=backend), x)
     if isinstance(eager, str):
         assert traced == eager
-        assert len(graphs) == 1, graphs  # x.exp(), compiled and run before the call
+        assert len(backend.graphs) == 1, backend.graphs  # x.exp(), compiled and run before the call
     else:
         assert torch.equal(traced, eager)
-        assert len(graphs) == 2, graphs
+        assert len(backend.graphs) == 2, backend.graphs
 
 
 def test_import_pinxfer_does_not_import_dynamo():
@@ -168,3 +165,47 @@ def test_calls_that_make_threads_or_streams_are_never_traced(call):
         assert traced == eager
     else:
         assert type(traced) is type(eager)
+
+
+def test_pin_and_unpin_break_the_graph_and_act_on_the_tensor_they_get():
+    """pin_ and unpin_ lock and unlock the memory of the tensor they get, when they run, so
+    they are never traced: compiled, the graph breaks at each call and the tensor made by the
+    graph before the call is the one pinned, then unpinned (real page-locked memory: mlock
+    here, cudaHostRegister with a GPU). Traced, both failed in dynamo's fake-tensor pass
+    ("expected a CPU tensor, got a tensor on meta"), a message about pinxfer's op rather
+    than about compile (found in session 49)."""
+    pin_backend, unpin_backend = CountingBackend(), CountingBackend()
+
+    def pin_step(x):
+        t = x + 1
+        pinxfer.pin_(t)
+        return t, t * 2
+
+    def unpin_step(t):
+        u = t * 3
+        pinxfer.unpin_(t)
+        return u + 1
+
+    x = torch.arange(4096.0)
+    t, doubled = torch.compile(pin_step, backend=pin_backend)(x)
+    try:
+        assert pinxfer.is_pinned(t)
+        assert torch.equal(doubled, (x + 1) * 2)
+        assert len(pin_backend.graphs) == 2, pin_backend.graphs
+        out = torch.compile(unpin_step, backend=unpin_backend)(t)
+        assert not pinxfer.is_pinned(t)
+        assert torch.equal(out, (x + 1) * 3 + 1)
+        assert len(unpin_backend.graphs) == 2, unpin_backend.graphs
+    finally:
+        if pinxfer.is_pinned(t):
+            pinxfer.unpin_(t)
+
+
+@pytest.mark.parametrize("name", ["pin_", "unpin_"])
+def test_pin_and_unpin_under_fullgraph_compile_say_they_cannot_be_traced(name):
+    call = getattr(pinxfer, name)
+    f = compiled(lambda x: call(x + 1), backend="eager")
+    with pytest.raises(Exception, match=name) as raised:
+        f(torch.arange(6.0))
+    if "reason: None" not in str(raised.value):
+        assert f"pinxfer.{name} cannot be traced by torch.compile" in str(raised.value)

@@ -23,6 +23,7 @@ import torch
 import pinxfer
 
 from .conftest import benchmark_module, last_json, run_child, start_child, thread_states
+from .graph_count import CountingBackend
 
 pytestmark = pytest.mark.gpu
 
@@ -835,11 +836,7 @@ def test_to_host_under_compile_copies_what_eager_copies():
     """Compiled without fullgraph, the graph breaks at to_host (never traced: its handle
     waits on an event), the call copies as in eager, and the GPU work before and after it
     is compiled, one graph each (tests/test_compile.py checks the fullgraph refusal)."""
-    graphs = []
-
-    def counting_backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
+    backend = CountingBackend()
 
     def step(x):
         y = x * 2 + 1
@@ -849,13 +846,13 @@ def test_to_host_under_compile_copies_what_eager_copies():
     x = torch.randn(1000, 257, device="cuda")
     torch._dynamo.reset()
     try:
-        host, total = torch.compile(step, backend=counting_backend)(x)
+        host, total = torch.compile(step, backend=backend)(x)
     finally:
         torch._dynamo.reset()
     assert host.device.type == "cpu" and pinxfer.is_pool_tensor(host)
     assert torch.equal(host, (x * 2 + 1).cpu())
     assert torch.allclose(total, (x * 2 + 1).sum())
-    assert len(graphs) == 2, graphs
+    assert len(backend.graphs) == 2, backend.graphs
 
 
 def test_to_host_cannot_be_read_early():
