@@ -115,6 +115,10 @@ void bind_settings(pybind11::module_& m) {
         "DIAGNOSTIC: _set_wake_ahead(on): whether to_device wakes its copy helpers as it "
         "starts, after an idle gap (on, the default), or only when it offers them work (off; "
         "for A/B runs in one process)");
+  m.def("_set_team_probe", &set_team_probe_enabled,
+        "DIAGNOSTIC: _set_team_probe(on): whether host copies ask if torch's intra-op team is "
+        "awake (on, the default) or take it for asleep without asking (off, as "
+        "PINXFER_TORCH_TEAM=off; for A/B runs in one process: benchmarks/diag_team_probe.py)");
   m.def("_serial_jobs_self_test", wrap_pybind_function_no_gil(&serial_jobs_self_test),
         "TEST-ONLY: _serial_jobs_self_test(seed, jobs, consumers, workers) -> jobs run: "
         "`consumers` threads push `jobs` byte-copying jobs each through one SerialJobs queue of "

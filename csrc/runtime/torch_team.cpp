@@ -288,7 +288,14 @@ bool on_main_thread() { return current_tid() == ::getpid(); }
 
 }  // namespace
 
+namespace {
+std::atomic<bool> g_team_probe_enabled{true};  // set_team_probe_enabled (diagnostic)
+}  // namespace
+
+void set_team_probe_enabled(bool on) { g_team_probe_enabled.store(on, std::memory_order_relaxed); }
+
 bool torch_team_awake() {
+  if (!g_team_probe_enabled.load(std::memory_order_relaxed)) return false;
   // Not in a forked child: its libgomp state is the parent's copy, and a region run on it
   // to learn the team could start threads or hang (found by review, session 42).
   if (!kProbeAllowed || !settings().torch_team || gomp().parallel == nullptr ||

@@ -128,6 +128,10 @@ struct TeamRegionTrace {
 };
 TeamRegionTrace last_team_region_trace();
 void set_team_region_tracing(bool on);
+// DIAGNOSTIC (pinxfer._C._set_team_probe): off, torch_team_awake() answers "asleep" without
+// asking, as PINXFER_TORCH_TEAM=off does, so that one process can time calls with and
+// without the probe in turn (on by default).
+void set_team_probe_enabled(bool on);
 // Whether that tracing is on (pinxfer.pin_memory's call trace is recorded under it too), and
 // how many copies ran on a team so far (torch_team_state().copies, without its probe).
 bool team_region_tracing();
