@@ -1,4 +1,4 @@
-"""Where a small pageable to_device spends its time after an idle gap (issue 22).
+"""Where a pageable to_device spends its time after an idle gap, step by step (issue 22).
 
 bench_loop's H100 table (session 46) has pinxfer's small road (pipeline.h,
 caller_staged_copy: a pool block, the caller's copy into it, one DMA on the current stream)
@@ -11,6 +11,15 @@ the op's steps as to_device_cuda.cpp and pipeline.cpp name them (usable, device,
 pinned_check, capture_check, sources_released, stream, output, block, staged, queued,
 returned), python_out from the op's end to the Python call's return, and sync from the
 return to the end of the synchronize that follows.
+
+Above the small road's bound (pinxfer._C.small_leaf_bytes) a size takes the pipelined road,
+stamped since session 49 with its own steps: usable, device, source, pinned_check, mustered
+(the copy crew: the torch-team probe and the helpers woken ahead), capture_check,
+sources_released, stream, output (on the copy stream), pipelined (the staging and every DMA
+queued, pipeline.cpp's trace splits it), handed_over (the current stream made to wait for
+the copy stream, the output recorded on the current stream: copy_streams.h, hand_over). Session 48 measured its steps outside the pipeline only as one
+sum (77-111 us after a gap at 1-8 MiB on an H100, diag_midsize): python_in, python_out and
+handed_over split it.
 
 --loop-ways times it among all of bench_loop's ways of a cell (pinxfer's batch and
 pin_memory, torch's seven), as bench_loop's rows are, and splits pinxfer's rows by the way
@@ -116,9 +125,6 @@ def main() -> None:
     import pinxfer
 
     sizes = parse_sizes(args.sizes)
-    too_large = [s for s in sizes if s > pinxfer._C.small_leaf_bytes]
-    if too_large:
-        sys.exit(f"diag_small_steps: sizes above the small road's bound: {too_large}")
     result: dict[str, Any] = {
         "torch": torch.__version__,
         "device": torch.cuda.get_device_name(),

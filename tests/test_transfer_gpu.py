@@ -407,6 +407,38 @@ def test_step_stamps_of_a_small_send_cover_its_steps_in_order(nbytes):
     assert pinxfer._C._last_step_stamps() == before  # off: nothing recorded
 
 
+def test_step_stamps_of_a_large_send_cover_its_steps_in_order():
+    """Above the small road's bound the stamps follow the copy-stream roads (session 49): a
+    pageable source's call musters its copy crew, pipelines the copy and hands the output
+    over to the current stream; a pinned source's call queues one DMA on the copy stream and
+    hands it over. Each step ends no earlier than the one before it, inside the Python call,
+    and the copies are exact with the stamps on."""
+    head = ["usable", "device", "source", "pinned_check"]
+    tail = ["capture_check", "sources_released", "stream", "output"]
+    nbytes = 4 * MiB
+    assert nbytes > pinxfer._C.small_leaf_bytes
+    pinxfer._C._set_step_stamps(True)
+    try:
+        for seed in range(3):
+            x = _random_bytes(nbytes, seed=seed)
+            for source, steps in (
+                (x, [*head, "mustered", *tail, "pipelined", "handed_over"]),
+                (x.pin_memory(), head + tail + ["queued", "handed_over"]),
+            ):
+                called = time.perf_counter_ns()
+                y = pinxfer.to_device(source)
+                returned = time.perf_counter_ns()
+                record = pinxfer._C._last_step_stamps()
+                _check(y, x)
+                assert [name for name, _ in record["steps"]] == steps
+                ends = [end_us for _, end_us in record["steps"]]
+                assert ends[0] >= 0 and ends == sorted(ends)
+                assert called <= record["entered_ns"]
+                assert record["entered_ns"] + ends[-1] * 1e3 <= returned + 1000  # µs -> ns
+    finally:
+        pinxfer._C._set_step_stamps(False)
+
+
 def test_copy_does_not_wait_for_busy_current_stream():
     x = torch.randn(8 * MiB)
     pinxfer.to_device(x)  # warm

@@ -155,6 +155,7 @@ at::Tensor send_to_device(const at::Tensor& self, c10::Device device,
   const bool pipelined = nbytes > transfer::kCurrentStreamBytes && !pinned;
   transfer::CopyCrew crew =
       pipelined ? transfer::muster_copy_crew(index, nbytes) : transfer::CopyCrew{};
+  if (pipelined) stamps.mark("mustered");
   check_not_capturing("to_device", index);
   stamps.mark("capture_check");
   transfer::release_finished_sources(index);
@@ -185,15 +186,23 @@ at::Tensor send_to_device(const at::Tensor& self, c10::Device device,
   const bool on_current = large == LargeCopies::kCurrentStream;
   const c10::cuda::CUDAStream copy = on_current ? cur : copy_stream_for(index);
   if (pipelined) crew.streams_found = std::chrono::steady_clock::now();
+  stamps.mark("stream");
   at::Tensor out =
       into != nullptr ? *into : transfer::empty_on_stream(src.sizes(), on_device, copy);
+  stamps.mark("output");
   if (pipelined) {
     crew.output_made = std::chrono::steady_clock::now();
     transfer::pipelined_copy(src, out, index, copy, options, crew);
+    stamps.mark("pipelined");
   } else {
     transfer::direct_copy(src, out, copy);
+    stamps.mark("queued");
   }
-  if (!on_current) transfer::hand_over(out, copy, cur);
+  if (!on_current) {
+    transfer::hand_over(out, copy, cur);
+    stamps.mark("handed_over");
+  }
+  stamps.publish();
   return out;
 }
 
