@@ -17,9 +17,9 @@ stamped since session 49 with its own steps: usable, device, source, pinned_chec
 (the copy crew: the torch-team probe and the helpers woken ahead), capture_check,
 sources_released, stream, output (on the copy stream), pipelined (the staging and every DMA
 queued, pipeline.cpp's trace splits it), handed_over (the current stream made to wait for
-the copy stream, the output recorded on the current stream: copy_streams.h, hand_over). Session 48 measured its steps outside the pipeline only as one
-sum (77-111 us after a gap at 1-8 MiB on an H100, diag_midsize): python_in, python_out and
-handed_over split it.
+the copy stream, the output recorded on the current stream: copy_streams.h, hand_over).
+Session 48 measured its steps outside the pipeline only as one sum (77-111 us after a gap at
+1-8 MiB on an H100, diag_midsize): python_in, python_out and handed_over split it.
 
 --loop-ways times it among all of bench_loop's ways of a cell (pinxfer's batch and
 pin_memory, torch's seven), as bench_loop's rows are, and splits pinxfer's rows by the way
