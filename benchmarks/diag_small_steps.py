@@ -59,7 +59,9 @@ def step_durations(pinxfer, t0: int, t1: int) -> dict[str, float]:
     record = pinxfer._C._last_step_stamps()
     steps = record["steps"]
     # A call that published nothing (another road, an error) leaves the last record as it was.
-    assert steps and record["entered_ns"] >= t0, "this call left no stamps: not the small road?"
+    assert steps and record["entered_ns"] >= t0, (
+        "this call left no stamps: not to_device of one tensor?"
+    )
     out = {"python_in": (record["entered_ns"] - t0) / 1e3}
     previous_end = 0.0
     for name, end_us in steps:

@@ -87,16 +87,20 @@ def measure(sizes: list[int], gaps: list[str], rounds: int) -> dict[str, Any]:
             before_timed = gap_before_timed_call(gap, sync)
             walls: dict[str, dict[str, list[float]]] = {w: {s: [] for s in SIDES} for w in ways}
             reads: dict[str, int] = dict.fromkeys(SIDES, 0)
-            for r in range(rounds):
-                order = SIDES if r % 2 == 0 else SIDES[::-1]
-                for way, fn in ways.items():
-                    for side in order:
-                        set_probe(side == "probe")
-                        reads_before = state()[4]
-                        t0, _t1, t2 = timed_after_twin(fn, sync, before_timed)
-                        reads[side] += state()[4] - reads_before
-                        walls[way][side].append((t2 - t0) / 1e3)
-            set_probe(True)
+            try:
+                for r in range(rounds):
+                    order = SIDES if r % 2 == 0 else SIDES[::-1]
+                    for way, fn in ways.items():
+                        for side in order:
+                            set_probe(False)  # state() asks the probe itself: not counted
+                            reads_before = state()[4]
+                            set_probe(side == "probe")
+                            t0, _t1, t2 = timed_after_twin(fn, sync, before_timed)
+                            set_probe(False)
+                            reads[side] += state()[4] - reads_before
+                            walls[way][side].append((t2 - t0) / 1e3)
+            finally:
+                set_probe(True)
             cell: dict[str, Any] = {"state_reads": reads, "ways": {}}
             for way, sides in walls.items():
                 paired = [a - b for a, b in zip(sides["probe"], sides["no_probe"], strict=True)]

@@ -372,8 +372,9 @@ void bind_transfer(pybind11::module_& m) {
       "staged_us (bytes copied in; -1 when copy threads packed them), queued_us (DMAs), "
       "returned_us (block back to the pool), total_us (views made)");
   m.def("_set_step_stamps", &set_step_stamps,
-        "DIAGNOSTIC: _set_step_stamps(on): this process's to_device calls stamp their host "
-        "steps, and those of the small road (<= 256 KiB) publish them (_last_step_stamps)");
+        "DIAGNOSTIC: _set_step_stamps(on): this process's to_device calls of one tensor stamp "
+        "their host steps and publish them (_last_step_stamps): the small road's (<= 256 "
+        "KiB) and, since session 49, the copy-stream roads' (pipelined or one DMA)");
   m.def(
       "_last_step_stamps",
       [] {
