@@ -160,13 +160,21 @@ def gap_before_timed_call(gap: str, sync) -> Callable[[], None]:
 
 
 def timed_after_twin(
-    fn: Callable[[], Any], sync: Callable[[], None], gap_before: Callable[[], None]
+    fn: Callable[[], Any],
+    sync: Callable[[], None],
+    gap_before: Callable[[], None],
+    twin: bool = True,
 ) -> tuple[int, int, int]:
-    """One timed call of a way as bench_loop's cells make it: an untimed call of the same way
-    (synchronized), the gap (gap_before_timed_call), then the timed call and a synchronize.
-    Returns time.perf_counter_ns() at the call, at its return and at the synchronize's end."""
-    fn()
-    sync()
+    """One timed call of a way: an untimed call of the same way (synchronized), the gap
+    (gap_before_timed_call), then the timed call and a synchronize. Returns
+    time.perf_counter_ns() at the call, at its return and at the synchronize's end.
+
+    bench_loop's back-to-back cells make each call so. Its gap cells (run_rounds, warm_each
+    off) have no twin: the timed call follows the gap, and before the gap came the timed call
+    of another way of the round. twin=False times a call that way."""
+    if twin:
+        fn()
+        sync()
     gap_before()
     t0 = time.perf_counter_ns()
     res = fn()

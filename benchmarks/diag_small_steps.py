@@ -71,7 +71,9 @@ def step_durations(pinxfer, t0: int, t1: int) -> dict[str, float]:
     return out
 
 
-def measure(pinxfer, nbytes: int, rounds: int, gap: str, loop_ways: bool) -> dict[str, Any]:
+def measure(
+    pinxfer, nbytes: int, rounds: int, gap: str, loop_ways: bool, twin: bool = True
+) -> dict[str, Any]:
     dev = torch.device("cuda", torch.cuda.current_device())
     sync = torch.cuda.synchronize
     gap_before = gap_before_timed_call(gap, sync)
@@ -97,7 +99,7 @@ def measure(pinxfer, nbytes: int, rounds: int, gap: str, loop_ways: bool) -> dic
     previous = "none"
     for order in balanced_rounds(list(ways), rounds):
         for name in order:
-            t0, t1, t2 = timed_after_twin(ways[name], sync, gap_before)
+            t0, t1, t2 = timed_after_twin(ways[name], sync, gap_before, twin or gap == "b2b")
             row = {"wall": (t2 - t0) / 1e3, "call": (t1 - t0) / 1e3, "sync": (t2 - t1) / 1e3}
             if name == "px_to_device":
                 row |= step_durations(pinxfer, t0, t1)
@@ -122,6 +124,13 @@ def main() -> None:
         action="store_true",
         help="time among all of bench_loop's ways of a cell (call_ways), not torch's two alone",
     )
+    ap.add_argument(
+        "--no-twin",
+        action="store_true",
+        help="after a gap, no untimed call of the same way before it: the timed call follows "
+        "the gap, and before the gap the timed call of another way, as in bench_loop's gap "
+        "cells (back to back a twin always runs, as there)",
+    )
     ap.add_argument("--json")
     args = ap.parse_args()
     import pinxfer
@@ -133,13 +142,17 @@ def main() -> None:
         "stage_copy": os.environ.get("PINXFER_STAGE_COPY", "auto"),
         "rounds": args.rounds,
         "loop_ways": args.loop_ways,
+        "twin": not args.no_twin,
         "gaps": {},
     }
     pinxfer._C._set_step_stamps(True)
     try:
         for gap in args.gaps.split(","):
             result["gaps"][gap] = {
-                size_label(n): measure(pinxfer, n, args.rounds, gap, args.loop_ways) for n in sizes
+                size_label(n): measure(
+                    pinxfer, n, args.rounds, gap, args.loop_ways, not args.no_twin
+                )
+                for n in sizes
             }
     finally:
         pinxfer._C._set_step_stamps(False)
