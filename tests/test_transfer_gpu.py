@@ -374,6 +374,22 @@ SMALL_SEND_STEPS = [
 ]
 
 
+def _stamped_send(source: torch.Tensor, x: torch.Tensor) -> list[str]:
+    """pinxfer.to_device(source) with the step stamps on (the caller turns them on): checks
+    the copy against x and that each stamped step ends no earlier than the one before it,
+    inside the Python call, on the clock of time.perf_counter_ns; returns the steps' names."""
+    called = time.perf_counter_ns()
+    y = pinxfer.to_device(source)
+    returned = time.perf_counter_ns()
+    record = pinxfer._C._last_step_stamps()
+    _check(y, x)
+    ends = [end_us for _, end_us in record["steps"]]
+    assert ends[0] >= 0 and ends == sorted(ends)
+    assert called <= record["entered_ns"]
+    assert record["entered_ns"] + ends[-1] * 1e3 <= returned + 1000  # µs -> ns
+    return [name for name, _ in record["steps"]]
+
+
 @pytest.mark.parametrize("nbytes", [4096, MiB // 4])
 def test_step_stamps_of_a_small_send_cover_its_steps_in_order(nbytes):
     """The diagnostic step stamps (benchmarks/diag_small_steps.py) of a small to_device: a
@@ -389,17 +405,7 @@ def test_step_stamps_of_a_small_send_cover_its_steps_in_order(nbytes):
                 (x, ["block", "staged", "queued", "returned"]),
                 (x.pin_memory(), ["queued"]),  # torch's pinned memory: one DMA
             ):
-                called = time.perf_counter_ns()
-                y = pinxfer.to_device(source)
-                returned = time.perf_counter_ns()
-                record = pinxfer._C._last_step_stamps()
-                _check(y, x)
-                names = [name for name, _ in record["steps"]]
-                assert names == SMALL_SEND_STEPS + road
-                ends = [end_us for _, end_us in record["steps"]]
-                assert ends[0] >= 0 and ends == sorted(ends)
-                assert called <= record["entered_ns"]
-                assert record["entered_ns"] + ends[-1] * 1e3 <= returned + 1000  # µs -> ns
+                assert _stamped_send(source, x) == SMALL_SEND_STEPS + road
     finally:
         pinxfer._C._set_step_stamps(False)
     before = pinxfer._C._last_step_stamps()
@@ -413,8 +419,10 @@ def test_step_stamps_of_a_large_send_cover_its_steps_in_order():
     over to the current stream; a pinned source's call queues one DMA on the copy stream and
     hands it over. Each step ends no earlier than the one before it, inside the Python call,
     and the copies are exact with the stamps on."""
-    head = ["usable", "device", "source", "pinned_check"]
-    tail = ["capture_check", "sources_released", "stream", "output"]
+    # The small road's steps to its output, a pageable source's crew mustered after the
+    # pinned check.
+    head, tail = SMALL_SEND_STEPS[:4], SMALL_SEND_STEPS[4:]
+    assert head[-1] == "pinned_check"
     nbytes = 4 * MiB
     assert nbytes > pinxfer._C.small_leaf_bytes
     pinxfer._C._set_step_stamps(True)
@@ -425,16 +433,7 @@ def test_step_stamps_of_a_large_send_cover_its_steps_in_order():
                 (x, [*head, "mustered", *tail, "pipelined", "handed_over"]),
                 (x.pin_memory(), head + tail + ["queued", "handed_over"]),
             ):
-                called = time.perf_counter_ns()
-                y = pinxfer.to_device(source)
-                returned = time.perf_counter_ns()
-                record = pinxfer._C._last_step_stamps()
-                _check(y, x)
-                assert [name for name, _ in record["steps"]] == steps
-                ends = [end_us for _, end_us in record["steps"]]
-                assert ends[0] >= 0 and ends == sorted(ends)
-                assert called <= record["entered_ns"]
-                assert record["entered_ns"] + ends[-1] * 1e3 <= returned + 1000  # µs -> ns
+                assert _stamped_send(source, x) == steps
     finally:
         pinxfer._C._set_step_stamps(False)
 
