@@ -35,6 +35,7 @@ PINXFER_VARS = [
     "PINXFER_STAGE_COPY",
     "PINXFER_CACHED_TAIL",
     "PINXFER_TORCH_TEAM",
+    "PINXFER_TEAM_PROBE",
     "PINXFER_IDLE_RECLAIM",
     "PINXFER_SENDER_LANDING",
     "PINXFER_SENDER_WORKERS",
@@ -263,6 +264,7 @@ def test_settings_list_every_variable_with_its_source():
     assert rows["PINXFER_NUM_THREADS"][1] == "derived"
     assert "copy threads" in rows["PINXFER_NUM_THREADS"][0]
     assert rows["PINXFER_STAGE_COPY"] == ["auto", "default"]
+    assert rows["PINXFER_TEAM_PROBE"] == ["proc", "default"]
     assert rows["PINXFER_SENDER_LANDING"] == ["auto", "default"]
     assert rows["PINXFER_SENDER_WORKERS"] == ["2", "default"]
     assert rows["PINXFER_SENDER_OUTPUTS"] == ["auto", "default"]
@@ -447,6 +449,7 @@ def test_derived_threads_follow_local_world_size_and_affinity():
         ("PINXFER_MAX_PINNED_BYTES", "1.5", "a byte size"),
         ("PINXFER_STAGE_COPY", "fast", "expected 'auto', 'nt'"),
         ("PINXFER_TORCH_TEAM", "on", "expected 'auto' \\(on torch's team"),
+        ("PINXFER_TEAM_PROBE", "stat", "expected 'proc' \\(the default: read one member"),
         ("PINXFER_IDLE_RECLAIM", "on", "expected 'auto' \\(one stream query"),
         ("PINXFER_SENDER_LANDING", "host", "expected 'auto' \\(the default: a host function"),
         ("PINXFER_SENDER_WORKERS", "0", "an integer from 1 to 4"),

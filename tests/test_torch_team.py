@@ -17,6 +17,8 @@ import textwrap
 
 import pytest
 
+import pinxfer
+
 from .conftest import SANITIZER, requires_cuda
 
 pytestmark = pytest.mark.skipif(
@@ -72,7 +74,10 @@ def _run(body: str, **env: str) -> dict:
 
 
 @needs_cpus
-def test_probe_tells_a_spinning_team_from_a_sleeping_one():
+@pytest.mark.parametrize("probe", ["proc", "clock"])
+def test_probe_tells_a_spinning_team_from_a_sleeping_one(probe):
+    """Both ways of reading a member (PINXFER_TEAM_PROBE): its /proc state, or whether its
+    thread CPU clock runs."""
     got = _run(
         """
         first = awake_after_op()
@@ -88,13 +93,26 @@ def test_probe_tells_a_spinning_team_from_a_sleeping_one():
         print(json.dumps(dict(threads=threads, want=torch.get_num_threads(),
               after_op=first, after_idle=awake_after_idle, again=again,
               other=list(other[0][:2]), one_thread=awake_one_thread)))
-        """
+        """,
+        PINXFER_TEAM_PROBE=probe,
     )
     assert got["threads"] >= TEAM_THREADS  # the team was learned, its size torch's
     assert got["after_op"] and got["again"], got
     assert not got["after_idle"], got
     assert got["other"] == [0, False]  # only the main thread's team is probed
     assert not got["one_thread"]
+
+
+def test_a_running_thread_is_told_from_a_waiting_one_by_its_cpu_clock():
+    """PINXFER_TEAM_PROBE=clock's question, asked of real threads (two CPUs suffice): a
+    thread waiting on a condition variable is never seen running, a spinning one is (the
+    self-test keeps it off the asking thread's CPU and asks for up to two seconds until it
+    has seen it run once: a spinner sharing the asker's CPU is never on it while asked), and
+    a thread that has ended has no clock."""
+    spinner, sleeper, gone = pinxfer._C._thread_running_self_test(100_000)
+    assert sleeper == 0
+    assert spinner > 0
+    assert gone == -1
 
 
 def test_the_road_can_be_turned_off():

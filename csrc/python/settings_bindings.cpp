@@ -115,6 +115,16 @@ void bind_settings(pybind11::module_& m) {
         "DIAGNOSTIC: _set_wake_ahead(on): whether to_device wakes its copy helpers as it "
         "starts, after an idle gap (on, the default), or only when it offers them work (off; "
         "for A/B runs in one process)");
+  m.def("_thread_running_self_test", wrap_pybind_function_no_gil([](int64_t samples) {
+          const ThreadRunningCounts c = thread_running_self_test(samples);
+          return std::make_tuple(c.spinner_running, c.sleeper_running,
+                                 static_cast<int64_t>(c.gone));
+        }),
+        pybind11::arg("samples"),
+        "TEST-ONLY: _thread_running_self_test(samples) -> (times a spinning thread was seen "
+        "running, times a thread waiting on a condition variable was, the answer for a thread "
+        "that has ended: -1): PINXFER_TEAM_PROBE=clock's question (runtime/torch_team.h, "
+        "thread_running_now) asked of real threads");
   m.def("_set_team_probe", &set_team_probe_enabled,
         "DIAGNOSTIC: _set_team_probe(on): whether host copies ask if torch's intra-op team is "
         "awake (on, the default) or take it for asleep without asking (off, as "

@@ -187,6 +187,19 @@ const Row kRows[] = {
      },
      [](Settings&) { return std::string("auto"); }, "default"},
 
+    {"PINXFER_TEAM_PROBE",
+     "how a host copy asks whether torch's team is awake: proc (a member's /proc state) or "
+     "clock (whether a member's CPU clock runs)",
+     [](const char* name, const std::string& text, Settings& s) {
+       const std::string& mode =
+           env_one_of(name, text, kTeamProbeNames,
+                      "'proc' (the default: read one member's state from /proc) or 'clock' "
+                      "(read one member's thread CPU clock twice)");
+       s.team_probe_clock = mode == "clock";
+       return mode;
+     },
+     [](Settings&) { return std::string("proc"); }, "default"},
+
     {"PINXFER_IDLE_RECLAIM",
      "pin_memory takes back a small block in its stream's fence batch when the stream is "
      "idle: auto or off",

@@ -39,6 +39,9 @@ constexpr int kMaxSpinUs = 1000000;
 inline constexpr const char* kStagingModeNames[] = {"auto", "nt", "movsb"};
 // Most PINXFER_SENDER_WORKERS accepted: each worker sends a batch of its own at once.
 constexpr int kMaxSenderWorkers = 4;
+// The values PINXFER_TEAM_PROBE accepts: how torch_team_awake() reads a team member's state
+// (runtime/torch_team.h).
+inline constexpr const char* kTeamProbeNames[] = {"proc", "clock"};
 // The values PINXFER_SENDER_LANDING accepts (ops/cuda/batch_sender.h's LandingMode).
 inline constexpr const char* kSenderLandingNames[] = {"auto", "flag", "event"};
 // The values PINXFER_SENDER_OUTPUTS accepts: on whose stream prefetch's batch sender makes a
@@ -67,6 +70,7 @@ struct Settings {
   std::string stage_copy = "auto";  // PINXFER_STAGE_COPY, one of kStagingModeNames
   int64_t cached_tail = -1;         // PINXFER_CACHED_TAIL; -1: not set (16 MiB)
   bool torch_team = true;           // PINXFER_TORCH_TEAM: copies may run on torch's awake team
+  bool team_probe_clock = false;    // PINXFER_TEAM_PROBE=clock: a member's CPU clock, not /proc
   bool idle_reclaim = true;  // PINXFER_IDLE_RECLAIM: pin_memory takes fenced blocks back when idle
   std::string sender_landing = "auto";  // PINXFER_SENDER_LANDING, one of kSenderLandingNames
   int sender_workers = 2;               // PINXFER_SENDER_WORKERS: batches in flight at a sender

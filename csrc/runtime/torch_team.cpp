@@ -8,14 +8,22 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <pthread.h>
+#include <sched.h>
+#include <signal.h>
+#include <time.h>
+
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "runtime/fork.h"
@@ -161,7 +169,8 @@ struct TeamProbe {
   // and it ends the process when it cannot (tests/test_limits.py); a smaller one makes it
   // end the members left out, which torch's next op starts again.
   int region_threads = 1;
-  std::vector<int> stat_fds;
+  std::vector<int> stat_fds;   // the watched members' /proc stat files (PINXFER_TEAM_PROBE=proc)
+  std::vector<pid_t> watched;  // their thread ids (PINXFER_TEAM_PROBE=clock)
 
   TeamProbe() = default;
   TeamProbe(const TeamProbe&) = delete;
@@ -171,6 +180,7 @@ struct TeamProbe {
   void forget() {
     for (int fd : stat_fds) ::close(fd);
     stat_fds.clear();
+    watched.clear();
     threads = 0;
   }
 
@@ -192,7 +202,9 @@ struct TeamProbe {
       if (tid == 0 || tid == self || stat_fds.size() == kWatched) continue;
       const std::string path = "/proc/self/task/" + std::to_string(tid) + "/stat";
       const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-      if (fd >= 0) stat_fds.push_back(fd);
+      if (fd < 0) continue;
+      stat_fds.push_back(fd);
+      watched.push_back(tid);
     }
     if (stat_fds.empty()) forget();  // no member to watch: try again at a later scan
   }
@@ -256,7 +268,21 @@ struct TeamProbe {
 
   // The members spin and sleep together: one read tells (a spinning member the scheduler
   // has descheduled is still 'R', runnable); the second is read only when the first has gone.
+  // PINXFER_TEAM_PROBE=clock reads whether the member's CPU clock runs instead
+  // (thread_running_now): two clock reads cost less than the /proc read, but a spinning
+  // member the scheduler has descheduled is then taken for asleep.
   bool awake() {
+    if (settings().team_probe_clock) {
+      // A bare thread id: had a member ended and a new thread of this process been given its
+      // id (ids wrap at pid_max), that thread would be read. A wrong answer costs a copy its
+      // road, nothing more. The /proc file read below stays the ended thread's and fails.
+      for (pid_t tid : watched) {
+        const int running = thread_running_now(tid);
+        if (running >= 0) return running == 1;
+      }
+      forget();  // every watched member is gone: the team was rebuilt; learn it next time
+      return false;
+    }
     for (int fd : stat_fds) {
       const char s = state_of(fd);
       if (s != 0) return s == 'R';
@@ -290,7 +316,104 @@ bool on_main_thread() { return current_tid() == ::getpid(); }
 
 namespace {
 std::atomic<bool> g_team_probe_enabled{true};  // set_team_probe_enabled (diagnostic)
+
+// The clock id of thread `tid`'s CPU time (its sum_exec_runtime), as glibc's
+// pthread_getcpuclockid makes it: the kernel's MAKE_THREAD_CPUCLOCK(tid, CPUCLOCK_SCHED),
+// (~tid << 3) | CPUCLOCK_PERTHREAD_MASK | CPUCLOCK_SCHED. The kernel takes any thread of the
+// calling process.
+clockid_t thread_cpu_clock(int tid) {
+  return static_cast<clockid_t>((~static_cast<unsigned>(tid) << 3) | 4u | 2u);
+}
 }  // namespace
+
+int thread_running_now(int tid) {
+  const clockid_t clock = thread_cpu_clock(tid);
+  timespec first{}, second{};
+  if (::clock_gettime(clock, &first) != 0 || ::clock_gettime(clock, &second) != 0) return -1;
+  return first.tv_sec != second.tv_sec || first.tv_nsec != second.tv_nsec ? 1 : 0;
+}
+
+namespace {
+// The self-test's threads: on every way out (an exception while starting them included) they
+// are told to stop, woken and joined.
+struct SelfTestThreads {
+  std::atomic<bool> stop{false};
+  std::mutex mutex;
+  std::condition_variable wake;
+  std::vector<std::thread> threads;
+  ~SelfTestThreads() {
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      stop.store(true);
+    }
+    wake.notify_all();
+    for (std::thread& t : threads) {
+      if (t.joinable()) t.join();
+    }
+  }
+};
+
+// No signal of the process is handled on a self-test thread: a handler run there would move
+// its clock.
+void block_signals() {
+  sigset_t all;
+  sigfillset(&all);
+  pthread_sigmask(SIG_BLOCK, &all, nullptr);
+}
+}  // namespace
+
+ThreadRunningCounts thread_running_self_test(int64_t samples) {
+  TORCH_CHECK_VALUE(samples >= 1 && samples <= 1000000,
+                    "_thread_running_self_test: samples must be from 1 to 1000000, got ", samples);
+  std::atomic<int> spinner_tid{0}, sleeper_tid{0}, gone_tid{0};
+  SelfTestThreads t;
+  const int caller_cpu = ::sched_getcpu();
+  t.threads.emplace_back([&] {
+    block_signals();
+    // Off the caller's CPU where the mask allows another: a spinner that shares the caller's
+    // CPU is on it only when the caller is not, so never while the caller reads its clock.
+    cpu_set_t mask;
+    if (caller_cpu >= 0 && ::sched_getaffinity(0, sizeof(mask), &mask) == 0 &&
+        CPU_ISSET(caller_cpu, &mask) && CPU_COUNT(&mask) > 1) {
+      CPU_CLR(caller_cpu, &mask);
+      ::sched_setaffinity(0, sizeof(mask), &mask);
+    }
+    spinner_tid.store(static_cast<int>(current_tid()));
+    while (!t.stop.load(std::memory_order_relaxed)) {
+    }
+  });
+  t.threads.emplace_back([&] {
+    block_signals();
+    std::unique_lock<std::mutex> lock(t.mutex);
+    sleeper_tid.store(static_cast<int>(current_tid()));
+    t.wake.wait(lock, [&] { return t.stop.load(); });
+  });
+  std::thread gone([&] {
+    block_signals();
+    gone_tid.store(static_cast<int>(current_tid()));
+  });
+  gone.join();
+  while (spinner_tid.load() == 0 || sleeper_tid.load() == 0) std::this_thread::yield();
+  // The sleeper sets its id under the lock, then waits: asleep once its state reads 'S'
+  // (the last steps into the kernel's wait after that take far less than the pause).
+  const std::string path = "/proc/self/task/" + std::to_string(sleeper_tid.load()) + "/stat";
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  TORCH_CHECK(fd >= 0, "_thread_running_self_test: cannot read ", path);
+  while (TeamProbe::state_of(fd) != 'S') std::this_thread::yield();
+  ::close(fd);
+  std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  // At least `samples` questions, and on until the spinner has been seen running once or
+  // two seconds have passed (on a machine whose other CPU is busy it may wait its turn).
+  ThreadRunningCounts counts;
+  const int64_t give_up_ns = steady_now_ns() + int64_t{2'000'000'000};
+  for (int64_t i = 0; i < samples || (counts.spinner_running == 0 && steady_now_ns() < give_up_ns);
+       ++i) {
+    counts.spinner_running += thread_running_now(spinner_tid.load()) == 1;
+    counts.sleeper_running += thread_running_now(sleeper_tid.load()) == 1;
+  }
+  counts.gone = thread_running_now(gone_tid.load());
+  return counts;
+}
 
 void set_team_probe_enabled(bool on) { g_team_probe_enabled.store(on, std::memory_order_relaxed); }
 

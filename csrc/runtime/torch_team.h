@@ -25,10 +25,11 @@
 // caller (never more: a larger region makes libgomp start threads) that records its team
 // members' thread ids; each later question reads the scheduler state of one of them from
 // /proc/self/task/<tid>/stat (running: spinning; sleeping: asleep), a microsecond or two,
-// and only where pinxfer would otherwise wake copy threads. Within kTeamSpinWindowUs of a
-// region on the team from this thread (ours, or torch's op run by run_torch_op_on_team) the
-// answer is "awake" without that read: libgomp's members spin for 300000 spins after every
-// region unless OMP_WAIT_POLICY, GOMP_SPINCOUNT or too few CPUs say otherwise
+// and only where pinxfer would otherwise wake copy threads (PINXFER_TEAM_PROBE=clock reads
+// whether that member's thread CPU clock runs instead: thread_running_now). Within
+// kTeamSpinWindowUs of a region on the team from this thread (ours, or torch's op run by
+// run_torch_op_on_team) the answer is "awake" without that read: libgomp's members spin for 300000
+// spins after every region unless OMP_WAIT_POLICY, GOMP_SPINCOUNT or too few CPUs say otherwise
 // (team_spin_window_us), so back-to-back copies skip the read. A team that changed
 // (torch.set_num_threads, a fork) is learned again. pinxfer never runs a region before it has seen
 // the team spin: one of its own would start a team where torch has not, and libgomp ends the
@@ -128,6 +129,24 @@ struct TeamRegionTrace {
 };
 TeamRegionTrace last_team_region_trace();
 void set_team_region_tracing(bool on);
+// Whether thread `tid` of this process is on a CPU now: its thread CPU clock read twice
+// (clock_gettime on the clock id the kernel makes from a thread id, as glibc's
+// pthread_getcpuclockid does). The kernel brings a running thread's clock up to date at each
+// read, so it moves between the two only if the thread ran between them. 1: running; 0: not
+// (asleep, or runnable and waiting for a CPU: one sharing the caller's CPU always is while
+// the caller asks); -1: no such thread in this process.
+// PINXFER_TEAM_PROBE=clock asks a team member so.
+int thread_running_now(int tid);
+// TEST-ONLY (pinxfer._C._thread_running_self_test): at least `samples` questions each about
+// a thread that spins (kept off the caller's CPU where it can be; asked up to two seconds
+// until seen running once) and one that waits on a condition variable, and one about a
+// thread that has ended.
+struct ThreadRunningCounts {
+  int64_t spinner_running = 0;  // answers "running" for the spinning thread
+  int64_t sleeper_running = 0;  // answers "running" for the waiting thread
+  int gone = 0;                 // the answer for the ended thread (-1 expected)
+};
+ThreadRunningCounts thread_running_self_test(int64_t samples);
 // DIAGNOSTIC (pinxfer._C._set_team_probe): off, torch_team_awake() answers "asleep" without
 // asking, as PINXFER_TORCH_TEAM=off does, so that one process can time calls with and
 // without the probe in turn (on by default).
