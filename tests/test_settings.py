@@ -388,13 +388,15 @@ def test_an_openmp_binding_of_the_main_thread_is_not_the_processs_cpus():
     assert int(worker_cpus) > int(bound), (worker_cpus, bound)
 
 
-def test_blank_omp_places_binds_nothing_so_a_narrowed_mask_stays_the_processs():
-    """OMP_PLACES of blanks alone is invalid to libgomp, which then binds nothing, and so is
-    any OMP_PLACES or GOMP_CPU_AFFINITY under OMP_PROC_BIND=false: a mask the process narrowed
-    itself (here to one CPU, before torch loads) is its own, not OpenMP's binding, and
-    pinxfer's copy threads keep to it. pinxfer used to take any non-empty OMP_PLACES, and any
-    value with OMP_PROC_BIND=false, for a binding and spread its copy threads over the whole
-    cpuset (found by review, sessions 46 and 47)."""
+def test_openmp_settings_that_bind_nothing_leave_a_narrowed_mask_the_processs():
+    """OMP_PLACES of blanks alone, or of words libgomp does not know, and an OMP_PROC_BIND it
+    does not know are invalid to libgomp, which then binds nothing, and so is any OMP_PLACES or
+    GOMP_CPU_AFFINITY under OMP_PROC_BIND=false: a mask the process narrowed itself (here to one
+    CPU, before torch loads) is its own, not OpenMP's binding, and pinxfer's copy threads keep
+    to it. pinxfer used to take any non-empty OMP_PLACES, and any value with
+    OMP_PROC_BIND=false, for a binding and spread its copy threads over the whole cpuset (found
+    by review, sessions 46 and 47); until session 50 it read the variables itself and took the
+    unparsable ones for a binding (it now asks libgomp, csrc/runtime/libgomp.h)."""
     code = (
         textwrap.dedent("""
             import os
@@ -407,6 +409,9 @@ def test_blank_omp_places_binds_nothing_so_a_narrowed_mask_stays_the_processs():
     unset = {"OMP_PROC_BIND": None, "OMP_PLACES": None, "GOMP_CPU_AFFINITY": None}
     for env in (
         {"OMP_PLACES": " \t "},
+        {"OMP_PLACES": "cores-please"},
+        {"OMP_PLACES": "{0},{1}x"},
+        {"OMP_PROC_BIND": "tightly"},
         {"OMP_PROC_BIND": " False", "OMP_PLACES": "cores"},
         {"OMP_PROC_BIND": "false", "GOMP_CPU_AFFINITY": "0"},
     ):

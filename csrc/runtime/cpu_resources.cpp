@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "runtime/libgomp.h"
 #include "runtime/parse.h"
 #include "runtime/topology.h"
 
@@ -147,20 +148,23 @@ std::vector<int> cgroup_cpuset_ids(const std::string& cgroup_root,
 }
 
 namespace {
-// Whether libgomp was asked to bind threads (it then binds the initial thread, this one,
-// to its first place as torch loads it): the variables libgomp reads for that, as it reads
-// them (gomp_word: past blanks and case).
+// Whether OpenMP bound this process's threads (libgomp binds the initial thread, this one,
+// to its first place as torch loads it). libgomp's own answer where torch's OpenMP is
+// libgomp: it read its variables at its load and dropped every value it could not parse
+// (pinxfer's reading of them took an unparsable OMP_PLACES or OMP_PROC_BIND for a binding).
+// Elsewhere, the variables as libgomp would read them (gomp_word: past blanks and case).
 bool openmp_binds_threads() {
+  const OpenmpBinding asked = libgomp_binding();
+  if (asked.known) return asked.binds;
   if (const char* bind = std::getenv("OMP_PROC_BIND")) {
     const std::string word = gomp_word(bind);
     // false: libgomp then ignores OMP_PLACES and GOMP_CPU_AFFINITY and binds nothing.
     if (word.rfind("false", 0) == 0) return false;
     if (!word.empty()) return true;
   }
-  // OMP_PLACES of blanks alone is invalid to every libgomp, which then binds nothing (so is
-  // any other value it cannot parse; those are taken for a binding here). Not so
-  // GOMP_CPU_AFFINITY: the libgomp of many GCC releases, torch's bundled one among them, reads
-  // an empty or blank list as CPU 0 and binds (newer ones call it invalid). Any value counts.
+  // OMP_PLACES of blanks alone is invalid to every libgomp, which then binds nothing. Not so
+  // GOMP_CPU_AFFINITY: the libgomp of many GCC releases reads an empty or blank list as CPU 0
+  // and binds (newer ones call it invalid). Any value counts.
   if (const char* places = std::getenv("OMP_PLACES")) {
     if (!gomp_word(places).empty()) return true;
   }

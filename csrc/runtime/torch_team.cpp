@@ -2,9 +2,7 @@
 
 #include <ATen/Parallel.h>
 #include <dirent.h>
-#include <dlfcn.h>
 #include <fcntl.h>
-#include <link.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -27,6 +25,7 @@
 #include <vector>
 
 #include "runtime/fork.h"
+#include "runtime/libgomp.h"
 #include "runtime/settings.h"
 #include "runtime/share_split.h"
 #include "runtime/steady_time.h"
@@ -47,42 +46,6 @@ constexpr bool kProbeAllowed = true;
 constexpr size_t kWatched = 2;
 
 pid_t current_tid() { return static_cast<pid_t>(::syscall(SYS_gettid)); }
-
-// libgomp's entry point for `#pragma omp parallel` (GCC's ABI since 4.9): runs fn(data) on
-// the calling thread's team of num_threads (the caller included) and returns when all
-// have. pinxfer is not built with -fopenmp, so at::parallel_for compiled here would run
-// serially; the team torch uses is reached through the libgomp torch loaded. Its
-// omp_get_thread_num gives each member its place in the team (the caller 0).
-using GompParallel = void (*)(void (*)(void*), void*, unsigned, unsigned);
-using GompThreadNum = int (*)();
-
-struct Gomp {
-  GompParallel parallel = nullptr;
-  GompThreadNum thread_num = nullptr;
-};
-
-int find_gomp(struct dl_phdr_info* info, size_t, void* out) {
-  if (info->dlpi_name == nullptr || std::strstr(info->dlpi_name, "libgomp") == nullptr) return 0;
-  void* lib = ::dlopen(info->dlpi_name, RTLD_LAZY | RTLD_NOLOAD);
-  if (lib == nullptr) return 0;
-  Gomp found;
-  found.parallel = reinterpret_cast<GompParallel>(::dlsym(lib, "GOMP_parallel"));
-  found.thread_num = reinterpret_cast<GompThreadNum>(::dlsym(lib, "omp_get_thread_num"));
-  ::dlclose(lib);  // NOLOAD took a reference to a library that stays loaded
-  if (found.parallel == nullptr || found.thread_num == nullptr) return 0;
-  *static_cast<Gomp*>(out) = found;
-  return 1;
-}
-
-// torch's libgomp; both null where torch's intra-op backend is not libgomp.
-const Gomp& gomp() {
-  static const Gomp found = [] {
-    Gomp g;
-    ::dl_iterate_phdr(&find_gomp, &g);
-    return g;
-  }();
-  return found;
-}
 
 // A parallel region: body() runs once on each of the team's threads (the caller among
 // them) and returns when all have; the first exception is kept and rethrown after the
@@ -110,7 +73,7 @@ thread_local int64_t t_region_end_ns = 0;
 void run_on_each_member(unsigned threads, const std::function<void()>& member) {
   Region r;
   r.member = &member;
-  gomp().parallel(&Region::body, &r, threads, 0);
+  libgomp().parallel(&Region::body, &r, threads, 0);
   t_region_end_ns = steady_now_ns();
   if (r.error) std::rethrow_exception(r.error);
 }
@@ -138,7 +101,7 @@ void run_region(size_t n, size_t share, unsigned threads,
   const size_t traced_members = tracing ? std::min<size_t>(threads, kTracedMembers) : 0;
   const int64_t start = tracing ? steady_now_ns() : 0;
   run_on_each_member(threads, [&] {
-    const auto me = static_cast<size_t>(gomp().thread_num());
+    const auto me = static_cast<size_t>(libgomp().thread_num());
     const bool traced = me < traced_members;
     if (traced) arrive[me] = steady_now_ns() - start;
     const size_t ran = split.take(me, fn);
@@ -421,8 +384,8 @@ bool torch_team_awake() {
   if (!g_team_probe_enabled.load(std::memory_order_relaxed)) return false;
   // Not in a forked child: its libgomp state is the parent's copy, and a region run on it
   // to learn the team could start threads or hang (found by review, session 42).
-  if (!kProbeAllowed || !settings().torch_team || gomp().parallel == nullptr ||
-      at::in_parallel_region() || !on_main_thread() || fork_generation() != 0) {
+  if (!kProbeAllowed || !settings().torch_team || !libgomp().found() || at::in_parallel_region() ||
+      !on_main_thread() || fork_generation() != 0) {
     return false;
   }
   const int n = at::get_num_threads();
@@ -502,7 +465,7 @@ void run_on_each_team_member(const std::function<void(size_t, size_t)>& fn) {
   g_team_copies.fetch_add(1, std::memory_order_relaxed);
   const auto members = static_cast<size_t>(t_probe.region_threads);
   run_on_each_member(static_cast<unsigned>(members),
-                     [&] { fn(static_cast<size_t>(gomp().thread_num()), members); });
+                     [&] { fn(static_cast<size_t>(libgomp().thread_num()), members); });
 }
 
 TeamRegionTrace last_team_region_trace() { return t_region_trace; }

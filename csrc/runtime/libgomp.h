@@ -1,0 +1,38 @@
+// torch's libgomp, found among the libraries already loaded: the entry points pinxfer calls.
+// pinxfer is not built with -fopenmp, so at::parallel_for compiled here would run serially and
+// `omp_*` calls would bind to no runtime; the team torch uses, and the binding it was given,
+// are reached through the libgomp torch loaded (runtime/torch_team.*, runtime/cpu_resources.*).
+#pragma once
+
+namespace pinxfer {
+
+struct Libgomp {
+  // GOMP_parallel: `#pragma omp parallel` (GCC's ABI since 4.9): runs fn(data) on the calling
+  // thread's team of num_threads (the caller included) and returns when all have.
+  void (*parallel)(void (*fn)(void*), void* data, unsigned num_threads, unsigned flags) = nullptr;
+  // omp_get_thread_num: the calling member's place in its team (the caller 0).
+  int (*thread_num)() = nullptr;
+  // omp_get_proc_bind (the bind-var ICV: 0 is omp_proc_bind_false) and omp_get_num_places:
+  // libgomp's own reading of OMP_PROC_BIND, OMP_PLACES and GOMP_CPU_AFFINITY at its load.
+  int (*proc_bind)() = nullptr;
+  int (*num_places)() = nullptr;
+
+  bool found() const { return parallel != nullptr && thread_num != nullptr; }
+};
+
+// The libgomp in this process (looked up once); every pointer null where torch's OpenMP
+// runtime is not libgomp or none is loaded.
+const Libgomp& libgomp();
+
+// Whether libgomp bound this process's threads (it then bound the initial thread, the one that
+// loaded it, to its first place): asked of libgomp itself, which read the variables at its
+// load and rejected the values it could not parse (an OMP_PLACES of blanks or of words it does
+// not know, an OMP_PROC_BIND it does not know: each then binds nothing). `known` is false
+// where there is no libgomp to ask.
+struct OpenmpBinding {
+  bool known = false;  // libgomp answered
+  bool binds = false;  // meaningful when known
+};
+OpenmpBinding libgomp_binding();
+
+}  // namespace pinxfer
