@@ -353,12 +353,18 @@ class HostTransfer:
         self._events = events
         self._done = not events
 
+    # Never traced, like to_host. Traced, dynamo (torch 2.14, variables/streams.py) records
+    # an event's query as a graph node but takes the answer it got while tracing for a
+    # constant in the Python around it, so a compiled ready() (and the branch on it in wait)
+    # would answer as the copies stood at trace time.
+    @_check.never_traced("HostTransfer.ready", "it queries CUDA events when it runs")
     def ready(self) -> bool:
         """True once every copy has finished (never blocks)."""
         if not self._done:
             self._done = all(e.query() for e in self._events)
         return self._done
 
+    @_check.never_traced("HostTransfer.wait", "it waits on CUDA events when it runs")
     def wait(self) -> Any:
         """Blocks until the copies have finished; returns the host tensor (or batch).
 

@@ -127,6 +127,30 @@ def test_to_host_under_compile_breaks_the_graph_at_the_call():
         assert len(backend.graphs) == 2, backend.graphs
 
 
+def test_a_host_transfers_wait_and_ready_break_the_graph():
+    """HostTransfer.wait and ready are never traced (they wait on and query CUDA events, whose
+    query dynamo would answer once, while tracing: tests/test_transfer_gpu.py shows it). A
+    handle with no copies in flight (a CPU result) stands in for one here: the graph breaks at
+    each call, the code around it stays compiled (2 graphs a function), and the call returns
+    what it returns in eager."""
+    from pinxfer.transfer import HostTransfer
+
+    for method in ("wait", "ready"):
+        backend = CountingBackend()
+
+        def fn(x, handle, method=method):
+            y = x.exp()
+            got = getattr(handle, method)()
+            return y.cos(), got
+
+        x = torch.arange(6.0)
+        handle = HostTransfer(torch.ones(3), [])
+        y, got = torch.compile(fn, backend=backend)(x, handle)
+        assert torch.equal(y, x.exp().cos())
+        assert got is True if method == "ready" else torch.equal(got, torch.ones(3))
+        assert len(backend.graphs) == 2, (method, backend.graphs)
+
+
 def test_import_pinxfer_does_not_import_dynamo():
     """never_traced calls through torch._dynamo.disable only once something else imported
     dynamo: importing it costs about 1.6 s."""

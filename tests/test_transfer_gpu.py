@@ -903,6 +903,27 @@ def test_to_host_cannot_be_read_early():
     assert h.ready()
 
 
+def test_a_compiled_ready_answers_as_the_copies_stand_when_it_runs():
+    """HostTransfer.ready and wait are never traced (session 50). Traced, dynamo (torch 2.14)
+    records an event's query in the graph but takes the answer it got while tracing for a
+    constant in the Python around it: the same compiled function asked of the same handle
+    after the copy had finished answered False again."""
+    x = torch.randn(4 * MiB, device="cuda")
+    pinxfer.to_host(x).wait()  # the pool's block for the call below is cached
+    backend = CountingBackend()
+    torch._dynamo.reset()
+    try:
+        compiled_ready = torch.compile(lambda handle: handle.ready(), backend=backend)
+        torch.cuda._sleep(20 * SLEEP)  # ~1 s: the copy below queues behind it
+        h = pinxfer.to_host(x)
+        assert compiled_ready(h) is False
+        torch.cuda.synchronize()
+        assert compiled_ready(h) is True
+    finally:
+        torch._dynamo.reset()
+    assert torch.equal(h.wait(), x.cpu())
+
+
 @pytest.mark.parametrize("view", ["conj", "neg"])
 def test_to_host_of_a_conj_or_neg_view_copies_its_values(view):
     """torch's non_blocking copy into pinned memory applies the view's bit on the host before
