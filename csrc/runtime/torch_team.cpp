@@ -132,8 +132,11 @@ struct TeamProbe {
   // and it ends the process when it cannot (tests/test_limits.py); a smaller one makes it
   // end the members left out, which torch's next op starts again.
   int region_threads = 1;
-  std::vector<int> stat_fds;   // the watched members' /proc stat files (PINXFER_TEAM_PROBE=proc)
-  std::vector<pid_t> watched;  // their thread ids (PINXFER_TEAM_PROBE=clock)
+  struct Member {
+    pid_t tid;    // read by PINXFER_TEAM_PROBE=clock
+    int stat_fd;  // its /proc stat file, read by PINXFER_TEAM_PROBE=proc
+  };
+  std::vector<Member> watched;  // at most kWatched
 
   TeamProbe() = default;
   TeamProbe(const TeamProbe&) = delete;
@@ -141,8 +144,7 @@ struct TeamProbe {
   ~TeamProbe() { forget(); }
 
   void forget() {
-    for (int fd : stat_fds) ::close(fd);
-    stat_fds.clear();
+    for (const Member& m : watched) ::close(m.stat_fd);
     watched.clear();
     threads = 0;
   }
@@ -162,14 +164,13 @@ struct TeamProbe {
     });
     const pid_t self = current_tid();
     for (pid_t tid : tids) {
-      if (tid == 0 || tid == self || stat_fds.size() == kWatched) continue;
+      if (tid == 0 || tid == self || watched.size() == kWatched) continue;
       const std::string path = "/proc/self/task/" + std::to_string(tid) + "/stat";
       const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
       if (fd < 0) continue;
-      stat_fds.push_back(fd);
-      watched.push_back(tid);
+      watched.push_back({tid, fd});
     }
-    if (stat_fds.empty()) forget();  // no member to watch: try again at a later scan
+    if (watched.empty()) forget();  // no member to watch: try again at a later scan
   }
 
   // Reads "tid (comm) S ..." of a /proc stat file: the state ('R' running, 'S' sleeping,
@@ -239,15 +240,15 @@ struct TeamProbe {
       // A bare thread id: had a member ended and a new thread of this process been given its
       // id (ids wrap at pid_max), that thread would be read. A wrong answer costs a copy its
       // road, nothing more. The /proc file read below stays the ended thread's and fails.
-      for (pid_t tid : watched) {
-        const int running = thread_running_now(tid);
+      for (const Member& m : watched) {
+        const int running = thread_running_now(m.tid);
         if (running >= 0) return running == 1;
       }
       forget();  // every watched member is gone: the team was rebuilt; learn it next time
       return false;
     }
-    for (int fd : stat_fds) {
-      const char s = state_of(fd);
+    for (const Member& m : watched) {
+      const char s = state_of(m.stat_fd);
       if (s != 0) return s == 'R';
     }
     forget();  // every watched member is gone: the team was rebuilt; learn it next time
