@@ -67,6 +67,15 @@ StagePolicy stage_policy(StagingMode mode, int64_t cached_tail, size_t nbytes,
   return policy;
 }
 
+StageCopy small_copy_kind(size_t nbytes) {
+  constexpr size_t kPage = 4096;
+  if (effective_mode(StagingMode::kAuto) != StagingMode::kAuto || settings().cached_tail >= 0) {
+    return stage_policy(StagingMode::kAuto, -1, nbytes, [] { return false; })
+        .kind_for(nbytes, nbytes);
+  }
+  return nbytes > kPage ? StageCopy::kCached : StageCopy::kNontemporal;
+}
+
 #if defined(__x86_64__)
 namespace {
 bool has_avx2() {

@@ -672,11 +672,8 @@ void caller_staged_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex
   stamps.mark("block");
   {
     Range range("pinxfer::stage");
-    // Read by the DMA at once: nontemporal (the policy for a transfer this
-    // short), unless PINXFER_STAGE_COPY overrides it.
-    const StagePolicy policy = stage_policy(StagingMode::kAuto, -1, nbytes, [] { return false; });
     stage_copy(static_cast<char*>(staging[0].get()), static_cast<const char*>(src.const_data_ptr()),
-               nbytes, policy.kind_for(nbytes, nbytes));
+               nbytes, small_copy_kind(nbytes));
   }
   stamps.mark("staged");
   try {
