@@ -228,7 +228,8 @@ def to_device(
         num_buffers: staging chunks in the ring (default 16); a tensor of up to
             ``chunk_bytes * num_buffers`` is staged in one block.
         staging: how pageable bytes are staged: ``"auto"`` (per chunk: cached
-            stores, nontemporal for the last 16 MiB), ``"nt"`` (all nontemporal) or
+            stores, nontemporal for the last 16 MiB; a tensor of up to 256 KiB, which
+            the calling thread stages alone, cached above 4 KiB), ``"nt"`` (all nontemporal) or
             ``"movsb"`` (all cached). For benchmarks; ``PINXFER_STAGE_COPY``
             overrides ``"auto"``.
 
@@ -380,7 +381,11 @@ class HostTransfer:
 
     @property
     def tensor(self) -> Any:
-        """The host result, after waiting for the copies (same as :meth:`wait`)."""
+        """The host result, after waiting for the copies (same as :meth:`wait`).
+
+        Under ``torch.compile`` call :meth:`wait` instead: dynamo cannot break a graph at a
+        property read, so reading ``.tensor`` in a compiled function runs that whole function
+        uncompiled (correctly, in eager)."""
         return self.wait()
 
     def __repr__(self) -> str:

@@ -128,14 +128,14 @@ std::map<std::string, double> call_breakdown(int64_t iterations) {
     out["release_finished_sources"] =
         ns_per_call(iterations, [device] { transfer::release_finished_sources(device); });
     const c10::cuda::CUDAStream cur = c10::cuda::getCurrentCUDAStream(device);
+    const auto staging = ops::staging_options(int64_t{16} << 20, 4, "auto", -1);
     out["caller_staged_copy_4KiB"] = ns_per_call(
         iterations,
         [&] {
           StepStamps unpublished;  // stamps (if on) that no record will show
-          transfer::caller_staged_copy(pageable, dst, device, cur, unpublished);
+          transfer::caller_staged_copy(pageable, dst, device, cur, staging, unpublished);
         },
         [] { C10_CUDA_CHECK(cudaDeviceSynchronize()); });
-    const auto staging = ops::staging_options(int64_t{16} << 20, 4, "auto", -1);
     out["send_to_device_4KiB"] = ns_per_call(
         iterations, [&] { (void)ops::send_to_device(pageable, cuda_device, staging); },
         [] { C10_CUDA_CHECK(cudaDeviceSynchronize()); });

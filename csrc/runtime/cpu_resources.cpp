@@ -3,8 +3,10 @@
 #include <sched.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdlib>
+#include <iterator>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -149,26 +151,30 @@ std::vector<int> cgroup_cpuset_ids(const std::string& cgroup_root,
 
 namespace {
 // Whether OpenMP bound this process's threads (libgomp binds the initial thread, this one,
-// to its first place as torch loads it). libgomp's own answer where torch's OpenMP is
-// libgomp: it read its variables at its load and dropped every value it could not parse
-// (pinxfer's reading of them took an unparsable OMP_PLACES or OMP_PROC_BIND for a binding).
-// Elsewhere, the variables as libgomp would read them (gomp_word: past blanks and case).
-bool openmp_binds_threads() {
-  const OpenmpBinding asked = libgomp_binding();
-  if (asked.known) return asked.binds;
-  if (const char* bind = std::getenv("OMP_PROC_BIND")) {
-    const std::string word = gomp_word(bind);
-    // false: libgomp then ignores OMP_PLACES and GOMP_CPU_AFFINITY and binds nothing.
-    if (word.rfind("false", 0) == 0) return false;
-    if (!word.empty()) return true;
-  }
-  // OMP_PLACES of blanks alone is invalid to every libgomp, which then binds nothing. Not so
-  // GOMP_CPU_AFFINITY: the libgomp of many GCC releases reads an empty or blank list as CPU 0
-  // and binds (newer ones call it invalid). Any value counts.
-  if (const char* places = std::getenv("OMP_PLACES")) {
-    if (!gomp_word(places).empty()) return true;
-  }
-  return std::getenv("GOMP_CPU_AFFINITY") != nullptr;
+// to its first place as torch loads it), and where it says, its places' CPUs. libgomp's own
+// answer where torch's OpenMP is libgomp: it read its variables at its load and dropped every
+// value it could not parse (pinxfer's reading of them took an unparsable OMP_PLACES or
+// OMP_PROC_BIND for a binding). Elsewhere, the variables as libgomp would read them (gomp_word:
+// past blanks and case).
+OpenmpBinding openmp_binding() {
+  OpenmpBinding read = libgomp_binding();
+  if (read.known) return read;
+  read.binds = [] {
+    if (const char* bind = std::getenv("OMP_PROC_BIND")) {
+      const std::string word = gomp_word(bind);
+      // false: libgomp then ignores OMP_PLACES and GOMP_CPU_AFFINITY and binds nothing.
+      if (word.rfind("false", 0) == 0) return false;
+      if (!word.empty()) return true;
+    }
+    // OMP_PLACES of blanks alone is invalid to every libgomp, which then binds nothing. Not so
+    // GOMP_CPU_AFFINITY: the libgomp of many GCC releases reads an empty or blank list as CPU 0
+    // and binds (newer ones call it invalid). Any value counts.
+    if (const char* places = std::getenv("OMP_PLACES")) {
+      if (!gomp_word(places).empty()) return true;
+    }
+    return std::getenv("GOMP_CPU_AFFINITY") != nullptr;
+  }();
+  return read;
 }
 
 // The machine's online CPUs' ids; empty if unreadable.
@@ -220,8 +226,17 @@ CpuResources current_cpu_resources() {
   // An OpenMP binding of this thread is not the process's limit: with OMP_PROC_BIND set,
   // pinxfer read one CPU, ran one copy thread, and bound its workers to the caller's core
   // (found by review, session 44).
-  if (openmp_binds_threads()) {
+  const OpenmpBinding binding = openmp_binding();
+  if (binding.binds) {
     std::vector<int> process = cpuset.empty() ? online_cpu_ids() : cpuset;
+    // libgomp's places cover the mask the process had before it bound this thread: a mask the
+    // process was started with (taskset) stays its limit (found by review, session 50).
+    if (!binding.place_cpus.empty()) {
+      std::vector<int> within;
+      std::set_intersection(process.begin(), process.end(), binding.place_cpus.begin(),
+                            binding.place_cpus.end(), std::back_inserter(within));
+      process = std::move(within);
+    }
     if (process.size() > r.affinity_ids.size() && !r.affinity_ids.empty()) {
       r.affinity_ids = std::move(process);
       r.affinity_cpus = static_cast<int>(r.affinity_ids.size());

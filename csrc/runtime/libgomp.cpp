@@ -3,6 +3,7 @@
 #include <dlfcn.h>
 #include <link.h>
 
+#include <algorithm>
 #include <cstring>
 
 namespace pinxfer {
@@ -20,6 +21,10 @@ int find_libgomp(struct dl_phdr_info* info, size_t, void* out) {
   found.proc_bind = reinterpret_cast<decltype(found.proc_bind)>(::dlsym(lib, "omp_get_proc_bind"));
   found.num_places =
       reinterpret_cast<decltype(found.num_places)>(::dlsym(lib, "omp_get_num_places"));
+  found.place_num_procs =
+      reinterpret_cast<decltype(found.place_num_procs)>(::dlsym(lib, "omp_get_place_num_procs"));
+  found.place_proc_ids =
+      reinterpret_cast<decltype(found.place_proc_ids)>(::dlsym(lib, "omp_get_place_proc_ids"));
   ::dlclose(lib);  // NOLOAD took a reference to a library that stays loaded
   if (!found.found()) return 0;
   *static_cast<Libgomp*>(out) = found;
@@ -42,9 +47,24 @@ OpenmpBinding libgomp_binding() {
   OpenmpBinding answer;
   if (gomp.proc_bind == nullptr || gomp.num_places == nullptr) return answer;
   answer.known = true;
-  // Binding needs both a bind policy and places to bind to: libgomp drops the policy when it
-  // cannot make places, and keeps places it was given under OMP_PROC_BIND=false unused.
-  answer.binds = gomp.proc_bind() != 0 && gomp.num_places() > 0;
+  // libgomp binds where it has a policy other than false and places to bind to: under
+  // OMP_PROC_BIND=false it makes no places, and where it cannot make places (an unparsable
+  // OMP_PLACES) it keeps a policy with nothing to apply it to.
+  const int places = gomp.num_places();
+  answer.binds = gomp.proc_bind() != 0 && places > 0;
+  if (!answer.binds || gomp.place_num_procs == nullptr || gomp.place_proc_ids == nullptr) {
+    return answer;
+  }
+  for (int place = 0; place < places; ++place) {
+    const int procs = gomp.place_num_procs(place);
+    if (procs <= 0) continue;
+    std::vector<int> ids(static_cast<size_t>(procs));
+    gomp.place_proc_ids(place, ids.data());
+    answer.place_cpus.insert(answer.place_cpus.end(), ids.begin(), ids.end());
+  }
+  std::sort(answer.place_cpus.begin(), answer.place_cpus.end());
+  answer.place_cpus.erase(std::unique(answer.place_cpus.begin(), answer.place_cpus.end()),
+                          answer.place_cpus.end());
   return answer;
 }
 

@@ -4,6 +4,8 @@
 // are reached through the libgomp torch loaded (runtime/torch_team.*, runtime/cpu_resources.*).
 #pragma once
 
+#include <vector>
+
 namespace pinxfer {
 
 struct Libgomp {
@@ -16,6 +18,10 @@ struct Libgomp {
   // libgomp's own reading of OMP_PROC_BIND, OMP_PLACES and GOMP_CPU_AFFINITY at its load.
   int (*proc_bind)() = nullptr;
   int (*num_places)() = nullptr;
+  // omp_get_place_num_procs and omp_get_place_proc_ids: a place's CPUs (reads of libgomp's
+  // place list; unlike omp_get_place_num, they bind nothing).
+  int (*place_num_procs)(int place) = nullptr;
+  void (*place_proc_ids)(int place, int* ids) = nullptr;
 
   bool found() const { return parallel != nullptr && thread_num != nullptr; }
 };
@@ -32,6 +38,10 @@ const Libgomp& libgomp();
 struct OpenmpBinding {
   bool known = false;  // libgomp answered
   bool binds = false;  // meaningful when known
+  // When it binds: the CPUs of its places, sorted. libgomp made them from the mask the process
+  // had when it loaded (a taskset, a launcher's binding), so no CPU outside them is the
+  // process's. Empty when unknown.
+  std::vector<int> place_cpus;
 };
 OpenmpBinding libgomp_binding();
 

@@ -178,7 +178,11 @@ const Row kRows[] = {
        s.cached_tail = env_bytes(name, text, "16MiB or 0");
        return std::to_string(s.cached_tail);
      },
-     [](Settings&) { return std::string("16MiB (0 while the copy stream is busy)"); }, "default"},
+     [](Settings&) {
+       return std::string(
+           "16MiB (0 while the copy stream is busy; the small road: cached above 4KiB)");
+     },
+     "default"},
 
     {"PINXFER_TORCH_TEAM", "host copies run on torch's intra-op team while it spins: auto or off",
      [](const char* name, const std::string& text, Settings& s) {

@@ -43,6 +43,12 @@ StagingMode effective_mode(StagingMode mode) {
       parse_staging_mode(settings().stage_copy, "PINXFER_STAGE_COPY");
   return from_env;
 }
+
+// The cached tail a transfer was given: the argument unless "auto" (< 0), else
+// PINXFER_CACHED_TAIL; < 0 when neither gives one.
+int64_t given_cached_tail(int64_t cached_tail) {
+  return cached_tail >= 0 ? cached_tail : settings().cached_tail;
+}
 }  // namespace
 
 StagePolicy stage_policy(StagingMode mode, int64_t cached_tail, size_t nbytes,
@@ -58,7 +64,7 @@ StagePolicy stage_policy(StagingMode mode, int64_t cached_tail, size_t nbytes,
     case StagingMode::kAuto:
       break;
   }
-  if (cached_tail < 0) cached_tail = settings().cached_tail;
+  cached_tail = given_cached_tail(cached_tail);
   if (cached_tail >= 0) {
     policy.cached_tail = static_cast<size_t>(cached_tail);
   } else if (nbytes >= kStreamingCachedMinBytes && copy_stream_busy()) {
@@ -67,13 +73,12 @@ StagePolicy stage_policy(StagingMode mode, int64_t cached_tail, size_t nbytes,
   return policy;
 }
 
-StageCopy small_copy_kind(size_t nbytes) {
+StageCopy small_copy_kind(StagingMode mode, int64_t cached_tail, size_t nbytes) {
   constexpr size_t kPage = 4096;
-  if (effective_mode(StagingMode::kAuto) != StagingMode::kAuto || settings().cached_tail >= 0) {
-    return stage_policy(StagingMode::kAuto, -1, nbytes, [] { return false; })
-        .kind_for(nbytes, nbytes);
+  if (effective_mode(mode) == StagingMode::kAuto && given_cached_tail(cached_tail) < 0) {
+    return nbytes > kPage ? StageCopy::kCached : StageCopy::kNontemporal;
   }
-  return nbytes > kPage ? StageCopy::kCached : StageCopy::kNontemporal;
+  return stage_policy(mode, cached_tail, nbytes, [] { return false; }).kind_for(nbytes, nbytes);
 }
 
 #if defined(__x86_64__)

@@ -62,14 +62,15 @@ StagePolicy stage_policy(StagingMode mode, int64_t cached_tail, size_t nbytes,
                          const std::function<bool()>& copy_stream_busy);
 
 // The store kind for the caller's own copy of a short transfer into one pool block (the small
-// road: transfer/cuda/pipeline.h, caller_staged_copy), under "auto": cached stores above one
-// page, nontemporal for a page or less. A loop's other work evicts the source between two
-// steps, and rep movsb reads a cold source about twice as fast as the nontemporal loop (256 KiB
-// on an H100: 19-23 us against 37-41), far more than the DMA's slower read of the lines left
-// dirty in the core's cache costs (4-5 us at 256 KiB); at a page the copy takes under a
-// microsecond and that read is what is left. PINXFER_STAGE_COPY and an explicit
-// PINXFER_CACHED_TAIL keep their meaning (the policy above).
-StageCopy small_copy_kind(size_t nbytes);
+// road: transfer/cuda/pipeline.h, caller_staged_copy). Under "auto" with no cached tail given:
+// cached stores above one page, nontemporal at a page (below a page stage_copy stores with
+// memcpy whatever the kind). A loop's other work evicts the source between two steps, and rep
+// movsb reads a cold source about twice as fast as the nontemporal loop (256 KiB on an H100:
+// 19-23 us against 37-41), far more than the DMA's slower read of the lines left dirty in the
+// core's cache costs (4-5 us at 256 KiB); at a page the copy takes under a microsecond and that
+// read is what is left. A mode other than auto (the argument, else PINXFER_STAGE_COPY) or a
+// cached tail given (the argument, else PINXFER_CACHED_TAIL) decides as stage_policy does.
+StageCopy small_copy_kind(StagingMode mode, int64_t cached_tail, size_t nbytes);
 
 // Copies n bytes; after nontemporal stores an sfence makes them visible before
 // the caller publishes "piece done" to the thread that queues the DMA.

@@ -178,7 +178,7 @@ at::Tensor send_to_device(const at::Tensor& self, c10::Device device,
       transfer::direct_copy(src, out, cur);
       stamps.mark("queued");
     } else {
-      transfer::caller_staged_copy(src, out, index, cur, stamps);
+      transfer::caller_staged_copy(src, out, index, cur, options, stamps);
     }
     stamps.publish();
     return out;

@@ -662,7 +662,8 @@ void set_helper_stall_us(int64_t us) {
 }
 
 void caller_staged_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex device,
-                        const c10::cuda::CUDAStream& stream, StepStamps& stamps) {
+                        const c10::cuda::CUDAStream& stream, const StagingOptions& options,
+                        StepStamps& stamps) {
   const size_t nbytes = src.nbytes();
   TORCH_INTERNAL_ASSERT(nbytes <= kCurrentStreamBytes, "pinxfer: caller_staged_copy of ", nbytes,
                         " bytes");
@@ -673,7 +674,7 @@ void caller_staged_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex
   {
     Range range("pinxfer::stage");
     stage_copy(static_cast<char*>(staging[0].get()), static_cast<const char*>(src.const_data_ptr()),
-               nbytes, small_copy_kind(nbytes));
+               nbytes, small_copy_kind(options.mode, options.cached_tail, nbytes));
   }
   stamps.mark("staged");
   try {

@@ -96,9 +96,11 @@ constexpr size_t kCurrentStreamBytes = kSerialBytes;
 // caller's current stream. No copy threads are woken, no cross-stream event.
 // The block goes back to the pool marked as read by `stream`, so it is reused
 // only after the DMA.
+// Its stores: small_copy_kind of the op's staging mode and cached tail (transfer/stage_copy.h).
 // Marks its steps block, staged, queued and returned in `stamps` (a diagnostic, off by default).
 void caller_staged_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex device,
-                        const c10::cuda::CUDAStream& stream, StepStamps& stamps);
+                        const c10::cuda::CUDAStream& stream, const StagingOptions& options,
+                        StepStamps& stamps);
 
 // What the calling thread's last single-block transfer did (a diagnostic for
 // benchmarks/diag_midsize.py; thread-local, so a reader sees its own thread's last call).
