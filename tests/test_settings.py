@@ -388,6 +388,40 @@ def test_an_openmp_binding_of_the_main_thread_is_not_the_processs_cpus():
     assert int(worker_cpus) > int(bound), (worker_cpus, bound)
 
 
+@pytest.mark.parametrize(
+    ("staging", "cached_tail", "nbytes", "expected"),
+    [
+        ("auto", -1, 4096, "nt"),  # a page: the copy is short, the DMA's read of it is not
+        ("auto", -1, 4097, "movsb"),
+        ("auto", -1, 256 << 10, "movsb"),
+        ("nt", -1, 256 << 10, "nt"),  # the op's argument decides
+        ("movsb", -1, 4096, "movsb"),
+        ("auto", 0, 4096, "movsb"),  # a cached tail given: the pipeline's rule
+        ("auto", 16 << 20, 256 << 10, "nt"),
+    ],
+)
+def test_the_small_roads_stores_follow_its_rule_and_the_callers_choices(
+    staging, cached_tail, nbytes, expected
+):
+    """The caller's copy of a small pageable to_device (<= 256 KiB) stages with cached stores
+    above a page under "auto" (session 50: its source is cold in a loop); the op's staging
+    argument and a cached tail keep their meaning."""
+    assert native._small_copy_kind(staging, cached_tail, nbytes) == expected
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [({"PINXFER_STAGE_COPY": "nt"}, "nt"), ({"PINXFER_CACHED_TAIL": "16MiB"}, "nt"), ({}, "movsb")],
+)
+def test_the_small_roads_stores_follow_the_environment(env, expected):
+    """PINXFER_STAGE_COPY and PINXFER_CACHED_TAIL, read once a process, override "auto" there
+    as in the pipeline."""
+    code = 'import pinxfer; print("KIND", pinxfer._C._small_copy_kind("auto", -1, 256 << 10))'
+    out = run_fresh(code, **env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"KIND {expected}" in out.stdout, out.stdout
+
+
 def _torch_openmp_is_libgomp() -> bool:
     """Whether torch loaded libgomp here: pinxfer then asks it whether it bound the main thread
     (csrc/runtime/libgomp.h); elsewhere it reads the OpenMP variables itself."""

@@ -9,6 +9,7 @@
 #include "python/bindings.h"
 #include "transfer/chunk_plan.h"
 #include "transfer/piece_claims.h"
+#include "transfer/stage_copy.h"
 #if PINXFER_WITH_CUDA
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/utils/device_lazy_init.h>
@@ -319,6 +320,18 @@ void bind_transfer(pybind11::module_& m) {
         "TEST-ONLY: _chunk_plan(nbytes, chunk_bytes, num_buffers, num_threads) -> (chunk "
         "bounds, pieces as (chunk, begin, end) triples, ring slots (0: one block), slot bytes, "
         "threads): how to_device would cut a transfer");
+  m.def(
+      "_small_copy_kind",
+      [](const std::string& staging, int64_t cached_tail, int64_t nbytes) {
+        TORCH_CHECK_VALUE(nbytes >= 0, "pinxfer._small_copy_kind: expected nbytes >= 0, got ",
+                          nbytes);
+        const transfer::StageCopy kind =
+            transfer::small_copy_kind(parse_staging_mode(staging, "staging"), cached_tail,
+                                      static_cast<size_t>(nbytes));
+        return std::string(kind == transfer::StageCopy::kCached ? "movsb" : "nt");
+      },
+      "TEST-ONLY: _small_copy_kind(staging, cached_tail, nbytes) -> 'nt' or 'movsb': the stores "
+      "the caller's copy of a small to_device uses (cached_tail < 0: auto)");
   m.def(
       "_leaf_sent_apart",
       [](const std::vector<int64_t>& sizes) {
