@@ -406,6 +406,8 @@ def test_the_small_roads_stores_follow_its_rule_and_the_callers_choices(
     """The caller's copy of a small pageable to_device (<= 256 KiB) stages with cached stores
     above a page under "auto" (session 50: its source is cold in a loop); the op's staging
     argument and a cached tail keep their meaning."""
+    if os.environ.get("PINXFER_STAGE_COPY") or os.environ.get("PINXFER_CACHED_TAIL"):
+        pytest.skip("this process's PINXFER_STAGE_COPY / PINXFER_CACHED_TAIL decide 'auto'")
     assert native._small_copy_kind(staging, cached_tail, nbytes) == expected
 
 
@@ -451,6 +453,31 @@ def test_an_openmp_binding_keeps_the_copy_threads_in_the_mask_the_process_starte
     worker_cpus, threads = out.stdout.split("RESULT ", 1)[1].split(" ", 1)
     assert "OpenMP's binding" not in threads, threads
     assert int(worker_cpus) <= 1, worker_cpus
+
+
+def test_an_openmp_binding_to_listed_places_leaves_the_copy_threads_the_processs_cpus():
+    """Places listed in OMP_PLACES are some of the process's CPUs, picked for torch's team: the
+    copy threads keep the process's cpuset (a first form of session 50's fix above squeezed
+    them into the listed places, found by review)."""
+    if not _torch_openmp_is_libgomp():
+        pytest.skip("torch's OpenMP is not libgomp here: pinxfer reads the variables itself")
+    code = (
+        textwrap.dedent("""
+            import os, torch, pinxfer
+            bound = len(os.sched_getaffinity(0))
+        """)
+        + _COPY_THREAD_CPUS
+        + 'print("RESULT", bound, os.cpu_count(), min(masks), threads)\n'
+    )
+    first = min(os.sched_getaffinity(0))
+    env = {"OMP_PROC_BIND": "true", "OMP_PLACES": f"{{{first}}}", "GOMP_CPU_AFFINITY": None}
+    out = run_child(code, env={**env, "PINXFER_NUM_THREADS": None})
+    assert out.returncode == 0, out.stdout + out.stderr
+    bound, cpus, worker_cpus, threads = out.stdout.split("RESULT ", 1)[1].split(" ", 3)
+    if int(bound) >= int(cpus) or int(cpus) < 2:
+        pytest.skip(f"libgomp did not bind the main thread here ({bound} of {cpus} CPUs)")
+    assert "OpenMP's binding" in threads, threads
+    assert int(worker_cpus) > int(bound), (worker_cpus, bound)
 
 
 def test_openmp_settings_that_bind_nothing_leave_a_narrowed_mask_the_processs():

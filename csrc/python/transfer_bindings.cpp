@@ -326,8 +326,9 @@ void bind_transfer(pybind11::module_& m) {
         TORCH_CHECK_VALUE(nbytes >= 0, "pinxfer._small_copy_kind: expected nbytes >= 0, got ",
                           nbytes);
         const transfer::StageCopy kind =
-            transfer::small_copy_kind(parse_staging_mode(staging, "staging"), cached_tail,
-                                      static_cast<size_t>(nbytes));
+            transfer::small_copy_kind(parse_staging_mode(staging,
+                                                         "pinxfer._small_copy_kind: staging"),
+                                      cached_tail, static_cast<size_t>(nbytes));
         return std::string(kind == transfer::StageCopy::kCached ? "movsb" : "nt");
       },
       "TEST-ONLY: _small_copy_kind(staging, cached_tail, nbytes) -> 'nt' or 'movsb': the stores "

@@ -177,6 +177,21 @@ OpenmpBinding openmp_binding() {
   return read;
 }
 
+// Whether libgomp made its places from the whole mask the process had at its load: one per CPU,
+// core, socket, last-level cache or NUMA domain of it (OMP_PLACES unset or one of those words
+// alone, no GOMP_CPU_AFFINITY). A list of places or a count of them ("cores(4)") picks some,
+// whose union is then only part of the process's CPUs.
+bool places_cover_the_load_mask() {
+  if (std::getenv("GOMP_CPU_AFFINITY") != nullptr) return false;
+  const char* places = std::getenv("OMP_PLACES");
+  if (places == nullptr) return true;
+  const std::string word = gomp_word(places);
+  for (const char* whole : {"threads", "cores", "sockets", "ll_caches", "numa_domains"}) {
+    if (word == whole) return true;
+  }
+  return false;
+}
+
 // The machine's online CPUs' ids; empty if unreadable.
 std::vector<int> online_cpu_ids() {
   std::string text;
@@ -229,9 +244,10 @@ CpuResources current_cpu_resources() {
   const OpenmpBinding binding = openmp_binding();
   if (binding.binds) {
     std::vector<int> process = cpuset.empty() ? online_cpu_ids() : cpuset;
-    // libgomp's places cover the mask the process had before it bound this thread: a mask the
-    // process was started with (taskset) stays its limit (found by review, session 50).
-    if (!binding.place_cpus.empty()) {
+    // Where libgomp's places cover the whole mask the process had before it bound this thread,
+    // that mask (a taskset, a launcher's binding) stays the process's limit (found by review,
+    // session 50). Places the user listed or counted are only part of it: then the cpuset.
+    if (!binding.place_cpus.empty() && places_cover_the_load_mask()) {
       std::vector<int> within;
       std::set_intersection(process.begin(), process.end(), binding.place_cpus.begin(),
                             binding.place_cpus.end(), std::back_inserter(within));

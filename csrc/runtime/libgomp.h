@@ -38,9 +38,10 @@ const Libgomp& libgomp();
 struct OpenmpBinding {
   bool known = false;  // libgomp answered
   bool binds = false;  // meaningful when known
-  // When it binds: the CPUs of its places, sorted. libgomp made them from the mask the process
-  // had when it loaded (a taskset, a launcher's binding), so no CPU outside them is the
-  // process's. Empty when unknown.
+  // When it binds: the CPUs of its places, sorted. libgomp made them within the mask the
+  // process had when it loaded (a taskset, a launcher's binding): all of it where the places
+  // are one per CPU, core, socket... of that mask, part of it where OMP_PLACES listed or
+  // counted them (runtime/cpu_resources.cpp). Empty when unknown.
   std::vector<int> place_cpus;
 };
 OpenmpBinding libgomp_binding();
