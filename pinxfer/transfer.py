@@ -354,7 +354,7 @@ class HostTransfer:
         self._events = events
         self._done = not events
 
-    # Never traced, like to_host. Traced, dynamo (torch 2.14, variables/streams.py) records
+    # Never traced, like to_host. Traced, dynamo (torch 2.11 and 2.14, variables/streams.py) records
     # an event's query as a graph node but takes the answer it got while tracing for a
     # constant in the Python around it, so a compiled ready() (and the branch on it in wait)
     # would answer as the copies stood at trace time.

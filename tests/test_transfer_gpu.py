@@ -904,10 +904,11 @@ def test_to_host_cannot_be_read_early():
 
 
 def test_a_compiled_ready_answers_as_the_copies_stand_when_it_runs():
-    """HostTransfer.ready and wait are never traced (session 50). Traced, dynamo (torch 2.14)
-    records an event's query in the graph but takes the answer it got while tracing for a
-    constant in the Python around it: the same compiled function asked of the same handle
-    after the copy had finished answered False again."""
+    """HostTransfer.ready and wait are never traced (session 50). Traced, dynamo (torch 2.14's
+    source reads so) records an event's query in the graph but takes the answer it got while
+    tracing for a constant in the Python around it: with ready() traced, this test failed on
+    an H100 with torch 2.11 (the second call answered False of a handle whose repr read
+    ready=True)."""
     x = torch.randn(4 * MiB, device="cuda")
     pinxfer.to_host(x).wait()  # the pool's block for the call below is cached
     backend = CountingBackend()
