@@ -354,10 +354,10 @@ class HostTransfer:
         self._events = events
         self._done = not events
 
-    # Never traced, like to_host. Traced, dynamo (torch 2.11 and 2.14, variables/streams.py) records
-    # an event's query as a graph node but takes the answer it got while tracing for a
-    # constant in the Python around it, so a compiled ready() (and the branch on it in wait)
-    # would answer as the copies stood at trace time.
+    # Never traced, like to_host. Traced, dynamo (torch 2.11 and 2.14; variables/streams.py)
+    # records an event's query as a graph node but takes the answer it got while tracing for
+    # a constant in the Python around it, so a compiled ready() answered as the copies stood
+    # at trace time (tests/test_transfer_gpu.py).
     @_check.never_traced("HostTransfer.ready", "it queries CUDA events when it runs")
     def ready(self) -> bool:
         """True once every copy has finished (never blocks)."""
