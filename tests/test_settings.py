@@ -365,12 +365,28 @@ _COPY_THREAD_CPUS = textwrap.dedent("""
 """)
 
 
-def test_an_openmp_binding_of_the_main_thread_is_not_the_processs_cpus():
+def _torch_openmp_is_libgomp() -> bool:
+    """Whether torch loaded libgomp here: pinxfer then asks it whether it bound the main thread
+    (csrc/runtime/libgomp.h); elsewhere it reads the OpenMP variables itself."""
+    with open("/proc/self/maps") as maps:
+        return "libgomp" in maps.read()
+
+
+@pytest.mark.parametrize("places", ["unset", "listed"])
+def test_an_openmp_binding_of_the_main_thread_is_not_the_processs_cpus(places):
     """OMP_PROC_BIND makes libgomp bind the initial thread to one place as torch loads it:
     pinxfer read that one CPU as the process's, ran one copy thread, and its workers
     inherited the caller's core (found by review, session 44). It now reads the process's
     cpuset (or the online CPUs), and binds its workers there. A real interpreter: the
-    binding happens when libgomp loads, which the fresh-process zygote did without it."""
+    binding happens when libgomp loads, which the fresh-process zygote did without it.
+    Places listed in OMP_PLACES are some of the process's CPUs, picked for torch's team: the
+    copy threads keep the cpuset there too (a first form of session 50's places rule squeezed
+    them into the listed places, found by review)."""
+    env = {"OMP_PROC_BIND": "true", "OMP_PLACES": None, "GOMP_CPU_AFFINITY": None}
+    if places == "listed":
+        if not _torch_openmp_is_libgomp():
+            pytest.skip("torch's OpenMP is not libgomp here: pinxfer reads the variables itself")
+        env["OMP_PLACES"] = f"{{{min(os.sched_getaffinity(0))}}}"
     code = (
         textwrap.dedent("""
             import os, torch, pinxfer
@@ -379,7 +395,7 @@ def test_an_openmp_binding_of_the_main_thread_is_not_the_processs_cpus():
         + _COPY_THREAD_CPUS
         + 'print("RESULT", bound, os.cpu_count(), min(masks), threads)\n'
     )
-    out = run_child(code, env={"OMP_PROC_BIND": "true", "PINXFER_NUM_THREADS": None})
+    out = run_child(code, env={**env, "PINXFER_NUM_THREADS": None})
     assert out.returncode == 0, out.stdout + out.stderr
     bound, cpus, worker_cpus, threads = out.stdout.split("RESULT ", 1)[1].split(" ", 3)
     if int(bound) >= int(cpus) or int(cpus) < 2:
@@ -424,13 +440,6 @@ def test_the_small_roads_stores_follow_the_environment(env, expected):
     assert f"KIND {expected}" in out.stdout, out.stdout
 
 
-def _torch_openmp_is_libgomp() -> bool:
-    """Whether torch loaded libgomp here: pinxfer then asks it whether it bound the main thread
-    (csrc/runtime/libgomp.h); elsewhere it reads the OpenMP variables itself."""
-    with open("/proc/self/maps") as maps:
-        return "libgomp" in maps.read()
-
-
 def test_an_openmp_binding_keeps_the_copy_threads_in_the_mask_the_process_started_with():
     """libgomp makes its places from the mask the process had when it loaded: narrowed first
     (here to one CPU, as `taskset` does) and then bound by OMP_PROC_BIND, the process's CPUs
@@ -453,31 +462,6 @@ def test_an_openmp_binding_keeps_the_copy_threads_in_the_mask_the_process_starte
     worker_cpus, threads = out.stdout.split("RESULT ", 1)[1].split(" ", 1)
     assert "OpenMP's binding" not in threads, threads
     assert int(worker_cpus) <= 1, worker_cpus
-
-
-def test_an_openmp_binding_to_listed_places_leaves_the_copy_threads_the_processs_cpus():
-    """Places listed in OMP_PLACES are some of the process's CPUs, picked for torch's team: the
-    copy threads keep the process's cpuset (a first form of session 50's fix above squeezed
-    them into the listed places, found by review)."""
-    if not _torch_openmp_is_libgomp():
-        pytest.skip("torch's OpenMP is not libgomp here: pinxfer reads the variables itself")
-    code = (
-        textwrap.dedent("""
-            import os, torch, pinxfer
-            bound = len(os.sched_getaffinity(0))
-        """)
-        + _COPY_THREAD_CPUS
-        + 'print("RESULT", bound, os.cpu_count(), min(masks), threads)\n'
-    )
-    first = min(os.sched_getaffinity(0))
-    env = {"OMP_PROC_BIND": "true", "OMP_PLACES": f"{{{first}}}", "GOMP_CPU_AFFINITY": None}
-    out = run_child(code, env={**env, "PINXFER_NUM_THREADS": None})
-    assert out.returncode == 0, out.stdout + out.stderr
-    bound, cpus, worker_cpus, threads = out.stdout.split("RESULT ", 1)[1].split(" ", 3)
-    if int(bound) >= int(cpus) or int(cpus) < 2:
-        pytest.skip(f"libgomp did not bind the main thread here ({bound} of {cpus} CPUs)")
-    assert "OpenMP's binding" in threads, threads
-    assert int(worker_cpus) > int(bound), (worker_cpus, bound)
 
 
 def test_openmp_settings_that_bind_nothing_leave_a_narrowed_mask_the_processs():
