@@ -404,42 +404,6 @@ def test_an_openmp_binding_of_the_main_thread_is_not_the_processs_cpus(places):
     assert int(worker_cpus) > int(bound), (worker_cpus, bound)
 
 
-@pytest.mark.parametrize(
-    ("staging", "cached_tail", "nbytes", "expected"),
-    [
-        ("auto", -1, 4096, "nt"),  # a page: the copy is short, the DMA's read of it is not
-        ("auto", -1, 4097, "movsb"),
-        ("auto", -1, 256 << 10, "movsb"),
-        ("nt", -1, 256 << 10, "nt"),  # the op's argument decides
-        ("movsb", -1, 4096, "movsb"),
-        ("auto", 0, 4096, "movsb"),  # a cached tail given: the pipeline's rule
-        ("auto", 16 << 20, 256 << 10, "nt"),
-    ],
-)
-def test_the_small_roads_stores_follow_its_rule_and_the_callers_choices(
-    staging, cached_tail, nbytes, expected
-):
-    """The caller's copy of a small pageable to_device (<= 256 KiB) stages with cached stores
-    above a page under "auto" (session 50: its source is cold in a loop); the op's staging
-    argument and a cached tail keep their meaning."""
-    if os.environ.get("PINXFER_STAGE_COPY") or os.environ.get("PINXFER_CACHED_TAIL"):
-        pytest.skip("this process's PINXFER_STAGE_COPY / PINXFER_CACHED_TAIL decide 'auto'")
-    assert native._small_copy_kind(staging, cached_tail, nbytes) == expected
-
-
-@pytest.mark.parametrize(
-    ("env", "expected"),
-    [({"PINXFER_STAGE_COPY": "nt"}, "nt"), ({"PINXFER_CACHED_TAIL": "16MiB"}, "nt"), ({}, "movsb")],
-)
-def test_the_small_roads_stores_follow_the_environment(env, expected):
-    """PINXFER_STAGE_COPY and PINXFER_CACHED_TAIL, read once a process, override "auto" there
-    as in the pipeline."""
-    code = 'import pinxfer; print("KIND", pinxfer._C._small_copy_kind("auto", -1, 256 << 10))'
-    out = run_fresh(code, **env)
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert f"KIND {expected}" in out.stdout, out.stdout
-
-
 def test_an_openmp_binding_keeps_the_copy_threads_in_the_mask_the_process_started_with():
     """libgomp makes its places from the mask the process had when it loaded: narrowed first
     (here to one CPU, as `taskset` does) and then bound by OMP_PROC_BIND, the process's CPUs
@@ -587,6 +551,42 @@ def test_cuda_unusable_reason_is_one_answer():
 
 
 # ---- chunk planning (transfer/chunk_plan.h) ----
+
+
+@pytest.mark.parametrize(
+    ("staging", "cached_tail", "nbytes", "expected"),
+    [
+        ("auto", -1, 4096, "nt"),  # a page: the copy is short, the DMA's read of it is not
+        ("auto", -1, 4097, "movsb"),
+        ("auto", -1, 256 << 10, "movsb"),
+        ("nt", -1, 256 << 10, "nt"),  # the op's argument decides
+        ("movsb", -1, 4096, "movsb"),
+        ("auto", 0, 4096, "movsb"),  # a cached tail given: the pipeline's rule
+        ("auto", 16 << 20, 256 << 10, "nt"),
+    ],
+)
+def test_the_small_roads_stores_follow_its_rule_and_the_callers_choices(
+    staging, cached_tail, nbytes, expected
+):
+    """The caller's copy of a small pageable to_device (<= 256 KiB) stages with cached stores
+    above a page under "auto" (session 50: its source is cold in a loop); the op's staging
+    argument and a cached tail keep their meaning."""
+    if os.environ.get("PINXFER_STAGE_COPY") or os.environ.get("PINXFER_CACHED_TAIL"):
+        pytest.skip("this process's PINXFER_STAGE_COPY / PINXFER_CACHED_TAIL decide 'auto'")
+    assert native._small_copy_kind(staging, cached_tail, nbytes) == expected
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [({"PINXFER_STAGE_COPY": "nt"}, "nt"), ({"PINXFER_CACHED_TAIL": "16MiB"}, "nt"), ({}, "movsb")],
+)
+def test_the_small_roads_stores_follow_the_environment(env, expected):
+    """PINXFER_STAGE_COPY and PINXFER_CACHED_TAIL, read once a process, override "auto" there
+    as in the pipeline."""
+    code = 'import pinxfer; print("KIND", pinxfer._C._small_copy_kind("auto", -1, 256 << 10))'
+    out = run_fresh(code, **env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"KIND {expected}" in out.stdout, out.stdout
 
 
 @pytest.mark.parametrize(
