@@ -236,23 +236,23 @@ struct TeamProbe {
   // (thread_running_now): two clock reads cost less than the /proc read, but a spinning
   // member the scheduler has descheduled is then taken for asleep.
   bool awake() {
-    if (settings().team_probe_clock) {
-      // A bare thread id: had a member ended and a new thread of this process been given its
-      // id (ids wrap at pid_max), that thread would be read. A wrong answer costs a copy its
-      // road, nothing more. The /proc file read below stays the ended thread's and fails.
-      for (const Member& m : watched) {
-        const int running = thread_running_now(m.tid);
-        if (running >= 0) return running == 1;
-      }
-      forget();  // every watched member is gone: the team was rebuilt; learn it next time
-      return false;
-    }
+    const bool by_clock = settings().team_probe_clock;
     for (const Member& m : watched) {
-      const char s = state_of(m.stat_fd);
-      if (s != 0) return s == 'R';
+      // 1: running, 0: not, -1: the member is gone. By clock, a bare thread id: had a member
+      // ended and a new thread of this process been given its id (ids wrap at pid_max), that
+      // thread would be read; a wrong answer costs a copy its road, nothing more. The /proc
+      // file stays the ended thread's, and its read fails.
+      const int running = by_clock ? thread_running_now(m.tid) : running_by_state(m.stat_fd);
+      if (running >= 0) return running == 1;
     }
     forget();  // every watched member is gone: the team was rebuilt; learn it next time
     return false;
+  }
+
+  // state_of as awake() asks it: 1 running ('R'), 0 another state, -1 gone or unreadable.
+  static int running_by_state(int fd) {
+    const char s = state_of(fd);
+    return s == 0 ? -1 : s == 'R' ? 1 : 0;
   }
 };
 
