@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 import subprocess
 import textwrap
 from pathlib import Path
@@ -426,6 +427,53 @@ def test_an_openmp_binding_keeps_the_copy_threads_in_the_mask_the_process_starte
     worker_cpus, threads = out.stdout.split("RESULT ", 1)[1].split(" ", 1)
     assert "OpenMP's binding" not in threads, threads
     assert int(worker_cpus) <= 1, worker_cpus
+
+
+def _torch_libgomp() -> str | None:
+    """The libgomp file torch loaded into this process, or None."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            path = line.split(maxsplit=5)[-1].strip()
+            if "libgomp" in os.path.basename(path):
+                return os.path.realpath(path)
+    return None
+
+
+def test_pinxfer_uses_the_libgomp_torch_calls_when_another_was_loaded_first(tmp_path):
+    """A package that bundles its own libgomp under another soname (wheels' libgomp-<hash>.so.1,
+    scikit-learn's among them), imported before torch, puts a second OpenMP runtime in the
+    process ahead of torch's. pinxfer took the first library named libgomp for torch's (until
+    session 51): its host copies would have run on a team torch does not use, and torch's
+    binding been read from the other runtime. The decoy here is torch's own libgomp copied under
+    another soname, so that the loader keeps both."""
+    torch_libgomp = _torch_libgomp()
+    if torch_libgomp is None:
+        pytest.skip("torch's OpenMP is not libgomp here")
+    image = Path(torch_libgomp).read_bytes()
+    # The soname, NUL-terminated in the dynamic string table: "libgomp.so.1" -> "libgomp.so.9"
+    # (the same length, so nothing else in the file moves).
+    soname = re.search(rb"libgomp[\w.-]*\.so\.1\x00", image)
+    assert soname is not None, "no libgomp soname in " + torch_libgomp
+    patched = soname.group(0)[:-2] + b"9\x00"
+    decoy = tmp_path / "libgomp-decoy.so.1"
+    decoy.write_bytes(image.replace(soname.group(0), patched))
+    code = f"""
+        import ctypes, os
+        ctypes.CDLL({str(decoy)!r})  # loaded before torch, as an earlier import would
+        import torch, pinxfer
+        loaded = set()
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.split(maxsplit=5)[-1].strip()
+                if "libgomp" in os.path.basename(path):
+                    loaded.add(os.path.realpath(path))
+        print("RESULT", os.path.realpath(pinxfer._C._libgomp_path()), *sorted(loaded))
+    """
+    out = run_child(code)
+    assert out.returncode == 0, out.stdout + out.stderr
+    used, *loaded = out.stdout.split("RESULT ", 1)[1].split()
+    assert sorted(loaded) == sorted([str(decoy.resolve()), torch_libgomp]), loaded
+    assert used == torch_libgomp
 
 
 def test_openmp_settings_that_bind_nothing_leave_a_narrowed_mask_the_processs():

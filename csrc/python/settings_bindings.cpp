@@ -11,6 +11,7 @@
 #include "python/bindings.h"
 #include "runtime/cpu_resources.h"
 #include "runtime/cuda_runtime.h"
+#include "runtime/libgomp.h"
 #include "runtime/serial_jobs.h"
 #include "runtime/settings.h"
 #include "runtime/share_split.h"
@@ -140,6 +141,11 @@ void bind_settings(pybind11::module_& m) {
         "TEST-ONLY: _share_split_self_test(units, share, members, rounds) -> pieces members "
         "took from shares not their own: `members` threads (some late) split [0, units) as "
         "host copies on torch's team do (runtime/share_split.h); every unit run exactly once");
+  m.def(
+      "_libgomp_path", [] { return libgomp().path; },
+      "TEST-ONLY: _libgomp_path() -> str: the file of the libgomp whose team and binding pinxfer "
+      "uses, the one torch's calls resolve to ('' where torch's OpenMP runtime is not libgomp; "
+      "csrc/runtime/libgomp.h)");
   m.def(
       "_torch_team_state",
       [] {

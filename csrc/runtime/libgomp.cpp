@@ -1,7 +1,6 @@
 #include "runtime/libgomp.h"
 
 #include <dlfcn.h>
-#include <link.h>
 
 #include <algorithm>
 #include <cstring>
@@ -10,12 +9,31 @@ namespace pinxfer {
 
 namespace {
 
-int find_libgomp(struct dl_phdr_info* info, size_t, void* out) {
-  if (info->dlpi_name == nullptr || std::strstr(info->dlpi_name, "libgomp") == nullptr) return 0;
-  void* lib = ::dlopen(info->dlpi_name, RTLD_LAZY | RTLD_NOLOAD);
-  if (lib == nullptr) return 0;
+// The libgomp that torch's code calls. GOMP_parallel is looked up as the dynamic linker looked
+// up libtorch_cpu's own calls to it: the process's global scope first, then this library's
+// dependencies, libtorch_cpu and with it its libgomp among them. The first loaded library named
+// "libgomp" (the lookup until session 51) is another runtime where a package that bundles its
+// own copy under another soname (wheels' libgomp-<hash>.so.1, scikit-learn's among them) was
+// imported before torch: the copies would then run on a team torch does not use, and its
+// binding would be read from a runtime torch does not use. The other entry points come from the
+// same library, so that every answer is one runtime's.
+Libgomp find_libgomp() {
   Libgomp found;
-  found.parallel = reinterpret_cast<decltype(found.parallel)>(::dlsym(lib, "GOMP_parallel"));
+  void* const parallel = ::dlsym(RTLD_DEFAULT, "GOMP_parallel");
+  Dl_info where{};
+  if (parallel == nullptr || ::dladdr(parallel, &where) == 0 || where.dli_fname == nullptr) {
+    return found;
+  }
+  // Other OpenMP runtimes (LLVM's libomp, Intel's libiomp5) export GOMP_parallel too, for code
+  // GCC built; their teams and their settings are not libgomp's (runtime/torch_team.h).
+  const char* const slash = std::strrchr(where.dli_fname, '/');
+  if (std::strstr(slash == nullptr ? where.dli_fname : slash + 1, "libgomp") == nullptr) {
+    return found;
+  }
+  void* const lib = ::dlopen(where.dli_fname, RTLD_LAZY | RTLD_NOLOAD);
+  if (lib == nullptr) return found;
+  found.path = where.dli_fname;
+  found.parallel = reinterpret_cast<decltype(found.parallel)>(parallel);
   found.thread_num =
       reinterpret_cast<decltype(found.thread_num)>(::dlsym(lib, "omp_get_thread_num"));
   found.proc_bind = reinterpret_cast<decltype(found.proc_bind)>(::dlsym(lib, "omp_get_proc_bind"));
@@ -26,19 +44,13 @@ int find_libgomp(struct dl_phdr_info* info, size_t, void* out) {
   found.place_proc_ids =
       reinterpret_cast<decltype(found.place_proc_ids)>(::dlsym(lib, "omp_get_place_proc_ids"));
   ::dlclose(lib);  // NOLOAD took a reference to a library that stays loaded
-  if (!found.found()) return 0;
-  *static_cast<Libgomp*>(out) = found;
-  return 1;
+  return found.found() ? found : Libgomp{};
 }
 
 }  // namespace
 
 const Libgomp& libgomp() {
-  static const Libgomp found = [] {
-    Libgomp g;
-    ::dl_iterate_phdr(&find_libgomp, &g);
-    return g;
-  }();
+  static const Libgomp found = find_libgomp();
   return found;
 }
 

@@ -1,14 +1,17 @@
-// torch's libgomp, found among the libraries already loaded: the entry points pinxfer calls.
+// torch's libgomp, the one its calls resolve to (runtime/libgomp.cpp): the entry points pinxfer
+// calls.
 // pinxfer is not built with -fopenmp, so at::parallel_for compiled here would run serially and
 // `omp_*` calls would bind to no runtime; the team torch uses, and the binding it was given,
 // are reached through the libgomp torch loaded (runtime/torch_team.*, runtime/cpu_resources.*).
 #pragma once
 
+#include <string>
 #include <vector>
 
 namespace pinxfer {
 
 struct Libgomp {
+  std::string path;  // the library's file as the loader named it ("" where none was found)
   // GOMP_parallel: `#pragma omp parallel` (GCC's ABI since 4.9): runs fn(data) on the calling
   // thread's team of num_threads (the caller included) and returns when all have.
   void (*parallel)(void (*fn)(void*), void* data, unsigned num_threads, unsigned flags) = nullptr;
@@ -26,8 +29,8 @@ struct Libgomp {
   bool found() const { return parallel != nullptr && thread_num != nullptr; }
 };
 
-// The libgomp in this process (looked up once); every pointer null where torch's OpenMP
-// runtime is not libgomp or none is loaded.
+// The libgomp torch calls (looked up once); every pointer null, and the path empty, where
+// torch's OpenMP runtime is not libgomp or none is loaded.
 const Libgomp& libgomp();
 
 // Whether libgomp bound this process's threads (it then bound the initial thread, the one that
