@@ -429,37 +429,32 @@ def test_an_openmp_binding_keeps_the_copy_threads_in_the_mask_the_process_starte
     assert int(worker_cpus) <= 1, worker_cpus
 
 
-def _torch_libgomp() -> str | None:
-    """The libgomp file torch loaded into this process, or None."""
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            path = line.split(maxsplit=5)[-1].strip()
-            if "libgomp" in os.path.basename(path):
-                return os.path.realpath(path)
-    return None
-
-
-def test_pinxfer_uses_the_libgomp_torch_calls_when_another_was_loaded_first(tmp_path):
+@pytest.mark.parametrize("decoy_scope", ["local", "global"])
+def test_pinxfer_uses_the_libgomp_torch_calls_when_another_was_loaded_first(tmp_path, decoy_scope):
     """A package that bundles its own libgomp under another soname (wheels' libgomp-<hash>.so.1,
     scikit-learn's among them), imported before torch, puts a second OpenMP runtime in the
     process ahead of torch's. pinxfer took the first library named libgomp for torch's (until
     session 51): its host copies would have run on a team torch does not use, and torch's
-    binding been read from the other runtime. The decoy here is torch's own libgomp copied under
-    another soname, so that the loader keeps both."""
-    torch_libgomp = _torch_libgomp()
-    if torch_libgomp is None:
+    binding been read from the other runtime. Loaded RTLD_LOCAL (as Python loads extensions)
+    the other copy is not torch's; loaded RTLD_GLOBAL it is in the global scope, which the
+    linker searches first for torch's calls too: then it is the runtime torch calls. The decoy
+    is torch's own libgomp copied under another soname, so that the loader keeps both."""
+    source = pinxfer._C._libgomp_path()
+    if not source:
         pytest.skip("torch's OpenMP is not libgomp here")
-    image = Path(torch_libgomp).read_bytes()
-    # The soname, NUL-terminated in the dynamic string table: "libgomp.so.1" -> "libgomp.so.9"
-    # (the same length, so nothing else in the file moves).
-    soname = re.search(rb"libgomp[\w.-]*\.so\.1\x00", image)
-    assert soname is not None, "no libgomp soname in " + torch_libgomp
-    patched = soname.group(0)[:-2] + b"9\x00"
+    image = Path(source).read_bytes()
+    # The soname, NUL-terminated in the dynamic string table, one letter of it changed
+    # ("libgomp.so.1" -> "libgomq.so.1": the same length, so nothing else in the file moves).
+    soname = re.search(rb"libgomp[\w.-]*?\.so(\.\d+)*\x00", image)
+    if soname is None:
+        pytest.skip(f"no libgomp soname found in {source}")
+    patched = soname.group(0).replace(b"libgomp", b"libgomq", 1)
     decoy = tmp_path / "libgomp-decoy.so.1"
     decoy.write_bytes(image.replace(soname.group(0), patched))
+    mode = "ctypes.RTLD_GLOBAL" if decoy_scope == "global" else "ctypes.RTLD_LOCAL"
     code = f"""
         import ctypes, os
-        ctypes.CDLL({str(decoy)!r})  # loaded before torch, as an earlier import would
+        decoy = ctypes.CDLL({str(decoy)!r}, mode={mode})  # before torch, as an import would
         import torch, pinxfer
         loaded = set()
         with open("/proc/self/maps") as maps:
@@ -467,13 +462,26 @@ def test_pinxfer_uses_the_libgomp_torch_calls_when_another_was_loaded_first(tmp_
                 path = line.split(maxsplit=5)[-1].strip()
                 if "libgomp" in os.path.basename(path):
                     loaded.add(os.path.realpath(path))
-        print("RESULT", os.path.realpath(pinxfer._C._libgomp_path()), *sorted(loaded))
+        # Which runtime torch calls, asked of torch: a thread count set in the decoy's runtime
+        # is torch's (at::get_num_threads is omp_get_max_threads) only if it calls the decoy.
+        threads = torch.get_num_threads()
+        decoy.omp_set_num_threads(threads + 1)
+        torch_calls_decoy = torch.get_num_threads() == threads + 1
+        used = os.path.realpath(pinxfer._C._libgomp_path())
+        print("RESULT", torch_calls_decoy, used, *sorted(loaded))
     """
     out = run_child(code)
+    if "failed to map segment" in out.stderr:
+        pytest.skip(f"{tmp_path} does not allow loading a library from it (noexec)")
     assert out.returncode == 0, out.stdout + out.stderr
-    used, *loaded = out.stdout.split("RESULT ", 1)[1].split()
-    assert sorted(loaded) == sorted([str(decoy.resolve()), torch_libgomp]), loaded
-    assert used == torch_libgomp
+    torch_calls_decoy, used, *loaded = out.stdout.split("RESULT ", 1)[1].split()
+    decoy_path = str(decoy.resolve())
+    assert decoy_path in loaded and len(loaded) == 2, loaded  # two runtimes, the decoy one
+    torchs = (
+        decoy_path if torch_calls_decoy == "True" else next(p for p in loaded if p != decoy_path)
+    )
+    assert torch_calls_decoy == str(decoy_scope == "global")  # the linker's order, as seen
+    assert used == torchs
 
 
 def test_openmp_settings_that_bind_nothing_leave_a_narrowed_mask_the_processs():

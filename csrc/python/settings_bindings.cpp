@@ -80,6 +80,9 @@ std::optional<std::string> unusable_reason() {
 }  // namespace
 
 void bind_settings(pybind11::module_& m) {
+  // torch's libgomp looked up now, right after torch bound its own calls, before any later
+  // load could put another runtime ahead of it (runtime/libgomp.cpp).
+  (void)libgomp();
   using torch::wrap_pybind_function_no_gil;
   m.def("settings", wrap_pybind_function_no_gil(&settings_rows),
         "every row of the settings table as read once: (name, value, source, doc), source "

@@ -5,13 +5,15 @@
 // are reached through the libgomp torch loaded (runtime/torch_team.*, runtime/cpu_resources.*).
 #pragma once
 
-#include <string>
 #include <vector>
 
 namespace pinxfer {
 
 struct Libgomp {
-  std::string path;  // the library's file as the loader named it ("" where none was found)
+  // The library's file as the loader named it ("" where none was found). Not a std::string:
+  // the found object lives to the process's end, with no destructor to run at exit while
+  // leaked copy threads may still call into it.
+  const char* path = "";
   // GOMP_parallel: `#pragma omp parallel` (GCC's ABI since 4.9): runs fn(data) on the calling
   // thread's team of num_threads (the caller included) and returns when all have.
   void (*parallel)(void (*fn)(void*), void* data, unsigned num_threads, unsigned flags) = nullptr;
@@ -29,8 +31,8 @@ struct Libgomp {
   bool found() const { return parallel != nullptr && thread_num != nullptr; }
 };
 
-// The libgomp torch calls (looked up once); every pointer null, and the path empty, where
-// torch's OpenMP runtime is not libgomp or none is loaded.
+// The libgomp torch calls (looked up once, at pinxfer's import); every pointer null, and the
+// path empty, where torch's OpenMP runtime is not libgomp or none is loaded.
 const Libgomp& libgomp();
 
 // Whether libgomp bound this process's threads (it then bound the initial thread, the one that
