@@ -64,11 +64,14 @@ StagePolicy stage_policy(StagingMode mode, int64_t cached_tail, size_t nbytes,
 // The store kind for the caller's own copy of a short transfer into one pool block (the small
 // road: transfer/cuda/pipeline.h, caller_staged_copy). Under "auto" with no cached tail given:
 // cached stores above one page, nontemporal at a page (below a page stage_copy stores with
-// memcpy whatever the kind). A loop's other work evicts the source between two steps, and rep
-// movsb reads a cold source about twice as fast as the nontemporal loop (256 KiB on an H100:
-// 19-23 us against 37-41), far more than the DMA's slower read of the lines left dirty in the
-// core's cache costs (4-5 us at 256 KiB); at a page the copy takes under a microsecond and that
-// read is what is left. A mode other than auto (the argument, else PINXFER_STAGE_COPY) or a
+// memcpy whatever the kind). A loop's other work evicts the source between two steps, and in
+// this road on session 50's H100 host rep movsb copied a cold source about twice as fast as the
+// nontemporal loop (256 KiB: 19-23 us against 37-41), far more than the DMA's slower read of the
+// lines left dirty in the core's cache costs (4-5 us at 256 KiB); on session 51's host the two
+// copies took about as long (31-36 us against 34-35), and the CPU alone reads a cold source faster
+// with the nontemporal loop (benchmarks/diag_stage_reads.cpp): the cause is not yet known
+// (csrc/README.md, "Session 51"). At a page the copy takes under a microsecond and that read is
+// what is left. A mode other than auto (the argument, else PINXFER_STAGE_COPY) or a
 // cached tail given (the argument, else PINXFER_CACHED_TAIL) decides as stage_policy does.
 StageCopy small_copy_kind(StagingMode mode, int64_t cached_tail, size_t nbytes);
 
