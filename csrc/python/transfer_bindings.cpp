@@ -1,12 +1,15 @@
 // pinxfer._C's transfer functions (csrc/python/bindings.h): the chunk plan (pure
 // arithmetic of csrc/transfer/chunk_plan.h, so that CPU tests can check every
-// plan's invariants without a GPU), and in CUDA builds the copy stream and the
-// release of finished pinned sources (kernels in csrc/ops/cuda/to_device_cuda.cpp).
+// plan's invariants without a GPU), a staging copy timed alone (diagnostics), and in CUDA builds
+// the copy stream and the release of finished pinned sources (kernels in
+// csrc/ops/cuda/to_device_cuda.cpp).
 #include <tuple>
 #include <vector>
 
 #include "ops/kernels.h"
 #include "python/bindings.h"
+#include "runtime/settings.h"
+#include "runtime/steady_time.h"
 #include "transfer/chunk_plan.h"
 #include "transfer/piece_claims.h"
 #include "transfer/stage_copy.h"
@@ -16,8 +19,6 @@
 
 #include "ops/cuda/batch_sender.h"
 #include "python/plain_batch.h"
-#include "runtime/settings.h"
-#include "runtime/steady_time.h"
 #include "runtime/step_stamps.h"
 #include "transfer/cuda/pipeline.h"
 #endif
@@ -333,6 +334,39 @@ void bind_transfer(pybind11::module_& m) {
       },
       "TEST-ONLY: _small_copy_kind(staging, cached_tail, nbytes) -> 'nt' or 'movsb': the stores "
       "the caller's copy of a small to_device uses (cached_tail < 0: auto)");
+  m.def(
+      "_stage_copy_ns",
+      [](const at::Tensor& dst, const at::Tensor& src, const std::string& kind, bool flush_src,
+         bool flush_dst) {
+        TORCH_CHECK_VALUE(dst.device().is_cpu() && src.device().is_cpu() && dst.is_contiguous() &&
+                              src.is_contiguous() && dst.nbytes() == src.nbytes(),
+                          "pinxfer._stage_copy_ns: expected two contiguous CPU tensors of the "
+                          "same bytes, got ",
+                          dst.nbytes(), " and ", src.nbytes());
+        const int mode = name_index(kStagingModeNames, kind);
+        TORCH_CHECK_VALUE(mode == static_cast<int>(StagingMode::kNontemporal) ||
+                              mode == static_cast<int>(StagingMode::kCached),
+                          "pinxfer._stage_copy_ns: expected kind 'nt' or 'movsb', got '", kind,
+                          "'");
+        char* const to = static_cast<char*>(dst.data_ptr());
+        const char* const from = static_cast<const char*>(src.data_ptr());
+        const size_t n = dst.nbytes();
+        if (flush_src) transfer::flush_cache_lines(from, n);
+        if (flush_dst) transfer::flush_cache_lines(to, n);
+        const int64_t start = steady_now_ns();
+        transfer::stage_copy(to, from, n,
+                             mode == static_cast<int>(StagingMode::kCached)
+                                 ? transfer::StageCopy::kCached
+                                 : transfer::StageCopy::kNontemporal);
+        return steady_now_ns() - start;
+      },
+      pybind11::arg("dst"), pybind11::arg("src"), pybind11::arg("kind"),
+      pybind11::arg("flush_src") = false, pybind11::arg("flush_dst") = false,
+      pybind11::call_guard<pybind11::gil_scoped_release>(),
+      "DIAGNOSTIC: _stage_copy_ns(dst, src, kind, flush_src=False, flush_dst=False) -> int: "
+      "nanoseconds of one staging copy of src's bytes into dst with 'nt' or 'movsb' stores "
+      "(transfer/stage_copy.h), each side first flushed from the caches if asked "
+      "(benchmarks/diag_stage_dest.py)");
   m.def(
       "_leaf_sent_apart",
       [](const std::vector<int64_t>& sizes) {

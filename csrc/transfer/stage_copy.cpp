@@ -118,6 +118,18 @@ void stream_sse2(char* dst, const char* src, size_t n) {
 }  // namespace
 #endif
 
+void flush_cache_lines(const void* p, size_t n) {
+#if defined(__x86_64__)
+  const auto* bytes = static_cast<const char*>(p);
+  for (size_t i = 0; i < n; i += 64) _mm_clflush(bytes + i);
+  if (n > 0) _mm_clflush(bytes + n - 1);  // the last line where p is not line-aligned
+  _mm_mfence();
+#else
+  (void)p;
+  (void)n;
+#endif
+}
+
 void stage_copy(char* dst, const char* src, size_t n, StageCopy kind) {
 #if defined(__x86_64__)
   if (kind == StageCopy::kCached) {

@@ -75,6 +75,11 @@ StagePolicy stage_policy(StagingMode mode, int64_t cached_tail, size_t nbytes,
 // cached tail given (the argument, else PINXFER_CACHED_TAIL) decides as stage_policy does.
 StageCopy small_copy_kind(StagingMode mode, int64_t cached_tail, size_t nbytes);
 
+// Writes n bytes from p's cache lines back to memory and drops them from every cache (clflush;
+// nothing where the CPU is not x86): a diagnostic's way to put a copy's source or destination in
+// DRAM (benchmarks/diag_stage_dest.py).
+void flush_cache_lines(const void* p, size_t n);
+
 // Copies n bytes; after nontemporal stores an sfence makes them visible before
 // the caller publishes "piece done" to the thread that queues the DMA.
 void stage_copy(char* dst, const char* src, size_t n, StageCopy kind);
