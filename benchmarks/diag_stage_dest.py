@@ -6,12 +6,13 @@ host, `rep movsb` copying a cold source about twice as fast as the nontemporal l
 before each copy) read a cold source faster with the nontemporal loop, wherever the source was.
 What that probe leaves out is pinxfer's destination: a registered pool block, written by the
 same kind of stores call after call and read by the GPU's DMA in between. This times
-`transfer::stage_copy` itself (`pinxfer._C._stage_copy_ns`, one thread, the GIL released)
-for every combination of
+`transfer::stage_copy` itself (`pinxfer._C._stage_copy_ns`, one thread, the GIL released;
+`_C._place_cache_lines` puts each side where the cell says first) for every combination of
 
   kind        nt (nontemporal stores), movsb (cached stores)
-  source      warm (just read by this thread), dram (flushed), after_sleep (read, then 20 ms
-              of sleep: the core's deep idle state may have emptied its caches)
+  source      warm (just read by this thread: by the rewrite where there is one), dram
+              (flushed), after_sleep (warm, then 20 ms of sleep: the core's deep idle state may
+              have emptied its caches)
   dest        pool (pinxfer.empty: registered where CUDA is usable, else mlocked), pageable
               (torch.empty)
   dest state  flushed (the block flushed from the caches), rewritten (the same kind copied
@@ -52,7 +53,6 @@ def dest_states(cuda: bool) -> tuple[str, ...]:
 def one_copy(
     dst: torch.Tensor,
     src: torch.Tensor,
-    scratch: torch.Tensor,
     gpu: torch.Tensor | None,
     kind: str,
     source: str,
@@ -62,19 +62,20 @@ def one_copy(
     from pinxfer import _C
 
     if dest_state in ("rewritten", "dma_read"):
-        _C._stage_copy_ns(dst, src, kind)
+        _C._stage_copy_ns(dst, src, kind)  # reads the source too: it is warm after this
     if dest_state == "dma_read":
         assert gpu is not None
         gpu.copy_(dst, non_blocking=True)
         torch.cuda.synchronize()
-    if source in ("warm", "after_sleep"):
-        _C._stage_copy_ns(scratch, src, "movsb")  # this thread reads the source into its caches
+    if dest_state == "flushed":
+        _C._place_cache_lines(dst, "dram")
+        if source in ("warm", "after_sleep"):
+            _C._place_cache_lines(src, "cache")  # reads only: the destination stays flushed
+    if source == "dram":
+        _C._place_cache_lines(src, "dram")
     if source == "after_sleep":
         time.sleep(SLEEP_S)
-    ns = _C._stage_copy_ns(
-        dst, src, kind, flush_src=source == "dram", flush_dst=dest_state == "flushed"
-    )
-    return ns / 1000.0
+    return _C._stage_copy_ns(dst, src, kind) / 1000.0
 
 
 def measure(sizes: list[int], rounds: int) -> list[dict[str, Any]]:
@@ -84,7 +85,6 @@ def measure(sizes: list[int], rounds: int) -> list[dict[str, Any]]:
     cells: list[dict[str, Any]] = []
     for nbytes in sizes:
         src = torch.ones(nbytes, dtype=torch.uint8)
-        scratch = torch.empty(nbytes, dtype=torch.uint8)
         dests = {
             "pool": pinxfer.empty(nbytes, dtype=torch.uint8),
             "pageable": torch.zeros(nbytes, dtype=torch.uint8),
@@ -99,9 +99,7 @@ def measure(sizes: list[int], rounds: int) -> list[dict[str, Any]]:
                     for r in range(rounds):
                         order = KINDS if r % 2 == 0 else KINDS[::-1]
                         for kind in order:
-                            times[kind].append(
-                                one_copy(dst, src, scratch, gpu, kind, source, dest_state)
-                            )
+                            times[kind].append(one_copy(dst, src, gpu, kind, source, dest_state))
                     for kind in KINDS:
                         cells.append(
                             {

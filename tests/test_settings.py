@@ -634,35 +634,51 @@ def test_the_small_roads_stores_follow_its_rule_and_the_callers_choices(
 
 
 @pytest.mark.parametrize("kind", ["nt", "movsb"])
-@pytest.mark.parametrize("flush", [False, True])
+@pytest.mark.parametrize("placed", [None, "dram", "cache"])
 @pytest.mark.parametrize(
     ("nbytes", "dst_offset", "src_offset"),
     [(100, 0, 0), (4096 + 17, 3, 5), ((1 << 20) + 129, 31, 0), (8192, 0, 63)],
 )
 def test_a_staging_copy_writes_every_byte_whatever_the_stores_and_alignment(
-    kind, flush, nbytes, dst_offset, src_offset
+    kind, placed, nbytes, dst_offset, src_offset
 ):
     """transfer::stage_copy, timed alone by the diagnostic _stage_copy_ns: each kind of stores
     copies every byte, at any alignment of either side (the nontemporal loop aligns the
     destination with a memcpy head and copies the tail apart), and writes nothing past the end;
-    flushing the caches first changes no byte."""
+    placing either side's lines first (_place_cache_lines) changes no byte."""
     src = torch.randint(0, 256, (nbytes + src_offset,), dtype=torch.uint8)[src_offset:]
     dst_whole = torch.zeros(nbytes + dst_offset + 64, dtype=torch.uint8)
     dst = dst_whole[dst_offset : dst_offset + nbytes]
-    ns = native._stage_copy_ns(dst, src, kind, flush_src=flush, flush_dst=flush)
+    expected = src.clone()
+    if placed is not None:
+        native._place_cache_lines(src, placed)
+        native._place_cache_lines(dst, placed)
+    ns = native._stage_copy_ns(dst, src, kind)
     assert ns > 0
-    assert torch.equal(dst, src)
+    assert torch.equal(dst, expected) and torch.equal(src, expected)
     assert not dst_whole[:dst_offset].any() and not dst_whole[dst_offset + nbytes :].any()
 
 
 def test_a_timed_staging_copy_refuses_what_it_cannot_copy():
-    """_stage_copy_ns says what it expected: two contiguous CPU tensors of equal bytes, and a
-    kind of stores ('auto' is a policy, not a kind)."""
+    """The staging diagnostics say what they expected: contiguous CPU tensors, of equal bytes
+    and apart for a copy, and a kind of stores ('auto' is a policy, not a kind)."""
     a, b = torch.zeros(64, dtype=torch.uint8), torch.zeros(32, dtype=torch.uint8)
     with pytest.raises(ValueError, match="same bytes, got 64 and 32"):
         native._stage_copy_ns(a, b, "nt")
     with pytest.raises(ValueError, match="expected kind 'nt' or 'movsb', got 'auto'"):
         native._stage_copy_ns(a, a.clone(), "auto")
+    with pytest.raises(ValueError, match="expected dst and src not to overlap"):
+        native._stage_copy_ns(a[:32], a[16:48], "movsb")
+    strided = torch.zeros(64, dtype=torch.uint8)[::2]
+    with pytest.raises(ValueError, match="expected src contiguous"):
+        native._stage_copy_ns(b, strided, "nt")
+    with pytest.raises(ValueError, match="expected tensor contiguous"):
+        native._place_cache_lines(strided, "dram")
+    with pytest.raises(ValueError, match="expected where 'dram' .* or 'cache'"):
+        native._place_cache_lines(a, "l3")
+    if torch.cuda.is_available():
+        with pytest.raises(ValueError, match="expected dst on the CPU"):
+            native._stage_copy_ns(a.cuda(), a, "nt")
 
 
 @pytest.mark.parametrize(

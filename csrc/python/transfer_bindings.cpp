@@ -27,6 +27,15 @@ namespace pinxfer::python {
 
 namespace {
 
+// The diagnostics below read and write a tensor's bytes on the calling thread: only a
+// contiguous CPU tensor has them in one range.
+void check_plain_cpu_bytes(const at::Tensor& t, const char* what, const char* name) {
+  TORCH_CHECK_VALUE(t.device().is_cpu(), what, ": expected ", name, " on the CPU, got ",
+                    t.device());
+  TORCH_CHECK_VALUE(t.is_contiguous(), what, ": expected ", name,
+                    " contiguous (one range of bytes); call .contiguous() first");
+}
+
 std::tuple<std::vector<int64_t>, std::vector<int64_t>, int64_t, int64_t, int64_t> chunk_plan(
     int64_t nbytes, int64_t chunk_bytes, int64_t num_buffers, int64_t num_threads) {
   TORCH_CHECK_VALUE(nbytes >= 0 && chunk_bytes >= 4096 && num_buffers >= 1 && num_threads >= 1,
@@ -336,37 +345,56 @@ void bind_transfer(pybind11::module_& m) {
       "the caller's copy of a small to_device uses (cached_tail < 0: auto)");
   m.def(
       "_stage_copy_ns",
-      [](const at::Tensor& dst, const at::Tensor& src, const std::string& kind, bool flush_src,
-         bool flush_dst) {
-        TORCH_CHECK_VALUE(dst.device().is_cpu() && src.device().is_cpu() && dst.is_contiguous() &&
-                              src.is_contiguous() && dst.nbytes() == src.nbytes(),
-                          "pinxfer._stage_copy_ns: expected two contiguous CPU tensors of the "
-                          "same bytes, got ",
-                          dst.nbytes(), " and ", src.nbytes());
-        const int mode = name_index(kStagingModeNames, kind);
-        TORCH_CHECK_VALUE(mode == static_cast<int>(StagingMode::kNontemporal) ||
-                              mode == static_cast<int>(StagingMode::kCached),
-                          "pinxfer._stage_copy_ns: expected kind 'nt' or 'movsb', got '", kind,
-                          "'");
+      [](const at::Tensor& dst, const at::Tensor& src, const std::string& kind) {
+        const char* const what = "pinxfer._stage_copy_ns";
+        check_plain_cpu_bytes(dst, what, "dst");
+        check_plain_cpu_bytes(src, what, "src");
+        TORCH_CHECK_VALUE(dst.nbytes() == src.nbytes(), what,
+                          ": expected dst and src of the same bytes, got ", dst.nbytes(), " and ",
+                          src.nbytes());
         char* const to = static_cast<char*>(dst.data_ptr());
         const char* const from = static_cast<const char*>(src.data_ptr());
         const size_t n = dst.nbytes();
-        if (flush_src) transfer::flush_cache_lines(from, n);
-        if (flush_dst) transfer::flush_cache_lines(to, n);
+        TORCH_CHECK_VALUE(n == 0 || to + n <= from || from + n <= to, what,
+                          ": expected dst and src not to overlap (a staging copy's source and "
+                          "its pinned block never do)");
+        const int mode = name_index(kStagingModeNames, kind);
+        TORCH_CHECK_VALUE(mode == static_cast<int>(StagingMode::kNontemporal) ||
+                              mode == static_cast<int>(StagingMode::kCached),
+                          what, ": expected kind 'nt' or 'movsb', got '", kind, "'");
+        const transfer::StageCopy stores = mode == static_cast<int>(StagingMode::kCached)
+                                               ? transfer::StageCopy::kCached
+                                               : transfer::StageCopy::kNontemporal;
+        pybind11::gil_scoped_release no_gil;
         const int64_t start = steady_now_ns();
-        transfer::stage_copy(to, from, n,
-                             mode == static_cast<int>(StagingMode::kCached)
-                                 ? transfer::StageCopy::kCached
-                                 : transfer::StageCopy::kNontemporal);
+        transfer::stage_copy(to, from, n, stores);
         return steady_now_ns() - start;
       },
       pybind11::arg("dst"), pybind11::arg("src"), pybind11::arg("kind"),
-      pybind11::arg("flush_src") = false, pybind11::arg("flush_dst") = false,
-      pybind11::call_guard<pybind11::gil_scoped_release>(),
-      "DIAGNOSTIC: _stage_copy_ns(dst, src, kind, flush_src=False, flush_dst=False) -> int: "
-      "nanoseconds of one staging copy of src's bytes into dst with 'nt' or 'movsb' stores "
-      "(transfer/stage_copy.h), each side first flushed from the caches if asked "
-      "(benchmarks/diag_stage_dest.py)");
+      "DIAGNOSTIC: _stage_copy_ns(dst, src, kind) -> int: nanoseconds of one staging copy of "
+      "src's bytes into dst with 'nt' or 'movsb' stores (transfer/stage_copy.h), on the calling "
+      "thread (benchmarks/diag_stage_dest.py). Bytes, as the staging copy: no autograd, no "
+      "version counter; the caller keeps both tensors alive and unresized meanwhile");
+  m.def(
+      "_place_cache_lines",
+      [](const at::Tensor& t, const std::string& where) {
+        check_plain_cpu_bytes(t, "pinxfer._place_cache_lines", "tensor");
+        TORCH_CHECK_VALUE(where == "dram" || where == "cache",
+                          "pinxfer._place_cache_lines: expected where 'dram' (flushed from every "
+                          "cache) or 'cache' (read by this thread), got '",
+                          where, "'");
+        const char* const bytes = static_cast<const char*>(t.data_ptr());
+        pybind11::gil_scoped_release no_gil;
+        if (where == "dram") {
+          transfer::flush_cache_lines(bytes, t.nbytes());
+        } else {
+          transfer::read_cache_lines(bytes, t.nbytes());
+        }
+      },
+      pybind11::arg("tensor"), pybind11::arg("where"),
+      "DIAGNOSTIC: _place_cache_lines(tensor, where): puts a contiguous CPU tensor's bytes in "
+      "DRAM ('dram': written back and dropped from every cache) or in the calling thread's "
+      "caches ('cache': one read per line), before a timed copy (benchmarks/diag_stage_dest.py)");
   m.def(
       "_leaf_sent_apart",
       [](const std::vector<int64_t>& sizes) {

@@ -130,6 +130,12 @@ void flush_cache_lines(const void* p, size_t n) {
 #endif
 }
 
+void read_cache_lines(const void* p, size_t n) {
+  const auto* bytes = static_cast<const volatile char*>(p);
+  for (size_t i = 0; i < n; i += 64) (void)bytes[i];
+  if (n > 0) (void)bytes[n - 1];  // the last line where p is not line-aligned
+}
+
 void stage_copy(char* dst, const char* src, size_t n, StageCopy kind) {
 #if defined(__x86_64__)
   if (kind == StageCopy::kCached) {

@@ -67,18 +67,23 @@ StagePolicy stage_policy(StagingMode mode, int64_t cached_tail, size_t nbytes,
 // memcpy whatever the kind). A loop's other work evicts the source between two steps, and in
 // this road on session 50's H100 host rep movsb copied a cold source about twice as fast as the
 // nontemporal loop (256 KiB: 19-23 us against 37-41), far more than the DMA's slower read of the
-// lines left dirty in the core's cache costs (4-5 us at 256 KiB); on session 51's host the two
-// copies took about as long (31-36 us against 34-35), and the CPU alone reads a cold source faster
-// with the nontemporal loop (benchmarks/diag_stage_reads.cpp): the cause is not yet known
-// (csrc/README.md, "Session 51"). At a page the copy takes under a microsecond and that read is
-// what is left. A mode other than auto (the argument, else PINXFER_STAGE_COPY) or a
-// cached tail given (the argument, else PINXFER_CACHED_TAIL) decides as stage_policy does.
+// lines left dirty in the core's cache costs (4-5 us at 256 KiB); on session 51's host it was
+// lower after a GPU kernel (31 and 19 us against 34) and equal after a sleep, while the CPU alone
+// reads a cold source into a flushed destination faster with the nontemporal loop
+// (benchmarks/diag_stage_reads.cpp). A destination movsb rewrote just before is still in cache,
+// and movsb into it is fast (benchmarks/diag_stage_dest.py); whether that survives the DMA read
+// is not yet measured (csrc/README.md, "Session 51"). At a page the copy takes under a
+// microsecond and that read is what is left. A mode other than auto (the argument, else
+// PINXFER_STAGE_COPY) or a cached tail given (the argument, else PINXFER_CACHED_TAIL) decides as
+// stage_policy does.
 StageCopy small_copy_kind(StagingMode mode, int64_t cached_tail, size_t nbytes);
 
-// Writes n bytes from p's cache lines back to memory and drops them from every cache (clflush;
-// nothing where the CPU is not x86): a diagnostic's way to put a copy's source or destination in
-// DRAM (benchmarks/diag_stage_dest.py).
+// Diagnostics' ways to put a copy's source or destination where a cell needs it
+// (benchmarks/diag_stage_dest.py): flush_cache_lines writes n bytes from p's cache lines back to
+// memory and drops them from every cache (clflush; nothing where the CPU is not x86);
+// read_cache_lines reads one byte of each line, into the calling thread's caches.
 void flush_cache_lines(const void* p, size_t n);
+void read_cache_lines(const void* p, size_t n);
 
 // Copies n bytes; after nontemporal stores an sfence makes them visible before
 // the caller publishes "piece done" to the thread that queues the DMA.
