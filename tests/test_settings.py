@@ -674,7 +674,7 @@ def test_a_timed_staging_copy_refuses_what_it_cannot_copy():
         native._stage_copy_ns(b, strided, "nt")
     with pytest.raises(ValueError, match="expected tensor contiguous"):
         native._place_cache_lines(strided, "dram")
-    with pytest.raises(ValueError, match="expected where 'dram' .* or 'cache'"):
+    with pytest.raises(ValueError, match=r"expected where 'dram' .* or 'cache'"):
         native._place_cache_lines(a, "l3")
     if torch.cuda.is_available():
         with pytest.raises(ValueError, match="expected dst on the CPU"):
