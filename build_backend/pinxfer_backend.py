@@ -39,9 +39,11 @@ the target interpreter with ``PYTHONPATH`` replaced by a directory whose ``sitec
 drops site-packages (and ``PYTHONNOUSERSITE=1``); the probe unsets both, but the user's own
 ``PYTHONPATH`` is gone, so a torch reached only through it (``module load pytorch`` on a
 cluster) is not found: the message then says to use ``--no-build-isolation``. Build tools that
-run the backend in a virtual environment of their own (``python -m build``, uv, pip's opt-in
-venv isolation) leave nothing to probe but that environment: ``PINXFER_TORCH_PYTHON`` names
-the interpreter to use instead.
+run the backend in a virtual environment of their own (``python -m build``, pip's opt-in venv
+isolation) leave only that environment, which has no torch; Python >= 3.11 records the
+interpreter that made it (pyvenv.cfg's ``command``), the one pip installs into or that ran
+``python -m build``, and the probe asks that one next. Where no maker is recorded (uv, older
+Pythons) or it has no torch either, ``PINXFER_TORCH_PYTHON`` names the interpreter to use.
 """
 
 from __future__ import annotations
@@ -110,7 +112,25 @@ def _torch_environment() -> dict | None:
     python = os.environ.get("PINXFER_TORCH_PYTHON")
     if not python and importlib.util.find_spec("torch") is not None:
         return None
-    python = python or sys.executable
+    found = _probe(python or sys.executable)
+    if "torch" not in found and not python:
+        maker = _build_venv_maker()
+        made = _probe(maker) if maker is not None else {}
+        if "torch" in made:
+            found = made
+            print(
+                f"pinxfer: this build's virtual environment ({sys.prefix}) has no torch; "
+                f"its maker, {maker}, has: building against that",
+                file=sys.stderr,
+                flush=True,
+            )
+    if "torch" not in found:
+        _fail(_no_torch_message(found["executable"], found["torch_error"]))
+    return found
+
+
+def _probe(python: str) -> dict:
+    """What ``python`` can import (_PROBE's answer), with pip's default isolation undone."""
     env = dict(os.environ)
     if _under_pips_default_isolation():
         # Without pip's PYTHONPATH and PYTHONNOUSERSITE the interpreter sees its
@@ -131,10 +151,38 @@ def _torch_environment() -> dict | None:
             f"could not ask {python} for its torch (exit {proc.returncode}): "
             f"{(proc.stderr or proc.stdout).strip()[-2000:]}"
         )
-    found = json.loads(line[len("PINXFER_PROBE") :])
-    if "torch" not in found:
-        _fail(_no_torch_message(found["executable"], found["torch_error"]))
-    return found
+    return json.loads(line[len("PINXFER_PROBE") :])
+
+
+def _build_venv_maker() -> str | None:
+    """The interpreter that made the virtual environment this backend runs in, where that is a
+    build tool's (pip's venv isolation, python -m build: a venv in the temporary directory that
+    pip's default isolation did not set up). Python >= 3.11's venv records the command that made
+    it in pyvenv.cfg ("command = /path/to/python -m venv ..."); that interpreter is the one pip
+    runs in, the environment it installs into, or the one that ran python -m build. Its
+    ``home`` and ``executable`` name the base installation instead, which a target that is
+    itself a venv is not. None where this is not such a venv, or pyvenv.cfg names no maker."""
+    if (
+        sys.prefix == sys.base_prefix
+        or _under_pips_default_isolation()
+        or not _in_a_temporary_directory(sys.prefix)
+    ):
+        return None
+    try:
+        with open(os.path.join(sys.prefix, "pyvenv.cfg")) as cfg:
+            lines = cfg.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        key, sep, value = line.partition("=")
+        if sep and key.strip() == "command":
+            # Written unquoted: the interpreter's path is what comes before " -m venv".
+            maker = value.strip().split(" -m venv", 1)[0].strip()
+            if os.access(maker, os.X_OK) and os.path.realpath(maker) != os.path.realpath(
+                sys.executable
+            ):
+                return maker
+    return None
 
 
 def _in_a_temporary_directory(path: str) -> bool:
@@ -173,11 +221,13 @@ def _no_torch_message(python: str, torch_error: str) -> str:
         # build tool's own (python -m build, uv), which holds only the build requirements, so
         # installing torch there is no use. A venv elsewhere is the user's (e.g. with
         # --no-build-isolation): the last message, install torch there, is the one.
+        maker = _build_venv_maker()
+        made_by = f"; nor can {maker}, which made it" if maker else ""
         return (
             f"cannot build: this build runs in a virtual environment of its own ({python}: "
             f"python -m build, uv, pip's venv isolation?), which cannot import torch "
-            f"({torch_error}), and {why}. Name the Python pinxfer will run with, and build "
-            "again:\n"
+            f"({torch_error}){made_by}, and {why}. Name the Python pinxfer will run with, and "
+            "build again:\n"
             "    export PINXFER_TORCH_PYTHON=/path/to/the/python/with/torch\n"
             "or build without isolation, in the environment that has torch:\n"
             "    python -m build --no-isolation   (uv build --no-build-isolation, "

@@ -210,24 +210,61 @@ def test_pip_isolation_hiding_a_pythonpath_torch_says_no_build_isolation(tmp_pat
     assert "virtual environment of its own" not in output
 
 
-def test_build_in_a_venv_of_its_own_names_pinxfer_torch_python_first(tmp_path):
-    """python -m build (uv, pip's venv isolation) runs the backend in a throwaway venv that
-    holds only the build requirements: installing torch there is no use. The advice starts
-    with PINXFER_TORCH_PYTHON, the one way that keeps isolation, then building without it."""
+def _build_venv(tmp_path, maker: str | None = None) -> str:
+    """A throwaway venv as python -m build or pip's venv isolation makes one in the temporary
+    directory, made by ``maker`` (an interpreter; None: this one, which has torch), which
+    Python >= 3.11 records in its pyvenv.cfg. Returns its interpreter."""
     env_dir = tmp_path / "build-env"
-    venv.create(env_dir, with_pip=False)
-    python = str(env_dir / "bin" / "python")
+    if maker is None:
+        venv.create(env_dir, with_pip=False)
+    else:
+        subprocess.run(
+            [maker, "-m", "venv", "--without-pip", str(env_dir)], check=True, timeout=120
+        )
+    return str(env_dir / "bin" / "python")
+
+
+def _run_in_build_venv(python: str, tmp_path) -> subprocess.CompletedProcess:
     # As python -m build runs it: the build venv's own interpreter, site-packages and all,
     # and no PYTHONNOUSERSITE (empty is unset), which only pip's default isolation sets.
-    proc = _run_hook(
-        "backend.get_requires_for_build_wheel()",
+    return _run_hook(
+        "print('RESULT', backend.get_requires_for_build_wheel())",
         tmp_path,
         env_extra={"PYTHONNOUSERSITE": ""},
         interpreter=(python,),
     )
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="venv records its maker from 3.11 on")
+def test_build_in_a_venv_of_its_own_builds_against_the_torch_of_the_python_that_made_it(tmp_path):
+    """pip's venv isolation (pip 26's --use-feature venv-isolation) and python -m build run the
+    backend in a throwaway venv that holds only the build requirements. It was made by the
+    interpreter pip installs into (or that ran python -m build), which pyvenv.cfg records: the
+    backend builds against that interpreter's torch, offline, as under pip's default isolation.
+    Until session 51 it stopped there and asked for PINXFER_TORCH_PYTHON."""
+    python = _build_venv(tmp_path)
+    proc = _run_in_build_venv(python, tmp_path)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert f"its maker, {sys.executable}, has: building against that" in proc.stderr
+    assert f"building against torch {torch.__version__}" in proc.stderr, proc.stderr
+    assert "RESULT []" in proc.stdout  # this environment's setuptools: nothing to download
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="venv records its maker from 3.11 on")
+def test_build_in_a_venv_of_its_own_names_pinxfer_torch_python_first(tmp_path):
+    """Where neither the build's venv nor the interpreter that made it has torch (here a venv
+    made by a venv without torch), the advice starts with PINXFER_TORCH_PYTHON, the one way
+    that keeps isolation, then building without it; installing torch in the throwaway venv is
+    no use."""
+    plain = tmp_path / "no-torch"
+    venv.create(plain, with_pip=False)
+    maker = str(plain / "bin" / "python")
+    python = _build_venv(tmp_path, maker=maker)
+    proc = _run_in_build_venv(python, tmp_path)
     assert proc.returncode != 0
     assert "Traceback" not in proc.stderr, proc.stderr
     assert f"a virtual environment of its own ({python}" in proc.stderr, proc.stderr
+    assert f"nor can {maker}, which made it" in proc.stderr, proc.stderr
     first_advice = proc.stderr.index("PINXFER_TORCH_PYTHON=/path/to/the/python/with/torch")
     assert first_advice < proc.stderr.index("python -m build --no-isolation")
     assert f"{python} -m pip install torch" not in proc.stderr
