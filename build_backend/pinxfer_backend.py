@@ -178,7 +178,9 @@ def _build_venv_maker() -> str | None:
         if sep and key.strip() == "command":
             # Written unquoted: the interpreter's path is what comes before " -m venv".
             maker = value.strip().split(" -m venv", 1)[0].strip()
-            if os.access(maker, os.X_OK) and os.path.realpath(maker) != os.path.realpath(
+            # Compared unresolved: a venv's python is a link to its base's, a different
+            # environment behind the same binary.
+            if os.access(maker, os.X_OK) and os.path.abspath(maker) != os.path.abspath(
                 sys.executable
             ):
                 return maker

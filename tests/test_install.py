@@ -216,7 +216,9 @@ def _build_venv(tmp_path, maker: str | None = None) -> str:
     Python >= 3.11 records in its pyvenv.cfg. Returns its interpreter."""
     env_dir = tmp_path / "build-env"
     if maker is None:
-        venv.create(env_dir, with_pip=False)
+        # Its python a link to this one's binary, as pip makes it: the same file behind two
+        # environments (the backend once took them for one).
+        venv.create(env_dir, with_pip=False, symlinks=True)
     else:
         subprocess.run(
             [maker, "-m", "venv", "--without-pip", str(env_dir)], check=True, timeout=120
