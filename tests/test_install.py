@@ -272,6 +272,44 @@ def test_build_in_a_venv_of_its_own_names_pinxfer_torch_python_first(tmp_path):
     assert f"{python} -m pip install torch" not in proc.stderr
 
 
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="venv records its maker from 3.11 on")
+def test_pips_venv_isolation_prepares_pinxfer_against_the_installed_torch(tmp_path):
+    """Real pip, offline, with its opt-in venv isolation (pip 26: the build's venv made by the
+    interpreter pip installs into): resolving pinxfer (get_requires and metadata, the hooks that
+    find torch; --dry-run stops before the compile) succeeds, against this interpreter's torch.
+    Before session 51 the backend stopped, asking for PINXFER_TORCH_PYTHON."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PINXFER_TORCH_PYTHON")}
+    with checkout_setup_lock():
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "--dry-run",
+                "--no-deps",
+                "--no-index",
+                "--use-feature",
+                "venv-isolation",
+                "-v",
+                "--report",
+                str(tmp_path / "r.json"),
+                ROOT,
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+    if "invalid choice: 'venv-isolation'" in proc.stderr:
+        pytest.skip("this pip has no venv isolation (pip 26 added it)")
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    output = proc.stdout + proc.stderr
+    assert f"its maker, {sys.executable}, has: building against that" in output, output[-4000:]
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert [item["metadata"]["name"] for item in report["install"]] == ["pinxfer"]
+
+
 def _fake_build_environment(root, setuptools: str, wheel: str | None):
     """What --no-build-isolation puts in front of the backend, reduced to what its setuptools
     check reads: a torch that is importable (so nothing is probed), a setuptools package of
