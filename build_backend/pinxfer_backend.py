@@ -42,8 +42,9 @@ cluster) is not found: the message then says to use ``--no-build-isolation``. Bu
 run the backend in a virtual environment of their own (``python -m build``, pip's opt-in venv
 isolation) leave only that environment, which has no torch; Python >= 3.11 records the
 interpreter that made it (pyvenv.cfg's ``command``), the one pip installs into or that ran
-``python -m build``, and the probe asks that one next. Where no maker is recorded (uv, older
-Pythons) or it has no torch either, ``PINXFER_TORCH_PYTHON`` names the interpreter to use.
+``python -m build``, and the probe asks that one next (shown with ``pip -v``). Where no
+maker is recorded (virtualenv's venvs, uv's own builds, Python 3.10) or it has no torch either,
+``PINXFER_TORCH_PYTHON`` names the interpreter to use.
 """
 
 from __future__ import annotations
@@ -115,7 +116,7 @@ def _torch_environment() -> dict | None:
     found = _probe(python or sys.executable)
     if "torch" not in found and not python:
         maker = _build_venv_maker()
-        made = _probe(maker) if maker is not None else {}
+        made = _probe(maker, required=False) if maker is not None else {}
         if "torch" in made:
             found = made
             print(
@@ -129,8 +130,9 @@ def _torch_environment() -> dict | None:
     return found
 
 
-def _probe(python: str) -> dict:
-    """What ``python`` can import (_PROBE's answer), with pip's default isolation undone."""
+def _probe(python: str, required: bool = True) -> dict:
+    """What ``python`` can import (_PROBE's answer), with pip's default isolation undone. An
+    interpreter that cannot be asked stops the build, unless not ``required`` (then {})."""
     env = dict(os.environ)
     if _under_pips_default_isolation():
         # Without pip's PYTHONPATH and PYTHONNOUSERSITE the interpreter sees its
@@ -144,9 +146,13 @@ def _probe(python: str) -> dict:
             [python, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=300
         )
     except (OSError, subprocess.TimeoutExpired) as err:
+        if not required:
+            return {}
         _fail(f"could not ask {python} for its torch: {err}")
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("PINXFER_PROBE")), None)
     if line is None:
+        if not required:
+            return {}
         _fail(
             f"could not ask {python} for its torch (exit {proc.returncode}): "
             f"{(proc.stderr or proc.stdout).strip()[-2000:]}"
@@ -154,18 +160,26 @@ def _probe(python: str) -> dict:
     return json.loads(line[len("PINXFER_PROBE") :])
 
 
+# The names build tools give their throwaway venvs: pip's TempDirectory of kind "build-env",
+# python -m build's mkdtemp(prefix="build-env-"). A user's own venv in the temporary directory
+# (a CI job's) is the install target: its maker's torch is another environment's.
+_BUILD_VENV_PREFIXES = ("pip-build-env-", "build-env-")
+
+
 def _build_venv_maker() -> str | None:
     """The interpreter that made the virtual environment this backend runs in, where that is a
-    build tool's (pip's venv isolation, python -m build: a venv in the temporary directory that
-    pip's default isolation did not set up). Python >= 3.11's venv records the command that made
-    it in pyvenv.cfg ("command = /path/to/python -m venv ..."); that interpreter is the one pip
-    runs in, the environment it installs into, or the one that ran python -m build. Its
-    ``home`` and ``executable`` name the base installation instead, which a target that is
-    itself a venv is not. None where this is not such a venv, or pyvenv.cfg names no maker."""
+    build tool's (pip's venv isolation, python -m build: a venv in the temporary directory,
+    named as they name theirs, that pip's default isolation did not set up). Python >= 3.11's
+    venv records the command that made it in pyvenv.cfg ("command = /path/to/python -m venv
+    ..."); that interpreter is the one pip runs in, the environment it installs into, or the one
+    that ran python -m build. Its ``home`` and ``executable`` name the base installation
+    instead, which a target that is itself a venv is not. None where this is not such a venv,
+    or pyvenv.cfg names no maker."""
     if (
         sys.prefix == sys.base_prefix
         or _under_pips_default_isolation()
         or not _in_a_temporary_directory(sys.prefix)
+        or not os.path.basename(os.path.normpath(sys.prefix)).startswith(_BUILD_VENV_PREFIXES)
     ):
         return None
     try:
@@ -231,7 +245,8 @@ def _no_torch_message(python: str, torch_error: str) -> str:
             f"({torch_error}){made_by}, and {why}. Name the Python pinxfer will run with, and "
             "build again:\n"
             "    export PINXFER_TORCH_PYTHON=/path/to/the/python/with/torch\n"
-            "or build without isolation, in the environment that has torch:\n"
+            "or build without isolation, in the environment that has torch (the one way where "
+            "that torch comes from PYTHONPATH, which the build's venv does not see):\n"
             "    python -m build --no-isolation   (uv build --no-build-isolation, "
             "pip install --no-build-isolation .)\n"
             f"(If {python} is itself the environment pinxfer is for, install torch there.)\n"

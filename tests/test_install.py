@@ -214,7 +214,7 @@ def _build_venv(tmp_path, maker: str | None = None) -> str:
     """A throwaway venv as python -m build or pip's venv isolation makes one in the temporary
     directory, made by ``maker`` (an interpreter; None: this one, which has torch), which
     Python >= 3.11 records in its pyvenv.cfg. Returns its interpreter."""
-    env_dir = tmp_path / "build-env"
+    env_dir = tmp_path / "build-env-made-by-a-tool"  # python -m build's mkdtemp prefix
     if maker is None:
         # Its python a link to this one's binary, as pip makes it: the same file behind two
         # environments (the backend once took them for one).
@@ -252,7 +252,23 @@ def test_build_in_a_venv_of_its_own_builds_against_the_torch_of_the_python_that_
     assert "RESULT []" in proc.stdout  # this environment's setuptools: nothing to download
 
 
-@pytest.mark.skipif(sys.version_info < (3, 11), reason="venv records its maker from 3.11 on")
+def test_a_users_own_venv_without_torch_is_not_built_against_its_makers_torch(tmp_path):
+    """A venv of the user's in the temporary directory (a CI job's), built from without
+    isolation: it is the install target, and its maker's torch (here this interpreter's) is
+    another environment's, whose ABI the installed pinxfer would not match. The build stops,
+    saying (among the ways out) to install torch there, as before session 51 (found by review:
+    the first form asked the maker of any venv in the temporary directory)."""
+    env_dir = tmp_path / "user venv"
+    venv.create(env_dir, with_pip=False, symlinks=True)
+    python = str(env_dir / "bin" / "python")
+    proc = _run_in_build_venv(python, tmp_path)
+    assert proc.returncode != 0
+    assert "its maker" not in proc.stderr and "which made it" not in proc.stderr, proc.stderr
+    assert f"If {python} is itself the environment pinxfer is for, install torch there" in (
+        proc.stderr
+    )
+
+
 def test_build_in_a_venv_of_its_own_names_pinxfer_torch_python_first(tmp_path):
     """Where neither the build's venv nor the interpreter that made it has torch (here a venv
     made by a venv without torch), the advice starts with PINXFER_TORCH_PYTHON, the one way
@@ -266,7 +282,8 @@ def test_build_in_a_venv_of_its_own_names_pinxfer_torch_python_first(tmp_path):
     assert proc.returncode != 0
     assert "Traceback" not in proc.stderr, proc.stderr
     assert f"a virtual environment of its own ({python}" in proc.stderr, proc.stderr
-    assert f"nor can {maker}, which made it" in proc.stderr, proc.stderr
+    if sys.version_info >= (3, 11):  # venv records its maker from 3.11 on
+        assert f"nor can {maker}, which made it" in proc.stderr, proc.stderr
     first_advice = proc.stderr.index("PINXFER_TORCH_PYTHON=/path/to/the/python/with/torch")
     assert first_advice < proc.stderr.index("python -m build --no-isolation")
     assert f"{python} -m pip install torch" not in proc.stderr
@@ -286,6 +303,9 @@ def test_pips_venv_isolation_prepares_pinxfer_against_the_installed_torch(tmp_pa
                 "-m",
                 "pip",
                 "install",
+                # No PIP_* variables or pip config of the machine: one that turns isolation
+                # off, or requires a virtualenv, would change what is tested.
+                "--isolated",
                 "--dry-run",
                 "--no-deps",
                 "--no-index",
