@@ -368,10 +368,10 @@ _COPY_THREAD_CPUS = textwrap.dedent("""
 
 
 def _torch_openmp_is_libgomp() -> bool:
-    """Whether torch loaded libgomp here: pinxfer then asks it whether it bound the main thread
-    (csrc/runtime/libgomp.h); elsewhere it reads the OpenMP variables itself."""
-    with open("/proc/self/maps") as maps:
-        return "libgomp" in maps.read()
+    """Whether torch's OpenMP runtime is libgomp here, as pinxfer found it: pinxfer then asks it
+    whether it bound the main thread (csrc/runtime/libgomp.h); elsewhere it reads the OpenMP
+    variables itself."""
+    return bool(native._libgomp_path())
 
 
 @pytest.mark.parametrize("places", ["unset", "listed"])
@@ -440,9 +440,9 @@ def test_pinxfer_uses_the_libgomp_torch_calls_when_another_was_loaded_first(tmp_
     the other copy is not torch's; loaded RTLD_GLOBAL it is in the global scope, which the
     linker searches first for torch's calls too: then it is the runtime torch calls. The decoy
     is torch's own libgomp copied under another soname, so that the loader keeps both."""
-    source = pinxfer._C._libgomp_path()
-    if not source:
+    if not _torch_openmp_is_libgomp():
         pytest.skip("torch's OpenMP is not libgomp here")
+    source = native._libgomp_path()
     image = Path(source).read_bytes()
     # The soname, NUL-terminated in the dynamic string table, one letter of it changed
     # ("libgomp.so.1" -> "libgomq.so.1": the same length, so nothing else in the file moves).
