@@ -136,6 +136,15 @@ std::map<std::string, double> call_breakdown(int64_t iterations) {
           transfer::caller_staged_copy(pageable, dst, device, cur, staging, unpublished);
         },
         [] { C10_CUDA_CHECK(cudaDeviceSynchronize()); });
+    // The road send_to_device now takes at 4 KiB (pipeline.h, kDriverStagedBytes), beside
+    // the caller's pool-block road above: both in one process.
+    out["driver_staged_copy_4KiB"] = ns_per_call(
+        iterations,
+        [&] {
+          StepStamps unpublished;
+          transfer::driver_staged_copy(pageable, dst, cur, unpublished);
+        },
+        [] { C10_CUDA_CHECK(cudaDeviceSynchronize()); });
     out["send_to_device_4KiB"] = ns_per_call(
         iterations, [&] { (void)ops::send_to_device(pageable, cuda_device, staging); },
         [] { C10_CUDA_CHECK(cudaDeviceSynchronize()); });
