@@ -209,9 +209,7 @@ def to_device(
     overlap it; the current stream waits for the copies, so the results can be used
     on it at once. Smaller ones (and each packed buffer of a batch's small tensors
     up to that size) go on the current stream itself: such a copy takes less time
-    than the cross-stream hand-over would cost. A lone pageable tensor of at most 4 KiB
-    is handed to the CUDA driver's own pageable copy, which reads it before the call
-    returns. To use them on another stream, make
+    than the cross-stream hand-over would cost. To use them on another stream, make
     that stream wait on the current one and ``record_stream`` them there (as with
     any tensor). Pageable sources may be modified or freed as soon as this returns
     (they have been copied into staging memory by then). Pinned sources are read by
@@ -231,10 +229,9 @@ def to_device(
             ``chunk_bytes * num_buffers`` is staged in one block.
         staging: how pageable bytes are staged: ``"auto"`` (per chunk: cached
             stores, nontemporal for the last 16 MiB; a tensor of up to 256 KiB, which
-            the calling thread stages alone, cached), ``"nt"`` (all nontemporal) or
-            ``"movsb"`` (all cached). A lone tensor of at most 4 KiB is not staged by
-            pinxfer (the driver copies it), whatever this says. For benchmarks;
-            ``PINXFER_STAGE_COPY`` overrides ``"auto"``.
+            the calling thread stages alone, cached above 4 KiB), ``"nt"`` (all nontemporal) or
+            ``"movsb"`` (all cached). For benchmarks; ``PINXFER_STAGE_COPY``
+            overrides ``"auto"``.
 
     Returns:
         The same structure with tensors on ``device``.

@@ -390,22 +390,10 @@ def _stamped_send(source: torch.Tensor, x: torch.Tensor) -> list[str]:
     return [name for name, _ in record["steps"]]
 
 
-CALLER_STAGED_STEPS = ["block", "staged", "queued", "returned"]
-
-
-@pytest.mark.parametrize(
-    ("nbytes", "pageable_road"),
-    [
-        (4095, ["queued"]),
-        (4096, ["queued"]),
-        (4097, CALLER_STAGED_STEPS),
-        (MiB // 4, CALLER_STAGED_STEPS),
-    ],
-)
-def test_step_stamps_of_a_small_send_cover_its_steps_in_order(nbytes, pageable_road):
+@pytest.mark.parametrize("nbytes", [4096, MiB // 4])
+def test_step_stamps_of_a_small_send_cover_its_steps_in_order(nbytes):
     """The diagnostic step stamps (benchmarks/diag_small_steps.py) of a small to_device: a
-    pageable source's call names every step of its road in the order it runs (up to a page
-    the driver's own pageable copy, one call; above it the caller's copy into a pool block),
+    pageable source's call names every step of the caller-staged road in the order it runs,
     each ending no earlier than the one before it, inside the Python call, on the clock of
     time.perf_counter_ns; a pinned source's call names the direct road's. The copies are
     exact with the stamps on, and with them off a call leaves the last record as it was."""
@@ -414,7 +402,7 @@ def test_step_stamps_of_a_small_send_cover_its_steps_in_order(nbytes, pageable_r
         for seed in range(3):
             x = _random_bytes(nbytes, seed=seed)
             for source, road in (
-                (x, pageable_road),
+                (x, ["block", "staged", "queued", "returned"]),
                 (x.pin_memory(), ["queued"]),  # torch's pinned memory: one DMA
             ):
                 assert _stamped_send(source, x) == SMALL_SEND_STEPS + road
@@ -537,25 +525,27 @@ def test_foreign_pinned_source_kept_until_its_copy_ran():
         assert int(cudart.cudaHostUnregister(arr.ctypes.data)) == 0
 
 
-@pytest.mark.parametrize("nbytes", [1, 7, 4095, 4096])
-def test_a_page_or_less_may_change_or_go_once_to_device_returns(nbytes):
-    """Up to a page a pageable source goes by the CUDA driver's own pageable copy (pipeline.h,
-    kDriverStagedBytes), which reads the bytes before it returns. With the copy queued behind
-    a GPU spin on the current stream, sources overwritten, and freed, right after each call
-    (views at an odd offset among them) still arrive exactly as they were at the call; and
-    the calls did not wait for the spin (it still runs after the last one)."""
+@pytest.mark.parametrize("nbytes", [1, 7, 4095, 4096, 65_539, 256 * 1024])
+def test_small_pageable_sources_may_change_or_go_once_to_device_returns(nbytes):
+    """Up to 256 KiB the caller copies a pageable source into a pool block before to_device
+    returns (pipeline.h, caller_staged_copy). With the copies queued behind a GPU spin on the
+    current stream, sources overwritten, and freed, right after each call (views at an odd
+    offset among them) still arrive exactly as they were at the call; and the calls did not
+    wait for the spin (it still runs after the last one). Session 52 weighed handing the
+    smallest to the driver's own pageable copy, whose documentation does not promise this."""
     cases = []
     for seed in range(6):
         x = _random_bytes(nbytes + 3, seed=seed)
-        cases.append((x[3:] if seed % 2 else x[:nbytes], seed))
-    expected = [src.clone() for src, _ in cases]
+        cases.append(x[3:] if seed % 2 else x[:nbytes])
+    expected = [src.clone() for src in cases]
     torch.cuda.synchronize()
     torch.cuda._sleep(SLEEP)
     ys = []
-    for src, _ in cases:
+    for src in cases:
         ys.append(pinxfer.to_device(src))
         src.fill_(0xAB)  # the source changes at once ...
     assert not torch.cuda.current_stream().query(), "a call waited for the GPU spin"
+    del src
     cases.clear()  # ... and goes
     gc.collect()
     for y, want in zip(ys, expected, strict=True):

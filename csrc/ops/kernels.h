@@ -96,11 +96,10 @@ PackedOnDevice pack_to_device(at::TensorList tensors, c10::Device device, bool w
                               const at::Tensor* into_pack = nullptr);
 
 // to_device of one CPU tensor: up to transfer::kCurrentStreamBytes on the
-// caller's current stream by the caller (a pageable source of at most
-// transfer::kDriverStagedBytes by the driver's own pageable copy), larger by the pipeline (or one
-// DMA from pinned memory) on the stream `large` says. into: the output to copy into (made
-// beforehand, with self's sizes and dtype on the device), instead of an allocation on the copy's
-// stream. csrc/ops/cuda/to_device_cuda.cpp
+// caller's current stream by the caller, larger by the pipeline (or one DMA from
+// pinned memory) on the stream `large` says. into: the output to copy into (made beforehand,
+// with self's sizes and dtype on the device), instead of an allocation on the copy's stream.
+// csrc/ops/cuda/to_device_cuda.cpp
 at::Tensor send_to_device(const at::Tensor& self, c10::Device device,
                           const transfer::StagingOptions& options,
                           LargeCopies large = LargeCopies::kCopyStream,

@@ -136,13 +136,15 @@ std::map<std::string, double> call_breakdown(int64_t iterations) {
           transfer::caller_staged_copy(pageable, dst, device, cur, staging, unpublished);
         },
         [] { C10_CUDA_CHECK(cudaDeviceSynchronize()); });
-    // The road send_to_device now takes at 4 KiB (pipeline.h, kDriverStagedBytes), beside
-    // the caller's pool-block road above: both in one process.
-    out["driver_staged_copy_4KiB"] = ns_per_call(
+    // The driver's own pageable road for the same bytes (what `t.to(dev, non_blocking=True)`
+    // ends in), beside the caller's pool-block road above, in one process: a measure only.
+    // pinxfer does not take it: the CUDA documentation does not promise that the call has read
+    // a pageable source when it returns (csrc/README.md, "Session 52").
+    out["cudaMemcpyAsync_pageable_4KiB"] = ns_per_call(
         iterations,
         [&] {
-          StepStamps unpublished;
-          transfer::driver_staged_copy(pageable, dst, cur, unpublished);
+          C10_CUDA_CHECK(cudaMemcpyAsync(dst.data_ptr(), pageable.const_data_ptr(), 4096,
+                                         cudaMemcpyHostToDevice, raw));
         },
         [] { C10_CUDA_CHECK(cudaDeviceSynchronize()); });
     out["send_to_device_4KiB"] = ns_per_call(

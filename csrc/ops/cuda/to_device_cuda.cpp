@@ -169,8 +169,7 @@ at::Tensor send_to_device(const at::Tensor& self, c10::Device device,
                              into->device() == on_device.device()),
                         "pinxfer: a transfer's given output does not match its source");
   if (nbytes <= transfer::kCurrentStreamBytes) {
-    // Small: on the caller's stream, by the caller (pipeline.h says why); a pageable source
-    // of at most a page by the driver's own copy (pipeline.h, kDriverStagedBytes).
+    // Small: on the caller's stream, by the caller (pipeline.h says why).
     stamps.mark("stream");
     at::Tensor out = into != nullptr ? *into : transfer::device_empty(src.sizes(), on_device);
     stamps.mark("output");
@@ -178,8 +177,6 @@ at::Tensor send_to_device(const at::Tensor& self, c10::Device device,
     if (pinned) {
       transfer::direct_copy(src, out, cur);
       stamps.mark("queued");
-    } else if (nbytes <= transfer::kDriverStagedBytes) {
-      transfer::driver_staged_copy(src, out, cur, stamps);
     } else {
       transfer::caller_staged_copy(src, out, index, cur, options, stamps);
     }

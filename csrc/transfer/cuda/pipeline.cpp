@@ -690,19 +690,6 @@ void caller_staged_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex
   stamps.mark("returned");
 }
 
-void driver_staged_copy(const at::Tensor& src, at::Tensor& out, const c10::cuda::CUDAStream& stream,
-                        StepStamps& stamps) {
-  const size_t nbytes = src.nbytes();
-  TORCH_INTERNAL_ASSERT(nbytes <= kDriverStagedBytes, "pinxfer: driver_staged_copy of ", nbytes,
-                        " bytes");
-  {
-    Range range("pinxfer::h2d");
-    C10_CUDA_CHECK(cudaMemcpyAsync(out.data_ptr(), src.const_data_ptr(), nbytes,
-                                   cudaMemcpyHostToDevice, stream.stream()));
-  }
-  stamps.mark("queued");
-}
-
 void direct_copy(const at::Tensor& src, at::Tensor& out, const c10::cuda::CUDAStream& stream) {
   Range range("pinxfer::h2d");
   C10_CUDA_CHECK(cudaMemcpyAsync(out.data_ptr(), src.const_data_ptr(), src.nbytes(),

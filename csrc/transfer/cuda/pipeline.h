@@ -91,29 +91,6 @@ void pipelined_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex dev
 // is worth that. The same bound below which the pipeline stages serially.
 constexpr size_t kCurrentStreamBytes = kSerialBytes;
 
-// Up to this many bytes a pageable source goes by the CUDA driver's own pageable road
-// (driver_staged_copy), not through a pool block: one page. There the staging copy is a few
-// hundred nanoseconds, and what is left of the pool road is its own calls (the pool hit, the
-// block's return with its stream mark: an event record), which the driver's one call does
-// not make. Measured, the same calls in one process, 4 KiB synchronized back to back: the pool
-// road 16.0 µs against a pageable `t.to(dev, non_blocking=True)` 13.8 (H200, session 35,
-// results/h200/small_route_2026-12-03_s35.json), 14.4 against 13.2 (H100, session 51's loop
-// table), while at 64 KiB the pool road was the faster one on both (21.3 against 22.1, 19.0
-// against 22.1): the driver copies the bytes itself, on the calling thread, where the pool road
-// copies them once and calls the driver as for pinned memory. No size between was measured,
-// so the bound stays at the one below which both measures agree.
-constexpr size_t kDriverStagedBytes = 4096;
-
-// A pageable source of at most kDriverStagedBytes: one cudaMemcpyAsync from the source itself
-// on `stream`. For pageable memory the driver copies the bytes into its own staging before it
-// returns (the CUDA runtime's "API synchronization behavior"), so the source may change or go
-// as soon as this returns, and nothing waits for the stream's earlier work (session 35: it
-// returned in about 100 µs with a 20 ms kernel queued ahead). Marks its step queued in `stamps`.
-// The caller has ruled out a DMA-readable (pinned) source: the driver would then read it
-// later, with nothing keeping it (direct_copy keeps it).
-void driver_staged_copy(const at::Tensor& src, at::Tensor& out, const c10::cuda::CUDAStream& stream,
-                        StepStamps& stamps);
-
 // A small pageable source (<= kCurrentStreamBytes): the calling thread copies
 // it into one pinned block from the pool and queues one DMA on `stream`, the
 // caller's current stream. No copy threads are woken, no cross-stream event.
