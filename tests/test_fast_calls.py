@@ -204,6 +204,8 @@ def test_call_breakdown_times_every_piece_on_a_gpu():
         "pin_memory_pinned_check_pageable",
         "torch_is_pinned_pageable",
         "send_to_device_4KiB",
+        "caller_staged_copy_4KiB",
+        "cudaMemcpyAsync_pageable_4KiB",
     ):
         assert got.get(name, 0) > 0, (name, got)
 

@@ -529,25 +529,26 @@ def test_foreign_pinned_source_kept_until_its_copy_ran():
 def test_small_pageable_sources_may_change_or_go_once_to_device_returns(nbytes):
     """Up to 256 KiB the caller copies a pageable source into a pool block before to_device
     returns (pipeline.h, caller_staged_copy). With the copies queued behind a GPU spin on the
-    current stream, sources overwritten, and freed, right after each call (views at an odd
-    offset among them) still arrive exactly as they were at the call; and the calls did not
-    wait for the spin (it still runs after the last one). Session 52 weighed handing the
-    smallest to the driver's own pageable copy, whose documentation does not promise this."""
+    current stream, sources overwritten right after each call and freed after the last (views
+    at an odd offset among them) still arrive exactly as they were at the call; and the calls
+    did not wait for the spin (it still runs after the last one). Session 52 weighed handing
+    the smallest to the CUDA driver's pageable copy, whose documentation does not promise
+    this."""
     cases = []
     for seed in range(6):
         x = _random_bytes(nbytes + 3, seed=seed)
         cases.append(x[3:] if seed % 2 else x[:nbytes])
+    del x
     expected = [src.clone() for src in cases]
     torch.cuda.synchronize()
     torch.cuda._sleep(SLEEP)
     ys = []
     for src in cases:
         ys.append(pinxfer.to_device(src))
-        src.fill_(0xAB)  # the source changes at once ...
+        src.bitwise_not_()  # every byte of the source changes at once ...
     assert not torch.cuda.current_stream().query(), "a call waited for the GPU spin"
     del src
-    cases.clear()  # ... and goes
-    gc.collect()
+    cases.clear()  # ... and its memory goes
     for y, want in zip(ys, expected, strict=True):
         assert torch.equal(y.cpu(), want)
 
