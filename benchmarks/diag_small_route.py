@@ -24,7 +24,10 @@ chosen gap (b2b, a 20 ms sleep, a 20 ms GPU kernel the host waits on):
 
 and, separately, how long each road's call takes to return while a 20 ms GPU kernel is still
 queued ahead of it on the stream (queued_return_us): a road that waits for the stream there
-would stall a training loop, whose next batch is sent while the GPU computes.
+would stall a training loop, whose next batch is sent while the GPU computes; and whether each
+pageable road had read its source by the time it returned (source_read_on_return: the source
+flipped at once, behind such a kernel), which to_device promises and CUDA's documentation does
+not promise of the driver's road.
 
     python benchmarks/diag_small_route.py [--sizes 4K,64K,256K,1M] [--rounds 15]
         [--gaps b2b,sleep,gpu] [--json PATH]
@@ -123,6 +126,41 @@ def queued_return(pinxfer, sizes: list[int], trials: int, cycles: int) -> dict:
     return out
 
 
+def source_read_on_return(pinxfer, sizes: list[int], trials: int, cycles: int) -> dict:
+    """Whether each pageable road had read its source when the call returned (session 52).
+
+    to_device promises that a pageable source may change or go once the call returns; CUDA's
+    documentation does not promise it of an async copy from pageable memory (csrc/README.md,
+    "Session 52"). So: a kernel queued ahead on the current stream, the call, every byte of
+    the source flipped at once, then the result compared with the bytes at the call. A road
+    that read its source later, when the stream reached the copy, delivers flipped bytes.
+    Per road and size: how many of `trials` calls delivered the bytes as they were at the call
+    (and, to show the test could see a late read, whether the kernel still ran at the flip)."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    roads: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+        "px_to_device": lambda t: pinxfer.to_device(t, dev),
+        "torch_to_nb": lambda t: t.to(dev, non_blocking=True),
+    }
+    out: dict[str, Any] = {}
+    for nbytes in sizes:
+        cell: dict[str, dict[str, int]] = {}
+        for name, road in roads.items():
+            exact = queued = 0
+            for _ in range(trials):
+                src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+                want = src.clone()
+                torch.cuda.synchronize()
+                torch.cuda._sleep(cycles)
+                got = road(src)
+                src.bitwise_not_()
+                queued += int(not torch.cuda.current_stream().query())
+                exact += int(torch.equal(got.cpu(), want))
+                del got, src
+            cell[name] = {"exact": exact, "kernel_still_running": queued, "trials": trials}
+        out[size_label(nbytes)] = cell
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="4K,64K,256K,1M")
@@ -140,6 +178,7 @@ def main() -> None:
         "gpu": torch.cuda.get_device_name(),
         "rounds": args.rounds,
         "queued_return_us": queued_return(pinxfer, sizes, 5, cycles),
+        "source_read_on_return": source_read_on_return(pinxfer, sizes, 5, cycles),
     }
     for gap in args.gaps.split(","):
         result[gap] = measure_gap(pinxfer, sizes, args.rounds, gap)
