@@ -108,13 +108,16 @@ std::map<std::string, double> call_breakdown(int64_t iterations) {
         ns_per_call(iterations, [&] { (void)transfer::device_empty({4096}, opts); });
     at::Tensor dst = at::empty({4096}, opts);
     at::Tensor pinned = ops::pool_empty({4096}, at::kByte, std::nullopt);
-    out["cudaMemcpyAsync_pinned_4KiB"] = ns_per_call(
-        iterations,
-        [&] {
-          C10_CUDA_CHECK(cudaMemcpyAsync(dst.data_ptr(), pinned.data_ptr(), 4096,
-                                         cudaMemcpyHostToDevice, raw));
-        },
-        [] { C10_CUDA_CHECK(cudaDeviceSynchronize()); });
+    // One cudaMemcpyAsync of 4 KiB from `src` into dst on the raw current stream.
+    const auto memcpy_4KiB_from = [&](const void* src) {
+      return ns_per_call(
+          iterations,
+          [&dst, src, raw] {
+            C10_CUDA_CHECK(cudaMemcpyAsync(dst.data_ptr(), src, 4096, cudaMemcpyHostToDevice, raw));
+          },
+          [] { C10_CUDA_CHECK(cudaDeviceSynchronize()); });
+    };
+    out["cudaMemcpyAsync_pinned_4KiB"] = memcpy_4KiB_from(pinned.data_ptr());
     const at::Tensor pageable = at::zeros({4096}, at::kByte);
     // The pieces of send_to_device's small pageable path that are not timed above.
     out["is_dma_pinned_pageable"] =
@@ -140,13 +143,7 @@ std::map<std::string, double> call_breakdown(int64_t iterations) {
     // ends in), beside the caller's pool-block road above, in one process: a measure only.
     // pinxfer does not take it: the CUDA documentation does not promise that the call has read
     // a pageable source when it returns (csrc/README.md, "Session 52").
-    out["cudaMemcpyAsync_pageable_4KiB"] = ns_per_call(
-        iterations,
-        [&] {
-          C10_CUDA_CHECK(cudaMemcpyAsync(dst.data_ptr(), pageable.const_data_ptr(), 4096,
-                                         cudaMemcpyHostToDevice, raw));
-        },
-        [] { C10_CUDA_CHECK(cudaDeviceSynchronize()); });
+    out["cudaMemcpyAsync_pageable_4KiB"] = memcpy_4KiB_from(pageable.const_data_ptr());
     out["send_to_device_4KiB"] = ns_per_call(
         iterations, [&] { (void)ops::send_to_device(pageable, cuda_device, staging); },
         [] { C10_CUDA_CHECK(cudaDeviceSynchronize()); });
