@@ -332,6 +332,7 @@ c10::DataPtr PinnedPool::hand_out_locked(Block* block, size_t size) {
   TORCH_INTERNAL_ASSERT(block->in_use && block->pending_events == 0 && block->stream_uses.empty());
   block->requested = size;
   block->lived_unreported = fence_is_on();
+  block->use_in_fence_batch = false;
   live_.insert(block);
   ++stats_.num_allocs;
   stats_.requested_bytes.add(static_cast<int64_t>(size));
@@ -564,6 +565,7 @@ void PinnedPool::free(Block* block) {
   std::vector<c10::Stream> uses;
   LockKind kind;
   bool fence_unrecorded = false;
+  bool use_in_fence_batch = false;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     TORCH_INTERNAL_ASSERT(live_.erase(block) == 1, "pinxfer: freeing a block that is not live");
@@ -595,6 +597,8 @@ void PinnedPool::free(Block* block) {
       return;
     }
     uses.swap(block->stream_uses);
+    use_in_fence_batch = block->use_in_fence_batch;
+    block->use_in_fence_batch = false;
   }
   debug_pause();
   bool fenced = false;
@@ -603,10 +607,12 @@ void PinnedPool::free(Block* block) {
   // An event recorded on a capturing stream is captured and says nothing about when the
   // captured copy (or a replay) reads the block: the block is held until a device
   // synchronize with no capture open (record_use_event).
-  // The fence of a small block: no event of its own, a place in the stream's fence batch
+  // The fence of a small block, or its one use where the user of that stream said it may
+  // wait so (UseWait::kFenceBatch): no event of its own, a place in the stream's fence batch
   // (one event for up to kFenceBatchBlocks frees, recorded at the batch's flush), so its
   // stream is only asked now. segment->small never changes.
-  const bool in_fence_batch = fenced && block->segment->small;
+  const bool in_fence_batch =
+      block->segment->small && (fenced || (use_in_fence_batch && streams.size() == 1));
   std::vector<PendingUse> pending;
   std::vector<c10::Stream> waited;
   std::string error;
@@ -861,7 +867,7 @@ void PinnedPool::release_finished() {
   drop.swap(finished_storages_);
 }
 
-bool PinnedPool::record_stream(void* ctx, const c10::Stream& stream) {
+bool PinnedPool::record_stream(void* ctx, const c10::Stream& stream, UseWait wait) {
   std::lock_guard<std::mutex> lock(mutex_);
   auto* block = static_cast<Block*>(ctx);
   if (!live_.count(block)) return false;
@@ -869,6 +875,7 @@ bool PinnedPool::record_stream(void* ctx, const c10::Stream& stream) {
       block->stream_uses.end()) {
     block->stream_uses.push_back(stream);
   }
+  block->use_in_fence_batch = wait == UseWait::kFenceBatch && block->stream_uses.size() == 1;
   return true;
 }
 

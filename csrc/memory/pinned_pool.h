@@ -36,6 +36,9 @@
 //    A fenced *small* block records no event of its own: it joins its stream's
 //    fence batch, and one event (a marker) recorded after the batch's last free
 //    covers the whole batch (flush_fence_locked; csrc/README.md "The free fence").
+//    So does a small block whose one recorded use its recorder said may wait there
+//    (record_stream's UseWait::kFenceBatch: the small road's staging block on the
+//    device's default stream).
 //  * CUDA graphs: blocks allocated while a capture routes the current stream
 //    to a graph pool (memory/graph_pools.h) come from segments owned by that
 //    graph pool, with free sets of their own; they are never handed to anyone
@@ -122,6 +125,9 @@ struct Block {
   // copied from it without telling pinxfer, so its free is fenced even if install() came
   // since. LOCK: pool mutex_
   bool lived_unreported = false;
+  // Its one recorded use may wait in that stream's fence batch (record_stream's
+  // UseWait::kFenceBatch). LOCK: pool mutex_
+  bool use_in_fence_batch = false;
 };
 constexpr int kPoisoned = -1;
 
@@ -157,9 +163,19 @@ class PinnedPool {
   // refuses the memory.
   c10::DataPtr allocate(size_t size, Use use = Use::kAny);
 
+  // How the free of a block waits for a stream's use (record_stream).
+  enum class UseWait {
+    kOwnEvent,  // an event of its own, recorded on the stream at the free
+    // A small block used by this one stream only: a place in the stream's fence batch, as a
+    // fenced free has (one marker for up to kFenceBatchBlocks frees, recorded at the batch's
+    // flush, possibly later and from another thread). Only for a stream that outlives any
+    // flush (the device's default stream); the block's copies were queued before its free, so
+    // the marker covers them. A second stream recorded, or kOwnEvent, drops it.
+    kFenceBatch,
+  };
   // Marks that `stream` (a CUDA stream) uses the block behind ctx; returns
   // false if ctx is not a live block of this pool.
-  bool record_stream(void* ctx, const c10::Stream& stream);
+  bool record_stream(void* ctx, const c10::Stream& stream, UseWait wait = UseWait::kOwnEvent);
 
   // Gives fully free segments back to the OS (cudaHostUnregister + munmap).
   // Blocks waiting on events and live blocks are kept; the fence batches are
