@@ -163,8 +163,9 @@ def memory_stats(numa_node: int | None = None) -> collections.OrderedDict[str, i
     counts ``num_allocs``, ``num_frees``, ``num_cache_hits``, ``num_cache_misses``,
     ``num_segment_maps``, ``num_segment_unmaps``, ``num_ooms``, ``num_event_waits``,
     ``num_fenced_frees``, ``num_fence_markers`` (one event per fence batch of up to 8
-    fenced small frees), ``num_idle_reclaims`` (fence batches ``pin_memory`` took back at
-    once, their stream found idle), ``num_event_errors``; times in ns ``pin_time_ns`` (=
+    fenced small frees, or small staging blocks sent on the default stream),
+    ``num_idle_reclaims`` (fence batches ``pin_memory`` took back at once, their stream
+    found idle), ``num_event_errors``; times in ns ``pin_time_ns`` (=
     ``map_time_ns`` + ``touch_time_ns`` + ``lock_time_ns``) and ``unpin_time_ns``.
 
     Args:

@@ -543,8 +543,9 @@ def test_small_pageable_sources_may_change_or_go_once_to_device_returns(nbytes):
     # The pools grown first: a pinned pool's miss maps and registers memory, and the device
     # output's allocator may map memory, either of which may wait for the GPU (csrc/README.md,
     # "Segments and blocks"). In a fresh process the 64 KiB and 256 KiB sends missed and the
-    # spin was over at the last call (H100, session 53).
-    warm = [pinxfer.to_device(src) for src in cases]
+    # spin was over at the last call (H100, session 53). Twice the sends below, all in flight
+    # at once: a fence batch left open (up to 7 blocks) keeps its blocks, the rest come back.
+    warm = [pinxfer.to_device(src) for src in cases + cases]
     torch.cuda.synchronize()
     del warm
     misses = pinxfer.memory_stats()["num_cache_misses"]
@@ -561,38 +562,47 @@ def test_small_pageable_sources_may_change_or_go_once_to_device_returns(nbytes):
         assert torch.equal(y.cpu(), want)
 
 
-def test_small_sends_on_the_default_stream_share_fence_markers_and_keep_every_byte():
+def test_small_sends_on_the_default_stream_share_fence_markers_and_keep_every_byte(fresh_pool):
     """A small send's staging block, on the device's default stream, waits for its DMA in the
     stream's fence batch: one marker for eight 4 KiB blocks instead of an event each
-    (pipeline.cpp, return_staging; PinnedPool::UseWait). Behind a GPU spin, no block of a batch
-    is reused before its marker: 16 sends whose sources change at once all arrive as they
-    were. On a side stream (possibly a user's, which a later flush could outlive) each block
-    records its own event: no marker."""
+    (pipeline.cpp, return_staging; PinnedPool::UseWait). Behind a GPU spin every block stays
+    pending (none is reused before its marker): 16 sends whose sources change at once all
+    arrive as they were. On a side stream (possibly a user's, which a later flush could
+    outlive) each block records its own event: no marker."""
+    from pinxfer import _ops
+
     n, sends = 4096, 16
     sources = [_random_bytes(n, seed=100 + i) for i in range(sends)]
-
-    def send_all() -> tuple[list[torch.Tensor], int]:
-        markers = pinxfer.memory_stats()["num_fence_markers"]
-        torch.cuda._sleep(SLEEP)
-        ys = []
-        for src in sources:
-            ys.append(pinxfer.to_device(src))
-            src.bitwise_not_()
-        assert not torch.cuda.current_stream().query(), "a call waited for the GPU spin"
-        return ys, pinxfer.memory_stats()["num_fence_markers"] - markers
-
-    pinxfer.empty_cache()  # every fence batch flushed: none holds blocks of earlier tests
-    send_all()  # warm: the pool holds blocks for every send below, so no miss flushes a batch
+    # Warm, with no spin: twice the sends in flight, so the pool holds a block for each send
+    # below (a miss would flush the batches), and a closed batch (16 = 2 x 8) behind.
+    warm = [pinxfer.to_device(src) for src in sources + sources]
     torch.cuda.synchronize()
-    for stream in (torch.cuda.default_stream(), torch.cuda.Stream()):
-        expected = [src.clone() for src in sources]
-        with torch.cuda.stream(stream):
-            ys, markers = send_all()
-        on_default = stream == torch.cuda.default_stream()
-        assert markers == (sends // 8 if on_default else 0), (stream, markers)
-        stream.synchronize()
-        for y, want in zip(ys, expected, strict=True):
-            assert torch.equal(y.cpu(), want)
+    del warm
+    gc.disable()  # no pool tensor of an earlier test freed (fenced) in the window
+    try:
+        for stream in (torch.cuda.default_stream(), torch.cuda.Stream()):
+            expected = [src.clone() for src in sources]
+            torch.cuda.synchronize()
+            _ops.release_finished_sources(torch.device("cuda"))  # as each send does first
+            before = pinxfer.memory_stats()
+            with torch.cuda.stream(stream):
+                torch.cuda._sleep(SLEEP)
+                ys = []
+                for src in sources:
+                    ys.append(pinxfer.to_device(src))
+                    src.bitwise_not_()
+                after = pinxfer.memory_stats()
+                assert not stream.query(), "a call waited for the GPU spin"
+            assert after["num_cache_misses"] == before["num_cache_misses"], stream
+            assert after["pending_blocks.current"] - before["pending_blocks.current"] == sends
+            markers = after["num_fence_markers"] - before["num_fence_markers"]
+            on_default = stream == torch.cuda.default_stream()
+            assert markers == (sends // 8 if on_default else 0), (stream, markers)
+            stream.synchronize()
+            for y, want in zip(ys, expected, strict=True):
+                assert torch.equal(y.cpu(), want)
+    finally:
+        gc.enable()
 
 
 def test_staging_not_reused_while_copy_pending():

@@ -569,6 +569,8 @@ void PinnedPool::free(Block* block) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     TORCH_INTERNAL_ASSERT(live_.erase(block) == 1, "pinxfer: freeing a block that is not live");
+    use_in_fence_batch = block->use_in_fence_batch;
+    block->use_in_fence_batch = false;
     ++stats_.num_frees;
     stats_.requested_bytes.add(-static_cast<int64_t>(block->requested));
     stats_.allocated_bytes.add(-static_cast<int64_t>(block->size));
@@ -597,8 +599,6 @@ void PinnedPool::free(Block* block) {
       return;
     }
     uses.swap(block->stream_uses);
-    use_in_fence_batch = block->use_in_fence_batch;
-    block->use_in_fence_batch = false;
   }
   debug_pause();
   bool fenced = false;
@@ -678,7 +678,14 @@ void PinnedPool::process_events_locked() {
         auto marker = std::find_if(queue.begin(), queue.end(), [](const PendingUse& u) {
           return u.kind == PendingUse::Kind::kFenceMarker;
         });
-        if (marker == queue.end()) break;
+        if (marker == queue.end()) {
+          // Its batch is open. Entries with events of their own behind it are checked past
+          // it, in order (found by review, session 53: a small send on the default stream
+          // opens a batch there at each call, and a pinned source's or a large block's event
+          // behind it would wait for the batch's flush).
+          release_done_behind_open_batch_locked(queue);
+          break;
+        }
         if (marker->event.handle != done_marker) {
           marker_error.clear();
           if (!cuda::event_done(marker->event, &marker_error)) break;
@@ -715,6 +722,21 @@ void PinnedPool::process_events_locked() {
       queue.pop_front();
     }
     it = queue.empty() ? kept_.erase(it) : std::next(it);
+  }
+}
+
+void PinnedPool::release_done_behind_open_batch_locked(std::deque<PendingUse>& queue) {
+  for (auto it = queue.begin(); it != queue.end();) {
+    if (it->kind == PendingUse::Kind::kFencedBlock) {
+      ++it;
+      continue;
+    }
+    // No marker is in the queue (the caller looked): this is an event of a block's own, and
+    // events on one stream complete in order, so the first not done ends the scan.
+    std::string error;
+    if (!cuda::event_done(it->event, &error)) return;
+    release_pending_use_locked(*it, error);
+    it = queue.erase(it);
   }
 }
 

@@ -37,8 +37,8 @@
 //    fence batch, and one event (a marker) recorded after the batch's last free
 //    covers the whole batch (flush_fence_locked; csrc/README.md "The free fence").
 //    So does a small block whose one recorded use its recorder said may wait there
-//    (record_stream's UseWait::kFenceBatch: the small road's staging block on the
-//    device's default stream).
+//    (record_stream's UseWait::kFenceBatch: a staging block of the small pool sent
+//    on the device's default stream).
 //  * CUDA graphs: blocks allocated while a capture routes the current stream
 //    to a graph pool (memory/graph_pools.h) come from segments owned by that
 //    graph pool, with free sets of their own; they are never handed to anyone
@@ -319,6 +319,9 @@ class PinnedPool {
   // before a request is called a miss, and before free segments are collected.
   void flush_bins_locked();
   void process_events_locked();
+  // A FIFO whose head is a fenced block of a batch not yet flushed (no marker queued): the
+  // entries with events of their own are released, in order, while their events are done.
+  void release_done_behind_open_batch_locked(std::deque<PendingUse>& queue);
   // One FIFO entry whose wait is over (its event, or its batch's marker, is done, with
   // `error` if the query failed): the event goes back to its free list and the block, at
   // its last event, to its bin or free set (poisoned on an error).
