@@ -605,6 +605,42 @@ def test_small_sends_on_the_default_stream_share_fence_markers_and_keep_every_by
         gc.enable()
 
 
+def test_an_event_behind_an_open_fence_batch_is_released_before_its_flush(fresh_pool):
+    """A small send on the default stream leaves that stream's fence batch open (its block
+    waits for a marker that the batch's 8th block or a flush records). A large pinned block
+    freed behind it on the same stream records an event of its own; once that event is done
+    the block comes back, without waiting for the batch's flush (process_events_locked skips
+    the open batch's blocks; found by review, session 53: the FIFO stopped at them)."""
+    from pinxfer import _ops
+
+    src = _random_bytes(4096, seed=5)
+    large = pinxfer.empty(4 << 20, dtype=torch.uint8)  # the large pool: an event of its own
+    large.copy_(_random_bytes(4 << 20, seed=6))
+    want_large = large.clone()
+    warm = pinxfer.to_device(src)  # the small pool has a segment: the send below cannot miss
+    torch.cuda.synchronize()
+    del warm
+    gc.disable()  # no pool tensor of an earlier test freed (fenced) in the window
+    try:
+        before_sends = pinxfer.memory_stats()
+        y = pinxfer.to_device(src)  # its staging block joins the default stream's open batch
+        y_large = large.to("cuda", non_blocking=True)  # not reported to pinxfer (no install)
+        del large  # fenced on the default stream: its own event, queued behind the batch
+        torch.cuda.synchronize()  # every copy and event on the stream is done
+        before = pinxfer.memory_stats()
+        _ops.release_finished_sources(torch.device("cuda"))  # processes the pool's FIFOs
+        after = pinxfer.memory_stats()
+    finally:
+        gc.enable()
+    assert before["num_cache_misses"] == before_sends["num_cache_misses"]
+    assert after["num_fence_markers"] == before_sends["num_fence_markers"], "a batch was flushed"
+    # The open batch holds the send's block (and the warm send's); the large block is free.
+    assert before["pending_blocks.current"] >= 2
+    assert after["pending_blocks.current"] == before["pending_blocks.current"] - 1
+    assert torch.equal(y.cpu(), src)
+    assert torch.equal(y_large.cpu(), want_large)
+
+
 def test_staging_not_reused_while_copy_pending():
     xs = [torch.full((8 * MiB,), float(i)) for i in range(6)]
     _delay_copies()  # every copy below is queued behind this: ring slots must wait

@@ -667,39 +667,44 @@ void PinnedPool::free(Block* block) {
 void PinnedPool::process_events_locked() {
   for (auto it = pending_.begin(); it != pending_.end();) {
     auto& queue = it->second.uses;
-    // The marker found done for the fenced blocks at the front (they precede it).
+    // The marker found done for the fenced blocks ahead of it.
     const void* done_marker = nullptr;
     std::string marker_error;
-    while (!queue.empty()) {
+    // Set at the first fenced block with no marker behind it: its batch is not flushed, so
+    // it and every fenced block after it wait. Entries with events of their own behind them
+    // are still checked, in order (found by review, session 53: a small send on the default
+    // stream leaves a batch open there at each call, and a pinned source's or a large
+    // block's event behind it would wait for the batch's flush).
+    bool batch_open = false;
+    for (auto use = queue.begin(); use != queue.end();) {
       std::string error;
-      PendingUse& front = queue.front();
-      if (front.kind == PendingUse::Kind::kFencedBlock) {
-        // Covered by the first marker behind it; none yet: its batch is not flushed.
-        auto marker = std::find_if(queue.begin(), queue.end(), [](const PendingUse& u) {
-          return u.kind == PendingUse::Kind::kFenceMarker;
-        });
-        if (marker == queue.end()) {
-          // Its batch is open. Entries with events of their own behind it are checked past
-          // it, in order (found by review, session 53: a small send on the default stream
-          // opens a batch there at each call, and a pinned source's or a large block's event
-          // behind it would wait for the batch's flush).
-          release_done_behind_open_batch_locked(queue);
-          break;
+      if (use->kind == PendingUse::Kind::kFencedBlock) {
+        if (!batch_open) {
+          // Covered by the first marker behind it. None: its batch is open, and so is the
+          // batch of every fenced block after it (a flush queues its marker behind them all).
+          const auto marker = std::find_if(use, queue.end(), [](const PendingUse& u) {
+            return u.kind == PendingUse::Kind::kFenceMarker;
+          });
+          batch_open = marker == queue.end();
+          if (!batch_open && marker->event.handle != done_marker) {
+            marker_error.clear();
+            if (!cuda::event_done(marker->event, &marker_error)) break;
+            done_marker = marker->event.handle;
+          }
         }
-        if (marker->event.handle != done_marker) {
-          marker_error.clear();
-          if (!cuda::event_done(marker->event, &marker_error)) break;
-          done_marker = marker->event.handle;
+        if (batch_open) {
+          ++use;
+          continue;
         }
         error = marker_error;
-      } else if (!cuda::event_done(front.event, &error)) {
-        break;
+      } else if (!cuda::event_done(use->event, &error)) {
+        break;  // events on one stream complete in order: nothing behind it is done
       }
       // A marker: the blocks it covered were ahead of it, all released; its event goes
       // back to the free list, so it must not be taken for the next batch's.
-      if (front.kind == PendingUse::Kind::kFenceMarker) done_marker = nullptr;
-      release_pending_use_locked(front, error);
-      queue.pop_front();
+      if (use->kind == PendingUse::Kind::kFenceMarker) done_marker = nullptr;
+      release_pending_use_locked(*use, error);
+      use = queue.erase(use);
     }
     it = queue.empty() ? pending_.erase(it) : std::next(it);
   }
@@ -722,21 +727,6 @@ void PinnedPool::process_events_locked() {
       queue.pop_front();
     }
     it = queue.empty() ? kept_.erase(it) : std::next(it);
-  }
-}
-
-void PinnedPool::release_done_behind_open_batch_locked(std::deque<PendingUse>& queue) {
-  for (auto it = queue.begin(); it != queue.end();) {
-    if (it->kind == PendingUse::Kind::kFencedBlock) {
-      ++it;
-      continue;
-    }
-    // No marker is in the queue (the caller looked): this is an event of a block's own, and
-    // events on one stream complete in order, so the first not done ends the scan.
-    std::string error;
-    if (!cuda::event_done(it->event, &error)) return;
-    release_pending_use_locked(*it, error);
-    it = queue.erase(it);
   }
 }
 

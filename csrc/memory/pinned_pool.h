@@ -319,9 +319,6 @@ class PinnedPool {
   // before a request is called a miss, and before free segments are collected.
   void flush_bins_locked();
   void process_events_locked();
-  // A FIFO whose head is a fenced block of a batch not yet flushed (no marker queued): the
-  // entries with events of their own are released, in order, while their events are done.
-  void release_done_behind_open_batch_locked(std::deque<PendingUse>& queue);
   // One FIFO entry whose wait is over (its event, or its batch's marker, is done, with
   // `error` if the query failed): the event goes back to its free list and the block, at
   // its last event, to its bin or free set (poisoned on an error).
