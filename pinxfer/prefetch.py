@@ -933,6 +933,9 @@ class Prefetcher:
             )
         return self._pass
 
+    @_check.never_traced(
+        "Prefetcher.__iter__", "a pass runs threads and CUDA streams outside any graph"
+    )
     def __iter__(self) -> Iterator[Any]:
         return self._generate(self._start_pass())
 
@@ -949,6 +952,9 @@ class Prefetcher:
             # Also runs when the loop is left early: the generator is closed.
             p.shutdown()
 
+    @_check.never_traced(
+        "Prefetcher.__next__", "a pass runs threads and CUDA streams outside any graph"
+    )
     def __next__(self) -> Any:
         """The next batch of the current pass (starting one if there is none)."""
         p = self._pass if self._pass is not None and not self._pass.finished else None

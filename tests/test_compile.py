@@ -1,7 +1,8 @@
 """torch.compile(fullgraph=True) of code that calls pinxfer.empty and pinxfer.pin_memory (CPU:
 the ops run their real kernels, so the results are real pool tensors; the GPU side of compile,
 to_device, is in test_graphs_gpu.py), and the calls that are never traced (to_host, prefetch,
-transfer.copy_stream, record_stream, pin_, unpin_: _check.never_traced), compiled as in
+iterating a Prefetcher, transfer.copy_stream, record_stream, pin_, unpin_:
+_check.never_traced), compiled as in
 eager. Traced, pin_memory always copies: a graph cannot branch on whether its input is pinned
 when it runs (csrc/README.md, "pinxfer's own calls under capture")."""
 
@@ -234,3 +235,42 @@ def test_pin_and_unpin_under_fullgraph_compile_say_they_cannot_be_traced(name):
         f(torch.arange(6.0))
     if "reason: None" not in str(raised.value):
         assert f"pinxfer.{name} cannot be traced by torch.compile" in str(raised.value)
+
+
+def _batches() -> list[dict[str, torch.Tensor]]:
+    return [{"x": torch.full((4,), float(i))} for i in range(3)]
+
+
+def _loop_over(prefetcher):
+    total = torch.zeros(())
+    for batch in prefetcher:
+        total = total + batch["x"].sum()
+    return total.cos()
+
+
+def _one_step(prefetcher):
+    return next(prefetcher)["x"].exp()
+
+
+@pytest.mark.parametrize("fn", [_loop_over, _one_step], ids=["for", "next"])
+def test_a_prefetcher_iterated_under_compile_runs_as_in_eager(fn):
+    """Prefetcher.__iter__ and __next__ are never traced (never_traced): a pass runs a
+    producer thread or CUDA streams, outside any graph. Compiled without fullgraph, a loop over
+    a Prefetcher and a next() on one give eager's batches (here a CPU pass: its producer
+    thread hands the batches over as they are)."""
+    eager = fn(pinxfer.prefetch(_batches()))
+    traced = torch.compile(fn, backend="eager")(pinxfer.prefetch(_batches()))
+    assert torch.equal(traced, eager)
+
+
+@pytest.mark.parametrize(
+    ("fn", "method"), [(_loop_over, "__iter__"), (_one_step, "__next__")], ids=["for", "next"]
+)
+def test_a_prefetcher_under_fullgraph_compile_says_it_cannot_be_iterated(fn, method):
+    """Before session 54 dynamo traced into the pass and failed on what it met first there
+    (a queue.SimpleQueue's constructor), naming nothing of pinxfer's."""
+    f = compiled(fn, backend="eager")
+    with pytest.raises(Exception, match=rf"Prefetcher\.{method}") as raised:
+        f(pinxfer.prefetch(_batches()))
+    if "reason: None" not in str(raised.value):
+        assert f"pinxfer.Prefetcher.{method} cannot be traced by torch.compile" in str(raised.value)
