@@ -100,6 +100,11 @@ _pass_ids = itertools.count()
 #: after that is left to exit on its own (see the module docstring).
 CLOSE_TIMEOUT_S = 1.0
 
+#: Why a pass's entry points are never traced by torch.compile (_check.never_traced): the
+#: Prefetcher's iteration, and what its generator calls, each step and at its end (dynamo would
+#: otherwise compile each function a step calls, the generator's own frame excepted).
+_PASS_UNTRACED = "a pass runs threads and CUDA streams outside any graph"
+
 _SECOND_CONSUMER = (
     "pinxfer.prefetch: another thread is already waiting for a batch of this Prefetcher; a "
     "Prefetcher has one consumer at a time. Give each thread its own pinxfer.prefetch(...), "
@@ -367,6 +372,7 @@ class _Sent(NamedTuple):
     step: int  # the batch's number in the pass
 
 
+@_check.never_traced("Prefetcher's pass", _PASS_UNTRACED)
 def _next_of(p: _CallerPass | _Pass) -> Any:
     """The gate of every road's next(): a finished pass ends, a capture is refused, and one
     consumer at a time (non-blocking: a second consumer waiting for a batch could wait
@@ -648,6 +654,7 @@ class _CallerPass:
         if self.threaded is not None:
             self.threaded.wait_for_producer()
 
+    @_check.never_traced("Prefetcher's pass", _PASS_UNTRACED)
     def shutdown(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
         """Stops the pass: drops the batch sent ahead, closes the source's pass. Idempotent."""
         if self.threaded is not None:
@@ -716,6 +723,7 @@ class _Pass:
         """A consumer is inside next()."""
         return self.consumer.locked()
 
+    @_check.never_traced("Prefetcher's pass", _PASS_UNTRACED)
     def shutdown(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
         """Stops the producer, joins it for at most ``timeout`` seconds, frees queued
         batches. Idempotent: a second call does not wait or warn again."""
@@ -933,9 +941,7 @@ class Prefetcher:
             )
         return self._pass
 
-    @_check.never_traced(
-        "Prefetcher.__iter__", "a pass runs threads and CUDA streams outside any graph"
-    )
+    @_check.never_traced("Prefetcher.__iter__", _PASS_UNTRACED)
     def __iter__(self) -> Iterator[Any]:
         return self._generate(self._start_pass())
 
@@ -952,9 +958,7 @@ class Prefetcher:
             # Also runs when the loop is left early: the generator is closed.
             p.shutdown()
 
-    @_check.never_traced(
-        "Prefetcher.__next__", "a pass runs threads and CUDA streams outside any graph"
-    )
+    @_check.never_traced("Prefetcher.__next__", _PASS_UNTRACED)
     def __next__(self) -> Any:
         """The next batch of the current pass (starting one if there is none)."""
         p = self._pass if self._pass is not None and not self._pass.finished else None

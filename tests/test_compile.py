@@ -8,6 +8,7 @@ when it runs (csrc/README.md, "pinxfer's own calls under capture")."""
 
 from __future__ import annotations
 
+import importlib
 import os
 import textwrap
 from pathlib import Path
@@ -253,14 +254,28 @@ def _one_step(prefetcher):
 
 
 @pytest.mark.parametrize("fn", [_loop_over, _one_step], ids=["for", "next"])
-def test_a_prefetcher_iterated_under_compile_runs_as_in_eager(fn):
+def test_a_prefetcher_iterated_under_compile_runs_as_in_eager(fn, monkeypatch):
     """Prefetcher.__iter__ and __next__ are never traced (never_traced): a pass runs a
     producer thread or CUDA streams, outside any graph. Compiled without fullgraph, a loop over
-    a Prefetcher and a next() on one give eager's batches (here a CPU pass: its producer
-    thread hands the batches over as they are)."""
+    a Prefetcher and a next() on one give eager's batches (on a machine without a GPU a CPU
+    pass: its producer thread hands the batches over as they are), and nothing a step calls
+    is traced: the loop's generator runs outside the call to __iter__, and dynamo compiled
+    each function it called, each on its own, until the step's gate was never traced too
+    (found in session 54: `_refuse_under_capture`, `_hand_over`, `profiling`). A function
+    dynamo traces sees torch.compiler.is_compiling() True."""
+    prefetch_module = importlib.import_module("pinxfer.prefetch")  # pinxfer.prefetch: the function
+    gate = prefetch_module._refuse_under_capture
+    compiling: list[bool] = []
+
+    def watched_gate(device):
+        compiling.append(torch.compiler.is_compiling())
+        return gate(device)
+
     eager = fn(pinxfer.prefetch(_batches()))
+    monkeypatch.setattr(prefetch_module, "_refuse_under_capture", watched_gate)
     traced = torch.compile(fn, backend="eager")(pinxfer.prefetch(_batches()))
     assert torch.equal(traced, eager)
+    assert compiling and not any(compiling), compiling
 
 
 @pytest.mark.parametrize(
