@@ -97,8 +97,12 @@ def require_cuda(op: str, hint: str = "") -> None:
         return
     reason = _ops.cuda_unavailable_reason()
     if reason is not None:
-        raise RuntimeError(f"pinxfer.{op}: expected a usable CUDA device, but {reason}.{hint}")
+        raise _cuda_unusable(op, reason, hint)
     _cuda_usable_in_pid = os.getpid()
+
+
+def _cuda_unusable(op: str, reason: str, hint: str) -> RuntimeError:
+    return RuntimeError(f"pinxfer.{op}: expected a usable CUDA device, but {reason}.{hint}")
 
 
 def as_device(value: DeviceLike) -> torch.device:
@@ -117,14 +121,41 @@ def device(value: DeviceLike | None, op: str, hint: str = "") -> torch.device:
     that GPU, a CUDA device without an index the current one. A CUDA device is checked to
     be usable (:func:`require_cuda`); the layers below take the result as it is."""
     if value is None:
-        require_cuda(op, hint)
-        return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cuda", _current_cuda_index(op, hint))
     dev = as_device(value)
     if dev.type == "cuda":
-        require_cuda(op, hint)
         if dev.index is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
+            return torch.device("cuda", _current_cuda_index(op, hint))
+        require_cuda(op, hint)
     return dev
+
+
+def _current_cuda_index(op: str, hint: str) -> int:
+    """The current GPU, once CUDA is known to be usable.
+
+    torch.cuda.current_device() initialises CUDA, and on a machine without a GPU it raised
+    inside dynamo (InternalTorchDynamoError, "Found no NVIDIA driver") where eager raises
+    require_cuda's message (found in session 54: to_device of a batch, or to "cuda", compiled).
+    Traced, require_cuda leaves its check to the op when the graph runs; and a frame dynamo
+    gives up on runs eagerly while the functions it calls are compiled on their own, in
+    which require_cuda checks nothing. So the reason is asked here, in this frame, by a call
+    dynamo answers at trace time (about 0.2-0.5 us in eager, paid only where a device is
+    resolved)."""
+    reason = _reason_at_trace_time()
+    if reason is not None:
+        raise _cuda_unusable(op, reason, hint)
+    return torch.cuda.current_device()
+
+
+def _reason_at_trace_time() -> str | None:
+    """Why CUDA is unusable (None: it is usable); traced, asked while dynamo traces: marked
+    as a constant result (the private mark ``torch.compiler.assume_constant_result`` sets;
+    calling that would import dynamo when pinxfer is imported), so dynamo calls it then and
+    puts the answer in the graph. Whether CUDA is usable does not change within a process."""
+    return _ops.cuda_unavailable_reason()
+
+
+_reason_at_trace_time._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def integer(value: Any, op: str, name: str, *, lo: int, hi: int, hint: str = "") -> int:

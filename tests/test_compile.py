@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import pinxfer
+from pinxfer._batch import tensors_in
 from tests import fresh
 from tests.graph_count import CountingBackend
 
@@ -289,3 +290,32 @@ def test_a_prefetcher_under_fullgraph_compile_says_it_cannot_be_iterated(fn, met
         f(pinxfer.prefetch(_batches()))
     if "reason: None" not in str(raised.value):
         assert f"pinxfer.Prefetcher.{method} cannot be traced by torch.compile" in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        pytest.param(lambda x: pinxfer.to_device({"a": x * 2}), id="batch"),
+        pytest.param(lambda x: pinxfer.to_device(x * 2, "cuda"), id="to_cuda_without_index"),
+        pytest.param(lambda x: pinxfer.to_device([x * 2], torch.device("cuda")), id="list"),
+    ],
+)
+def test_to_device_resolving_the_current_gpu_under_compile_ends_as_in_eager(call):
+    """Where to_device resolves the current GPU (no device given for a batch, or "cuda"
+    without an index), compiled without fullgraph it ends as in eager. On a machine without
+    a GPU, tracing called torch.cuda.current_device() and failed inside dynamo
+    (InternalTorchDynamoError, torch's "Found no NVIDIA driver") where eager raises pinxfer's
+    message (found in session 54); fullgraph=True then fails carrying that message."""
+    x = torch.arange(6.0)
+    eager = _outcome(call, x)
+    traced = _outcome(torch.compile(call, backend="eager"), x)
+    if isinstance(eager, str):
+        assert traced == eager
+        assert "pinxfer.to_device: expected a usable CUDA device" in eager
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match=r"pinxfer\.to_device: expected a usable CUDA device"):
+            compiled(call, backend="eager")(x)
+    else:
+        assert all(
+            torch.equal(a, b) for a, b in zip(tensors_in(traced), tensors_in(eager), strict=True)
+        )
