@@ -88,17 +88,25 @@ def require_cuda(op: str, hint: str = "") -> None:
 
     Once usable, CUDA stays usable in a process (a forked child is another pid), so after the
     first success this is one ``os.getpid()``."""
-    global _cuda_usable_in_pid
     if torch.compiler.is_compiling():
         # Traced (torch.compile): dynamo cannot trace os.getpid; the op checks CUDA
         # itself when the compiled code runs.
         return
-    if _cuda_usable_in_pid == os.getpid():
-        return
-    reason = _ops.cuda_unavailable_reason()
+    reason = _unusable_reason()
     if reason is not None:
         raise _cuda_unusable(op, reason, hint)
-    _cuda_usable_in_pid = os.getpid()
+
+
+def _unusable_reason() -> str | None:
+    """Why CUDA is unusable, None once it was found usable in this process (then one
+    ``os.getpid()``). Not for traced code."""
+    global _cuda_usable_in_pid
+    if _cuda_usable_in_pid == os.getpid():
+        return None
+    reason = _ops.cuda_unavailable_reason()
+    if reason is None:
+        _cuda_usable_in_pid = os.getpid()
+    return reason
 
 
 def _cuda_unusable(op: str, reason: str, hint: str) -> RuntimeError:
@@ -138,10 +146,9 @@ def _current_cuda_index(op: str, hint: str) -> int:
     require_cuda's message (found in session 54: to_device of a batch, or to "cuda", compiled).
     Traced, require_cuda leaves its check to the op when the graph runs; and a frame dynamo
     gives up on runs eagerly while the functions it calls are compiled on their own, in
-    which require_cuda checks nothing. So the reason is asked here, in this frame, by a call
-    dynamo answers at trace time (about 0.2-0.5 us in eager, paid only where a device is
-    resolved)."""
-    reason = _reason_at_trace_time()
+    which require_cuda checks nothing. So the check is made here, in this frame: traced, by a
+    call dynamo answers at trace time."""
+    reason = _reason_at_trace_time() if torch.compiler.is_compiling() else _unusable_reason()
     if reason is not None:
         raise _cuda_unusable(op, reason, hint)
     return torch.cuda.current_device()

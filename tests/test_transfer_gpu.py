@@ -17,6 +17,7 @@ import textwrap
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -547,15 +548,19 @@ def test_small_pageable_sources_may_change_or_go_once_to_device_returns(nbytes):
     # at once: a fence batch left open (up to 7 blocks) keeps its blocks, the rest come back.
     warm = [pinxfer.to_device(src) for src in cases + cases]
     del warm
-    # In the whole GPU suite (-n auto: 16 workers on 16 CPUs) the spin was still over at the
-    # last call at 64 KiB + 3 and 256 KiB with no miss (H100, session 54; alone, all six
-    # passed): garbage of an earlier test collected in the window (a pass's shutdown may wait
-    # for the device), or the calls and the sources' flips (torch's OpenMP team from 32 Ki
-    # elements) descheduled for the spin's 50 ms. So earlier garbage goes first, none is
-    # collected in the window, the spin is four times as long, and each call is checked.
+    # In the whole GPU suite (-n auto: 16 workers on 16 CPUs) the spin was over by the last
+    # call at 64 KiB + 3 and 256 KiB with no miss (H100, session 54; alone, all six passed).
+    # Suspects: garbage of an earlier test collected in the window (a pass's shutdown may wait
+    # for the device); the sources' flips, which torch runs on its OpenMP team from 32 Ki
+    # elements (16 workers' teams spinning on 16 CPUs); a staging segment that fell back to
+    # mlock or pageable memory, whose copy above 64 KiB the driver may make synchronous. So:
+    # earlier garbage first and none in the window, flips by numpy on this thread, a spin four
+    # times as long, every staging byte CUDA-registered, and each call checked at its return.
     gc.collect()
     torch.cuda.synchronize()
-    misses = pinxfer.memory_stats()["num_cache_misses"]
+    stats = pinxfer.memory_stats()
+    assert stats["reserved_bytes.mlocked"] == stats["reserved_bytes.pageable"] == 0, stats
+    misses = stats["num_cache_misses"]
     stream = torch.cuda.current_stream()
     gc.disable()
     try:
@@ -564,11 +569,12 @@ def test_small_pageable_sources_may_change_or_go_once_to_device_returns(nbytes):
         for i, src in enumerate(cases):
             ys.append(pinxfer.to_device(src))
             assert not stream.query(), f"call {i} of {len(cases)} returned after the GPU spin"
-            src.bitwise_not_()  # every byte of the source changes at once ...
+            flat = src.numpy()
+            np.bitwise_not(flat, out=flat)  # every byte of the source changes at once ...
     finally:
         gc.enable()
     assert pinxfer.memory_stats()["num_cache_misses"] == misses, "a staging block was mapped"
-    del src
+    del src, flat
     cases.clear()  # ... and its memory goes
     for y, want in zip(ys, expected, strict=True):
         assert torch.equal(y.cpu(), want)
