@@ -48,6 +48,18 @@ def pytest_report_header(config):
 
 
 @contextlib.contextmanager
+def gc_paused():
+    """No garbage collection inside: no object an earlier test left in a reference cycle (a
+    pool tensor, whose free is fenced; a Prefetcher, whose shutdown may wait) is freed in the
+    window a test counts or times."""
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+@contextlib.contextmanager
 def checkout_setup_lock():
     """Held while a test runs setup.py (or pip's build hooks, which run it) in the checkout:
     setup.py writes pinxfer.egg-info/ there, and two pytest-xdist workers writing it at once

@@ -26,7 +26,7 @@ import pinxfer
 from pinxfer._batch import map_tensors, tensors_in
 from pinxfer.slots import layout
 
-from .conftest import HAS_CUDA, MLOCK_IS_REAL, last_json, run_child, vm_locked_kib
+from .conftest import HAS_CUDA, MLOCK_IS_REAL, gc_paused, last_json, run_child, vm_locked_kib
 
 DTYPES = [
     torch.float32,
@@ -353,16 +353,13 @@ def test_the_ring_goes_with_the_prefetcher_without_the_cyclic_collector():
         persistent_workers=True,
     )
     gc.collect()
-    gc.disable()
-    try:
+    with gc_paused():
         pf = pinxfer.prefetch(loader, slots=True, device="cpu", slot_bytes=1 << 16)
         assert len(list(pf)) == 4
         source, ring = weakref.ref(pf.slots), pf.slots._ring
         del pf
         assert source() is None, "the slot source outlived its Prefetcher"
         assert ring.closed
-    finally:
-        gc.enable()
 
 
 def test_iterating_again_after_close_says_the_ring_is_closed():

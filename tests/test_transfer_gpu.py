@@ -23,7 +23,14 @@ import torch
 
 import pinxfer
 
-from .conftest import benchmark_module, last_json, run_child, start_child, thread_states
+from .conftest import (
+    benchmark_module,
+    gc_paused,
+    last_json,
+    run_child,
+    start_child,
+    thread_states,
+)
 from .graph_count import CountingBackend
 
 pytestmark = pytest.mark.gpu
@@ -562,8 +569,7 @@ def test_small_pageable_sources_may_change_or_go_once_to_device_returns(nbytes):
     assert stats["reserved_bytes.mlocked"] == stats["reserved_bytes.pageable"] == 0, stats
     misses = stats["num_cache_misses"]
     stream = torch.cuda.current_stream()
-    gc.disable()
-    try:
+    with gc_paused():
         torch.cuda._sleep(4 * SLEEP)
         ys = []
         for i, src in enumerate(cases):
@@ -571,8 +577,6 @@ def test_small_pageable_sources_may_change_or_go_once_to_device_returns(nbytes):
             assert not stream.query(), f"call {i} of {len(cases)} returned after the GPU spin"
             flat = src.numpy()
             np.bitwise_not(flat, out=flat)  # every byte of the source changes at once ...
-    finally:
-        gc.enable()
     assert pinxfer.memory_stats()["num_cache_misses"] == misses, "a staging block was mapped"
     del src, flat
     cases.clear()  # ... and its memory goes
@@ -596,8 +600,7 @@ def test_small_sends_on_the_default_stream_share_fence_markers_and_keep_every_by
     warm = [pinxfer.to_device(src) for src in sources + sources]
     torch.cuda.synchronize()
     del warm
-    gc.disable()  # no pool tensor of an earlier test freed (fenced) in the window
-    try:
+    with gc_paused():  # no pool tensor of an earlier test freed (fenced) in the window
         for stream in (torch.cuda.default_stream(), torch.cuda.Stream()):
             expected = [src.clone() for src in sources]
             torch.cuda.synchronize()
@@ -619,8 +622,6 @@ def test_small_sends_on_the_default_stream_share_fence_markers_and_keep_every_by
             stream.synchronize()
             for y, want in zip(ys, expected, strict=True):
                 assert torch.equal(y.cpu(), want)
-    finally:
-        gc.enable()
 
 
 def test_an_event_behind_an_open_fence_batch_is_released_before_its_flush(fresh_pool):
@@ -638,8 +639,7 @@ def test_an_event_behind_an_open_fence_batch_is_released_before_its_flush(fresh_
     warm = pinxfer.to_device(src)  # the small pool has a segment: the send below cannot miss
     torch.cuda.synchronize()
     del warm
-    gc.disable()  # no pool tensor of an earlier test freed (fenced) in the window
-    try:
+    with gc_paused():  # no pool tensor of an earlier test freed (fenced) in the window
         before_sends = pinxfer.memory_stats()
         y = pinxfer.to_device(src)  # its staging block joins the default stream's open batch
         y_large = large.to("cuda", non_blocking=True)  # not reported to pinxfer (no install)
@@ -648,8 +648,6 @@ def test_an_event_behind_an_open_fence_batch_is_released_before_its_flush(fresh_
         before = pinxfer.memory_stats()
         _ops.release_finished_sources(torch.device("cuda"))  # processes the pool's FIFOs
         after = pinxfer.memory_stats()
-    finally:
-        gc.enable()
     assert before["num_cache_misses"] == before_sends["num_cache_misses"]
     assert after["num_fence_markers"] == before_sends["num_fence_markers"], "a batch was flushed"
     # The open batch holds the send's block (and the warm send's); the large block is free.
