@@ -146,23 +146,13 @@ def _current_cuda_index(op: str, hint: str) -> int:
     require_cuda's message (found in session 54: to_device of a batch, or to "cuda", compiled).
     Traced, require_cuda leaves its check to the op when the graph runs; and a frame dynamo
     gives up on runs eagerly while the functions it calls are compiled on their own, in
-    which require_cuda checks nothing. So the check is made here, in this frame: traced, by a
-    call dynamo answers at trace time."""
-    reason = _reason_at_trace_time() if torch.compiler.is_compiling() else _unusable_reason()
+    which require_cuda checks nothing. So the check is made here, in this frame: traced, by
+    ``cuda_unavailable_reason``, which dynamo answers at trace time (a constant result)."""
+    traced = torch.compiler.is_compiling()
+    reason = _ops.cuda_unavailable_reason() if traced else _unusable_reason()
     if reason is not None:
         raise _cuda_unusable(op, reason, hint)
     return torch.cuda.current_device()
-
-
-def _reason_at_trace_time() -> str | None:
-    """Why CUDA is unusable (None: it is usable); traced, asked while dynamo traces: marked
-    as a constant result (the private mark ``torch.compiler.assume_constant_result`` sets;
-    calling that would import dynamo when pinxfer is imported), so dynamo calls it then and
-    puts the answer in the graph. Whether CUDA is usable does not change within a process."""
-    return _ops.cuda_unavailable_reason()
-
-
-_reason_at_trace_time._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def integer(value: Any, op: str, name: str, *, lo: int, hi: int, hint: str = "") -> int:

@@ -224,6 +224,16 @@ def build_info() -> BuildInfo:
     return BuildInfo(*fast.build_info())
 
 
+# build_info and cuda_unavailable_reason answer the same for the whole process (the build, and
+# whether CUDA is usable, do not change in it), so torch.compile may call them while it traces
+# and put the answer in the graph, as it does torch.cuda.is_available(): the private mark
+# torch.compiler.assume_constant_result sets (calling that would import dynamo, about 1.6 s,
+# at import pinxfer; a torch that does not know the mark traces into the C call and breaks the
+# graph there). A function compiled before a fork keeps its answer in the child, where pinxfer
+# no longer uses CUDA; the ops check CUDA again when they run.
+build_info._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
 def page_nodes(tensor: torch.Tensor) -> list[int]:
     """NUMA node of each page of CPU tensor ``tensor`` (negative errno where a page is absent)."""
     return list(_lib.page_nodes(tensor))
@@ -287,6 +297,9 @@ def cuda_unavailable_reason() -> str | None:
             "hides them"
         )
     return reason
+
+
+cuda_unavailable_reason._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 # ---- settings (pinxfer._C: csrc/python/settings_bindings.cpp) ----

@@ -14,22 +14,10 @@ import torch
 
 from pinxfer import _check, _ops
 
-# The functions that are their operator, re-exported as the public API.
-# empty's hot path reads these as module globals: one lookup each.
-from pinxfer._ops import (
-    BuildInfo,
-    build_info,
-    compiling,
-    cuda_unavailable_reason,
-    empty_cache,
-    fast,
-    get_max_pinned_bytes,
-    install,
-    is_installed,
-    reset_accumulated_memory_stats,
-    reset_peak_memory_stats,
-    uninstall,
-)
+# The functions that are their operator, re-exported as the public API (build_info and
+# cuda_unavailable_reason answer at trace time: _ops.py). empty's hot path reads compiling and
+# fast as module globals: one lookup each.
+from pinxfer._ops import BuildInfo, build_info, compiling, cuda_unavailable_reason, fast
 
 __all__ = [
     "BuildInfo",
@@ -51,6 +39,33 @@ __all__ = [
 ]
 
 StreamLike = torch.cuda.Stream | torch.Stream
+
+# The pool's state calls act on the process's pools (or torch's allocator) when they run, so
+# torch.compile calls them and never traces them (_check.never_traced): fullgraph=True fails
+# naming the call and why, and without it the graph breaks at the call. (Until session 55 each
+# failed under fullgraph with dynamo's "Attempted to call function marked as skipped" and its
+# advice to wrap a C extension in a custom operator, and warned so without it.)
+empty_cache = _check.never_traced("empty_cache", "it returns cached memory to the OS when it runs")(
+    _ops.empty_cache
+)
+get_max_pinned_bytes = _check.never_traced(
+    "get_max_pinned_bytes", "it reads the cap, which set_max_pinned_bytes changes, when it runs"
+)(_ops.get_max_pinned_bytes)
+install = _check.never_traced("install", "it replaces torch's host allocator when it runs")(
+    _ops.install
+)
+uninstall = _check.never_traced("uninstall", "it gives torch its host allocator back when it runs")(
+    _ops.uninstall
+)
+is_installed = _check.never_traced(
+    "is_installed", "it answers for torch's host allocator as it is when it runs"
+)(_ops.is_installed)
+reset_peak_memory_stats = _check.never_traced(
+    "reset_peak_memory_stats", "it resets the pools' counters when it runs"
+)(_ops.reset_peak_memory_stats)
+reset_accumulated_memory_stats = _check.never_traced(
+    "reset_accumulated_memory_stats", "it resets the pools' counters when it runs"
+)(_ops.reset_accumulated_memory_stats)
 
 
 def _sizes(size: tuple) -> Sequence[int]:
@@ -152,6 +167,7 @@ def lock_kind(tensor: torch.Tensor) -> str:
     return _ops.lock_kind(_check.tensor(tensor, "lock_kind"))
 
 
+@_check.never_traced("memory_stats", "it reads the pools' counters when it runs")
 def memory_stats(numa_node: int | None = None) -> collections.OrderedDict[str, int]:
     """Counters of the pinned pool, shaped like ``torch.cuda.memory_stats()``.
 
@@ -203,6 +219,7 @@ def record_stream(tensor: torch.Tensor, stream: StreamLike | None = None) -> Non
     _ops.record_stream(tensor, stream.stream_id, stream.device_index, stream.device_type)
 
 
+@_check.never_traced("set_max_pinned_bytes", "it sets the cap when it runs")
 def set_max_pinned_bytes(limit: int | str) -> None:
     """Hard cap on pinned bytes reserved by all pools (0: no cap). Accepts ints or
     strings like ``"8GiB"``. Past the cap an allocation first frees cached

@@ -31,6 +31,11 @@ __all__ = [
 ]
 
 
+#: Why the sysfs queries are never traced by torch.compile (_check.never_traced): the tree
+#: they read is the one there when they run.
+_READS_SYSFS = "it reads sysfs when it runs"
+
+
 @dataclasses.dataclass(frozen=True)
 class GpuTopology:
     index: int  # CUDA device index (or position in the bus ids given)
@@ -45,6 +50,7 @@ def resolve_sysfs_root(sysfs_root: str | None = None) -> str:
     return str(sysfs_root) if sysfs_root is not None else _ops.sysfs_root()
 
 
+@_check.never_traced("topology.node_cpus", _READS_SYSFS)
 def node_cpus(node: int, sysfs_root: str | None = None) -> list[int]:
     """CPUs of NUMA node ``node``; ``[]`` when the node is unknown (-1), absent or has no
     readable cpulist.
@@ -52,9 +58,14 @@ def node_cpus(node: int, sysfs_root: str | None = None) -> list[int]:
     Raises:
         ValueError: the node's cpulist is malformed (the message names the file).
     """
-    return _ops.node_cpus(node, resolve_sysfs_root(sysfs_root)) if node >= 0 else []
+    return _cpus_of(node, resolve_sysfs_root(sysfs_root))
 
 
+def _cpus_of(node: int, root: str) -> list[int]:
+    return _ops.node_cpus(node, root) if node >= 0 else []
+
+
+@_check.never_traced("numa_nodes", _READS_SYSFS)
 def numa_nodes(sysfs_root: str | None = None) -> dict[int, list[int]]:
     """NUMA nodes present and their CPUs, e.g. ``{0: [0, 1, ...], 1: [...]}``.
 
@@ -69,9 +80,10 @@ def numa_nodes(sysfs_root: str | None = None) -> dict[int, list[int]]:
         ValueError: a node's cpulist is malformed (the message names the file).
     """
     root = resolve_sysfs_root(sysfs_root)
-    return {node: node_cpus(node, root) for node in _ops.online_nodes(root)}
+    return {node: _cpus_of(node, root) for node in _ops.online_nodes(root)}
 
 
+@_check.never_traced("topology", "it reads sysfs and asks CUDA for the GPUs' bus ids when it runs")
 def topology(
     sysfs_root: str | None = None, *, pci_bus_ids: Sequence[str] | None = None
 ) -> list[GpuTopology]:
@@ -98,6 +110,6 @@ def topology(
     out = []
     for index, bus_id in enumerate(pci_bus_ids):
         node = _ops.pci_numa_node(bus_id, root)
-        cpus = tuple(node_cpus(node, root))
+        cpus = tuple(_cpus_of(node, root))
         out.append(GpuTopology(index=index, pci_bus_id=bus_id, numa_node=node, cpus=cpus))
     return out

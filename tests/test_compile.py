@@ -1,7 +1,7 @@
 """torch.compile(fullgraph=True) of code that calls pinxfer.empty and pinxfer.pin_memory (CPU:
 the ops run their real kernels, so the results are real pool tensors; the GPU side of compile,
 to_device, is in test_graphs_gpu.py), and the calls that are never traced (to_host, prefetch,
-iterating a Prefetcher, transfer.copy_stream, record_stream, pin_, unpin_:
+iterating a Prefetcher, transfer.copy_stream, record_stream, pin_, unpin_, the state calls:
 _check.never_traced), compiled as in
 eager. Traced, pin_memory always copies: a graph cannot branch on whether its input is pinned
 when it runs (csrc/README.md, "pinxfer's own calls under capture")."""
@@ -319,3 +319,74 @@ def test_to_device_resolving_the_current_gpu_under_compile_ends_as_in_eager(call
         assert all(
             torch.equal(a, b) for a, b in zip(tensors_in(traced), tensors_in(eager), strict=True)
         )
+
+
+_topology = importlib.import_module("pinxfer.topology")  # pinxfer.topology: the function
+_STATE_CALLS = {
+    "memory_stats": lambda: pinxfer.memory_stats(),
+    "reset_peak_memory_stats": lambda: pinxfer.reset_peak_memory_stats(),
+    "reset_accumulated_memory_stats": lambda: pinxfer.reset_accumulated_memory_stats(),
+    "empty_cache": lambda: pinxfer.empty_cache(),
+    "get_max_pinned_bytes": lambda: pinxfer.get_max_pinned_bytes(),
+    "set_max_pinned_bytes": lambda: pinxfer.set_max_pinned_bytes(0),
+    "install": lambda: pinxfer.install(),
+    "uninstall": lambda: pinxfer.uninstall(),
+    "is_installed": lambda: pinxfer.is_installed(),
+    "numa_nodes": lambda: pinxfer.numa_nodes(),
+    "topology": lambda: pinxfer.topology(),
+    "topology.node_cpus": lambda: _topology.node_cpus(0),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_STATE_CALLS))
+def test_state_calls_under_fullgraph_compile_say_they_cannot_be_traced(name):
+    """The calls that read or change the process's pools, torch's allocator or sysfs act when
+    they run, so they are never traced (never_traced). Until session 55 each failed under
+    fullgraph with dynamo's "Attempted to call function marked as skipped" and its advice to
+    wrap a C extension in a custom operator, and warned so without fullgraph. A failed
+    fullgraph trace runs nothing (install is not called here)."""
+    call = _STATE_CALLS[name]
+
+    def step(x):
+        call()
+        return x + 1
+
+    with pytest.raises(Exception, match=name.replace(".", r"\.")) as raised:
+        compiled(step, backend="eager")(torch.arange(6.0))
+    if "reason: None" not in str(raised.value):
+        assert f"pinxfer.{name} cannot be traced by torch.compile" in str(raised.value)
+
+
+def test_the_cap_set_and_read_in_a_compiled_function_acts_when_it_runs():
+    """Without fullgraph the graph breaks at each state call and the call runs for real at
+    every call of the compiled function: the cap it sets is the pool's afterwards, and the
+    cap it reads is the one in force then, not one put in the graph at trace time."""
+    before = pinxfer.get_max_pinned_bytes()
+
+    def step(x, limit):
+        pinxfer.set_max_pinned_bytes(limit)
+        read = pinxfer.get_max_pinned_bytes()
+        return x + 1, read
+
+    f = torch.compile(step, backend="eager")
+    try:
+        for limit in (1 << 40, 3 << 40):
+            out, read = f(torch.zeros(2), limit)
+            assert torch.equal(out, torch.ones(2))
+            assert read == limit == pinxfer.get_max_pinned_bytes()
+    finally:
+        pinxfer.set_max_pinned_bytes(before)
+
+
+def test_build_info_and_the_cuda_reason_trace_as_their_answer():
+    """build_info and cuda_unavailable_reason answer the same for the whole process, so dynamo
+    calls them while it traces and a fullgraph function may branch on them, as on
+    torch.cuda.is_available()."""
+
+    def step(x):
+        usable = pinxfer.cuda_unavailable_reason() is None
+        built = pinxfer.build_info()
+        return x + (1 if usable else 2) + (10 if built.cuda_usable else 20)
+
+    x = torch.zeros(2)
+    assert torch.equal(compiled(step, backend="eager")(x), step(x))
