@@ -35,6 +35,9 @@ _cuda_usable_in_pid: int | None = None  # the process that found CUDA usable
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
+#: True only in code dynamo traces (a constant there), False whenever Python runs for real.
+_traced_by_dynamo = torch.compiler.is_dynamo_compiling
+
 
 def never_traced(op: str, why: str) -> Callable[[_F], _F]:
     """A public function that torch.compile must call, never trace (nor anything it calls):
@@ -54,6 +57,13 @@ def never_traced(op: str, why: str) -> Callable[[_F], _F]:
     anyway, it raises the same message. No compile can be running before something imported
     ``torch._dynamo``, and until then the function is called directly: importing dynamo costs
     about 1.6 s.
+
+    Whether dynamo traces the wrapper is asked of ``torch.compiler.is_dynamo_compiling()``
+    (True only in code dynamo traces), not ``is_compiling()``: torch 2.14 holds that one True
+    in every thread for the whole of a compile, so a call in another thread (a monitoring
+    thread's ``memory_stats``), or one run for real while something is traced (non-strict
+    ``torch.export``, a function dynamo calls at trace time), raised this message (found by
+    review, session 55).
     """
     message = (
         f"pinxfer.{op} cannot be traced by torch.compile: {why}. Call it outside the "
@@ -66,13 +76,15 @@ def never_traced(op: str, why: str) -> Callable[[_F], _F]:
         @functools.wraps(fn)
         def run(*args: Any, **kwargs: Any) -> Any:
             nonlocal disabled
-            if torch.compiler.is_compiling():
+            if _traced_by_dynamo():
                 raise RuntimeError(message)
-            dynamo = sys.modules.get("torch._dynamo")
-            if dynamo is None:
-                return fn(*args, **kwargs)
-            if disabled is None:  # two threads may both make one: either is right
-                disabled = dynamo.disable(fn, recursive=True)
+            if disabled is None:
+                # Not before dynamo is imported, nor while another thread still imports it
+                # (the module is in sys.modules before its disable is defined).
+                disable = getattr(sys.modules.get("torch._dynamo"), "disable", None)
+                if disable is None:
+                    return fn(*args, **kwargs)
+                disabled = disable(fn, recursive=True)  # two threads may both: either is right
             return disabled(*args, **kwargs)
 
         run._torchdynamo_disable = True  # type: ignore[attr-defined]

@@ -163,11 +163,7 @@ def reset_accumulated_memory_stats() -> None:
 
 
 def empty_cache() -> int:
-    """Returns every fully free cached segment to the OS; returns the bytes released.
-    Blocks still in use, or waiting on CUDA events, are kept. Small blocks freed with no
-    recorded use (without ``install()``) wait in their stream's fence batch: this call
-    records the batches' events and waits for them first, so it returns once the work
-    queued on those streams before it is done."""
+    """The native call behind :func:`pinxfer.empty_cache`: the bytes released."""
     return int(fast.empty_cache())
 
 
@@ -182,24 +178,7 @@ def get_max_pinned_bytes() -> int:
 
 
 def install() -> None:
-    """Makes pinxfer's pool torch's CUDA host allocator.
-
-    Afterwards ``Tensor.pin_memory()``, ``torch.empty(..., pin_memory=True)``, the
-    DataLoader's pin thread and the event that ``copy_(non_blocking=True)``
-    records all go to pinxfer's pool. Undo with :func:`uninstall`. Tensors
-    allocated before either call stay valid, and copies of tensors that torch's
-    own allocator pinned before ``install()`` are still reported to it.
-
-    Call it at start-up, before other threads copy: torch swaps its allocator
-    pointer without a lock. After :func:`uninstall`, torch reports copies only to
-    its own allocator again, so a pool tensor made while installed is then
-    protected like any pool tensor (fence on free; :func:`record_stream` for
-    copies on side streams).
-
-    Raises:
-        RuntimeError: this pinxfer was built without CUDA (no CUDA host allocator to replace),
-            or the current stream is capturing a CUDA graph (install before capturing).
-    """
+    """The native call behind :func:`pinxfer.install` (memory.py says what it does)."""
     fast.install(torch.cuda.is_initialized())
 
 
@@ -216,22 +195,29 @@ def is_installed() -> bool:
 class BuildInfo(NamedTuple):
     with_cuda: bool  # compiled with the CUDA paths
     cuda_version: str  # toolkit the extension was compiled with, "" if none
-    cuda_usable: bool  # a CUDA device can be used by this process right now
+    cuda_usable: bool  # a CUDA device can be used by this process (it does not change in it)
 
 
 def build_info() -> BuildInfo:
-    """What the extension was built with and whether CUDA is usable now."""
+    """What the extension was built with and whether CUDA is usable in this process."""
+    return _pinxfer_build_info()
+
+
+def _pinxfer_build_info() -> BuildInfo:
     return BuildInfo(*fast.build_info())
 
 
 # build_info and cuda_unavailable_reason answer the same for the whole process (the build, and
 # whether CUDA is usable, do not change in it), so torch.compile may call them while it traces
-# and put the answer in the graph, as it does torch.cuda.is_available(): the private mark
-# torch.compiler.assume_constant_result sets (calling that would import dynamo, about 1.6 s,
-# at import pinxfer; a torch that does not know the mark traces into the C call and breaks the
-# graph there). A function compiled before a fork keeps its answer in the child, where pinxfer
+# and put the answer in the graph, as it does torch.cuda.is_available(): their bodies carry the
+# private mark torch.compiler.assume_constant_result sets (calling that would import dynamo,
+# about 1.6 s, at import pinxfer; a torch that does not know the mark traces into the C call
+# and breaks the graph there). The bodies are private functions with long names because dynamo
+# keeps each answer in the compiled function's module globals under the marked function's
+# name, where a user's global of the same name would then be read instead (found by review,
+# session 55). A function compiled before a fork keeps its answer in the child, where pinxfer
 # no longer uses CUDA; the ops check CUDA again when they run.
-build_info._dynamo_marked_constant = True  # type: ignore[attr-defined]
+_pinxfer_build_info._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def page_nodes(tensor: torch.Tensor) -> list[int]:
@@ -289,6 +275,10 @@ def cuda_unavailable_reason() -> str | None:
     The one answer the library's errors, ``pinxfer bench``, ``pinxfer doctor``,
     the examples and the tests give.
     """
+    return _pinxfer_cuda_unavailable_reason()
+
+
+def _pinxfer_cuda_unavailable_reason() -> str | None:
     reason = cuda_unusable_reason()  # C++'s answer: build, fork, setting, driver
     if reason is None and not torch.cuda.is_available():
         reason = (
@@ -299,7 +289,7 @@ def cuda_unavailable_reason() -> str | None:
     return reason
 
 
-cuda_unavailable_reason._dynamo_marked_constant = True  # type: ignore[attr-defined]
+_pinxfer_cuda_unavailable_reason._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 # ---- settings (pinxfer._C: csrc/python/settings_bindings.cpp) ----

@@ -44,28 +44,9 @@ StreamLike = torch.cuda.Stream | torch.Stream
 # torch.compile calls them and never traces them (_check.never_traced): fullgraph=True fails
 # naming the call and why, and without it the graph breaks at the call. (Until session 55 each
 # failed under fullgraph with dynamo's "Attempted to call function marked as skipped" and its
-# advice to wrap a C extension in a custom operator, and warned so without it.)
-empty_cache = _check.never_traced("empty_cache", "it returns cached memory to the OS when it runs")(
-    _ops.empty_cache
-)
-get_max_pinned_bytes = _check.never_traced(
-    "get_max_pinned_bytes", "it reads the cap, which set_max_pinned_bytes changes, when it runs"
-)(_ops.get_max_pinned_bytes)
-install = _check.never_traced("install", "it replaces torch's host allocator when it runs")(
-    _ops.install
-)
-uninstall = _check.never_traced("uninstall", "it gives torch its host allocator back when it runs")(
-    _ops.uninstall
-)
-is_installed = _check.never_traced(
-    "is_installed", "it answers for torch's host allocator as it is when it runs"
-)(_ops.is_installed)
-reset_peak_memory_stats = _check.never_traced(
-    "reset_peak_memory_stats", "it resets the pools' counters when it runs"
-)(_ops.reset_peak_memory_stats)
-reset_accumulated_memory_stats = _check.never_traced(
-    "reset_accumulated_memory_stats", "it resets the pools' counters when it runs"
-)(_ops.reset_accumulated_memory_stats)
+# advice to wrap a C extension in a custom operator, and warned so without it.) Each is a def
+# of this module, so that pickle finds it here (a DataLoader's worker_init_fn, spawn).
+_RESETS_COUNTERS = "it resets the pools' counters when it runs"
 
 
 def _sizes(size: tuple) -> Sequence[int]:
@@ -135,7 +116,8 @@ def empty(
         if out is not None:
             return out
     # Traced (torch.compile), torch's CUDA state is not initialised here: dynamo cannot trace
-    # the build query it reads, and a compiled program that uses CUDA has initialised it.
+    # the C call that opens the hot paths after it, and a compiled program that uses CUDA has
+    # initialised it.
     if eager and not _ops.torch_cuda_ready:
         _ops.ensure_torch_cuda()
     dims = _sizes(size)
@@ -192,6 +174,63 @@ def memory_stats(numa_node: int | None = None) -> collections.OrderedDict[str, i
     return _ops.memory_stats(_check.numa_node(numa_node, "memory_stats"))
 
 
+@_check.never_traced("reset_peak_memory_stats", _RESETS_COUNTERS)
+def reset_peak_memory_stats() -> None:
+    """Sets every ``.peak`` counter to its ``.current`` value."""
+    _ops.reset_peak_memory_stats()
+
+
+@_check.never_traced("reset_accumulated_memory_stats", _RESETS_COUNTERS)
+def reset_accumulated_memory_stats() -> None:
+    """Zeroes the ``num_*`` counters and the timers."""
+    _ops.reset_accumulated_memory_stats()
+
+
+@_check.never_traced("empty_cache", "it returns cached memory to the OS when it runs")
+def empty_cache() -> int:
+    """Returns every fully free cached segment to the OS; returns the bytes released.
+    Blocks still in use, or waiting on CUDA events, are kept. Small blocks freed with no
+    recorded use (without ``install()``) wait in their stream's fence batch: this call
+    records the batches' events and waits for them first, so it returns once the work
+    queued on those streams before it is done."""
+    return _ops.empty_cache()
+
+
+@_check.never_traced("install", "it replaces torch's host allocator when it runs")
+def install() -> None:
+    """Makes pinxfer's pool torch's CUDA host allocator.
+
+    Afterwards ``Tensor.pin_memory()``, ``torch.empty(..., pin_memory=True)``, the
+    DataLoader's pin thread and the event that ``copy_(non_blocking=True)``
+    records all go to pinxfer's pool. Undo with :func:`uninstall`. Tensors
+    allocated before either call stay valid, and copies of tensors that torch's
+    own allocator pinned before ``install()`` are still reported to it.
+
+    Call it at start-up, before other threads copy: torch swaps its allocator
+    pointer without a lock. After :func:`uninstall`, torch reports copies only to
+    its own allocator again, so a pool tensor made while installed is then
+    protected like any pool tensor (fence on free; :func:`record_stream` for
+    copies on side streams).
+
+    Raises:
+        RuntimeError: this pinxfer was built without CUDA (no CUDA host allocator to replace),
+            or the current stream is capturing a CUDA graph (install before capturing).
+    """
+    _ops.install()
+
+
+@_check.never_traced("uninstall", "it gives torch its host allocator back when it runs")
+def uninstall() -> None:
+    """Gives torch its own CUDA host allocator back."""
+    _ops.uninstall()
+
+
+@_check.never_traced("is_installed", "it answers for torch's host allocator as it is when it runs")
+def is_installed() -> bool:
+    """True while pinxfer's pool is torch's CUDA host allocator."""
+    return _ops.is_installed()
+
+
 @_check.never_traced(
     "record_stream", "it records the stream current when it runs, not when a graph was traced"
 )
@@ -233,3 +272,11 @@ def set_max_pinned_bytes(limit: int | str) -> None:
             that rounds to 0 bytes.
     """
     _ops.set_max_pinned_bytes(_check.byte_count(limit, "set_max_pinned_bytes", "limit"))
+
+
+@_check.never_traced(
+    "get_max_pinned_bytes", "it reads the cap, which set_max_pinned_bytes changes, when it runs"
+)
+def get_max_pinned_bytes() -> int:
+    """The cap in bytes (0: no cap)."""
+    return _ops.get_max_pinned_bytes()

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import importlib
 import os
+import pickle
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -390,3 +392,69 @@ def test_build_info_and_the_cuda_reason_trace_as_their_answer():
 
     x = torch.zeros(2)
     assert torch.equal(compiled(step, backend="eager")(x), step(x))
+
+
+def test_a_state_call_in_another_thread_runs_while_a_compile_is_under_way():
+    """torch 2.14 holds torch.compiler.is_compiling() True in every thread for the whole of
+    a compile, and never_traced raised its message when it read True: a monitoring thread's
+    memory_stats failed while the main thread compiled (found by review, session 55). The
+    backend runs inside the compile, so the thread's calls are made while it is under way."""
+    outcomes: list[str] = []
+
+    def other_thread_calls() -> None:
+        for call in (pinxfer.memory_stats, pinxfer.get_max_pinned_bytes, pinxfer.numa_nodes):
+            try:
+                call()
+                outcomes.append("ok")
+            except Exception as exc:
+                outcomes.append(f"{call.__name__}: {exc}")
+
+    def backend(gm, example_inputs):
+        thread = threading.Thread(target=other_thread_calls)
+        thread.start()
+        thread.join()
+        return gm.forward
+
+    assert torch.compile(lambda x: x.sin() + 1, backend=backend)(torch.zeros(2)).tolist() == [
+        1.0,
+        1.0,
+    ]
+    assert outcomes == ["ok"] * 3, outcomes
+
+
+def test_a_state_call_in_a_function_exported_non_strict_runs():
+    """Non-strict torch.export runs the function's Python for real (is_compiling() True):
+    a state call there runs, as in eager, rather than raising never_traced's message."""
+
+    class Logged(torch.nn.Module):
+        def forward(self, x):
+            pinxfer.memory_stats()
+            return x + 1
+
+    exported = torch.export.export(Logged(), (torch.zeros(2),), strict=False)
+    assert torch.equal(exported.module()(torch.zeros(2)), torch.ones(2))
+
+
+def test_a_traced_answer_does_not_take_a_users_global_name():
+    """dynamo keeps a constant-result call's answer in the compiled function's module globals
+    under the marked function's name, and reads it there when the graph returns it: marked
+    as build_info itself, a user's global named build_info, set after the compile, was
+    returned instead (found by review, session 55). The marked bodies have private names."""
+    namespace = {"pinxfer": pinxfer}
+    exec(  # a module of the user's, whose globals dynamo writes to
+        "def step(x):\n    return x + 1, pinxfer.build_info()\n", namespace
+    )
+    f = compiled(namespace["step"], backend="eager")
+    assert f(torch.zeros(1))[1] == pinxfer.build_info()
+    namespace["build_info"] = "the user's own"
+    assert f(torch.zeros(1))[1] == pinxfer.build_info()
+
+
+@pytest.mark.parametrize("name", sorted(set(pinxfer.__all__) | {"topology.node_cpus"}))
+def test_public_functions_pickle_as_themselves(name):
+    """A wrapped public function keeps the wrapped one's module and name (functools.wraps),
+    so pickle looked for it in pinxfer._ops and found another object there: DataLoader
+    worker_init_fn, spawn and ProcessPoolExecutor failed (found by review, session 55)."""
+    obj = _topology.node_cpus if name == "topology.node_cpus" else getattr(pinxfer, name)
+    if callable(obj):
+        assert pickle.loads(pickle.dumps(obj)) is obj
