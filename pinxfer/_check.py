@@ -35,9 +35,6 @@ _cuda_usable_in_pid: int | None = None  # the process that found CUDA usable
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
-#: True only in code dynamo traces (a constant there), False whenever Python runs for real.
-_traced_by_dynamo = torch.compiler.is_dynamo_compiling
-
 
 def never_traced(op: str, why: str) -> Callable[[_F], _F]:
     """A public function that torch.compile must call, never trace (nor anything it calls):
@@ -58,12 +55,11 @@ def never_traced(op: str, why: str) -> Callable[[_F], _F]:
     ``torch._dynamo``, and until then the function is called directly: importing dynamo costs
     about 1.6 s.
 
-    Whether dynamo traces the wrapper is asked of ``torch.compiler.is_dynamo_compiling()``
-    (True only in code dynamo traces), not ``is_compiling()``: torch 2.14 holds that one True
-    in every thread for the whole of a compile, so a call in another thread (a monitoring
-    thread's ``memory_stats``), or one run for real while something is traced (non-strict
-    ``torch.export``, a function dynamo calls at trace time), raised this message (found by
-    review, session 55).
+    Whether dynamo traces the wrapper is asked of ``_ops.compiling`` (dynamo's own test), not
+    ``torch.compiler.is_compiling()``: torch 2.14 holds that one True in every thread for the
+    whole of a compile, so a call in another thread (a monitoring thread's ``memory_stats``), or
+    one run for real while something is traced (non-strict ``torch.export``, a function dynamo
+    calls at trace time), raised this message (found by review, session 55).
     """
     message = (
         f"pinxfer.{op} cannot be traced by torch.compile: {why}. Call it outside the "
@@ -76,7 +72,7 @@ def never_traced(op: str, why: str) -> Callable[[_F], _F]:
         @functools.wraps(fn)
         def run(*args: Any, **kwargs: Any) -> Any:
             nonlocal disabled
-            if _traced_by_dynamo():
+            if _ops.compiling():
                 raise RuntimeError(message)
             if disabled is None:
                 # Not before dynamo is imported, nor while another thread still imports it
@@ -100,7 +96,7 @@ def require_cuda(op: str, hint: str = "") -> None:
 
     Once usable, CUDA stays usable in a process (a forked child is another pid), so after the
     first success this is one ``os.getpid()``."""
-    if torch.compiler.is_compiling():
+    if _ops.compiling():
         # Traced (torch.compile): dynamo cannot trace os.getpid; the op checks CUDA
         # itself when the compiled code runs.
         return
@@ -160,8 +156,7 @@ def _current_cuda_index(op: str, hint: str) -> int:
     gives up on runs eagerly while the functions it calls are compiled on their own, in
     which require_cuda checks nothing. So the check is made here, in this frame: traced, by
     ``cuda_unavailable_reason``, which dynamo answers at trace time (a constant result)."""
-    traced = torch.compiler.is_compiling()
-    reason = _ops.cuda_unavailable_reason() if traced else _unusable_reason()
+    reason = _ops.cuda_unavailable_reason() if _ops.compiling() else _unusable_reason()
     if reason is not None:
         raise _cuda_unusable(op, reason, hint)
     return torch.cuda.current_device()

@@ -498,7 +498,7 @@ class _CallerPass:
         (benchmarks/diag_step_python.py). Every other case goes through the functions the
         rest of the road uses."""
         # A profiler's ranges around the fetch and the wait: profiling(), its cheap half
-        # asked first (with no profiler running, torch.compiler.is_compiling, two Python
+        # asked first (with no profiler running, _ops.compiling, two Python
         # calls, need not be asked; this step is never traced: the sender's calls break a
         # graph).
         ranged = (torch.autograd._profiler_enabled() or NVTX_TOOL) and profiling()

@@ -98,7 +98,7 @@ def profiler_range(name: str) -> contextlib.AbstractContextManager:
 def profiling() -> bool:
     """Whether profiler_range records a range now: a torch profiler runs or nsys does, and
     the code is not being traced (the compiled graph runs no Python to bracket)."""
-    if torch.compiler.is_compiling():
+    if _ops.compiling():
         return False  # checked first: tracing the profiler's query would break the graph
     return torch.autograd._profiler_enabled() or NVTX_TOOL
 

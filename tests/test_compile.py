@@ -435,6 +435,21 @@ def test_a_state_call_in_a_function_exported_non_strict_runs():
     assert torch.equal(exported.module()(torch.zeros(2)), torch.ones(2))
 
 
+@pytest.mark.parametrize("strict", [False, True], ids=["non_strict", "strict"])
+def test_pin_memory_and_empty_export(strict):
+    """Exported, pin_memory and empty are their ops in the graph. Non-strict export runs the
+    Python for real under its fake-tensor mode: the traced road is chosen there by that mode
+    (eager() and the fast calls see it), not by is_compiling()."""
+
+    class Pins(torch.nn.Module):
+        def forward(self, x):
+            return pinxfer.pin_memory(x * 2) + 1, pinxfer.empty(4).shape[0]
+
+    exported = torch.export.export(Pins(), (torch.zeros(3),), strict=strict)
+    out, n = exported.module()(torch.ones(3))
+    assert torch.equal(out, torch.full((3,), 3.0)) and n == 4
+
+
 def test_a_traced_answer_does_not_take_a_users_global_name():
     """dynamo keeps a constant-result call's answer in the compiled function's module globals
     under the marked function's name, and reads it there when the graph returns it: marked
@@ -458,3 +473,27 @@ def test_public_functions_pickle_as_themselves(name):
     obj = _topology.node_cpus if name == "topology.node_cpus" else getattr(pinxfer, name)
     if callable(obj):
         assert pickle.loads(pickle.dumps(obj)) is obj
+
+
+def test_eager_calls_in_another_thread_take_their_eager_road_while_a_compile_is_under_way():
+    """pinxfer's Python chose its traced road (pin_memory always copying, no fast call) by
+    torch.compiler.is_compiling(), which torch 2.14 holds True in every thread for the whole of
+    a compile: a data thread's pin_memory of a pinned tensor returned a copy, not the tensor,
+    while the main thread compiled (found in session 55). The road is chosen by whether dynamo
+    traces the call (is_dynamo_compiling), as in eager otherwise."""
+    pinned = pinxfer.empty(1024)
+    seen: list[bool] = []
+
+    def other_thread_pins() -> None:
+        seen.append(pinxfer.pin_memory(pinned) is pinned)
+        seen.append(pinxfer.pin_memory([pinned])[0] is pinned)
+
+    def backend(gm, example_inputs):
+        thread = threading.Thread(target=other_thread_pins)
+        thread.start()
+        thread.join()
+        return gm.forward
+
+    assert pinxfer.pin_memory(pinned) is pinned
+    torch.compile(lambda x: x.cos() + 1, backend=backend)(torch.zeros(2))
+    assert seen == [True, True]
