@@ -96,9 +96,9 @@ def require_cuda(op: str, hint: str = "") -> None:
 
     Once usable, CUDA stays usable in a process (a forked child is another pid), so after the
     first success this is one ``os.getpid()``."""
-    if _ops.compiling():
-        # Traced (torch.compile): dynamo cannot trace os.getpid; the op checks CUDA
-        # itself when the compiled code runs.
+    if _ops.traced():
+        # Traced (torch.compile, or an export's fake tensors): dynamo cannot trace os.getpid;
+        # the op checks CUDA itself when the compiled code runs.
         return
     reason = _unusable_reason()
     if reason is not None:
@@ -156,7 +156,7 @@ def _current_cuda_index(op: str, hint: str) -> int:
     gives up on runs eagerly while the functions it calls are compiled on their own, in
     which require_cuda checks nothing. So the check is made here, in this frame: traced, by
     ``cuda_unavailable_reason``, which dynamo answers at trace time (a constant result)."""
-    reason = _ops.cuda_unavailable_reason() if _ops.compiling() else _unusable_reason()
+    reason = _ops.cuda_unavailable_reason() if _ops.traced() else _unusable_reason()
     if reason is not None:
         raise _cuda_unusable(op, reason, hint)
     return torch.cuda.current_device()

@@ -68,6 +68,19 @@ compiling = torch.compiler.is_dynamo_compiling
 in_bad_fork = getattr(torch._C, "_cuda_isInBadFork", lambda: False)
 
 
+_is_compiling = torch.compiler.is_compiling
+
+
+def traced() -> bool:
+    """True where pinxfer's Python runs as part of a trace: dynamo tracing it (``compiling``),
+    or real Python under a tracing mode while a compile or an export is under way (non-strict
+    ``torch.export``, ``make_fx`` inside a backend). Not in another thread while one compiles:
+    modes are per thread, while ``is_compiling()`` is True in every thread then. Where a
+    call's road differs traced (pin_memory's pinned check, the CUDA checks), this decides; the
+    fast calls need only ``compiling`` (their C++ declines under a mode)."""
+    return compiling() or (_is_compiling() and bool(_len_dispatch_modes() or _function_mode_on()))
+
+
 def eager() -> bool:
     """True where a fast call is equivalent to its operator: not tracing, no mode active."""
     # compiling() first: under dynamo it is a constant, and the two mode queries

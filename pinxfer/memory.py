@@ -118,7 +118,7 @@ def empty(
     # Traced (torch.compile), torch's CUDA state is not initialised here: dynamo cannot trace
     # the C call that opens the hot paths after it, and a compiled program that uses CUDA has
     # initialised it.
-    if eager and not _ops.torch_cuda_ready:
+    if eager and not _ops.torch_cuda_ready and not _ops.traced():
         _ops.ensure_torch_cuda()
     dims = _sizes(size)
     dt = torch.get_default_dtype() if dtype is None else _check.dtype(dtype, "empty")

@@ -138,7 +138,7 @@ def _pin_tensor(tensor: torch.Tensor, node: int | None, threads: int) -> torch.T
     # Traced (torch.compile), a graph cannot branch on whether this memory is pinned (its
     # state when the graph runs, not when it is traced): the result is always a pinned copy,
     # and torch's CUDA state is not initialised here (memory.empty says why).
-    if not _ops.compiling():
+    if not _ops.traced():
         if is_pinned(tensor):
             return tensor
         if not _ops.torch_cuda_ready:
@@ -301,7 +301,7 @@ def pin_memory(
     node = None if device is None and numa_node is None else _node_for(device, numa_node)
     threads = 0 if num_threads is None else _threads(num_threads)
     if type(obj) is torch.Tensor:
-        if not _ops.compiling():
+        if not _ops.traced():
             if not _ops.torch_cuda_ready:
                 _ops.ensure_torch_cuda()
             # None unless a plain dense CPU tensor with no mode active: the checks of

@@ -448,6 +448,36 @@ def test_pin_memory_and_empty_export(strict):
     exported = torch.export.export(Pins(), (torch.zeros(3),), strict=strict)
     out, n = exported.module()(torch.ones(3))
     assert torch.equal(out, torch.full((3,), 3.0)) and n == 4
+    # The graph holds the copy and nothing of eager's road: non-strict, eager's pinned check
+    # ran on the fake tensor and left three query ops in it (found by review, session 55).
+    code = exported.graph_module.code
+    assert "pin_memory" in code
+    assert not any(q in code for q in ("is_pinned", "is_pool_tensor", "inplace_lock_kind")), code
+
+
+@pytest.mark.parametrize("strict", [False, True], ids=["non_strict", "strict"])
+def test_to_device_to_a_named_gpu_exports_as_torch_to_does(strict):
+    """Exported, to_device to an explicit GPU ends as torch's x.to("cuda:0") does: both export
+    or both fail. Non-strict, the CUDA check ran on the fake tensors' real Python and refused
+    on a machine without a GPU where torch's own export succeeds (found by review, session 55)."""
+
+    class ToCuda(torch.nn.Module):
+        def __init__(self, send):
+            super().__init__()
+            self.send = send
+
+        def forward(self, x):
+            return self.send(x * 2)
+
+    def exports(send) -> bool:
+        torch._dynamo.reset()
+        try:
+            torch.export.export(ToCuda(send), (torch.zeros(3),), strict=strict)
+        except Exception:
+            return False
+        return True
+
+    assert exports(lambda x: pinxfer.to_device(x, "cuda:0")) == exports(lambda x: x.to("cuda:0"))
 
 
 def test_a_traced_answer_does_not_take_a_users_global_name():
