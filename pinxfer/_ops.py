@@ -53,13 +53,12 @@ _lib = torch.ops.pinxfer
 _len_dispatch_modes = torch._C._len_torch_dispatch_stack
 _function_mode_on = torch._C._is_torch_function_mode_enabled
 #: True in code torch.compile's dynamo traces (a constant there), False whenever Python runs
-#: for real: the one check a fast call leaves to Python, and the one test of "traced" in the
-#: package. The ``*_if_plain``/``*_if_eager`` fast calls make the others in C++ and answer None
-#: where the operator must run. Not ``torch.compiler.is_compiling()``: torch 2.14 holds that
-#: True in every thread for the whole of a compile, so a data thread's calls took the traced
-#: road while the main thread compiled (``pin_memory`` of a pinned tensor returned a copy),
-#: and ``never_traced`` raised there (session 55). Non-strict ``torch.export`` runs Python for
-#: real under its fake-tensor mode, which ``eager()`` and the fast calls see as a mode.
+#: for real: the one check a fast call leaves to Python (``traced()`` below adds a tracing
+#: mode's real Python). The ``*_if_plain``/``*_if_eager`` fast calls make the others in C++
+#: and answer None where the operator must run. Not ``torch.compiler.is_compiling()``: torch
+#: 2.14 holds that True in every thread for the whole of a compile, so a data thread's calls
+#: took the traced road while the main thread compiled (``pin_memory`` of a pinned tensor
+#: returned a copy), and ``never_traced`` raised there (session 55).
 compiling = torch.compiler.is_dynamo_compiling
 
 # True in a forked child of a process that initialised CUDA: torch can no longer
