@@ -60,14 +60,12 @@ _function_mode_on = torch._C._is_torch_function_mode_enabled
 #: took the traced road while the main thread compiled (``pin_memory`` of a pinned tensor
 #: returned a copy), and ``never_traced`` raised there (session 55).
 compiling = torch.compiler.is_dynamo_compiling
+_is_compiling = torch.compiler.is_compiling
 
 # True in a forked child of a process that initialised CUDA: torch can no longer
 # query CUDA there (Tensor.is_pinned() may raise), and nothing is pinned for this
 # process's CUDA context (it has none).
 in_bad_fork = getattr(torch._C, "_cuda_isInBadFork", lambda: False)
-
-
-_is_compiling = torch.compiler.is_compiling
 
 
 def traced() -> bool:

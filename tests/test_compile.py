@@ -394,6 +394,20 @@ def test_build_info_and_the_cuda_reason_trace_as_their_answer():
     assert torch.equal(compiled(step, backend="eager")(x), step(x))
 
 
+def _compile_while_a_thread_runs(work) -> None:
+    """Compiles and runs a small function whose backend runs ``work`` on another thread and
+    joins it: the backend runs inside the compile, so ``work`` runs while it is under way."""
+
+    def backend(gm, example_inputs):
+        thread = threading.Thread(target=work)
+        thread.start()
+        thread.join()
+        return gm.forward
+
+    out = torch.compile(lambda x: x.sin() + 1, backend=backend)(torch.zeros(2))
+    assert torch.equal(out, torch.ones(2))
+
+
 def test_a_state_call_in_another_thread_runs_while_a_compile_is_under_way():
     """torch 2.14 holds torch.compiler.is_compiling() True in every thread for the whole of
     a compile, and never_traced raised its message when it read True: a monitoring thread's
@@ -409,16 +423,7 @@ def test_a_state_call_in_another_thread_runs_while_a_compile_is_under_way():
             except Exception as exc:
                 outcomes.append(f"{call.__name__}: {exc}")
 
-    def backend(gm, example_inputs):
-        thread = threading.Thread(target=other_thread_calls)
-        thread.start()
-        thread.join()
-        return gm.forward
-
-    assert torch.compile(lambda x: x.sin() + 1, backend=backend)(torch.zeros(2)).tolist() == [
-        1.0,
-        1.0,
-    ]
+    _compile_while_a_thread_runs(other_thread_calls)
     assert outcomes == ["ok"] * 3, outcomes
 
 
@@ -509,8 +514,8 @@ def test_eager_calls_in_another_thread_take_their_eager_road_while_a_compile_is_
     """pinxfer's Python chose its traced road (pin_memory always copying, no fast call) by
     torch.compiler.is_compiling(), which torch 2.14 holds True in every thread for the whole of
     a compile: a data thread's pin_memory of a pinned tensor returned a copy, not the tensor,
-    while the main thread compiled (found in session 55). The road is chosen by whether dynamo
-    traces the call (is_dynamo_compiling), as in eager otherwise."""
+    while the main thread compiled (found in session 55). The road is chosen by _ops.traced():
+    dynamo tracing the call, or a tracing mode in this thread; otherwise as in eager."""
     pinned = pinxfer.empty(1024)
     seen: list[bool] = []
 
@@ -518,12 +523,6 @@ def test_eager_calls_in_another_thread_take_their_eager_road_while_a_compile_is_
         seen.append(pinxfer.pin_memory(pinned) is pinned)
         seen.append(pinxfer.pin_memory([pinned])[0] is pinned)
 
-    def backend(gm, example_inputs):
-        thread = threading.Thread(target=other_thread_pins)
-        thread.start()
-        thread.join()
-        return gm.forward
-
     assert pinxfer.pin_memory(pinned) is pinned
-    torch.compile(lambda x: x.cos() + 1, backend=backend)(torch.zeros(2))
+    _compile_while_a_thread_runs(other_thread_pins)
     assert seen == [True, True]
