@@ -113,13 +113,17 @@ def test_to_host_under_compile_breaks_the_graph_at_the_call():
     (before session 48 the traced call skipped the CUDA check and returned a handle there),
     with one the CPU tensor passes through and the code after it is a second graph (the GPU
     copy is checked in tests/test_transfer_gpu.py). Not the whole function run uncompiled,
-    as when to_host raised while traced (0 graphs)."""
+    as when to_host raised while traced (0 graphs).
+
+    The code after the call adds ``x``: dynamo skips a resume frame whose locals hold no tensor
+    (torch 2.11 and 2.14: "no tensor-related objects found in frame"; the handle hides its
+    tensor), and then runs ``.cos()`` uncompiled (1 graph; the GPU run of session 56 found it)."""
     backend = CountingBackend()
 
     def fn(x):
         y = x.exp()
         handle = pinxfer.to_host(y)
-        return handle.wait().cos()
+        return handle.wait().cos() + x
 
     x = torch.arange(6.0)
     eager = _outcome(fn, x)
@@ -130,6 +134,7 @@ def test_to_host_under_compile_breaks_the_graph_at_the_call():
     else:
         assert torch.equal(traced, eager)
         assert len(backend.graphs) == 2, backend.graphs
+        assert "cos" in backend.graphs[1].code, backend.graphs[1].code  # the code after the call
 
 
 def test_a_host_transfers_wait_and_ready_break_the_graph():
