@@ -18,6 +18,10 @@ event before its first DMA and after each chunk's, with the host time each chunk
   busy_gbps      the DMA's rate over the chunks queued before the previous one finished
                  (the engine had work waiting): bytes over the spacing of their finishes
   tail_us        from the last chunk's queueing to its DMA's end
+  head_gbps      busy_gbps over the spans that begin in the first half of the bytes, and
+  rest_gbps      over the others. Under 'auto' the head of a transfer over 16 MiB is staged
+                 with cached stores, whose lines the engine reads at about half the bus's rate
+                 while they are dirty in the cores' caches (session 56, H100)
   spans          the DMAs the chunks went in (consecutive staged chunks go together while
                  the engine has work queued: pipeline.cpp's SpanGate)
   at_*_us        pinxfer's host steps, from the Python call (host_steps): where the time
@@ -93,6 +97,21 @@ def summarize(chunks: list[dict]) -> dict[str, float]:
             busy_bytes += cur["end"] - cur["begin"]
             busy_us += cur["dma_done_us"] - prev["dma_done_us"]
     last = chunks[-1]
+    half = last["end"] / 2
+    # busy_gbps split by where a span begins: only spans queued while the engine still ran the
+    # previous one, timed on the GPU's clock alone (end to end); a span queued to an idle engine
+    # would be timed from its host queue time, off by the start event's launch latency.
+    span_bytes = {True: 0, False: 0}
+    span_us = {True: 0.0, False: 0.0}
+    for prev, cur in itertools.pairwise(chunks):
+        if cur["queued_us"] <= prev["dma_done_us"]:
+            head = cur["begin"] < half
+            span_bytes[head] += cur["end"] - cur["begin"]
+            span_us[head] += cur["dma_done_us"] - prev["dma_done_us"]
+
+    def rate(head: bool) -> float:
+        return span_bytes[head] / span_us[head] / 1e3 if span_us[head] > 0 else float("nan")
+
     return {
         "spans": len(chunks),
         "first_dma_us": chunks[0]["queued_us"],
@@ -100,6 +119,8 @@ def summarize(chunks: list[dict]) -> dict[str, float]:
         "busy_gbps": busy_bytes / busy_us / 1e3 if busy_us > 0 else float("nan"),
         "busy_share": busy_bytes / last["end"],
         "tail_us": last["dma_done_us"] - last["queued_us"],
+        "head_gbps": rate(True),
+        "rest_gbps": rate(False),
         "dma_span_us": last["dma_done_us"],
     }
 
@@ -298,6 +319,8 @@ def main() -> None:
         "busy_gbps",
         "busy_share",
         "tail_us",
+        "head_gbps",
+        "rest_gbps",
         *STEP_FIELDS,
     )
     print(f"{'size':>6} {'cell':22} " + " ".join(f"{c:>12}" for c in cols))
