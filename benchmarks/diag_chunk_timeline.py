@@ -19,9 +19,10 @@ event before its first DMA and after each chunk's, with the host time each chunk
                  (the engine had work waiting): bytes over the spacing of their finishes
   tail_us        from the last chunk's queueing to its DMA's end
   head_gbps      busy_gbps over the spans that begin in the first half of the bytes, and
-  rest_gbps      over the others. Under 'auto' the head of a transfer over 16 MiB is staged
-                 with cached stores, whose lines the engine reads at about half the bus's rate
-                 while they are dirty in the cores' caches (session 56, H100)
+  rest_gbps      over the others. Under 'auto' all but a transfer's last 16 MiB is staged with
+                 cached stores (all of it from 32 MiB up while the copy stream is busy), so the
+                 halves are the two store kinds only at 32 MiB; there the engine read the
+                 cached half at 38-47 GB/s and the other at 53-54 (session 56, H100)
   spans          the DMAs the chunks went in (consecutive staged chunks go together while
                  the engine has work queued: pipeline.cpp's SpanGate)
   at_*_us        pinxfer's host steps, from the Python call (host_steps): where the time

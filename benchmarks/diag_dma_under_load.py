@@ -1,7 +1,7 @@
 """Does the copy engine read host memory slower while the CPU copies beside it, and do DMAs
 split over two or four streams get that rate back? (issue 22: the mid-size engine phase.)
 
-diag_chunk_timeline shows a staged 8-64 MiB to_device's DMAs running at 41-50 GB/s on the
+diag_chunk_timeline shows a staged 8-64 MiB to_device's DMAs running at 41-46 GB/s on the
 H100, where torch's pinned copy of the same size runs at 53-55, while pinxfer's threads stage
 beside them. This times, torch only (no pinxfer), a pinned source sent to the GPU:
 
@@ -14,11 +14,14 @@ beside them. This times, torch only (no pinxfer), a pinned source sent to the GP
                 pageable tensor: cached stores, so its lines are dirty in the writers' caches,
                 as pinxfer's cached staging stores leave them), the host idle
 
-Each timed by CUDA events (a start on the first stream, which the others wait on, and an end
-on each stream, recorded before the host load: the latest end counts), a GPU sleep first so
-that every DMA is queued before the engine starts; the host load starts right after the
-queueing and lasts longer than the DMAs. Ways run in balanced orders, 20 rounds; median and
-minimum µs and GB/s.
+Each timed by CUDA events (a start on the first stream, which the others wait on, and an end on
+each stream: the latest end counts), behind a GPU sleep of about half a millisecond so that
+every part is queued before the engine starts (`late_calls` counts calls where it was not); the
+host load begins when the GPU reaches the start (the main thread waits for it after the
+queueing), and lasts longer than the DMAs. Until a review of session 56 the sleep was about 30
+µs and the load began right after the queueing on the main thread: the two- and four-stream
+figures of session 56's files (`results/h100/dma_under_load*_2026-12-07_s56.json`) may hold some
+of their queueing. Ways run in balanced orders, 20 rounds; median and minimum µs and GB/s.
 
     python benchmarks/diag_dma_under_load.py OUT.json [--sizes 8M,32M] [--rounds 20]
         [--load-factor 4]      (results/h100/dma_under_load*_2026-12-07_s56.json)
@@ -47,10 +50,12 @@ def timed_send(
     streams: list[torch.cuda.Stream],
     load: tuple[torch.Tensor, torch.Tensor] | None,
     rewrite: torch.Tensor | None = None,
-) -> float:
-    """µs from the first DMA's start to the last one's end (CUDA events), the bytes split
-    evenly over `streams`; `load` (dst, src) copied on the host right after the queueing;
-    `rewrite` copied into `src` on the host just before."""
+) -> tuple[float, bool]:
+    """(µs from the first DMA's start to the last one's end, by CUDA events; whether the GPU
+    reached the start before every part was queued, which would put the queueing in the
+    figure). The bytes go split evenly over `streams`; `load` (dst, src) is copied on the host
+    from when the GPU reaches the start; `rewrite` is copied into `src` on the host just
+    before."""
     if rewrite is not None:
         src.copy_(rewrite)
     first = streams[0]
@@ -58,7 +63,7 @@ def timed_send(
     n = src.numel()
     bounds = [n * i // len(streams) for i in range(len(streams) + 1)]
     with torch.cuda.stream(first):
-        torch.cuda._sleep(50_000)  # ~30 µs: every part queued before the engine starts
+        torch.cuda._sleep(1_000_000)  # ~0.5 ms: every part queued before the engine starts
         start.record(first)
     ends = []
     for i, s in enumerate(streams):
@@ -68,11 +73,14 @@ def timed_send(
             e = torch.cuda.Event(enable_timing=True)
             e.record(s)
             ends.append(e)
+    late = start.query()
     if load is not None:
+        while not start.query():  # the load begins with the DMAs, not during the sleep
+            pass
         load[0].copy_(load[1])
     for e in ends:
         e.synchronize()
-    return max(start.elapsed_time(e) for e in ends) * 1e3
+    return max(start.elapsed_time(e) for e in ends) * 1e3, late
 
 
 def measure(nbytes: int, rounds: int, load_factor: float) -> dict[str, Any]:
@@ -90,15 +98,19 @@ def measure(nbytes: int, rounds: int, load_factor: float) -> dict[str, Any]:
     ways = {f"{kind}_{s}": (s, kind) for kind in ("alone", "load") for s in STREAMS}
     ways["written_1"] = (1, "written")
 
+    late: dict[str, int] = dict.fromkeys(ways, 0)
+
     def send(way: str) -> float:
         s, kind = ways[way]
-        return timed_send(
+        us, was_late = timed_send(
             src,
             dst,
             streams[:s],
             load if kind == "load" else None,
             rewrite if kind == "written" else None,
         )
+        late[way] += was_late
+        return us
 
     times: dict[str, list[float]] = {w: [] for w in ways}
     for w in ways:  # warm-up
@@ -113,6 +125,7 @@ def measure(nbytes: int, rounds: int, load_factor: float) -> dict[str, Any]:
             "median_us": round(med, 1),
             "min_us": round(lo, 1),
             "gbps_median": round(nbytes / med / 1e3, 2),
+            "late_calls": late[w],  # warm-up included: should be 0
         }
     return out
 
