@@ -61,7 +61,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def _sources(with_cuda: bool) -> list[str]:
     files = sorted(glob.glob(os.path.join("csrc", "**", "*.cpp"), recursive=True))
-    if not with_cuda:
+    if with_cuda:  # kernels: plain CUDA files, compiled by nvcc
+        files += sorted(glob.glob(os.path.join("csrc", "**", "cuda", "*.cu"), recursive=True))
+    else:
         files = [f for f in files if os.sep + "cuda" + os.sep not in f]
     return files
 
@@ -221,7 +223,7 @@ setup(
             sources,
             include_dirs=[os.path.join(HERE, "csrc")],
             define_macros=define_macros,
-            extra_compile_args={"cxx": cxx_flags},
+            extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3"]},
             extra_link_args=link_flags,
             libraries=["pthread"],
         )

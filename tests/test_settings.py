@@ -42,6 +42,7 @@ PINXFER_VARS = [
     "PINXFER_SENDER_LANDING",
     "PINXFER_SENDER_WORKERS",
     "PINXFER_SENDER_OUTPUTS",
+    "PINXFER_H2D_READ",
     "LOCAL_WORLD_SIZE",  # torchrun's, read by the same table
     "OMP_WAIT_POLICY",  # libgomp's, read (never set) by the same table
     "GOMP_SPINCOUNT",
@@ -270,6 +271,7 @@ def test_settings_list_every_variable_with_its_source():
     assert rows["PINXFER_SENDER_LANDING"] == ["auto", "default"]
     assert rows["PINXFER_SENDER_WORKERS"] == ["2", "default"]
     assert rows["PINXFER_SENDER_OUTPUTS"] == ["auto", "default"]
+    assert rows["PINXFER_H2D_READ"] == ["auto", "default"]
 
 
 def test_spin_is_adaptive_unless_set():
@@ -561,6 +563,7 @@ def test_derived_threads_follow_local_world_size_and_affinity():
         ("PINXFER_SENDER_WORKERS", "0", "an integer from 1 to 4"),
         ("PINXFER_SENDER_OUTPUTS", "caller", "expected 'worker' \\(the sender's worker"),
         ("PINXFER_SENDER_WORKERS", "two", "an integer from 1 to 4"),
+        ("PINXFER_H2D_READ", "dma", "expected 'auto' \\(the default: a kernel reads them"),
         ("PINXFER_DISABLE_CUDA", "yes", "1 \\(never touch CUDA\\) or 0"),
         ("PINXFER_NUMA_NODE", "first", "an integer from 0 to"),
         # Issue 27: 2^32 was read as node 0 while settings() showed 4294967296.

@@ -1395,6 +1395,59 @@ def test_sender_road_batch_lands_during_the_consumers_step():
     assert sender.taken_landed - landed == 4  # each taken after a step
 
 
+_READER_CHILD = """
+    import json, torch, pinxfer
+    MiB = 1 << 20
+    dev = torch.device("cuda", 0)
+    out = {}
+
+    def send(name, nbytes, busy=False, **kw):
+        g = torch.Generator().manual_seed(nbytes + len(name))
+        x = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
+        torch.cuda.synchronize()
+        if busy:  # a kernel queued on the caller's stream as the transfer begins
+            torch.cuda._sleep(20_000_000)
+        y = pinxfer.to_device(x, dev, **kw)
+        t = pinxfer._C._last_single_block_trace()
+        out[name] = dict(ok=bool(torch.equal(y.cpu(), x)), kernel=t["kernel_reads"],
+                         stolen=t["stolen"], nbytes=t["nbytes"])
+
+    # One block, cached chunks then the nontemporal 16 MiB tail; one whose end is no whole
+    # 16-byte word (the kernel's tail bytes), one of whole words.
+    send("odd", 48 * MiB + 100)
+    send("even", 40 * MiB)
+    send("busy", 40 * MiB, busy=True)
+    send("nt_only", 8 * MiB)  # 'auto' staging: every chunk nontemporal
+    send("movsb", 8 * MiB + 7, staging="movsb")  # every chunk cached
+    # Helpers parked mid-piece: their pieces are staged again into spares, sent by the engine.
+    pinxfer._C._set_helper_stall_us(3000)
+    try:
+        send("stolen", 24 * MiB + 4096 + 3, staging="movsb")
+    finally:
+        pinxfer._C._set_helper_stall_us(0)
+    print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("reader", ["auto", "engine", "kernel"])
+def test_staged_read_kernel_sends_every_byte(reader):
+    """PINXFER_H2D_READ (transfer/cuda/staged_read.h): whoever reads the staged bytes, every
+    byte arrives: at a tail that is no whole 16-byte word, across the cut between cached and
+    nontemporal chunks, with pieces stolen from parked helpers. The kernel reads only the chunks
+    staged with cached stores (none of an 8 MiB 'auto' transfer); under 'auto' only when the
+    caller's stream is idle as the transfer begins (not behind a queued kernel); never under
+    'engine'."""
+    got = last_json(run_child(_READER_CHILD, env={"PINXFER_H2D_READ": reader}))
+    assert all(cell["ok"] for cell in got.values()), got
+    assert got["nt_only"]["kernel"] == 0, got
+    kernel = {name: cell["kernel"] > 0 for name, cell in got.items()}
+    if reader == "engine":
+        assert not any(kernel.values()), got
+    else:
+        assert kernel["odd"] and kernel["even"] and kernel["movsb"] and kernel["stolen"], got
+        assert kernel["busy"] == (reader == "kernel"), got
+
+
 _LANDING_CHILD = """
     import json, time, torch, pinxfer
     sender = pinxfer._C.batch_sender(torch.device("cuda", 0))

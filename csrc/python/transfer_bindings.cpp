@@ -76,6 +76,7 @@ pybind11::dict single_block_trace_dict(const transfer::SingleBlockTrace& t) {
   d["helper_pieces"] = t.helper_pieces;
   d["stolen"] = t.stolen;
   d["dma_spans"] = t.dma_spans;
+  d["kernel_reads"] = t.kernel_reads;
   d["setup_us"] = t.setup_us;
   d["alloc_us"] = t.alloc_us;
   d["own_done_us"] = t.own_done_us;

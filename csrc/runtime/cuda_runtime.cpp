@@ -228,7 +228,10 @@ std::string host_register(void* ptr, size_t size) {
   if (relaxed.entered() != cudaSuccess) {
     return "cudaThreadExchangeStreamCaptureMode failed: " + error_text(relaxed.entered());
   }
-  const cudaError_t err = cudaHostRegister(ptr, size, cudaHostRegisterPortable);
+  // Mapped: a kernel may read the pool's staging blocks (transfer/cuda/staged_read.h); under
+  // unified addressing that is the default, said here so that it holds everywhere.
+  const cudaError_t err =
+      cudaHostRegister(ptr, size, cudaHostRegisterPortable | cudaHostRegisterMapped);
   if (err != cudaSuccess) (void)cudaGetLastError();
   const cudaError_t restore = relaxed.restore();
   if (restore != cudaSuccess) {

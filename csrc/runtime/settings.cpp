@@ -247,6 +247,17 @@ const Row kRows[] = {
      },
      [](Settings& s) { return s.sender_outputs; }, "default"},
 
+    {"PINXFER_H2D_READ",
+     "who reads to_device's bytes staged with cached stores: auto, engine or kernel",
+     [](const char* name, const std::string& text, Settings& s) {
+       return s.h2d_read = env_one_of(
+                  name, text, kStagedReaderNames,
+                  "'auto' (the default: a kernel reads them when the caller's current stream "
+                  "is idle, the copy engine otherwise), 'engine' (always the copy engine) or "
+                  "'kernel' (always a kernel)");
+     },
+     [](Settings& s) { return s.h2d_read; }, "default"},
+
     // libgomp's, read and never set: after a region torch's team spins (libgomp: 300000 spins
     // by default) unless these say otherwise; pinxfer then asks /proc at every copy.
     {"OMP_WAIT_POLICY",

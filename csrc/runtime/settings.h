@@ -47,6 +47,9 @@ inline constexpr const char* kSenderLandingNames[] = {"auto", "flag", "event"};
 // The values PINXFER_SENDER_OUTPUTS accepts: on whose stream prefetch's batch sender makes a
 // batch's device memory (ops/cuda/batch_sender.h, "Outputs").
 inline constexpr const char* kSenderOutputsNames[] = {"worker", "consumer", "auto"};
+// The values PINXFER_H2D_READ accepts: who reads a transfer's bytes staged with cached stores
+// (transfer/cuda/staged_read.h; transfer::StagedReader, in this order).
+inline constexpr const char* kStagedReaderNames[] = {"auto", "engine", "kernel"};
 
 // The position of `text` in one of the name lists above, or -1: the one mapping from a
 // setting's name to its enum, whose values are in the list's order.
@@ -75,6 +78,7 @@ struct Settings {
   std::string sender_landing = "auto";  // PINXFER_SENDER_LANDING, one of kSenderLandingNames
   int sender_workers = 2;               // PINXFER_SENDER_WORKERS: batches in flight at a sender
   std::string sender_outputs = "auto";  // PINXFER_SENDER_OUTPUTS, one of kSenderOutputsNames
+  std::string h2d_read = "auto";        // PINXFER_H2D_READ, one of kStagedReaderNames
   // libgomp's own variables, read (never set) to know whether torch's team keeps spinning
   // after a region (runtime/torch_team.h, team_spin_window_us): as gomp_word reads them (trimmed,
   // lower-cased), "" if unset or blank.

@@ -192,7 +192,12 @@ at::Tensor send_to_device(const at::Tensor& self, c10::Device device,
   stamps.mark("output");
   if (pipelined) {
     crew.output_made = std::chrono::steady_clock::now();
-    transfer::pipelined_copy(src, out, index, copy, options, crew);
+    transfer::StagingOptions staging = options;
+    if (!on_current) {  // beside the caller's work: a kernel may read (pipeline.h, StagingOptions)
+      staging.reader = transfer::staged_reader_setting();
+      staging.caller = cur;
+    }
+    transfer::pipelined_copy(src, out, index, copy, staging, crew);
     stamps.mark("pipelined");
   } else {
     transfer::direct_copy(src, out, copy);

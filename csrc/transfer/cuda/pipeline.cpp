@@ -1,6 +1,7 @@
 #include "transfer/cuda/pipeline.h"
 
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_runtime_api.h>
 
@@ -11,18 +12,21 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <thread>
 
 #include "memory/pinned_pool.h"
 #include "memory/placement.h"
 #include "memory/pool_registry.h"
 #include "runtime/cuda_runtime.h"
+#include "runtime/settings.h"
 #include "runtime/step_stamps.h"
 #include "runtime/thread_pool.h"
 #include "runtime/torch_team.h"
 #include "transfer/chunk_plan.h"
 #include "transfer/cuda/copy_streams.h"
 #include "transfer/cuda/source_use.h"
+#include "transfer/cuda/staged_read.h"
 #include "transfer/piece_claims.h"
 #include "transfer/stage_copy.h"
 
@@ -34,6 +38,37 @@ namespace {
 double us_between(std::chrono::steady_clock::time_point from,
                   std::chrono::steady_clock::time_point to) {
   return std::chrono::duration<double, std::micro>(to - from).count();
+}
+
+// Blocks of the staged-read kernel on `device` (transfer/cuda/staged_read.h): one per SM, or 0
+// where the device cannot use a registered host pointer (the copy engine then reads). Asked
+// of the device once.
+int staged_read_blocks(c10::DeviceIndex device) {
+  static const c10::DeviceIndex devices = c10::cuda::device_count();
+  // 0: not asked yet; -1: no kernel there. Leaked: read at exit.
+  static std::atomic<int>* const blocks_of = new std::atomic<int>[devices]();
+  if (device < 0 || device >= devices) return 0;
+  int blocks = blocks_of[device].load(std::memory_order_relaxed);
+  if (blocks == 0) {
+    int host_pointer = 0, sms = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&host_pointer,
+                                          cudaDevAttrCanUseHostPointerForRegisteredMem, device));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    blocks = host_pointer != 0 && sms > 0 ? sms : -1;
+    blocks_of[device].store(blocks, std::memory_order_relaxed);
+  }
+  return blocks > 0 ? blocks : 0;
+}
+
+// Queues one send of staged bytes: by the staged-read kernel of `blocks` blocks (> 0) where
+// the pointers suit it, else by the copy engine. Returns whether the kernel sent them.
+bool send_staged(void* dst, const void* src, size_t len, int blocks, cudaStream_t stream) {
+  if (blocks > 0 && staged_read_fits(dst, src, len)) {
+    C10_CUDA_CHECK(launch_staged_read(dst, src, len, blocks, stream));
+    return true;
+  }
+  C10_CUDA_CHECK(cudaMemcpyAsync(dst, src, len, cudaMemcpyHostToDevice, stream));
+  return false;
 }
 
 // Shared state of one pipelined transfer through a ring of staging slots; lives on the
@@ -250,6 +285,10 @@ struct SingleBlock {
   const ChunkPlan plan;
   PieceClaims claims;  // of plan's pieces
   StagePolicy policy;
+  // Bytes [0, kernel_end) (the chunks staged with cached stores, when the kernel reads them:
+  // kernel_read_end) go by the staged-read kernel of kernel_blocks blocks; the rest by the engine.
+  size_t kernel_end = 0;
+  int kernel_blocks = 0;
   c10::DeviceIndex device = 0;
   c10::cuda::CUDAStream stream;
   PinnedPool* pool = nullptr;
@@ -323,30 +362,61 @@ size_t stage_every(SingleBlock& sb, size_t first, size_t step, bool helper,
   return staged;
 }
 
-// Queues chunks [first, last)'s bytes as few DMAs as it can: runs of pieces from the block, a
-// stolen piece from its spare.
-void queue_single_block_span(const SingleBlock& sb, size_t first, size_t last,
-                             const std::vector<c10::DataPtr>& spares) {
-  Range range("pinxfer::h2d");
+// The end of the bytes the staged-read kernel sends (0: the engine sends them all): the chunks
+// staged with cached stores (the plan's first: StagePolicy::kind_for), where options' reader
+// says so and the block is CUDA-registered. A kernel must never read host memory the device
+// has not mapped: a block the pool could only mlock (or not lock) would fault it, and a fault
+// ends the process's CUDA context. Under kKernelIfIdle it asks the caller's stream (one
+// cudaStreamQuery), and only where some chunk is staged cached.
+size_t kernel_read_end(const SingleBlock& sb, const StagingOptions& options) {
+  if (options.reader == StagedReader::kEngine) return 0;
+  size_t end = 0;
+  for (size_t c = 0; c < sb.plan.num_chunks(); ++c) {
+    if (sb.policy.kind_for(sb.plan.bounds[c + 1], sb.nbytes) == StageCopy::kCached) {
+      end = sb.plan.bounds[c + 1];
+    }
+  }
+  if (end == 0 || PinnedPool::lock_kind_if_pool(sb.block) != LockKind::kCudaRegistered) return 0;
+  if (options.reader == StagedReader::kKernelIfIdle &&
+      (!options.caller || stream_busy(*options.caller))) {
+    return 0;
+  }
+  return end;
+}
+
+// Queues block bytes [begin, end) (the transfer's, at their offset in the block): those below
+// sb.kernel_end by the staged-read kernel, the others by the engine. Returns the kernel's sends.
+size_t send_block_range(const SingleBlock& sb, size_t begin, size_t end) {
   const char* block = static_cast<const char*>(sb.block.get());
   const cudaStream_t stream = sb.stream.stream();
+  const size_t cut = std::clamp(sb.kernel_end, begin, end);
+  size_t by_kernel = 0;
+  if (begin < cut) {
+    by_kernel += send_staged(sb.dst + begin, block + begin, cut - begin, sb.kernel_blocks, stream);
+  }
+  if (cut < end) send_staged(sb.dst + cut, block + cut, end - cut, 0, stream);
+  return by_kernel;
+}
+
+// Queues chunks [first, last)'s bytes as few sends as it can: runs of pieces from the block, a
+// stolen piece from its spare (by the engine: a spare's lines are the stealer's, and steals
+// are rare). Returns the sends the staged-read kernel made.
+size_t queue_single_block_span(const SingleBlock& sb, size_t first, size_t last,
+                               const std::vector<c10::DataPtr>& spares) {
+  Range range("pinxfer::h2d");
+  size_t by_kernel = 0;
   size_t run = sb.plan.bounds[first];  // start of the run of block bytes not yet queued
   for (size_t p = sb.claims.first_piece(first); p < sb.claims.first_piece(last); ++p) {
     if (!sb.claims.stolen(p)) continue;
     const auto& piece = sb.plan.pieces[p];
-    if (run < piece.begin) {
-      C10_CUDA_CHECK(cudaMemcpyAsync(sb.dst + run, block + run, piece.begin - run,
-                                     cudaMemcpyHostToDevice, stream));
-    }
-    C10_CUDA_CHECK(cudaMemcpyAsync(sb.dst + piece.begin, spares[p].get(), piece.end - piece.begin,
-                                   cudaMemcpyHostToDevice, stream));
+    if (run < piece.begin) by_kernel += send_block_range(sb, run, piece.begin);
+    send_staged(sb.dst + piece.begin, spares[p].get(), piece.end - piece.begin, 0,
+                sb.stream.stream());
     run = piece.end;
   }
   const size_t end = sb.plan.bounds[last];
-  if (run < end) {
-    C10_CUDA_CHECK(
-        cudaMemcpyAsync(sb.dst + run, block + run, end - run, cudaMemcpyHostToDevice, stream));
-  }
+  if (run < end) by_kernel += send_block_range(sb, run, end);
+  return by_kernel;
 }
 
 // When the caller sends staged chunks (issue 22, benchmarks/diag_chunk_timeline.py). Each DMA
@@ -397,7 +467,8 @@ class SpanGate {
 
 void single_block_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex device,
                        const c10::cuda::CUDAStream& stream, ChunkPlan plan, StagePolicy policy,
-                       PinnedPool& pool, ThreadPool& threads, const CopyCrew& crew) {
+                       const StagingOptions& options, PinnedPool& pool, ThreadPool& threads,
+                       const CopyCrew& crew) {
   using Clock = std::chrono::steady_clock;
   const auto started = Clock::now();
   auto sb = std::make_shared<SingleBlock>(stream, std::move(plan));
@@ -418,6 +489,10 @@ void single_block_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex 
   const size_t chunks = sb->plan.num_chunks();
   PieceClaims& claims = sb->claims;
   sb->block = pool.allocate(sb->nbytes);
+  if (options.reader != StagedReader::kEngine) {
+    sb->kernel_blocks = staged_read_blocks(device);
+    if (sb->kernel_blocks > 0) sb->kernel_end = kernel_read_end(*sb, options);
+  }
   trace.alloc_us = us_since_start(Clock::now());
 
   // What may throw comes before the offer: from the offer on, helpers may read the source,
@@ -453,7 +528,7 @@ void single_block_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex 
       if (hold) return;
     }
     const auto queueing = Clock::now();
-    queue_single_block_span(*sb, queued, ready, spares);
+    trace.kernel_reads += static_cast<int64_t>(queue_single_block_span(*sb, queued, ready, spares));
     gate.sent();
     const auto sent = Clock::now();
     trace.queue_us += us_between(queueing, sent);
@@ -582,6 +657,12 @@ void return_staging(std::vector<c10::DataPtr>& blocks, PinnedPool& pool,
 
 }  // namespace
 
+StagedReader staged_reader_setting() {
+  const int index = name_index(kStagedReaderNames, settings().h2d_read);
+  TORCH_INTERNAL_ASSERT(index >= 0, "pinxfer: PINXFER_H2D_READ parsed to an unknown reader");
+  return static_cast<StagedReader>(index);
+}
+
 CopyCrew muster_copy_crew(c10::DeviceIndex device, size_t nbytes) {
   CopyCrew crew;
   crew.mustered = std::chrono::steady_clock::now();
@@ -612,7 +693,8 @@ void pipelined_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex dev
   pl.policy = stage_policy(options.mode, options.cached_tail, pl.nbytes,
                            [&stream] { return stream_busy(stream); });
   if (pl.plan.ring == 0) {
-    single_block_copy(src, out, device, stream, std::move(pl.plan), pl.policy, pool, threads, crew);
+    single_block_copy(src, out, device, stream, std::move(pl.plan), pl.policy, options, pool,
+                      threads, crew);
     return;
   }
   pl.device = device;

@@ -7,8 +7,10 @@
 // The host threads of the node's ThreadPool claim pieces in order and copy
 // each into staging (transfer/stage_copy.h). Two layouts:
 // * one block (the tensor fits num_buffers chunks): helpers only stage; the
-//   caller queues the chunks' cudaMemcpyAsync in order once their pieces are final
-//   (consecutive staged chunks as one DMA while the engine has enough queued) and,
+//   caller queues the chunks' sends in order once their pieces are final
+//   (consecutive staged chunks as one DMA while the engine has enough queued; the chunks
+//   staged with cached stores read by a kernel instead where StagingOptions' reader says so:
+//   transfer/cuda/staged_read.h) and,
 //   when a helper has not finished a claimed piece in time (parked by the
 //   scheduler), stages that piece again into a spare block and sends it from
 //   there. The block stays alive (shared) until the last helper has left; the
@@ -37,6 +39,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "transfer/chunk_plan.h"
@@ -50,12 +53,28 @@ class ThreadPool;
 
 namespace pinxfer::transfer {
 
-// How one transfer stages its bytes (the op's arguments).
+// Who reads a single-block transfer's bytes staged with cached stores onto the device: the copy
+// engine, or a kernel over every SM (transfer/cuda/staged_read.h says why and what was
+// measured). PINXFER_H2D_READ, in kStagedReaderNames' order (runtime/settings.h).
+enum class StagedReader {
+  kKernelIfIdle,  // "auto": the kernel when `caller` has no work pending as the staging begins
+  kEngine,        // "engine": always the copy engine
+  kKernel,        // "kernel": always the kernel
+};
+// The setting's reader (PINXFER_H2D_READ).
+StagedReader staged_reader_setting();
+
+// How one transfer stages its bytes (the op's arguments) and who reads them.
 struct StagingOptions {
   size_t chunk_bytes = 0;  // steady chunk at most this (>= 4096)
   size_t num_buffers = 0;  // ring slots for tensors larger than num_buffers chunks (>= 1)
   StagingMode mode = StagingMode::kAuto;
   int64_t cached_tail = -1;  // < 0: auto
+  // The op sets these for a copy on the device's copy stream beside the caller's work; a copy
+  // on the caller's own stream (prefetch's batch sender, whose batches overlap the training
+  // step on another stream) keeps the engine: a kernel there would take SMs from that step.
+  StagedReader reader = StagedReader::kEngine;
+  std::optional<c10::cuda::CUDAStream> caller;  // the caller's current stream (kKernelIfIdle)
 };
 
 // Who stages one pipelined transfer, chosen as soon as the op knows it will need a
@@ -110,8 +129,9 @@ struct SingleBlockTrace {
   int64_t nbytes = 0, pieces = 0;
   int64_t helpers_offered = 0;  // helpers the plan asked for (ThreadPool::offer caps them)
   int64_t own_pieces = 0, helper_pieces = 0, stolen = 0;
-  int64_t dma_spans = 0;  // DMA spans the chunks went in (pipeline.cpp's SpanGate)
-  double setup_us = 0;    // from the crew's muster (helpers woken ahead) to the call's start
+  int64_t dma_spans = 0;     // DMA spans the chunks went in (pipeline.cpp's SpanGate)
+  int64_t kernel_reads = 0;  // of their sends, those made by the staged-read kernel
+  double setup_us = 0;       // from the crew's muster (helpers woken ahead) to the call's start
   double alloc_us = 0, own_done_us = 0, total_us = 0;
   double offered_us = 0;        // when the helpers' job was posted (or the team was called)
   double first_queued_us = -1;  // when the first DMA span was queued; -1: none
