@@ -2,8 +2,10 @@
 
 Configuration (printed at build time):
   * torch is a CUDA build and a CUDA toolkit is found (CUDA_HOME or nvcc on PATH)
-      -> CUDA build: csrc/**/*.cpp including csrc/ops/cuda/, PINXFER_WITH_CUDA=1, links cudart.
-         No GPU is needed to build this way.
+      -> CUDA build: csrc/**/*.cpp including csrc/ops/cuda/, and csrc/**/cuda/*.cu by nvcc,
+         PINXFER_WITH_CUDA=1, links cudart. No GPU is needed to build this way: the kernels
+         are compiled for TORCH_CUDA_ARCH_LIST, else the visible GPUs, else (none visible) the
+         architectures torch was built for (_cuda_architectures).
   * torch is a CUDA build but no toolkit is found
       -> error, unless PINXFER_CPU_ONLY=1 asks for the CPU-only variant on purpose.
   * torch is a CPU build, or PINXFER_CPU_ONLY=1
@@ -159,6 +161,35 @@ if with_cuda:
         release = torch.version.cuda or "unknown"
     define_macros.append(("PINXFER_CUDA_VERSION_STR", f'"{release}"'))
 
+
+def _cuda_architectures() -> str:
+    """What nvcc compiles pinxfer's kernels (csrc/**/cuda/*.cu) for, said in the banner.
+    TORCH_CUDA_ARCH_LIST when set; else, where a GPU is visible, torch's own choice (the visible
+    GPUs'); else the architectures this torch was built for, with PTX for the newest, so that a
+    build on a machine without a GPU (CI, a container image) still runs on every GPU torch does:
+    torch's choice there is an empty list, on which its build fails."""
+    given = os.environ.get("TORCH_CUDA_ARCH_LIST", "").strip()
+    if given:
+        return f"{given} (TORCH_CUDA_ARCH_LIST)"
+    if torch.cuda.is_available():
+        return "the visible GPUs' (torch's detection; TORCH_CUDA_ARCH_LIST sets others)"
+    archs = []
+    for flag in torch._C._cuda_getArchFlags().split():
+        digits = flag.removeprefix("sm_")
+        if flag.startswith("sm_") and digits.isdigit() and len(digits) >= 2:
+            archs.append(f"{digits[:-1]}.{digits[-1]}")  # sm_90 -> 9.0, sm_120 -> 12.0
+    if not archs:
+        sys.exit(
+            "pinxfer: no GPU is visible and torch names no architecture it was built for: set "
+            "TORCH_CUDA_ARCH_LIST to the GPUs pinxfer will run on (e.g. TORCH_CUDA_ARCH_LIST=9.0)."
+        )
+    archs[-1] += "+PTX"
+    os.environ["TORCH_CUDA_ARCH_LIST"] = ";".join(archs)
+    return f"{';'.join(archs)} (torch's own, no GPU visible; TORCH_CUDA_ARCH_LIST sets others)"
+
+
+cuda_archs = _cuda_architectures() if with_cuda else "none (CPU-only)"
+
 # Parallel compile by default: torch's ninja build reads MAX_JOBS (ninja's own default
 # oversubscribes a shared machine; without ninja torch compiles one file at a time).
 jobs = os.environ.setdefault("MAX_JOBS", str(len(os.sched_getaffinity(0))))
@@ -185,6 +216,7 @@ print(
     f"{'' if not sanitize else ', PINXFER_DEBUG_INVARIANTS=1'}\n"
     f"  sources      {len(sources)} files under csrc/\n"
     f"  CUDA_HOME    {cpp_extension.CUDA_HOME}\n"
+    f"  GPU archs    {cuda_archs}\n"
     f"  compile      {compile_mode}{', warnings are errors (PINXFER_WERROR=1)' if werror else ''}\n"
     f"  debug info   {debug_info_text}\n"
     "  Compiling takes about 4 minutes on 2 cores (each file includes all of torch's "

@@ -80,7 +80,7 @@ def main() -> None:
             wall_us[w].append(wl)
     result: dict[str, Any] = {
         "benchmark": "diag_read_overlap",
-        "h2d_read": os.environ.get("PINXFER_H2D_READ", "dma"),
+        "h2d_read": os.environ.get("PINXFER_H2D_READ", "auto"),
         "gpu": torch.cuda.get_device_name(),
         "size": nbytes,
         "matmuls": args.matmuls,

@@ -1402,29 +1402,42 @@ _READER_CHILD = """
     out = {}
 
     def send(name, nbytes, busy=False, **kw):
-        g = torch.Generator().manual_seed(nbytes + len(name))
+        g = torch.Generator().manual_seed(len(out) + 1)  # each case its own bytes
         x = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
         torch.cuda.synchronize()
         if busy:  # a kernel queued on the caller's stream as the transfer begins
-            torch.cuda._sleep(20_000_000)
+            torch.cuda._sleep(SLEEP)
         y = pinxfer.to_device(x, dev, **kw)
         t = pinxfer._C._last_single_block_trace()
         out[name] = dict(ok=bool(torch.equal(y.cpu(), x)), kernel=t["kernel_reads"],
-                         stolen=t["stolen"], nbytes=t["nbytes"])
+                         stolen=t["stolen"], nbytes=t["nbytes"], want=nbytes)
 
-    # One block, cached chunks then the nontemporal 16 MiB tail; one whose end is no whole
-    # 16-byte word (the kernel's tail bytes), one of whole words.
+    # One block: cached chunks, then the nontemporal 16 MiB tail (which the engine sends: the
+    # end that is no whole 16-byte word goes by the engine here).
     send("odd", 48 * MiB + 100)
     send("even", 40 * MiB)
     send("busy", 40 * MiB, busy=True)
+    # Not the device's default stream: 'auto' leaves the reading to the engine.
+    with torch.cuda.stream(torch.cuda.Stream(dev)):
+        send("side", 40 * MiB)
     send("nt_only", 8 * MiB)  # 'auto' staging: every chunk nontemporal
-    send("movsb", 8 * MiB + 7, staging="movsb")  # every chunk cached
+    # Every chunk cached: the kernel sends the tail bytes after the last whole word too.
+    send("movsb", 8 * MiB + 7, staging="movsb")
     # Helpers parked mid-piece: their pieces are staged again into spares, sent by the engine.
     pinxfer._C._set_helper_stall_us(3000)
     try:
         send("stolen", 24 * MiB + 4096 + 3, staging="movsb")
     finally:
         pinxfer._C._set_helper_stall_us(0)
+    # A pool segment CUDA could not register (it falls back to mlock): never the kernel's. The
+    # cache emptied and a block larger than any before, so that a new segment is mapped.
+    pinxfer.empty_cache()
+    pinxfer._C._inject_host_register_failures(1 << 20)
+    try:
+        send("unregistered", 56 * MiB + 16)
+    finally:
+        pinxfer._C._inject_host_register_failures(0)
+        pinxfer.empty_cache()
     print(json.dumps(out))
 """
 
@@ -1432,20 +1445,22 @@ _READER_CHILD = """
 @pytest.mark.parametrize("reader", ["auto", "engine", "kernel"])
 def test_staged_read_kernel_sends_every_byte(reader):
     """PINXFER_H2D_READ (transfer/cuda/staged_read.h): whoever reads the staged bytes, every
-    byte arrives: at a tail that is no whole 16-byte word, across the cut between cached and
-    nontemporal chunks, with pieces stolen from parked helpers. The kernel reads only the chunks
-    staged with cached stores (none of an 8 MiB 'auto' transfer); under 'auto' only when the
-    caller's stream is idle as the transfer begins (not behind a queued kernel); never under
-    'engine'."""
-    got = last_json(run_child(_READER_CHILD, env={"PINXFER_H2D_READ": reader}))
-    assert all(cell["ok"] for cell in got.values()), got
-    assert got["nt_only"]["kernel"] == 0, got
+    byte arrives: across the cut between cached and nontemporal chunks, at an end that is no
+    whole 16-byte word, with pieces stolen from parked helpers. The kernel reads only the chunks
+    staged with cached stores (none of an 8 MiB 'auto' transfer) of a block CUDA registered (not
+    one the pool could only mlock); under 'auto' only for a caller on the default stream with
+    nothing queued there as the transfer begins (not behind a GPU sleep, not from a side
+    stream); never under 'engine'."""
+    env = {"PINXFER_H2D_READ": reader, "PINXFER_STAGE_COPY": None, "PINXFER_CACHED_TAIL": None}
+    got = last_json(run_child(_READER_CHILD.replace("SLEEP", str(SLEEP)), env=env))
+    assert all(cell["ok"] and cell["nbytes"] == cell["want"] for cell in got.values()), got
+    assert got["nt_only"]["kernel"] == 0 and got["unregistered"]["kernel"] == 0, got
     kernel = {name: cell["kernel"] > 0 for name, cell in got.items()}
     if reader == "engine":
         assert not any(kernel.values()), got
     else:
         assert kernel["odd"] and kernel["even"] and kernel["movsb"] and kernel["stolen"], got
-        assert kernel["busy"] == (reader == "kernel"), got
+        assert kernel["busy"] == kernel["side"] == (reader == "kernel"), got
 
 
 _LANDING_CHILD = """

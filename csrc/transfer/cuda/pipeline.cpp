@@ -41,8 +41,8 @@ double us_between(std::chrono::steady_clock::time_point from,
 }
 
 // Blocks of the staged-read kernel on `device` (transfer/cuda/staged_read.h): one per SM, or 0
-// where the device cannot use a registered host pointer (the copy engine then reads). Asked
-// of the device once.
+// where the device cannot use a registered host pointer or the build has no image of the kernel
+// for it (the copy engine then reads). Asked of the device once, with `device` current.
 int staged_read_blocks(c10::DeviceIndex device) {
   static const c10::DeviceIndex devices = c10::cuda::device_count();
   // 0: not asked yet; -1: no kernel there. Leaked: read at exit.
@@ -54,7 +54,7 @@ int staged_read_blocks(c10::DeviceIndex device) {
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&host_pointer,
                                           cudaDevAttrCanUseHostPointerForRegisteredMem, device));
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-    blocks = host_pointer != 0 && sms > 0 ? sms : -1;
+    blocks = host_pointer != 0 && sms > 0 && staged_read_runs_here() == cudaSuccess ? sms : -1;
     blocks_of[device].store(blocks, std::memory_order_relaxed);
   }
   return blocks > 0 ? blocks : 0;
@@ -362,14 +362,17 @@ size_t stage_every(SingleBlock& sb, size_t first, size_t step, bool helper,
   return staged;
 }
 
-// The end of the bytes the staged-read kernel sends (0: the engine sends them all): the chunks
-// staged with cached stores (the plan's first: StagePolicy::kind_for), where options' reader
-// says so and the block is CUDA-registered. A kernel must never read host memory the device
-// has not mapped: a block the pool could only mlock (or not lock) would fault it, and a fault
-// ends the process's CUDA context. Under kKernelIfIdle it asks the caller's stream (one
-// cudaStreamQuery), and only where some chunk is staged cached.
+// The end of the bytes the staged-read kernel sends (0: the engine sends them all), for a
+// reader other than kEngine: the chunks staged with cached stores (the plan's first:
+// StagePolicy::kind_for), where the block is CUDA-registered. A kernel must never read host
+// memory the device has not mapped: a block the pool could only mlock (or not lock) would fault
+// it, and a fault ends the process's CUDA context. Under kKernelIfIdle only for a caller on the
+// device's default stream with nothing pending there (one cudaStreamQuery, asked only where some
+// chunk is staged cached): that is where a training loop's steps run, and where their absence
+// can be seen. A caller on another stream (prefetch's producer thread, whose batches overlap the
+// step on the default stream; a user's side stream) keeps the engine: the step the kernel would
+// slow is not on its stream.
 size_t kernel_read_end(const SingleBlock& sb, const StagingOptions& options) {
-  if (options.reader == StagedReader::kEngine) return 0;
   size_t end = 0;
   for (size_t c = 0; c < sb.plan.num_chunks(); ++c) {
     if (sb.policy.kind_for(sb.plan.bounds[c + 1], sb.nbytes) == StageCopy::kCached) {
@@ -378,7 +381,9 @@ size_t kernel_read_end(const SingleBlock& sb, const StagingOptions& options) {
   }
   if (end == 0 || PinnedPool::lock_kind_if_pool(sb.block) != LockKind::kCudaRegistered) return 0;
   if (options.reader == StagedReader::kKernelIfIdle &&
-      (!options.caller || stream_busy(*options.caller))) {
+      (!options.caller ||
+       *options.caller != c10::cuda::getDefaultCUDAStream(options.caller->device_index()) ||
+       stream_busy(*options.caller))) {
     return 0;
   }
   return end;
@@ -489,11 +494,11 @@ void single_block_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex 
   const size_t chunks = sb->plan.num_chunks();
   PieceClaims& claims = sb->claims;
   sb->block = pool.allocate(sb->nbytes);
+  trace.alloc_us = us_since_start(Clock::now());
   if (options.reader != StagedReader::kEngine) {
     sb->kernel_blocks = staged_read_blocks(device);
     if (sb->kernel_blocks > 0) sb->kernel_end = kernel_read_end(*sb, options);
   }
-  trace.alloc_us = us_since_start(Clock::now());
 
   // What may throw comes before the offer: from the offer on, helpers may read the source,
   // and only the try below (withdraw, close_free_pieces, close_source) makes the call wait

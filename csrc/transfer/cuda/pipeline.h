@@ -57,7 +57,8 @@ namespace pinxfer::transfer {
 // engine, or a kernel over every SM (transfer/cuda/staged_read.h says why and what was
 // measured). PINXFER_H2D_READ, in kStagedReaderNames' order (runtime/settings.h).
 enum class StagedReader {
-  kKernelIfIdle,  // "auto": the kernel when `caller` has no work pending as the staging begins
+  kKernelIfIdle,  // "auto": the kernel when `caller` is the device's default stream and has
+                  // no work pending as the staging begins (pipeline.cpp, kernel_read_end)
   kEngine,        // "engine": always the copy engine
   kKernel,        // "kernel": always the kernel
 };

@@ -2,8 +2,6 @@
 // in seconds.
 #include "transfer/cuda/staged_read.h"
 
-#include <cstdint>
-
 namespace pinxfer::transfer {
 
 namespace {
@@ -30,21 +28,34 @@ __global__ void staged_read_kernel(const int4* __restrict__ src, int4* __restric
 
 }  // namespace
 
+cudaError_t staged_read_runs_here() {
+  cudaFuncAttributes attributes;
+  const cudaError_t err = cudaFuncGetAttributes(&attributes, staged_read_kernel);
+  if (err != cudaSuccess) (void)cudaGetLastError();  // not sticky: leave no trace of it
+  return err;
+}
+
 cudaError_t launch_staged_read(void* dst, const void* src, size_t nbytes, int blocks,
                                cudaStream_t stream) {
   constexpr unsigned kThreads = 512;
-  const size_t words = nbytes / 16;
+  size_t words = nbytes / 16;
   const size_t whole = words * 16;
   // No more blocks than words to copy: a short span needs few.
   const size_t useful = (words + kThreads - 1) / kThreads;
   const unsigned grid =
       static_cast<unsigned>(useful < static_cast<size_t>(blocks) ? (useful ? useful : 1) : blocks);
-  staged_read_kernel<<<grid, kThreads, 0, stream>>>(static_cast<const int4*>(src),
-                                                    static_cast<int4*>(dst), words,
-                                                    static_cast<const unsigned char*>(src) + whole,
-                                                    static_cast<unsigned char*>(dst) + whole,
-                                                    static_cast<unsigned>(nbytes - whole));
-  return cudaGetLastError();
+  const int4* words_src = static_cast<const int4*>(src);
+  int4* words_dst = static_cast<int4*>(dst);
+  const unsigned char* tail_src = static_cast<const unsigned char*>(src) + whole;
+  unsigned char* tail_dst = static_cast<unsigned char*>(dst) + whole;
+  unsigned tail = static_cast<unsigned>(nbytes - whole);
+  void* args[] = {&words_src, &words_dst, &words, &tail_src, &tail_dst, &tail};
+  // cudaLaunchKernel returns this launch's own status; cudaGetLastError after a <<<>>> launch
+  // would also return (and clear) an error an earlier call on this thread left behind.
+  const cudaError_t err = cudaLaunchKernel(reinterpret_cast<const void*>(staged_read_kernel),
+                                           dim3(grid), dim3(kThreads), args, 0, stream);
+  if (err != cudaSuccess) (void)cudaGetLastError();
+  return err;
 }
 
 }  // namespace pinxfer::transfer

@@ -16,13 +16,14 @@
 //
 // So the kernel reads only what the single-block pipeline staged with cached stores
 // (transfer/cuda/pipeline.cpp, kernel_read_end; the nontemporal tail, the ring of larger
-// transfers, stolen pieces and the small road stay with the engine), and by default only when
-// the caller's current stream had nothing pending as the transfer began: its blocks take SMs,
+// transfers, stolen pieces and the small road stay with the engine), and by default only for a
+// caller on the device's default stream with nothing pending there as the transfer began (where
+// a training loop's steps run, and where their absence can be seen): its blocks take SMs,
 // and a compute step running beside a 32 MiB copy took 1.09x as long with the kernel reading
 // the cached chunks, 1.20x with it reading all, 0.995x with the engine
-// (benchmarks/diag_read_overlap.py). Prefetch's batch sender, whose copies overlap the
-// training step, never uses it. PINXFER_H2D_READ: auto (that), engine, kernel (whatever the
-// caller's stream is doing). csrc/README.md, "Session 57", has the rest.
+// (benchmarks/diag_read_overlap.py). Prefetch, whose copies overlap the training step from
+// streams of their own, never uses it under auto. PINXFER_H2D_READ: auto (that), engine, kernel
+// (whatever the caller's stream is doing). csrc/README.md, "Session 57", has the rest.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -31,13 +32,18 @@
 
 namespace pinxfer::transfer {
 
+// Whether the kernel can run on the current device: cudaSuccess, or why not (no image for
+// this GPU in the build: TORCH_CUDA_ARCH_LIST named other architectures, and no PTX for it).
+cudaError_t staged_read_runs_here();
+
 // Queues on `stream` a kernel of `blocks` blocks copying `nbytes` from `src` (pinned host
 // memory whose host pointer the device may use) to `dst` (device memory). Both must be 16-byte
-// aligned (staged_read_fits). Returns the launch's error (cudaSuccess: queued).
+// aligned (staged_read_fits); nbytes need not be. Returns the launch's error (cudaSuccess:
+// queued).
 cudaError_t launch_staged_read(void* dst, const void* src, size_t nbytes, int blocks,
                                cudaStream_t stream);
 
-// Whether launch_staged_read can take these pointers (16-byte aligned, nbytes > 0).
+// Whether launch_staged_read can take these pointers (both 16-byte aligned, nbytes > 0).
 inline bool staged_read_fits(const void* dst, const void* src, size_t nbytes) {
   return nbytes > 0 && (reinterpret_cast<size_t>(dst) | reinterpret_cast<size_t>(src)) % 16 == 0;
 }
