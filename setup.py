@@ -4,8 +4,8 @@ Configuration (printed at build time):
   * torch is a CUDA build and a CUDA toolkit is found (CUDA_HOME or nvcc on PATH)
       -> CUDA build: csrc/**/*.cpp including csrc/ops/cuda/, and csrc/**/cuda/*.cu by nvcc,
          PINXFER_WITH_CUDA=1, links cudart. No GPU is needed to build this way: the kernels
-         are compiled for TORCH_CUDA_ARCH_LIST, else the visible GPUs, else (none visible) the
-         architectures torch was built for (_cuda_architectures).
+         are compiled for TORCH_CUDA_ARCH_LIST, else the architectures torch was built for
+         that nvcc knows (_cuda_architectures).
   * torch is a CUDA build but no toolkit is found
       -> error, unless PINXFER_CPU_ONLY=1 asks for the CPU-only variant on purpose.
   * torch is a CPU build, or PINXFER_CPU_ONLY=1
@@ -27,6 +27,7 @@ Sanitizer builds (orthogonal to the above), PINXFER_SANITIZE=...:
 
 import glob
 import os
+import subprocess
 import sys
 
 import setuptools
@@ -147,8 +148,6 @@ if sanitize:
     define_macros.append(("PINXFER_DEBUG_INVARIANTS", "1"))
 if with_cuda:
     # Record which toolkit we compiled against so Python can report it.
-    import subprocess
-
     try:
         out = subprocess.run(
             [os.path.join(cpp_extension.CUDA_HOME, "bin", "nvcc"), "--version"],
@@ -162,30 +161,54 @@ if with_cuda:
     define_macros.append(("PINXFER_CUDA_VERSION_STR", f'"{release}"'))
 
 
+def _nvcc_architectures() -> set[int] | None:
+    """The compute capabilities this nvcc compiles for (`nvcc --list-gpu-arch`: compute_90 ->
+    90), or None where it cannot say (an nvcc before CUDA 11 has no such option)."""
+    try:
+        out = subprocess.run(
+            [os.path.join(cpp_extension.CUDA_HOME, "bin", "nvcc"), "--list-gpu-arch"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    except Exception:  # noqa: BLE001 - then torch's list is used unfiltered
+        return None
+    found = {int(w.removeprefix("compute_")) for w in out.split() if w[8:].isdigit()}
+    return found or None
+
+
 def _cuda_architectures() -> str:
-    """What nvcc compiles pinxfer's kernels (csrc/**/cuda/*.cu) for, said in the banner.
-    TORCH_CUDA_ARCH_LIST when set; else, where a GPU is visible, torch's own choice (the visible
-    GPUs'); else the architectures this torch was built for, with PTX for the newest, so that a
-    build on a machine without a GPU (CI, a container image) still runs on every GPU torch does:
-    torch's choice there is an empty list, on which its build fails."""
+    """What nvcc compiles pinxfer's kernels (csrc/**/cuda/*.cu) for, said in the banner:
+    TORCH_CUDA_ARCH_LIST when set (not blank); else the architectures this torch was built for
+    that this nvcc knows, with PTX for the newest. Not torch's own default (the visible GPUs'):
+    a build on a machine without a GPU (CI, a container image) would fail on its empty list, and
+    a wheel built on one GPU's machine would hold the kernel for that GPU alone (elsewhere the
+    copy engine reads instead: transfer/cuda/staged_read.h). The kernel is small: each
+    architecture adds a second or two to the build."""
     given = os.environ.get("TORCH_CUDA_ARCH_LIST", "").strip()
     if given:
+        os.environ["TORCH_CUDA_ARCH_LIST"] = given  # torch reads the raw value: no padding
         return f"{given} (TORCH_CUDA_ARCH_LIST)"
-    if torch.cuda.is_available():
-        return "the visible GPUs' (torch's detection; TORCH_CUDA_ARCH_LIST sets others)"
-    archs = []
-    for flag in torch._C._cuda_getArchFlags().split():
+    os.environ.pop("TORCH_CUDA_ARCH_LIST", None)  # blank: unset
+    known = _nvcc_architectures()
+    capabilities = set()
+    for flag in (torch._C._cuda_getArchFlags() or "").split():
         digits = flag.removeprefix("sm_")
         if flag.startswith("sm_") and digits.isdigit() and len(digits) >= 2:
-            archs.append(f"{digits[:-1]}.{digits[-1]}")  # sm_90 -> 9.0, sm_120 -> 12.0
-    if not archs:
+            capabilities.add(int(digits))  # sm_90a and compute_* entries are left out
+    usable = sorted(c for c in capabilities if known is None or c in known)
+    if not usable:
         sys.exit(
-            "pinxfer: no GPU is visible and torch names no architecture it was built for: set "
+            "pinxfer: torch names no GPU architecture it was built for that this nvcc compiles "
+            f"for (torch: {torch._C._cuda_getArchFlags()!r}; nvcc: {sorted(known or [])}): set "
             "TORCH_CUDA_ARCH_LIST to the GPUs pinxfer will run on (e.g. TORCH_CUDA_ARCH_LIST=9.0)."
         )
-    archs[-1] += "+PTX"
+    archs = [f"{c // 10}.{c % 10}" for c in usable]  # 90 -> 9.0, 120 -> 12.0
+    archs[-1] += "+PTX"  # the newest also as PTX, which newer GPUs compile when loading it
     os.environ["TORCH_CUDA_ARCH_LIST"] = ";".join(archs)
-    return f"{';'.join(archs)} (torch's own, no GPU visible; TORCH_CUDA_ARCH_LIST sets others)"
+    dropped = sorted(capabilities - set(usable))
+    note = f"; {dropped} left out: this nvcc does not know them" if dropped else ""
+    return f"{';'.join(archs)} (torch's own{note}; TORCH_CUDA_ARCH_LIST sets others)"
 
 
 cuda_archs = _cuda_architectures() if with_cuda else "none (CPU-only)"

@@ -1424,7 +1424,9 @@ _READER_CHILD = """
     # Every chunk cached: the kernel sends the tail bytes after the last whole word too.
     send("movsb", 8 * MiB + 7, staging="movsb")
     # Helpers parked mid-piece: their pieces are staged again into spares, sent by the engine.
-    pinxfer._C._set_helper_stall_us(3000)
+    # (PINXFER_TORCH_TEAM=off: on torch's awake team, which the checks' own ops may leave
+    # spinning, no helper is parked.)
+    pinxfer._C._set_helper_stall_us(30_000)
     try:
         send("stolen", 24 * MiB + 4096 + 3, staging="movsb")
     finally:
@@ -1451,9 +1453,15 @@ def test_staged_read_kernel_sends_every_byte(reader):
     one the pool could only mlock); under 'auto' only for a caller on the default stream with
     nothing queued there as the transfer begins (not behind a GPU sleep, not from a side
     stream); never under 'engine'."""
-    env = {"PINXFER_H2D_READ": reader, "PINXFER_STAGE_COPY": None, "PINXFER_CACHED_TAIL": None}
+    env = {
+        "PINXFER_H2D_READ": reader,
+        "PINXFER_STAGE_COPY": None,
+        "PINXFER_CACHED_TAIL": None,
+        "PINXFER_TORCH_TEAM": "off",
+    }
     got = last_json(run_child(_READER_CHILD.replace("SLEEP", str(SLEEP)), env=env))
     assert all(cell["ok"] and cell["nbytes"] == cell["want"] for cell in got.values()), got
+    assert got["stolen"]["stolen"] > 0, got  # the parked helpers' pieces were staged again
     assert got["nt_only"]["kernel"] == 0 and got["unregistered"]["kernel"] == 0, got
     kernel = {name: cell["kernel"] > 0 for name, cell in got.items()}
     if reader == "engine":

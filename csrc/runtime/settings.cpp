@@ -252,9 +252,9 @@ const Row kRows[] = {
      [](const char* name, const std::string& text, Settings& s) {
        return s.h2d_read = env_one_of(
                   name, text, kStagedReaderNames,
-                  "'auto' (the default: a kernel reads them when the caller's current stream "
-                  "is idle, the copy engine otherwise), 'engine' (always the copy engine) or "
-                  "'kernel' (always a kernel)");
+                  "'auto' (the default: a kernel reads them when the caller works on the "
+                  "device's default stream and it is idle, the copy engine otherwise), 'engine' "
+                  "(always the copy engine) or 'kernel' (always a kernel)");
      },
      [](Settings& s) { return s.h2d_read; }, "default"},
 

@@ -42,7 +42,10 @@ double us_between(std::chrono::steady_clock::time_point from,
 
 // Blocks of the staged-read kernel on `device` (transfer/cuda/staged_read.h): one per SM, or 0
 // where the device cannot use a registered host pointer or the build has no image of the kernel
-// for it (the copy engine then reads). Asked of the device once, with `device` current.
+// for it (the copy engine then reads). Asked of the device once, with `device` current, by the
+// first transfer with a chunk the kernel could read; the answer holds for the process (a probe
+// that failed for a passing reason, the GPU's memory full as the module loads, leaves that
+// device to the engine).
 int staged_read_blocks(c10::DeviceIndex device) {
   static const c10::DeviceIndex devices = c10::cuda::device_count();
   // 0: not asked yet; -1: no kernel there. Leaked: read at exit.
@@ -380,6 +383,7 @@ size_t kernel_read_end(const SingleBlock& sb, const StagingOptions& options) {
     }
   }
   if (end == 0 || PinnedPool::lock_kind_if_pool(sb.block) != LockKind::kCudaRegistered) return 0;
+  if (staged_read_blocks(sb.device) == 0) return 0;  // the first such transfer probes the device
   if (options.reader == StagedReader::kKernelIfIdle &&
       (!options.caller ||
        *options.caller != c10::cuda::getDefaultCUDAStream(options.caller->device_index()) ||
@@ -496,8 +500,8 @@ void single_block_copy(const at::Tensor& src, at::Tensor& out, c10::DeviceIndex 
   sb->block = pool.allocate(sb->nbytes);
   trace.alloc_us = us_since_start(Clock::now());
   if (options.reader != StagedReader::kEngine) {
-    sb->kernel_blocks = staged_read_blocks(device);
-    if (sb->kernel_blocks > 0) sb->kernel_end = kernel_read_end(*sb, options);
+    sb->kernel_end = kernel_read_end(*sb, options);
+    if (sb->kernel_end > 0) sb->kernel_blocks = staged_read_blocks(device);
   }
 
   // What may throw comes before the offer: from the offer on, helpers may read the source,

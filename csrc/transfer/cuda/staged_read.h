@@ -21,9 +21,11 @@
 // a training loop's steps run, and where their absence can be seen): its blocks take SMs,
 // and a compute step running beside a 32 MiB copy took 1.09x as long with the kernel reading
 // the cached chunks, 1.20x with it reading all, 0.995x with the engine
-// (benchmarks/diag_read_overlap.py). Prefetch, whose copies overlap the training step from
-// streams of their own, never uses it under auto. PINXFER_H2D_READ: auto (that), engine, kernel
-// (whatever the caller's stream is doing). csrc/README.md, "Session 57", has the rest.
+// (benchmarks/diag_read_overlap.py). Prefetch's sends from streams of their own (its batch
+// sender, its producer thread), which overlap the training step, never use it under auto; a
+// batch it sends on the consumer's thread (a pass's first) is a to_device like any other.
+// PINXFER_H2D_READ: auto (that), engine, kernel (whatever the caller's stream is doing).
+// csrc/README.md, "Session 57", has the rest.
 #pragma once
 
 #include <cuda_runtime_api.h>
