@@ -146,33 +146,38 @@ if sanitize:
     cxx_flags = ["-g", "-O1", "-fno-omit-frame-pointer", "-UNDEBUG", *san_compile, *cxx_flags[1:]]
     link_flags = san_link
     define_macros.append(("PINXFER_DEBUG_INVARIANTS", "1"))
-if with_cuda:
-    # Record which toolkit we compiled against so Python can report it.
+
+
+def _nvcc(*args: str) -> str | None:
+    """This toolkit's nvcc run with `args`: its output, or None where it fails."""
     try:
-        out = subprocess.run(
-            [os.path.join(cpp_extension.CUDA_HOME, "bin", "nvcc"), "--version"],
+        return subprocess.run(
+            [os.path.join(cpp_extension.CUDA_HOME, "bin", "nvcc"), *args],
             capture_output=True,
             text=True,
             check=True,
         ).stdout
-        release = out.split("release ")[1].split(",")[0]
-    except Exception:  # noqa: BLE001 - report "unknown" rather than fail the build
-        release = torch.version.cuda or "unknown"
+    except Exception:  # noqa: BLE001 - each caller says what stands in
+        return None
+
+
+if with_cuda:
+    # Record which toolkit we compiled against so Python can report it ("unknown" rather than
+    # fail the build).
+    version = _nvcc("--version") or ""
+    release = (
+        version.split("release ")[1].split(",")[0]
+        if "release " in version
+        else torch.version.cuda or "unknown"
+    )
     define_macros.append(("PINXFER_CUDA_VERSION_STR", f'"{release}"'))
 
 
 def _nvcc_architectures() -> set[int] | None:
     """The compute capabilities this nvcc compiles for (`nvcc --list-gpu-arch`: compute_90 ->
-    90), or None where it cannot say (an nvcc before CUDA 11 has no such option)."""
-    try:
-        out = subprocess.run(
-            [os.path.join(cpp_extension.CUDA_HOME, "bin", "nvcc"), "--list-gpu-arch"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
-    except Exception:  # noqa: BLE001 - then torch's list is used unfiltered
-        return None
+    90), or None where it cannot say (an nvcc before CUDA 11 has no such option): then torch's
+    list is used unfiltered."""
+    out = _nvcc("--list-gpu-arch") or ""
     found = {int(w.removeprefix("compute_")) for w in out.split() if w[8:].isdigit()}
     return found or None
 
