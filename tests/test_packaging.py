@@ -13,6 +13,7 @@ import sys
 import tarfile
 
 import pytest
+import torch
 
 import pinxfer
 
@@ -112,3 +113,71 @@ def test_the_license_is_declared_in_the_form_the_building_setuptools_knows(tmp_p
         info = tar.extractfile(f"{archive.name[: -len('.tar.gz')]}/PKG-INFO").read().decode()
     forms = {"License-Expression: BSD-3-Clause", "License: BSD-3-Clause"}
     assert len(forms & set(info.splitlines())) == 1, info[:2000]
+
+
+def _setup_banner(tmp_path, nvcc_arches: str | None, arch_list: str | None):
+    """setup.py's configuration run (`--name`: nothing compiled) against a fake toolkit whose
+    nvcc reports `nvcc_arches` for --list-gpu-arch (None: that option fails, as on an nvcc
+    before CUDA 11) and TORCH_CUDA_ARCH_LIST = `arch_list` (None: unset)."""
+    nvcc = tmp_path / "bin" / "nvcc"
+    nvcc.parent.mkdir(exist_ok=True)
+    nvcc.write_text(
+        "#!/bin/sh\n"
+        'case "$1" in\n'
+        '  --version) echo "Cuda compilation tools, release 13.0, V13.0.0" ;;\n'
+        '  --list-gpu-arch) [ -n "$FAKE_ARCHES" ] && echo "$FAKE_ARCHES" || exit 1 ;;\n'
+        "esac\n"
+    )
+    nvcc.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PINXFER_", "TORCH_CUDA"))}
+    env.update(CUDA_HOME=str(tmp_path), FAKE_ARCHES=nvcc_arches or "")
+    if arch_list is not None:
+        env["TORCH_CUDA_ARCH_LIST"] = arch_list
+    with checkout_setup_lock():
+        return subprocess.run(
+            [sys.executable, "setup.py", "--name"],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+
+
+def _banner_archs(proc: subprocess.CompletedProcess) -> str:
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    lines = [line for line in proc.stdout.splitlines() if "GPU archs" in line]
+    assert len(lines) == 1, proc.stdout
+    return lines[0].split("GPU archs", 1)[1].strip()
+
+
+@pytest.mark.skipif(torch.version.cuda is None, reason="a CUDA build of torch: its kernels' archs")
+def test_kernel_architectures_are_torchs_that_nvcc_knows(tmp_path):
+    """setup.py compiles csrc's CUDA kernels, unless TORCH_CUDA_ARCH_LIST says otherwise, for
+    the architectures torch was built for that this nvcc knows, with PTX for the newest, with
+    or without a GPU (torch's own default, the visible GPUs', fails where none is). An nvcc
+    that cannot list its architectures gets torch's whole list; one that knows none of them
+    stops the build saying what to set; a given list is used as given, trimmed."""
+    torch_caps = sorted(
+        int(f[3:]) for f in torch._C._cuda_getArchFlags().split() if f[3:].isdigit()
+    )
+    assert len(torch_caps) >= 2, torch._C._cuda_getArchFlags()
+
+    def listed(caps: list[int]) -> str:
+        return ";".join(f"{c // 10}.{c % 10}" for c in caps) + "+PTX"
+
+    # nvcc knows all but torch's newest: that one is left out, and the next newest gets PTX.
+    known = torch_caps[:-1]
+    got = _banner_archs(_setup_banner(tmp_path, " ".join(f"compute_{c}" for c in known), None))
+    assert got.startswith(listed(known) + " (torch's own; "), got
+    assert f"[{torch_caps[-1]}] left out" in got, got
+    # An nvcc that cannot say: torch's whole list.
+    got = _banner_archs(_setup_banner(tmp_path, None, None))
+    assert got.startswith(listed(torch_caps) + " (torch's own; TORCH_CUDA"), got
+    # Given (padded): used as given, trimmed.
+    got = _banner_archs(_setup_banner(tmp_path, "compute_90", " 9.0 "))
+    assert got == "9.0 (TORCH_CUDA_ARCH_LIST)", got
+    # An nvcc that knows none of torch's: a clear stop.
+    proc = _setup_banner(tmp_path, "compute_10", None)
+    assert proc.returncode != 0
+    assert "set TORCH_CUDA_ARCH_LIST" in proc.stderr + proc.stdout, proc.stderr[-2000:]
