@@ -178,7 +178,7 @@ def _nvcc_architectures() -> set[int] | None:
     90), or None where it cannot say (an nvcc before CUDA 11 has no such option): then torch's
     list is used unfiltered."""
     out = _nvcc("--list-gpu-arch") or ""
-    found = {int(w.removeprefix("compute_")) for w in out.split() if w[8:].isdigit()}
+    found = {int(w[8:]) for w in out.split() if w.startswith("compute_") and w[8:].isdigit()}
     return found or None
 
 

@@ -667,9 +667,14 @@ void return_staging(std::vector<c10::DataPtr>& blocks, PinnedPool& pool,
 }  // namespace
 
 StagedReader staged_reader_setting() {
-  const int index = name_index(kStagedReaderNames, settings().h2d_read);
-  TORCH_INTERNAL_ASSERT(index >= 0, "pinxfer: PINXFER_H2D_READ parsed to an unknown reader");
-  return static_cast<StagedReader>(index);
+  // Settings never change: the name is looked up once, not at every pipelined transfer. (A
+  // malformed variable throws here, and the next call asks again, as settings() does.)
+  static const StagedReader reader = [] {
+    const int index = name_index(kStagedReaderNames, settings().h2d_read);
+    TORCH_INTERNAL_ASSERT(index >= 0, "pinxfer: PINXFER_H2D_READ parsed to an unknown reader");
+    return static_cast<StagedReader>(index);
+  }();
+  return reader;
 }
 
 CopyCrew muster_copy_crew(c10::DeviceIndex device, size_t nbytes) {

@@ -130,7 +130,8 @@ struct SingleBlockTrace {
   int64_t nbytes = 0, pieces = 0;
   int64_t helpers_offered = 0;  // helpers the plan asked for (ThreadPool::offer caps them)
   int64_t own_pieces = 0, helper_pieces = 0, stolen = 0;
-  int64_t dma_spans = 0;     // DMA spans the chunks went in (pipeline.cpp's SpanGate)
+  int64_t dma_spans = 0;     // spans the chunks were sent in (pipeline.cpp's SpanGate), by
+                             // the engine or, for chunks staged cached, the staged-read kernel
   int64_t kernel_reads = 0;  // of their sends, those made by the staged-read kernel
   double setup_us = 0;       // from the crew's muster (helpers woken ahead) to the call's start
   double alloc_us = 0, own_done_us = 0, total_us = 0;

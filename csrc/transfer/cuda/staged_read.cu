@@ -2,6 +2,8 @@
 // in seconds.
 #include "transfer/cuda/staged_read.h"
 
+#include <algorithm>
+
 namespace pinxfer::transfer {
 
 namespace {
@@ -40,10 +42,10 @@ cudaError_t launch_staged_read(void* dst, const void* src, size_t nbytes, int bl
   constexpr unsigned kThreads = 512;
   size_t words = nbytes / 16;
   const size_t whole = words * 16;
-  // No more blocks than words to copy: a short span needs few.
+  // No more blocks than a thread per word needs (a short span needs few), and at least one.
   const size_t useful = (words + kThreads - 1) / kThreads;
   const unsigned grid =
-      static_cast<unsigned>(useful < static_cast<size_t>(blocks) ? (useful ? useful : 1) : blocks);
+      static_cast<unsigned>(std::max<size_t>(1, std::min(useful, static_cast<size_t>(blocks))));
   const int4* words_src = static_cast<const int4*>(src);
   int4* words_dst = static_cast<int4*>(dst);
   const unsigned char* tail_src = static_cast<const unsigned char*>(src) + whole;
