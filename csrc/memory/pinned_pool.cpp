@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <string>
 #include <thread>
+#include <utility>
 
 #include <c10/util/Exception.h>
 
@@ -194,7 +195,8 @@ c10::DataPtr PinnedPool::take_cached(const Request& request, Use use) {
 }
 
 c10::DataPtr PinnedPool::take_cached_locked(const Request& request) {
-  Block* block = request.small ? take_binned_locked(request.rounded) : nullptr;
+  Block* block = request.small ? take_binned_locked(request.rounded)
+                               : take_recent_large_locked(request.rounded);
   if (block == nullptr) block = take_free_block_locked(request.rounded, request.small);
   if (block == nullptr && binned_blocks_ > 0) {
     // Binned blocks merged with their free neighbours may fit what no single one does.
@@ -393,20 +395,38 @@ Block* PinnedPool::take_binned_locked(size_t rounded) {
   return block;
 }
 
+Block* PinnedPool::take_recent_large_locked(size_t rounded) {
+  Block* block = recent_large_;
+  if (block == nullptr || block->size != rounded) return nullptr;
+  recent_large_ = nullptr;
+  --binned_blocks_;
+  block->binned = false;  // in_use stayed true while binned
+  return block;
+}
+
 void PinnedPool::bin_locked(Block* block) {
-  const size_t index = block->size / kSmallGranule;
-  if (bins_.size() <= index) bins_.resize(kSmallMax / kSmallGranule + 1);
   block->requested = 0;
   block->pending_events = 0;
   block->stream_uses.clear();
   block->binned = true;
-  bins_[index].push_back(block);
   ++binned_blocks_;
+  if (!block->segment->small) {
+    if (Block* older = std::exchange(recent_large_, block)) {
+      --binned_blocks_;
+      older->binned = false;
+      return_to_free_locked(older);
+    }
+    return;
+  }
+  const size_t index = block->size / kSmallGranule;
+  if (bins_.size() <= index) bins_.resize(kSmallMax / kSmallGranule + 1);
+  bins_[index].push_back(block);
 }
 
 void PinnedPool::cache_freed_locked(Block* block) {
-  if (block->segment->small && block->size <= kSmallMax &&
-      block->segment->graph == graph_pools::kShared) {
+  const bool binnable = block->segment->small ? block->size <= kSmallMax
+                                              : settings().large_reuse_recent;
+  if (binnable && block->segment->graph == graph_pools::kShared) {
     bin_locked(block);
   } else {
     return_to_free_locked(block);
@@ -421,6 +441,10 @@ void PinnedPool::flush_bins_locked() {
       return_to_free_locked(block);
     }
     bin.clear();
+  }
+  if (Block* block = std::exchange(recent_large_, nullptr)) {
+    block->binned = false;
+    return_to_free_locked(block);
   }
   binned_blocks_ = 0;
 }
@@ -476,9 +500,9 @@ void PinnedPool::check_invariants_locked() {
                             "a held block must be in use, not live, not pending");
       held_seen += held;
       TORCH_INTERNAL_ASSERT(!b->binned || (b->in_use && !live && !held && b->pending_events == 0 &&
-                                           seg->graph == graph_pools::kShared && seg->small),
+                                           seg->graph == graph_pools::kShared),
                             "a binned block must be in use, not live, held or pending, of a "
-                            "shared small segment");
+                            "shared segment");
       binned_seen += b->binned;
       TORCH_INTERNAL_ASSERT(!(prev && !prev->in_use && !b->in_use), "two free neighbours");
       live_seen += live;
@@ -500,6 +524,11 @@ void PinnedPool::check_invariants_locked() {
                             "a block in the wrong bin");
     }
     in_bins += bins_[index].size();
+  }
+  if (recent_large_ != nullptr) {
+    TORCH_INTERNAL_ASSERT(recent_large_->binned && !recent_large_->segment->small,
+                          "the recent large block is not a binned large block");
+    ++in_bins;
   }
   TORCH_INTERNAL_ASSERT(binned_seen == in_bins && in_bins == binned_blocks_,
                         "a binned block outside every segment, or a wrong count");
