@@ -424,8 +424,8 @@ void PinnedPool::bin_locked(Block* block) {
 }
 
 void PinnedPool::cache_freed_locked(Block* block) {
-  const bool binnable = block->segment->small ? block->size <= kSmallMax
-                                              : settings().large_reuse_recent;
+  const bool binnable =
+      block->segment->small ? block->size <= kSmallMax : settings().large_reuse_recent;
   if (binnable && block->segment->graph == graph_pools::kShared) {
     bin_locked(block);
   } else {
