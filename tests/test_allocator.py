@@ -131,7 +131,6 @@ def test_best_fit_carves_a_smaller_request_from_a_freed_large_block():
         run_child(
             """
             import json, torch, pinxfer
-            from contextlib import nullcontext
             MiB = 1 << 20
             if torch.cuda.is_available():
                 pinxfer.install()  # no free fence: every free has nothing to wait for

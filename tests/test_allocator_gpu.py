@@ -505,11 +505,12 @@ def test_idle_reclaim_off_waits_for_the_marker():
 def test_pin_memory_back_to_back_writes_the_block_it_wrote_last():
     """A large pin_memory's block, freed with no recorded use, is fenced on the current stream;
     once that fence is done (here: a synchronize) the next pin of the same size takes that
-    block (PINXFER_LARGE_REUSE=recent), even where best fit would pick another free block of
-    that size (`hole`, lower in the same segment), and the bytes are the new source's."""
+    block (PINXFER_LARGE_REUSE=recent), where best fit would pick `hole`, a free block of just
+    that size freed before it (lower in the segment: `keep` stops it merging onwards, while
+    the pin's block merges with the segment's free rest), and the bytes are the new source's."""
     n = 8 * MiB
     hole = pinxfer.empty(n, dtype=torch.uint8)
-    keep = pinxfer.empty(MiB, dtype=torch.uint8)  # hole cannot merge onwards
+    keep = pinxfer.empty(2 * MiB, dtype=torch.uint8)  # large: between hole and the pin
     first = pinxfer.pin_memory(torch.full((n,), 1, dtype=torch.uint8))
     ptr = first.data_ptr()
     del hole  # a free block of that size, freed earlier

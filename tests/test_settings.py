@@ -560,7 +560,7 @@ def test_derived_threads_follow_local_world_size_and_affinity():
         ("PINXFER_TORCH_TEAM", "on", "expected 'auto' \\(on torch's team"),
         ("PINXFER_TEAM_PROBE", "stat", "expected 'proc' \\(the default: read one member"),
         ("PINXFER_IDLE_RECLAIM", "on", "expected 'auto' \\(one stream query"),
-        ("PINXFER_LARGE_REUSE", "lifo", "expected 'recent' \\(the default: the block"),
+        ("PINXFER_LARGE_REUSE", "lifo", "expected 'recent' \\(the default: the large block"),
         ("PINXFER_SENDER_LANDING", "host", "expected 'auto' \\(the default: a host function"),
         ("PINXFER_SENDER_WORKERS", "0", "an integer from 1 to 4"),
         ("PINXFER_SENDER_OUTPUTS", "caller", "expected 'worker' \\(the sender's worker"),

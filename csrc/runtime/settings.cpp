@@ -217,14 +217,14 @@ const Row kRows[] = {
      [](Settings&) { return std::string("auto"); }, "default"},
 
     {"PINXFER_LARGE_REUSE",
-     "which cached block a request over 1 MiB takes: recent (the latest freed of its size) or "
-     "fit (the best fit, lowest address)",
+     "which cached block a request over 1 MiB takes: recent (the large block freed last, if of "
+     "its size) or fit (the best fit, lowest address)",
      [](const char* name, const std::string& text, Settings& s) {
-       const std::string& mode =
-           env_one_of(name, text, kLargeReuseNames,
-                      "'recent' (the default: the block of that size freed last, whose lines "
-                      "the cache may still hold) or 'fit' (the smallest free block that fits, "
-                      "the lowest address first)");
+       const std::string& mode = env_one_of(
+           name, text, kLargeReuseNames,
+           "'recent' (the default: the large block freed last, if of that size, "
+           "whose lines the cache may still hold) or 'fit' (the smallest free block that fits, "
+           "the lowest address first)");
        s.large_reuse_recent = mode == "recent";
        return mode;
      },
