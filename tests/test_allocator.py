@@ -100,92 +100,23 @@ def test_zero_size(fresh_pool):
 
 
 def test_reuse_same_block_and_split(fresh_pool):
-    with frees_with_nothing_to_wait_for():
-        a = pinxfer.empty(8 * MiB, dtype=torch.uint8)
-        ptr = a.data_ptr()
-        del a
-        b = pinxfer.empty(8 * MiB, dtype=torch.uint8)
-        assert b.data_ptr() == ptr
-        s = stats()
-        assert s["num_cache_hits"] == 1 and s["num_cache_misses"] == 1
-        del b
-        # b's block waits, unmerged, for a request of its size (PINXFER_LARGE_REUSE=recent):
-        # requests of other sizes are carved from the segment's free rest, and blocks
-        # coalesce again once they are free.
-        c = pinxfer.empty(3 * MiB, dtype=torch.uint8)
-        d = pinxfer.empty(5 * MiB, dtype=torch.uint8)
-        assert c.data_ptr() == ptr + 8 * MiB and d.data_ptr() == ptr + 11 * MiB
-        assert stats()["num_segment_maps"] == 1
-        del c, d
-        e = pinxfer.empty(8 * MiB, dtype=torch.uint8)
-        assert e.data_ptr() == ptr and stats()["num_segment_maps"] == 1
-        del e
-        whole = pinxfer.empty(32 * MiB, dtype=torch.uint8)  # the segment, merged whole again
-        assert whole.data_ptr() == ptr and stats()["num_segment_maps"] == 1
-
-
-def test_best_fit_carves_a_smaller_request_from_a_freed_large_block():
-    """PINXFER_LARGE_REUSE=fit: a freed large block merges with its free neighbours at once,
-    and a request takes the smallest free block that fits, the lowest address first."""
-    res = last_json(
-        run_child(
-            """
-            import json, torch, pinxfer
-            MiB = 1 << 20
-            if torch.cuda.is_available():
-                pinxfer.install()  # no free fence: every free has nothing to wait for
-            a = pinxfer.empty(8 * MiB, dtype=torch.uint8)
-            ptr = a.data_ptr()
-            del a
-            c = pinxfer.empty(3 * MiB, dtype=torch.uint8)
-            d = pinxfer.empty(5 * MiB, dtype=torch.uint8)
-            print(json.dumps({"c": c.data_ptr() - ptr, "d": d.data_ptr() - ptr,
-                              "maps": pinxfer.memory_stats()["num_segment_maps"]}))
-            """,
-            env={"PINXFER_LARGE_REUSE": "fit"},
-        )
-    )
-    assert res == {"c": 0, "d": 3 * MiB, "maps": 1}, res
-
-
-def test_the_latest_freed_large_block_is_handed_out_again(fresh_pool):
-    """Two same-sized calls in a row write the same block, as torch's host allocator's do:
-    the block written last may still be in the last-level cache. Best fit would hand out
-    the lowest address, here the block freed first."""
-    with frees_with_nothing_to_wait_for():
-        low = pinxfer.empty(4 * MiB, dtype=torch.uint8)
-        high = pinxfer.empty(4 * MiB, dtype=torch.uint8)
-        low_ptr, high_ptr = low.data_ptr(), high.data_ptr()
-        assert low_ptr < high_ptr
-        del low
-        del high  # freed last
-        again = pinxfer.empty(4 * MiB, dtype=torch.uint8)
-        assert again.data_ptr() == high_ptr
-        # Only the latest waits: the one freed before it merged into the free set.
-        other = pinxfer.empty(4 * MiB, dtype=torch.uint8)
-        assert other.data_ptr() == low_ptr
-        s = stats()
-        assert s["num_segment_maps"] == 1 and s["num_cache_hits"] == 3, s  # all but the first
-        again.fill_(1)
-        other.fill_(2)
-        assert bool((again == 1).all()) and bool((other == 2).all())
-
-
-def test_the_waiting_large_block_merges_before_a_request_is_called_a_miss(fresh_pool):
-    with frees_with_nothing_to_wait_for():
-        first = pinxfer.empty(16 * MiB, dtype=torch.uint8)
-        second = pinxfer.empty(16 * MiB, dtype=torch.uint8)  # the 32 MiB segment's rest
-        base = first.data_ptr()
-        assert stats()["num_segment_maps"] == 1
-        del first
-        del second  # waits unmerged; first is in the free set, 16 MiB
-        whole = pinxfer.empty(32 * MiB, dtype=torch.uint8)
-        s = stats()
-        assert whole.data_ptr() == base and s["num_segment_maps"] == 1, s
-        assert s["num_cache_hits"] == 2 and s["num_cache_misses"] == 1, s  # no miss: merged
-        del whole
-        pinxfer.empty_cache()  # a waiting block keeps no segment from being released
-        assert stats()["segments.current"] == 0
+    a = pinxfer.empty(8 * MiB, dtype=torch.uint8)
+    ptr = a.data_ptr()
+    del a
+    b = pinxfer.empty(8 * MiB, dtype=torch.uint8)
+    assert b.data_ptr() == ptr
+    s = stats()
+    assert s["num_cache_hits"] == 1 and s["num_cache_misses"] == 1
+    del b
+    # A smaller request is carved from the cached block, and the two halves
+    # coalesce again once both are free.
+    c = pinxfer.empty(3 * MiB, dtype=torch.uint8)
+    d = pinxfer.empty(5 * MiB, dtype=torch.uint8)
+    assert c.data_ptr() == ptr and d.data_ptr() == ptr + 3 * MiB
+    assert stats()["num_segment_maps"] == 1
+    del c, d
+    e = pinxfer.empty(8 * MiB, dtype=torch.uint8)
+    assert e.data_ptr() == ptr and stats()["num_segment_maps"] == 1
 
 
 @contextlib.contextmanager

@@ -502,26 +502,6 @@ def test_idle_reclaim_off_waits_for_the_marker():
     assert proc.stdout.strip() == "ok"
 
 
-def test_pin_memory_back_to_back_writes_the_block_it_wrote_last():
-    """A large pin_memory's block, freed with no recorded use, is fenced on the current stream;
-    once that fence is done (here: a synchronize) the next pin of the same size takes that
-    block (PINXFER_LARGE_REUSE=recent), where best fit would pick `hole`, a free block of just
-    that size freed before it (lower in the segment: `keep` stops it merging onwards, while
-    the pin's block merges with the segment's free rest), and the bytes are the new source's."""
-    n = 8 * MiB
-    hole = pinxfer.empty(n, dtype=torch.uint8)
-    keep = pinxfer.empty(2 * MiB, dtype=torch.uint8)  # large: between hole and the pin
-    first = pinxfer.pin_memory(torch.full((n,), 1, dtype=torch.uint8))
-    ptr = first.data_ptr()
-    del hole  # a free block of that size, freed earlier
-    del first
-    torch.cuda.synchronize()
-    again = pinxfer.pin_memory(torch.full((n,), 2, dtype=torch.uint8))
-    assert again.data_ptr() == ptr
-    assert bool((again == 2).all())
-    del keep
-
-
 def test_per_stream_queues_have_no_head_of_line_blocking():
     slow, fast = torch.cuda.Stream(), torch.cuda.Stream()
     x = pinxfer.empty(2 * MiB, dtype=torch.uint8)

@@ -6,7 +6,6 @@
 #include <cstdio>
 #include <string>
 #include <thread>
-#include <utility>
 
 #include <c10/util/Exception.h>
 
@@ -195,12 +194,11 @@ c10::DataPtr PinnedPool::take_cached(const Request& request, Use use) {
 }
 
 c10::DataPtr PinnedPool::take_cached_locked(const Request& request) {
-  Block* block = request.small ? take_binned_locked(request.rounded)
-                               : take_recent_large_locked(request.rounded);
+  Block* block = request.small ? take_binned_locked(request.rounded) : nullptr;
   if (block == nullptr) block = take_free_block_locked(request.rounded, request.small);
-  if (block == nullptr && (request.small ? binned_blocks_ > 0 : recent_large_ != nullptr)) {
+  if (block == nullptr && binned_blocks_ > 0) {
     // Binned blocks merged with their free neighbours may fit what no single one does.
-    flush_bins_locked(request.small);
+    flush_bins_locked();
     block = take_free_block_locked(request.rounded, request.small);
   }
   if (block == nullptr) return {};
@@ -395,36 +393,20 @@ Block* PinnedPool::take_binned_locked(size_t rounded) {
   return block;
 }
 
-Block* PinnedPool::take_recent_large_locked(size_t rounded) {
-  Block* block = recent_large_;
-  if (block == nullptr || block->size != rounded) return nullptr;
-  recent_large_ = nullptr;
-  block->binned = false;  // in_use stayed true while binned
-  return block;
-}
-
 void PinnedPool::bin_locked(Block* block) {
+  const size_t index = block->size / kSmallGranule;
+  if (bins_.size() <= index) bins_.resize(kSmallMax / kSmallGranule + 1);
   block->requested = 0;
   block->pending_events = 0;
   block->stream_uses.clear();
   block->binned = true;
-  if (!block->segment->small) {
-    if (Block* older = std::exchange(recent_large_, block)) {
-      older->binned = false;
-      return_to_free_locked(older);
-    }
-    return;
-  }
-  const size_t index = block->size / kSmallGranule;
-  if (bins_.size() <= index) bins_.resize(kSmallMax / kSmallGranule + 1);
   bins_[index].push_back(block);
   ++binned_blocks_;
 }
 
 void PinnedPool::cache_freed_locked(Block* block) {
-  const bool binnable =
-      block->segment->small ? block->size <= kSmallMax : settings().large_reuse_recent;
-  if (binnable && block->segment->graph == graph_pools::kShared) {
+  if (block->segment->small && block->size <= kSmallMax &&
+      block->segment->graph == graph_pools::kShared) {
     bin_locked(block);
   } else {
     return_to_free_locked(block);
@@ -432,18 +414,6 @@ void PinnedPool::cache_freed_locked(Block* block) {
 }
 
 void PinnedPool::flush_bins_locked() {
-  flush_bins_locked(/*small=*/true);
-  flush_bins_locked(/*small=*/false);
-}
-
-void PinnedPool::flush_bins_locked(bool small) {
-  if (!small) {
-    if (Block* block = std::exchange(recent_large_, nullptr)) {
-      block->binned = false;
-      return_to_free_locked(block);
-    }
-    return;
-  }
   if (binned_blocks_ == 0) return;
   for (auto& bin : bins_) {
     for (Block* block : bin) {
@@ -506,9 +476,9 @@ void PinnedPool::check_invariants_locked() {
                             "a held block must be in use, not live, not pending");
       held_seen += held;
       TORCH_INTERNAL_ASSERT(!b->binned || (b->in_use && !live && !held && b->pending_events == 0 &&
-                                           seg->graph == graph_pools::kShared),
+                                           seg->graph == graph_pools::kShared && seg->small),
                             "a binned block must be in use, not live, held or pending, of a "
-                            "shared segment");
+                            "shared small segment");
       binned_seen += b->binned;
       TORCH_INTERNAL_ASSERT(!(prev && !prev->in_use && !b->in_use), "two free neighbours");
       live_seen += live;
@@ -526,19 +496,13 @@ void PinnedPool::check_invariants_locked() {
   size_t in_bins = 0;
   for (size_t index = 0; index < bins_.size(); ++index) {
     for (const Block* b : bins_[index]) {
-      TORCH_INTERNAL_ASSERT(b->binned && b->segment->small && b->size / kSmallGranule == index,
+      TORCH_INTERNAL_ASSERT(b->binned && b->size / kSmallGranule == index,
                             "a block in the wrong bin");
     }
     in_bins += bins_[index].size();
   }
-  TORCH_INTERNAL_ASSERT(in_bins == binned_blocks_, "a wrong count of binned small blocks");
-  if (recent_large_ != nullptr) {
-    TORCH_INTERNAL_ASSERT(recent_large_->binned && !recent_large_->segment->small,
-                          "the recent large block is not a binned large block");
-    ++in_bins;
-  }
-  TORCH_INTERNAL_ASSERT(binned_seen == in_bins,
-                        "a binned block in neither the bins nor recent_large_");
+  TORCH_INTERNAL_ASSERT(binned_seen == in_bins && in_bins == binned_blocks_,
+                        "a binned block outside every segment, or a wrong count");
   // Each FIFO entry of a pending block stands for one of its pending events (a poisoned
   // block's other entries stay until their events are processed); a fence batch counts
   // the fenced entries behind its FIFO's last marker.

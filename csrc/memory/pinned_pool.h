@@ -17,8 +17,6 @@
 //    instead, unmerged, and the next request of that size takes it back without
 //    touching the set (a cache hit then costs no split, merge or node allocation);
 //    bins are emptied into the set before any miss or release (flush_bins_locked).
-//    The large block freed last waits so too, for a request of its size
-//    (recent_large_; PINXFER_LARGE_REUSE).
 //    A large-pool miss maps >= 32 MiB (rounded up, so later requests share the
 //    segment); only when reserved memory would pass twice the most ever allocated
 //    does it merge every fully free large segment into the new one (unmap + one
@@ -96,9 +94,8 @@ struct Segment;
 // States and invariants (asserted by check_invariants_locked() in builds with
 // PINXFER_DEBUG_INVARIANTS, i.e. the sanitizer builds):
 //   free     in its pool's free set;      in_use == false; not in live_
-//   binned   free, in bins_ at its size (small) or recent_large_ (large):
-//            in_use == true (so no neighbour merges into it), binned == true; not
-//            live, pending or held
+//   binned   free, in bins_ at its size:  in_use == true (so no neighbour merges
+//            into it), binned == true; not live, pending or held
 //   live     handed to exactly one DataPtr; in_use == true; in live_
 //   freeing  between free()'s two critical sections; in_use == true; in no set
 //   pending  in_use == true; pending_events > 0 entries in the stream FIFOs (a
@@ -123,8 +120,7 @@ struct Block {
   int pending_events = 0;  // events still to complete before reuse, or kPoisoned. LOCK: pool mutex_
   std::vector<c10::Stream> stream_uses;  // streams that used it while live. LOCK: pool mutex_
   uint64_t held_seq = 0;  // when it became held (PinnedPool::hold_sequence()). LOCK: pool mutex_
-  bool binned = false;    // in its pool's bin of this size or recent_large_ (state "binned"). LOCK:
-                          // pool mutex_
+  bool binned = false;    // in its pool's bin of this size (state "binned"). LOCK: pool mutex_
   // The free fence was on while it was live (pinxfer not installed then): torch may have
   // copied from it without telling pinxfer, so its free is fenced even if install() came
   // since. LOCK: pool mutex_
@@ -315,28 +311,13 @@ class PinnedPool {
   // size, taken back by a request of that size (state "binned" at struct Block).
   Block* take_binned_locked(size_t rounded);
   bool bin_holds_locked(size_t rounded) const;  // a binned block of this size exists
-  // Bins a small block, or makes a large one recent_large_ (the one there goes to the free set).
   void bin_locked(Block* block);
-  // A large block (PINXFER_LARGE_REUSE=recent): the latest freed with nothing to wait for
-  // stays binned, unmerged (recent_large_), until a request of its rounded size takes it,
-  // the next large block is binned in its place, or a miss flushes the bins. Why: best fit
-  // hands out the lowest address of the smallest fitting free block, after the freed block
-  // merged with its neighbours, so two same-sized calls in a row may write two different
-  // blocks, and only the one written last may still be in the last-level cache (torch's
-  // host allocator hands out its latest freed block too). One block, not a few: with four,
-  // batches of ever-new sizes reserved more (tests/test_allocator.py's mixed batches, 1.09
-  // -> 1.16 of their peak), with one no more.
-  Block* take_recent_large_locked(size_t rounded);
   // A block freed with nothing (more) to wait for, at its free or when its last event
-  // completes: binned if of a shared segment, small or (with the setting) large, else back
-  // to the free set.
+  // completes: binned if small and of a shared segment, else back to the free set.
   void cache_freed_locked(Block* block);
   // Every binned block back to the free sets (merged with its free neighbours):
-  // before free segments are collected.
+  // before a request is called a miss, and before free segments are collected.
   void flush_bins_locked();
-  // Those of one pool (small: bins_; large: recent_large_): before a request of that pool
-  // is called a miss (a merged block of the other pool could not serve it).
-  void flush_bins_locked(bool small);
   void process_events_locked();
   // One FIFO entry whose wait is over (its event, or its batch's marker, is done, with
   // `error` if the query failed): the event goes back to its free list and the block, at
@@ -412,8 +393,7 @@ class PinnedPool {
   std::unordered_set<Segment*> segments_;                          // LOCK: mutex_
   // bins_[size / kSmallGranule]: binned blocks of that size, the latest freed last.
   std::vector<std::vector<Block*>> bins_;  // LOCK: mutex_
-  Block* recent_large_ = nullptr;          // LOCK: mutex_. The binned large block, if any
-  size_t binned_blocks_ = 0;               // LOCK: mutex_. In bins_ (not recent_large_)
+  size_t binned_blocks_ = 0;               // LOCK: mutex_
 
   // Kept storages whose event has completed, destroyed by release_finished()
   // outside the lock (a foreign deleter may do anything). LOCK: mutex_

@@ -216,20 +216,6 @@ const Row kRows[] = {
      },
      [](Settings&) { return std::string("auto"); }, "default"},
 
-    {"PINXFER_LARGE_REUSE",
-     "which cached block a request over 1 MiB takes: recent (the large block freed last, if of "
-     "its size) or fit (the best fit, lowest address)",
-     [](const char* name, const std::string& text, Settings& s) {
-       const std::string& mode = env_one_of(
-           name, text, kLargeReuseNames,
-           "'recent' (the default: the large block freed last, if of that size, "
-           "whose lines the cache may still hold) or 'fit' (the smallest free block that fits, "
-           "the lowest address first)");
-       s.large_reuse_recent = mode == "recent";
-       return mode;
-     },
-     [](Settings&) { return std::string("recent"); }, "default"},
-
     {"PINXFER_SENDER_LANDING",
      "how prefetch's batch sender knows a batch has landed: auto, flag or event",
      [](const char* name, const std::string& text, Settings& s) {

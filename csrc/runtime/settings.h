@@ -50,8 +50,6 @@ inline constexpr const char* kSenderOutputsNames[] = {"worker", "consumer", "aut
 // The values PINXFER_H2D_READ accepts: who reads a transfer's bytes staged with cached stores
 // (transfer/cuda/staged_read.h; transfer::StagedReader, in this order).
 inline constexpr const char* kStagedReaderNames[] = {"auto", "engine", "kernel"};
-// PINXFER_LARGE_REUSE (memory/pinned_pool.h, PinnedPool::take_recent_large_locked).
-inline constexpr const char* kLargeReuseNames[] = {"recent", "fit"};
 
 // The position of `text` in one of the name lists above, or -1: the one mapping from a
 // setting's name to its enum, whose values are in the list's order.
@@ -77,7 +75,6 @@ struct Settings {
   bool torch_team = true;           // PINXFER_TORCH_TEAM: copies may run on torch's awake team
   bool team_probe_clock = false;    // PINXFER_TEAM_PROBE=clock: a member's CPU clock, not /proc
   bool idle_reclaim = true;  // PINXFER_IDLE_RECLAIM: pin_memory takes fenced blocks back when idle
-  bool large_reuse_recent = true;  // PINXFER_LARGE_REUSE=recent: the latest freed large block first
   std::string sender_landing = "auto";  // PINXFER_SENDER_LANDING, one of kSenderLandingNames
   int sender_workers = 2;               // PINXFER_SENDER_WORKERS: batches in flight at a sender
   std::string sender_outputs = "auto";  // PINXFER_SENDER_OUTPUTS, one of kSenderOutputsNames
