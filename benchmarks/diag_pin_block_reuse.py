@@ -4,9 +4,10 @@ bench_loop times a back-to-back cell right after an untimed call of the same way
 turn. Session 56 found pinxfer.pin_memory even with t.pin_memory() alone and 0.75-0.90 of it
 at 1-64 MiB in that rotation; one reading was that the pool's best fit handed the timed call
 another block of that size than the warm call's (a hole a staging block left), out of the
-cache. This runs that rotation (t.pin_memory(), pinxfer.pin_memory, pinxfer.to_device,
-pageable .to, the pinned copy), each way warm + synchronize, then timed + synchronize, and
-counts, per way, the timed calls whose output had the warm call's data_ptr.
+cache. This runs a rotation like it (t.pin_memory(), pinxfer.pin_memory, pinxfer.to_device,
+pageable .to, the pinned copy, always in that order, where bench_loop balances the order over
+rounds), each way warm + synchronize, then timed + synchronize, and counts, per way, the timed
+calls whose output had the warm call's data_ptr.
 
     python benchmarks/diag_pin_block_reuse.py OUT.json [--rounds N]
 

@@ -91,7 +91,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}
 LOGS="$OUT/logs"  # everything that is not a JSON result
 mkdir -p "$OUT" "$LOGS"
-export PYTHONUNBUFFERED=1  # TORCH_CUDA_ARCH_LIST unset: setup.py chooses, as for a user
+export PYTHONUNBUFFERED=1  # TORCH_CUDA_ARCH_LIST as the caller left it: unset, setup.py chooses, as for a user
 
 # ---- arguments: step names (separate or in one quoted list), -k EXPR, else a -k expression
 STEP_WORDS="all build sweep test alone stress memcheck bench bus ab abenv loader loop"
