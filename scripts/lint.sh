@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The style checks CI runs (.ci/run): ruff's lint rules and formatting (pyproject.toml),
-# clang-format over csrc/ (.clang-format), and no trailing whitespace or missing final
-# newline in text files. Files: the tracked ones and new ones git does not ignore. Changes
+# clang-format over csrc/ (.clang-format), no trailing whitespace or missing final
+# newline in text files, and a working tree small enough for the GPU machines' copy. Files: the tracked ones and new ones git does not ignore. Changes
 # nothing; fails on any finding, after running every check. scripts/format.sh fixes most.
 #
 #   bash scripts/lint.sh
@@ -48,6 +48,21 @@ while IFS= read -r -d '' file; do
     failed+=("final newline")
   fi
 done < <(text_files)
+
+# The GPU machines get a copy of this working tree (the device tool: tracked files and new
+# ones git does not ignore), at most 64 MiB of it; a call over that is refused before it runs.
+# benchmarks/results/ grows every session: session 59 found the tree at 66 MiB and archived a
+# month of it (benchmarks/results/README.md). 8 MiB stay free for a session's new results and
+# the call scripts it carries.
+echo "lint: tree size"
+tree_limit_mib=56
+tree_bytes=$(repo_files . | xargs -0 stat -c %s -- 2>/dev/null | awk '{s += $1} END {print s + 0}')
+if [ "$tree_bytes" -gt $(( tree_limit_mib << 20 )) ]; then
+  echo "lint: the working tree holds $(( tree_bytes >> 20 )) MiB (over $tree_limit_mib MiB): a" \
+       "device call copies it and refuses more than 64 MiB. Archive the oldest results as" \
+       "benchmarks/results/README.md says." >&2
+  failed+=("tree size")
+fi
 
 if [ "${#failed[@]}" -ne 0 ]; then
   echo "lint: FAILED: ${failed[*]}. bash scripts/format.sh fixes formatting and most ruff" \
