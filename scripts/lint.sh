@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The style checks CI runs (.ci/run): ruff's lint rules and formatting (pyproject.toml),
 # clang-format over csrc/ (.clang-format), no trailing whitespace or missing final
-# newline in text files, and a working tree small enough for the GPU machines' copy. Files: the tracked ones and new ones git does not ignore. Changes
-# nothing; fails on any finding, after running every check. scripts/format.sh fixes most.
+# newline in text files, and a working tree small enough for the GPU machines' copy.
+# Files: the tracked ones and new ones git does not ignore. Changes nothing; fails on any
+# finding, after running every check. scripts/format.sh fixes most.
 #
 #   bash scripts/lint.sh
 #
