@@ -61,7 +61,8 @@ def alone(x: torch.Tensor, rounds: int) -> dict[str, Any]:
             timed = fn()
             torch.cuda.synchronize()
             times.append((time.perf_counter() - t0) * 1e6)
-            traces.append(_C._last_pin_call_trace())
+            if name == "px_pin":  # torch's pin leaves pinxfer's last trace as it was
+                traces.append(_C._last_pin_call_trace())
             del timed
         out[name] = {"median_us": statistics.median(times), "times_us": times}
         if name == "px_pin":
