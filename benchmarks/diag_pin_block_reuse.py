@@ -28,6 +28,7 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -47,6 +48,19 @@ def trace_medians(traces: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def warm_then_timed(fn: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, int, float]:
+    """One untimed call of fn, then a timed one, each followed by a synchronize (the timed
+    one's inside its span): (the timed call's output, the warm call's data_ptr, µs)."""
+    warm = fn()
+    torch.cuda.synchronize()
+    warm_ptr = warm.data_ptr()
+    del warm
+    t0 = time.perf_counter()
+    timed = fn()
+    torch.cuda.synchronize()
+    return timed, warm_ptr, (time.perf_counter() - t0) * 1e6
+
+
 def alone(x: torch.Tensor, rounds: int) -> dict[str, Any]:
     """pinxfer.pin_memory(x), then t.pin_memory(), each timed with no other way between
     (warm + synchronize, then timed, `rounds` times); pinxfer's steps beside."""
@@ -54,13 +68,8 @@ def alone(x: torch.Tensor, rounds: int) -> dict[str, Any]:
     for name, fn in (("px_pin", lambda: pinxfer.pin_memory(x)), ("torch_pin", x.pin_memory)):
         times, traces = [], []
         for _ in range(rounds):
-            warm = fn()
-            torch.cuda.synchronize()
-            del warm
-            t0 = time.perf_counter()
-            timed = fn()
-            torch.cuda.synchronize()
-            times.append((time.perf_counter() - t0) * 1e6)
+            timed, _, us = warm_then_timed(fn)
+            times.append(us)
             if name == "px_pin":  # torch's pin leaves pinxfer's last trace as it was
                 traces.append(_C._last_pin_call_trace())
             del timed
@@ -84,16 +93,9 @@ def rotate(nbytes: int, rounds: int, dev: torch.device) -> dict:
     pin_traces = []
     for _ in range(rounds):
         for name, fn in ways.items():
-            warm = fn()
-            torch.cuda.synchronize()
-            warm_ptr = warm.data_ptr()
-            del warm
-            t0 = time.perf_counter()
-            timed = fn()
-            torch.cuda.synchronize()
-            t1 = time.perf_counter()
+            timed, warm_ptr, us = warm_then_timed(fn)
             rec[name]["same_block"] += timed.data_ptr() == warm_ptr
-            rec[name]["times_us"].append((t1 - t0) * 1e6)
+            rec[name]["times_us"].append(us)
             if name == "px_pin":
                 pin_traces.append(_C._last_pin_call_trace())
             del timed

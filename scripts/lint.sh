@@ -62,9 +62,8 @@ tree_limit_mib=56
 tree_bytes=$(repo_files . | xargs -0 cat -- 2>/dev/null | wc -c | tr -d '[:space:]')
 if [ "$tree_bytes" -gt $(( tree_limit_mib << 20 )) ]; then
   echo "lint: the working tree holds $(( (tree_bytes + (1 << 20) - 1) >> 20 )) MiB (over" \
-       "$tree_limit_mib MiB): a" \
-       "device call copies it and refuses more than 64 MiB. Archive the oldest results as" \
-       "benchmarks/results/README.md says." >&2
+       "$tree_limit_mib MiB): a device call copies it and refuses more than 64 MiB. Archive" \
+       "the oldest results as benchmarks/results/README.md says." >&2
   failed+=("tree size")
 fi
 
